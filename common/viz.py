@@ -1,0 +1,42 @@
+"""Picture helpers: a captioned PNG grid of samples, with an optional green / red verdict border."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+
+def save_grid(path: str | Path, images: torch.Tensor, captions: list[str], ok: list[bool] | None = None,
+              ncol: int = 8, cell: int = 128, title: str = "") -> Path:
+    """Write images (N, 3, H, W) in [0, 1] as a grid PNG, each cell `cell` px wide with its caption below.
+
+    `ok` draws a green (True) or red (False) border, e.g. the verifier's verdict. Captions may hold
+    several lines (prompt, reward); long lines are wrapped to the cell width.
+    """
+    n = len(images)
+    ncol = max(1, min(ncol, n))
+    nrow = (n + ncol - 1) // ncol
+    font = ImageFont.load_default(size=11)
+    chars = max(8, cell // 6)
+    wrapped = ["\n".join(textwrap.fill(line, chars) for line in c.split("\n")) for c in captions]
+    text_h = 13 * max(c.count("\n") + 1 for c in wrapped) + 4
+    pad, top = 4, (18 if title else 0)
+    grid = Image.new("RGB", (ncol * (cell + pad) + pad, top + nrow * (cell + text_h + pad) + pad), "white")
+    draw = ImageDraw.Draw(grid)
+    if title:
+        draw.text((pad, 3), title, fill="black", font=font)
+    pixels = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+    for i in range(n):
+        r, c = divmod(i, ncol)
+        x0, y0 = pad + c * (cell + pad), top + pad + r * (cell + text_h + pad)
+        grid.paste(Image.fromarray(pixels[i]).resize((cell, cell), Image.NEAREST), (x0, y0))
+        if ok is not None:
+            draw.rectangle([x0, y0, x0 + cell - 1, y0 + cell - 1], outline=(30, 170, 60) if ok[i] else (210, 30, 30), width=4)
+        draw.multiline_text((x0, y0 + cell + 2), wrapped[i], fill="black", font=font, spacing=1)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(path)
+    return path
