@@ -1,0 +1,390 @@
+"""Text-to-image models behind one small interface, for the RL scripts' own samplers.
+
+Flow models (ShapesBench, SD3/SD3.5, FLUX.1) share one convention, whatever the checkpoint's:
+    x_s = (1 - s) x0 + s eps,   v = eps - x0,   s in [0, 1],   s = 1 is pure noise.
+`FlowModel.velocity(transformer, x, sigma, cond)` returns v; the scripts integrate it themselves.
+SD1.x/2.x (for RLR) is a DDPM-style eps model, so it gets its own `DDIMModel`.
+
+The trainable denoiser is passed *into* `velocity`/`eps` rather than read from the object, so scripts
+can hand in a LoRA'd, DDP/FSDP-wrapped or reference copy of it. Everything else is frozen.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from diffusers import (
+    DDIMScheduler,
+    FluxPipeline,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+    StableDiffusionPipeline,
+)
+from huggingface_hub import hf_hub_download
+from peft import LoraConfig, get_peft_model_state_dict
+from transformers import AutoTokenizer, CLIPTextModel
+
+SHAPESBENCH_DIR = Path(__file__).parent / "assets" / "shapes-flow"
+# model_index.json `_class_name` -> kind
+KINDS = {
+    "ShapesBench": "shapes",
+    "FluxPipeline": "flux",
+    "StableDiffusion3Pipeline": "sd3",
+    "StableDiffusionPipeline": "sd1",
+}
+HOW_TO_GET_WEIGHTS = (
+    "To run without hub access: on a machine with internet run `hf download <hub-id> --local-dir /path` "
+    "(e.g. black-forest-labs/FLUX.1-dev; gated models need their licence accepted and `hf auth login`), copy /path "
+    "here and pass `--model-id /path`; or pre-populate the HF_HOME cache."
+)
+
+
+def _cfg(forward, x, t, cond, get_uncond, scale):
+    """Classifier-free guidance as diffusers does it: one batched forward on [uncond; cond] when scale > 1."""
+    if scale <= 1.0:
+        return forward(x, t, cond)
+    B, uncond = x.shape[0], get_uncond()
+    both = {k: torch.cat([uncond[k].expand(B, *uncond[k].shape[1:]), cond[k]]) for k in cond}
+    out_uncond, out_cond = forward(torch.cat([x, x]), torch.cat([t, t]), both).chunk(2)
+    return out_uncond + scale * (out_cond - out_uncond)
+
+
+def _vae_decode(vae, latents):
+    """(B, C, h, w) model latents -> (B, 3, H, W) in [0, 1], differentiable w.r.t. latents."""
+    shift = vae.config.shift_factor or 0.0  # SD3/FLUX VAEs are shifted, SD1.x ones (None) are not
+    img = vae.decode((latents / vae.config.scaling_factor + shift).to(vae.dtype)).sample
+    return ((img + 1) / 2).clamp(0, 1).to(latents.dtype)
+
+
+def _move(modules, device, dtype):
+    # only pass what is set: diffusers' ModelMixin.to() warns whenever a `dtype` kwarg is present, even None
+    kwargs = {k: v for k, v in {"device": device, "dtype": dtype}.items() if v is not None}
+    for m in modules:
+        if m is not None:
+            m.to(**kwargs)
+
+
+class FlowModel:
+    """A flow model's parts. x: (B, *latent_shape()), sigma: (B,) in [0, 1], cond: dict from encode_prompts.
+
+    velocity(transformer, x, sigma, cond, guidance_scale) -> v like x; differentiable w.r.t. `transformer`.
+    guidance_scale means what it means in the matching diffusers pipeline (CFG for sd3/shapes, embedded for FLUX).
+    decode(x) -> (B, 3, H, W) in [0, 1], differentiable. encode_prompts is batch-first, so it can be sliced.
+    """
+
+    kind: str
+    transformer: torch.nn.Module  # trainable; returned with requires_grad as loaded
+    height: int  # image size in pixels
+    width: int
+
+    def __init__(self, transformer, frozen, height, width):
+        self.transformer, self.frozen, self.height, self.width = transformer, frozen, height, width
+        for m in frozen:
+            if m is not None:
+                m.requires_grad_(False).eval()
+        self._uncond = None  # encode_prompts([""]) for CFG, computed on first use and dropped by .to()
+
+    def latent_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def velocity(self, transformer, x, sigma, cond, guidance_scale: float = 1.0) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, x) -> torch.Tensor:
+        raise NotImplementedError
+
+    def uncond(self) -> dict[str, torch.Tensor]:
+        if self._uncond is None:
+            self._uncond = self.encode_prompts([""])
+        return self._uncond
+
+    def to(self, device=None, dtype=None) -> "FlowModel":
+        _move([self.transformer, *self.frozen], device, dtype)
+        self._uncond = None
+        return self
+
+    def _io_dtype(self):
+        return self.transformer.dtype  # wrapped copies passed to velocity() share the unwrapped one's dtype
+
+
+class SD3Model(FlowModel):
+    """SD3/SD3.5: latents (16, H/8, W/8), CLIP-L + CLIP-G + T5 text, classifier-free guidance."""
+
+    kind = "sd3"
+
+    def __init__(self, pipe: StableDiffusion3Pipeline, resolution: int | None):
+        self.pipe = pipe  # kept for its encode_prompt (three tokenizers + encoders)
+        self.vae_scale = pipe.vae_scale_factor
+        size = resolution or pipe.default_sample_size * self.vae_scale
+        _check_multiple(size, self.vae_scale * pipe.patch_size, "sd3")
+        frozen = [pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.vae]
+        super().__init__(pipe.transformer, frozen, size, size)
+
+    def latent_shape(self):
+        return (self.pipe.vae.config.latent_channels, self.height // self.vae_scale, self.width // self.vae_scale)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts):
+        embeds, _, pooled, _ = self.pipe.encode_prompt(prompts, None, None, do_classifier_free_guidance=False)
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}  # (B, 77+256, 4096), (B, 2048)
+
+    def velocity(self, transformer, x, sigma, cond, guidance_scale=1.0):
+        dt = self._io_dtype()
+
+        def forward(x, sigma, cond):
+            return transformer(
+                hidden_states=x.to(dt),
+                timestep=sigma * 1000,  # SD3 transformers take the scheduler's timestep = 1000 * sigma
+                encoder_hidden_states=cond["prompt_embeds"].to(dt),
+                pooled_projections=cond["pooled_prompt_embeds"].to(dt),
+                return_dict=False,
+            )[0]
+
+        return _cfg(forward, x, sigma, cond, self.uncond, guidance_scale).to(x.dtype)
+
+    def decode(self, x):
+        return _vae_decode(self.pipe.vae, x)
+
+
+class ShapesModel(SD3Model):
+    """ShapesBench: an SD3 transformer in pixel space (latent = image in [-1, 1]) with one CLIP text encoder."""
+
+    kind = "shapes"
+
+    def __init__(self, path: Path, resolution: int | None, dtype):
+        transformer = SD3Transformer2DModel.from_pretrained(path / "transformer", dtype=dtype)
+        self.text_encoder = CLIPTextModel.from_pretrained(path / "text_encoder", dtype=dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
+        size = resolution or transformer.config.sample_size  # pixel space: sample_size is in pixels
+        _check_multiple(size, transformer.config.patch_size, "shapes")
+        FlowModel.__init__(self, transformer, [self.text_encoder], size, size)  # no pipeline, unlike SD3Model
+
+    def latent_shape(self):
+        return (self.transformer.config.in_channels, self.height, self.width)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts):
+        max_len = self.tokenizer.model_max_length
+        ids = self.tokenizer(prompts, padding="max_length", max_length=max_len, truncation=True, return_tensors="pt")
+        out = self.text_encoder(ids.input_ids.to(self.text_encoder.device))
+        return {"prompt_embeds": out.last_hidden_state, "pooled_prompt_embeds": out.pooler_output}  # (B, L, D), (B, D)
+
+    def decode(self, x):
+        return ((x + 1) / 2).clamp(0, 1)
+
+
+class FluxModel(FlowModel):
+    """FLUX.1: packed latent tokens (seq, 4 * 16) with 2x2 patches, CLIP pooled + T5 text, embedded guidance."""
+
+    kind = "flux"
+
+    def __init__(self, pipe: FluxPipeline, resolution: int | None):
+        self.pipe = pipe
+        self.vae_scale = pipe.vae_scale_factor
+        size = resolution or pipe.default_sample_size * self.vae_scale
+        _check_multiple(size, self.vae_scale * 2, "flux")  # 2x2 packing of the VAE latent
+        super().__init__(pipe.transformer, [pipe.text_encoder, pipe.text_encoder_2, pipe.vae], size, size)
+        h, w = size // self.vae_scale, size // self.vae_scale
+        self.img_ids = FluxPipeline._prepare_latent_image_ids(None, h // 2, w // 2, "cpu", torch.float32)  # (seq, 3)
+
+    def latent_shape(self):
+        seq = (self.height // self.vae_scale // 2) * (self.width // self.vae_scale // 2)
+        return (seq, self.transformer.config.in_channels)  # in_channels = 4 * VAE latent channels
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts):
+        embeds, pooled, _ = self.pipe.encode_prompt(prompts, None)  # txt_ids are all zeros: rebuilt in velocity
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}  # (B, 512, 4096), (B, 768)
+
+    def velocity(self, transformer, x, sigma, cond, guidance_scale=1.0):
+        # FLUX.1-dev is guidance-distilled: the scale is an input of the transformer, there is no CFG.
+        # FluxPipeline passes timestep = sigma and the raw guidance scale; the transformer multiplies both by 1000.
+        dt = self._io_dtype()
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((x.shape[0],), guidance_scale, device=x.device)
+        elif guidance_scale != 1.0:
+            raise ValueError(
+                "this FLUX checkpoint has no guidance embedding (e.g. FLUX.1-schnell) and FluxPipeline does no CFG; "
+                "use --guidance-scale 1"
+            )
+        embeds = cond["prompt_embeds"].to(dt)
+        return transformer(
+            hidden_states=x.to(dt),
+            timestep=sigma.to(dt),
+            guidance=guidance,
+            pooled_projections=cond["pooled_prompt_embeds"].to(dt),
+            encoder_hidden_states=embeds,
+            txt_ids=embeds.new_zeros(embeds.shape[1], 3),
+            img_ids=self.img_ids.to(x.device, dt),
+            return_dict=False,
+        )[0].to(x.dtype)
+
+    def decode(self, x):
+        latents = FluxPipeline._unpack_latents(x, self.height, self.width, self.vae_scale)  # (B, 16, H/8, W/8)
+        return _vae_decode(self.pipe.vae, latents)
+
+
+class DDIMModel:
+    """SD1.x/2.x: UNet eps-prediction on latents (4, H/8, W/8), CLIP text, CFG. Not a flow model.
+
+    `alphas_cumprod` (1000,) is the DDIM/DDPM schedule: x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps.
+    """
+
+    kind = "sd1"
+
+    def __init__(self, pipe: StableDiffusionPipeline, resolution: int | None):
+        self.pipe, self.unet = pipe, pipe.unet
+        self.vae_scale = pipe.vae_scale_factor
+        size = resolution or pipe.unet.config.sample_size * self.vae_scale
+        _check_multiple(size, self.vae_scale, "sd1")
+        self.height = self.width = size
+        scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+        self.alphas_cumprod = scheduler.alphas_cumprod  # (T,) float32
+        self.prediction_type = scheduler.config.prediction_type  # SD2.x-768 models predict v
+        if self.prediction_type not in ("epsilon", "v_prediction"):
+            raise ValueError(f"unsupported prediction_type {self.prediction_type!r} in --model-id's scheduler config")
+        self.frozen = [pipe.text_encoder, pipe.vae]
+        for m in self.frozen:
+            m.requires_grad_(False).eval()
+        self._uncond = None
+
+    def latent_shape(self):
+        return (self.pipe.vae.config.latent_channels, self.height // self.vae_scale, self.width // self.vae_scale)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts):
+        embeds, _ = self.pipe.encode_prompt(prompts, self.pipe.text_encoder.device, 1, False)
+        return {"prompt_embeds": embeds}  # (B, 77, D)
+
+    def uncond(self) -> dict[str, torch.Tensor]:
+        if self._uncond is None:
+            self._uncond = self.encode_prompts([""])
+        return self._uncond
+
+    def eps(self, unet, x, t, cond, guidance_scale: float = 1.0) -> torch.Tensor:
+        """x: (B, *latent_shape), t: (B,) integer timesteps in [0, T). Returns predicted noise like x."""
+        dt = self.unet.dtype
+
+        def forward(x, t, cond):
+            return unet(x.to(dt), t, encoder_hidden_states=cond["prompt_embeds"].to(dt), return_dict=False)[0]
+
+        out = _cfg(forward, x, t, cond, self.uncond, guidance_scale).to(x.dtype)
+        if self.prediction_type == "v_prediction":  # v = sqrt(a) eps - sqrt(1-a) x0  =>  eps = sqrt(a) v + sqrt(1-a) x
+            a = self.alphas_cumprod.to(x.device)[t].view(-1, *[1] * (x.ndim - 1)).to(x.dtype)
+            out = a.sqrt() * out + (1 - a).sqrt() * x
+        return out
+
+    def decode(self, x):
+        return _vae_decode(self.pipe.vae, x)
+
+    def to(self, device=None, dtype=None) -> "DDIMModel":
+        _move([self.unet, *self.frozen], device, dtype)
+        self._uncond = None
+        return self
+
+
+def _check_multiple(size, multiple, kind):
+    if size % multiple:
+        raise ValueError(f"--resolution {size} must be a multiple of {multiple} for {kind} models")
+
+
+def _model_index(model_id: str) -> tuple[dict, str]:
+    """Read model_index.json from a local folder or the hub (the local HF cache when offline)."""
+    if model_id == "shapesbench":
+        if not (SHAPESBENCH_DIR / "model_index.json").is_file():
+            raise FileNotFoundError(
+                f"the ShapesBench model is missing from {SHAPESBENCH_DIR} (it ships with the repo: restore it with "
+                "git, or train it again); or pass another model with --model-id"
+            )
+        model_id = str(SHAPESBENCH_DIR)
+    path = Path(model_id).expanduser()
+    if path.is_dir():
+        if not (path / "model_index.json").is_file():
+            raise FileNotFoundError(f"--model-id {model_id}: no model_index.json, so not a diffusers pipeline folder")
+        return json.loads((path / "model_index.json").read_text()), str(path)
+    try:
+        return json.loads(Path(hf_hub_download(model_id, "model_index.json")).read_text()), model_id
+    except Exception as e:  # bad id, offline and not cached, gated without login, no network
+        raise FileNotFoundError(
+            f"--model-id {model_id!r} is neither a local diffusers folder nor a hub model available here "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). {HOW_TO_GET_WEIGHTS}"
+        ) from e
+
+
+def load_model(
+    model_id: str = "shapesbench", *, device="cpu", dtype=torch.float32, resolution: int | None = None
+) -> FlowModel | DDIMModel:
+    """Load a model by hub id or local path (`--model-id`), all parts in `dtype` on `device`.
+
+    The kind comes from model_index.json's `_class_name`. `resolution` (`--resolution`) is the square image
+    side in pixels; None = the model's native size. Frozen parts are eval() with requires_grad False; the
+    denoiser keeps requires_grad (the script decides: LoRA via add_lora, or full fine-tuning).
+    """
+    index, where = _model_index(model_id)
+    name = index.get("_class_name")
+    if name not in KINDS:
+        raise ValueError(f"--model-id {model_id}: unsupported model class {name!r}; supported: {', '.join(KINDS)}")
+    kind = KINDS[name]
+    try:
+        if kind == "shapes":
+            model = ShapesModel(Path(where), resolution, dtype)
+        elif kind == "sd1":
+            pipe = StableDiffusionPipeline.from_pretrained(
+                where, dtype=dtype, safety_checker=None, requires_safety_checker=False
+            )
+            model = DDIMModel(pipe, resolution)
+        else:
+            pipe_cls, model_cls = {"flux": (FluxPipeline, FluxModel), "sd3": (StableDiffusion3Pipeline, SD3Model)}[kind]
+            model = model_cls(pipe_cls.from_pretrained(where, dtype=dtype), resolution)
+    except OSError as e:  # model_index.json found but weights not (partial download / cache)
+        raise FileNotFoundError(f"--model-id {model_id}: could not load the weights ({e}). {HOW_TO_GET_WEIGHTS}") from e
+    return model.to(device)
+
+
+def save_shapesbench(out_dir, transformer, text_encoder, tokenizer):
+    """Write a ShapesBench folder that load_model(out_dir) reads (used by the ShapesBench trainer and the tests)."""
+    out_dir = Path(out_dir)
+    transformer.save_pretrained(out_dir / "transformer")
+    text_encoder.save_pretrained(out_dir / "text_encoder")
+    tokenizer.save_pretrained(out_dir / "tokenizer")
+    (out_dir / "model_index.json").write_text(json.dumps({"_class_name": "ShapesBench"}, indent=2))
+
+
+# Attention projections of joint (MM-DiT) blocks, single blocks and UNet cross/self-attention; names that a
+# model lacks are skipped by peft (add_* only exist in SD3/FLUX joint blocks).
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+
+def add_lora(transformer, rank: int, alpha: float, target_modules: list[str] | None = None):
+    """Add a LoRA adapter (B = 0 at init, so outputs are unchanged) in place; base weights are frozen."""
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules or LORA_TARGETS)
+    transformer.requires_grad_(False)
+    transformer.add_adapter(config)  # diffusers PeftAdapterMixin: only the new lora_A/lora_B require grad
+    return transformer
+
+
+def save_trained_weights(model: FlowModel | DDIMModel, transformer, out_dir, lora: bool, state_dict=None):
+    """Save what was trained. LoRA: `<Pipeline>.from_pretrained(base).load_lora_weights(out_dir)` reads it;
+    ShapesBench has no pipeline and uses SD3's format: `transformer.load_lora_adapter(out_dir, prefix="transformer",
+    use_safetensors=True)`. Full: out_dir/transformer (out_dir/unet for sd1), for `<ModelClass>.from_pretrained`.
+
+    Pass the unwrapped denoiser (`accelerator.unwrap_model`); a `.module` wrapper (DDP) is unwrapped here. Under
+    FSDP pass `state_dict=accelerator.get_state_dict(prepared)` (gathered on every process, full on the main one).
+    Call it on the main process only.
+    """
+    transformer = getattr(transformer, "module", transformer)
+    out_dir = Path(out_dir)
+    if not lora:
+        transformer.save_pretrained(out_dir / ("unet" if model.kind == "sd1" else "transformer"), state_dict=state_dict)
+        return
+    layers = get_peft_model_state_dict(transformer, state_dict=state_dict)
+    metadata = transformer.peft_config["default"].to_dict()  # keeps lora_alpha, so the scale survives reloading
+    if model.kind == "sd1":
+        StableDiffusionPipeline.save_lora_weights(out_dir, unet_lora_layers=layers, unet_lora_adapter_metadata=metadata)
+    else:
+        pipe_cls = FluxPipeline if model.kind == "flux" else StableDiffusion3Pipeline
+        pipe_cls.save_lora_weights(out_dir, transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata)

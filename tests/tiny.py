@@ -1,0 +1,157 @@
+"""Tiny random-weight FLUX, SD3, SD1.x and ShapesBench models and a tiny HPS reward, built from configs, offline."""
+
+import json
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    DDIMScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+    StableDiffusionPipeline,
+    UNet2DConditionModel,
+)
+from tokenizers import Tokenizer, pre_tokenizers, processors
+from tokenizers.models import WordLevel
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    PreTrainedTokenizerFast,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+)
+
+from common.models import save_shapesbench
+
+PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
+RES = 32  # pixels; with the tiny VAEs (scale factor 2) the latents are 16x16
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+# ---------------------------------------------------------------- tiny components
+def clip_tokenizer():
+    # byte-level BPE with no merges: every word is spelled as single letters (the last one carries </w>)
+    vocab = [*LETTERS, *(c + "</w>" for c in LETTERS), "<|startoftext|>", "<|endoftext|>"]
+    return CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=[], model_max_length=77)
+
+
+def clip_config(tok, hidden=32, proj=32):
+    return CLIPTextConfig(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=77, projection_dim=proj, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+
+
+def t5(d_model):
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0), *((c, -3.0) for c in LETTERS)]
+    tok = T5Tokenizer(vocab=vocab, extra_ids=0)
+    cfg = T5Config(vocab_size=len(tok), d_model=d_model, d_kv=8, d_ff=64, num_layers=1, num_heads=2,
+                   pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)  # fmt: skip
+    return tok, T5EncoderModel(cfg)
+
+
+def vae(latent_channels, **kw):
+    return AutoencoderKL(
+        block_out_channels=(16, 32), layers_per_block=1, latent_channels=latent_channels, norm_num_groups=8,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, **kw,
+    )  # fmt: skip
+
+
+def build_flux(path):
+    torch.manual_seed(0)
+    tok = clip_tokenizer()
+    tok2, te2 = t5(32)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16 * 4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
+        guidance_embeds=True,
+    )  # fmt: skip
+    FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae(16, use_quant_conv=False, use_post_quant_conv=False,
+        shift_factor=0.0609, scaling_factor=1.5035), text_encoder=CLIPTextModel(clip_config(tok)), tokenizer=tok,
+        text_encoder_2=te2, tokenizer_2=tok2, transformer=transformer,
+    ).save_pretrained(path)  # fmt: skip
+
+
+def build_sd3(path):
+    torch.manual_seed(0)
+    tok = clip_tokenizer()
+    tok3, te3 = t5(64)  # T5 width = joint_attention_dim >= sum of the two CLIP widths (the pipeline pads CLIP up)
+    transformer = SD3Transformer2DModel(
+        sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
+        pos_embed_max_size=64,
+    )  # fmt: skip
+    StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae(16, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035),
+        text_encoder=CLIPTextModelWithProjection(clip_config(tok)), tokenizer=tok,
+        text_encoder_2=CLIPTextModelWithProjection(clip_config(tok)), tokenizer_2=tok,
+        text_encoder_3=te3, tokenizer_3=tok3,
+    ).save_pretrained(path)  # fmt: skip
+
+
+def build_sd1(path):
+    torch.manual_seed(0)
+    tok = clip_tokenizer()
+    unet = UNet2DConditionModel(
+        sample_size=16, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32, attention_head_dim=8,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=8,
+    )  # fmt: skip
+    sched = DDIMScheduler(beta_schedule="scaled_linear", clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    StableDiffusionPipeline(
+        vae=vae(4, scaling_factor=0.18215), text_encoder=CLIPTextModel(clip_config(tok)), tokenizer=tok, unet=unet,
+        scheduler=sched, safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    ).save_pretrained(path)  # fmt: skip
+
+
+def build_shapes(path):
+    torch.manual_seed(0)
+    words = "a red green blue white circle square triangle on background".split()
+    specials = ["[PAD]", "[UNK]", "[BOS]", "[EOS]"]
+    tk = Tokenizer(WordLevel({w: i for i, w in enumerate(specials + words)}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials_ids = [("[BOS]", 2), ("[EOS]", 3)]
+    tk.post_processor = processors.TemplateProcessing(single="[BOS] $A [EOS]", special_tokens=specials_ids)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]",
+                                  unk_token="[UNK]", model_max_length=12)  # fmt: skip
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=12, bos_token_id=2, eos_token_id=3, pad_token_id=0,
+    ))  # fmt: skip
+    transformer = SD3Transformer2DModel(
+        sample_size=32, patch_size=4, in_channels=3, out_channels=3, num_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32,
+        pos_embed_max_size=8,
+    )  # fmt: skip
+    save_shapesbench(path, transformer, text_encoder, tok)
+
+
+BUILDERS = {"flux": build_flux, "sd3": build_sd3, "shapes": build_shapes, "sd1": build_sd1}
+
+
+
+
+# HPSv2.1 architecture shrunk: open_clip config 'tiny-hps' (the real one is ViT-H-14)
+TINY_HPS = {"embed_dim": 32,
+            "vision_cfg": {"image_size": 224, "layers": 1, "width": 64, "head_width": 32, "patch_size": 32},
+            "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+
+
+def build_tiny_hps(d) -> str:
+    """Registers open_clip config 'tiny-hps' and saves random weights in HPS's {'state_dict': ...} format."""
+    import open_clip
+
+    (d / "tiny-hps.json").write_text(json.dumps(TINY_HPS))
+    open_clip.add_model_config(d)
+    torch.manual_seed(0)
+    torch.save({"state_dict": open_clip.create_model("tiny-hps", pretrained=None).state_dict()}, d / "tiny.pt")
+    return str(d / "tiny.pt")
