@@ -1,0 +1,265 @@
+"""Rewards for RL post-training of text-to-image models, behind one spec string.
+
+    --reward shapes:1.0,verifier:0.5      weighted sum of registered rewards (bare "shapes" = weight 1)
+    --reward-ckpt hpsv2.1=/path/HPS_v2.1_compressed.pt   (repeatable) local file/folder or hub id per reward
+
+Every reward maps images (B,3,H,W) float in [0,1] and one prompt per image to (B,) float32 scores on
+images.device. `differentiable` says whether gradients reach the images (RLR's first-order term needs it;
+GRPO-style methods do not). Heavy imports live inside the factories, so importing this module is cheap.
+"""
+
+import io
+import math
+import os
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class Reward(Protocol):
+    differentiable: bool
+
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor: ...
+
+
+class ScoreFn:
+    """Adapts a plain fn(images, prompts) -> (B,) to the Reward protocol: shape check, float32, output device."""
+
+    def __init__(self, fn: Callable, differentiable: bool):
+        self.fn, self.differentiable = fn, differentiable
+
+    def __call__(self, images, prompts):
+        assert images.ndim == 4 and len(prompts) == len(images), (images.shape, len(prompts))
+        # a non-differentiable reward never needs the autograd graph of the images
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.differentiable):
+            scores = self.fn(images, prompts)
+        return scores.to(images.device, torch.float32).reshape(len(images))
+
+
+def _missing_ckpt(name: str, path: str, how: str) -> str:
+    return (f"reward '{name}': weights not found locally and the hub is unreachable (offline or HF_HUB_OFFLINE=1). "
+            f"Pass --reward-ckpt {name}={path}. To get it on a connected machine: {how} "
+            "(or run once online so the Hugging Face cache holds it, then copy the cache over).")
+
+
+def _no_ckpt(name: str, checkpoint: str | None):
+    if checkpoint is not None:  # a silently ignored flag would hide a typo
+        raise ValueError(f"reward '{name}' takes no checkpoint, but --reward-ckpt {name}={checkpoint} was given")
+
+
+# ---------------------------------------------------------------- ShapesBench (the offline world)
+def shapes_reward(device, checkpoint=None) -> Reward:
+    """Learned, differentiable image-text reward of ShapesBench (`checkpoint` None = the one shipped in the repo)."""
+    from common.shapes import load_reward_model
+
+    return ScoreFn(load_reward_model(path=checkpoint, device=device), differentiable=True)
+
+
+def verifier(device, checkpoint=None) -> Reward:
+    """Programmatic ShapesBench verifier (colours, shape, clean background); the held-out metric."""
+    _no_ckpt("verifier", checkpoint)
+    from common.shapes import verifier_reward
+
+    return ScoreFn(verifier_reward, differentiable=False)
+
+
+# ---------------------------------------------------------------- JPEG compressibility (DDPO)
+def jpeg(device, checkpoint=None) -> Reward:
+    """Negative JPEG size in kB at quality 95, per image, as DDPO: smoother images score higher."""
+    _no_ckpt("jpeg", checkpoint)
+    from PIL import Image
+
+    def score(images, prompts):
+        pixels = (images.detach() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        sizes = []
+        for array in pixels:  # (H,W,3) uint8
+            buffer = io.BytesIO()
+            Image.fromarray(array).save(buffer, format="JPEG", quality=95)
+            sizes.append(buffer.tell() / 1000)
+        return -torch.tensor(sizes)
+
+    return ScoreFn(score, differentiable=False)
+
+
+# ---------------------------------------------------------------- HPSv2.1 (open_clip)
+def hps_pixels(images: torch.Tensor, size: int = 224) -> torch.Tensor:
+    """HPS's eval transform on tensors: resize the longest side to `size`, pad to square with black, normalise.
+
+    HPS applies ToTensor before its resize, so it resizes float tensors (bicubic, antialiased, unclamped)
+    exactly as here; pad offsets are (size - side) // 2 on the left/top. (B,3,H,W) -> (B,3,size,size).
+    """
+    from open_clip import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+
+    h, w = images.shape[-2:]
+    scale = size / max(h, w)
+    nh, nw = round(h * scale), round(w * scale)
+    x = F.interpolate(images, size=(nh, nw), mode="bicubic", antialias=True, align_corners=False)
+    ph, pw = size - nh, size - nw
+    x = F.pad(x, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2))  # zeros = black, before normalisation as HPS
+    mean = torch.tensor(OPENAI_DATASET_MEAN, device=x.device).view(3, 1, 1)
+    std = torch.tensor(OPENAI_DATASET_STD, device=x.device).view(3, 1, 1)
+    return (x - mean) / std
+
+
+def hpsv2_1(device, checkpoint=None, arch="ViT-H-14") -> Reward:
+    """HPSv2.1: cosine between the open_clip image and text embeddings of each image-prompt pair.
+
+    The HPS checkpoint holds the whole CLIP model, so the LAION ViT-H base weights are never needed.
+    Runs in fp32 (HPS's own scorer uses CUDA autocast); wrap calls in torch.autocast to save memory.
+    `arch` exists for tests (a tiny registered open_clip config).
+    """
+    import open_clip
+
+    if checkpoint is None:
+        import huggingface_hub
+
+        try:
+            checkpoint = huggingface_hub.hf_hub_download("xswu/HPSv2", "HPS_v2.1_compressed.pt")
+        except OSError as e:
+            raise ValueError(_missing_ckpt("hpsv2.1", "/path/to/HPS_v2.1_compressed.pt",
+                                           "`hf download xswu/HPSv2 HPS_v2.1_compressed.pt`")) from e
+    elif not os.path.isfile(checkpoint):
+        raise ValueError(f"--reward-ckpt hpsv2.1={checkpoint}: no such file (expected HPS_v2.1_compressed.pt)")
+    model = open_clip.create_model(arch, pretrained=None)
+    # the state-dict keys of HPS's vendored open_clip and of open_clip_torch 3.x match one to one (strict load)
+    model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"])
+    model.to(device).eval().requires_grad_(False)
+    tokenizer = open_clip.get_tokenizer(arch)
+    size = model.visual.image_size[0]  # (224, 224) for ViT-H-14
+
+    def score(images, prompts):
+        image_features = model.encode_image(hps_pixels(images.to(device, torch.float32), size), normalize=True)  # (B,D)
+        text_features = model.encode_text(tokenizer(prompts).to(device), normalize=True)  # (B,D)
+        return (image_features * text_features).sum(-1)  # diag of image @ text.T, as HPS
+
+    return ScoreFn(score, differentiable=True)
+
+
+# ---------------------------------------------------------------- transformers CLIP: PickScore, CLIP score
+def clip_pixels(images: torch.Tensor, processor) -> torch.Tensor:
+    """CLIPImageProcessor on tensors: shortest side to size["shortest_edge"] (long side truncated to int, as
+    transformers), bicubic antialiased, center crop (offset floored), normalise. (B,3,H,W) -> (B,3,h,w)."""
+    ip = processor.image_processor
+    short, (ch, cw) = ip.size["shortest_edge"], (ip.crop_size["height"], ip.crop_size["width"])
+    h, w = images.shape[-2:]
+    nh, nw = (short, int(short * w / h)) if h < w else (int(short * h / w), short)
+    x = F.interpolate(images, size=(nh, nw), mode="bicubic", antialias=True, align_corners=False)
+    x = x.clamp(0, 1)  # the processor resizes uint8 images, which clips bicubic overshoot
+    top, left = (nh - ch) // 2, (nw - cw) // 2
+    x = x[..., top:top + ch, left:left + cw]
+    mean = torch.tensor(ip.image_mean, device=x.device).view(3, 1, 1)
+    std = torch.tensor(ip.image_std, device=x.device).view(3, 1, 1)
+    return (x - mean) / std
+
+
+def _load_clip(name, device, checkpoint, model_id, processor_id, how):
+    from transformers import CLIPModel, CLIPProcessor
+
+    try:  # a --reward-ckpt folder holds model, tokenizer and preprocessor config together
+        processor = CLIPProcessor.from_pretrained(checkpoint or processor_id)
+        model = CLIPModel.from_pretrained(checkpoint or model_id)
+    except OSError as e:
+        raise ValueError(_missing_ckpt(name, "/path/to/folder", how)) from e
+    return model.to(device).eval().requires_grad_(False), processor
+
+
+def _clip_cosine(model, processor, device, images, prompts):
+    """Cosine similarity of each image-prompt pair, (B,)."""
+    text = processor.tokenizer(prompts, padding=True, truncation=True, max_length=77, return_tensors="pt").to(device)
+    out = model(**text, pixel_values=clip_pixels(images.to(device, torch.float32), processor))
+    return (out.image_embeds * out.text_embeds).sum(-1)  # both L2-normalised by CLIPModel.forward
+
+
+def pickscore(device, checkpoint=None) -> Reward:
+    """PickScore: logit_scale.exp() * cosine, CLIP-H fine-tuned on Pick-a-Pic (scores around 20)."""
+    how = ("python -c \"from transformers import CLIPModel, CLIPProcessor; "
+           "CLIPModel.from_pretrained('yuvalkirstain/PickScore_v1').save_pretrained('pickscore'); "
+           "CLIPProcessor.from_pretrained('laion/CLIP-ViT-H-14-laion2B-s32B-b79K').save_pretrained('pickscore')\"")
+    model, processor = _load_clip("pickscore", device, checkpoint, "yuvalkirstain/PickScore_v1",
+                                  "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", how)
+    return ScoreFn(lambda im, p: model.logit_scale.exp() * _clip_cosine(model, processor, device, im, p),
+                   differentiable=True)
+
+
+def clip_score(device, checkpoint=None) -> Reward:
+    """CLIP score 100 * cosine with CLIP ViT-L/14. Unlike torchmetrics we do NOT clamp at 0: the clamp would
+    zero both the reward differences between bad images and their gradient, which RL needs."""
+    how = "`hf download openai/clip-vit-large-patch14 --local-dir clip-vit-large-patch14`"
+    model, processor = _load_clip("clip", device, checkpoint, "openai/clip-vit-large-patch14",
+                                  "openai/clip-vit-large-patch14", how)
+    return ScoreFn(lambda im, p: 100 * _clip_cosine(model, processor, device, im, p),
+                   differentiable=True)
+
+
+# ---------------------------------------------------------------- registry, spec parsing, composite
+REWARDS: dict[str, Callable[..., Reward]] = {
+    "shapes": shapes_reward,
+    "verifier": verifier,
+    "jpeg": jpeg,
+    "hpsv2.1": hpsv2_1,
+    "pickscore": pickscore,
+    "clip": clip_score,
+}
+ALIASES = {"hps": "hpsv2.1"}
+
+
+def _canonical(name: str, flag: str = "--reward") -> str:
+    name = ALIASES.get(name, name)
+    if name not in REWARDS:
+        valid = ", ".join(sorted(REWARDS)) + "".join(f" ({a} = {n})" for a, n in ALIASES.items())
+        raise ValueError(f"{flag}: unknown reward '{name}'; valid names: {valid}")
+    return name
+
+
+def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
+    """'shapes:1.0,verifier:0.5' -> [('shapes', 1.0), ('verifier', 0.5)]; a bare name has weight 1.0."""
+    fmt = f"expected --reward name:weight,name:weight (e.g. shapes:1.0,verifier:0.5), got {spec!r}"
+    parsed = []
+    for item in spec.split(","):
+        name, _, weight = item.rpartition(":") if ":" in item else (item, "", "1")
+        name, weight = name.strip(), weight.strip()
+        try:
+            w = float(weight)
+        except ValueError:
+            raise ValueError(f"bad weight {weight!r} for '{name}': {fmt}") from None
+        if not name or not math.isfinite(w):
+            raise ValueError(f"bad entry {item!r}: {fmt}")
+        name = _canonical(name)
+        if name in (n for n, _ in parsed):
+            raise ValueError(f"reward '{name}' given twice: {fmt}")
+        parsed.append((name, w))
+    return parsed
+
+
+class CompositeReward:
+    """Weighted sum of rewards; also returns each component's raw scores (detached, for logging/advantages).
+
+    A component with weight 0 is computed for logging only, without autograd.
+    """
+
+    def __init__(self, components: list[tuple[str, float, Reward]]):
+        self.components = components
+        self.weights = {name: w for name, w, _ in components}
+        self.differentiable = all(r.differentiable for _, w, r in components if w != 0)
+
+    def __call__(self, images, prompts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        total = torch.zeros(len(images), device=images.device)  # (B,)
+        scores = {}
+        for name, w, reward in self.components:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and w != 0):
+                r = reward(images, prompts)  # (B,)
+            if w != 0:
+                total = total + w * r
+            scores[name] = r.detach()
+        return total, scores
+
+
+def build_reward(spec: str, device, checkpoints: dict[str, str] | None = None) -> CompositeReward:
+    """Build the composite of `--reward spec`; `checkpoints` comes from `--reward-ckpt NAME=PATH` flags."""
+    parsed = parse_reward_spec(spec)
+    checkpoints = {_canonical(k, "--reward-ckpt"): v for k, v in (checkpoints or {}).items()}
+    unused = set(checkpoints) - {name for name, _ in parsed}
+    if unused:
+        raise ValueError(f"--reward-ckpt given for {sorted(unused)}, which --reward {spec!r} does not use")
+    return CompositeReward([(name, w, REWARDS[name](device, checkpoints.get(name))) for name, w in parsed])

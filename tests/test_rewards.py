@@ -1,0 +1,231 @@
+"""Rewards: spec parsing, the weighted composite, JPEG, and the real-model rewards (HPSv2.1, PickScore, CLIP)
+built from tiny random-weight models saved to disk, so the loading, preprocessing and gradient paths run offline."""
+
+import gzip
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from common.rewards import REWARDS, ScoreFn, build_reward, parse_reward_spec
+from tests.tiny import build_tiny_hps
+
+PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
+
+
+def uint8_images(b, h, w, seed=0):
+    """Smooth random images on the uint8 grid, so the PIL reference paths see exactly the same pixels. (b,3,h,w)
+
+    Smooth because the reference processors resize uint8 images in two rounded passes, which departs from the
+    float path by far more than rounding on pixel noise (bicubic overshoot clipped between the passes)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.nn.functional.interpolate(torch.rand(b, 3, 6, 6, generator=g), size=(h, w), mode="bilinear")
+    return (x * 255).round() / 255
+
+
+def to_pil(image):
+    return Image.fromarray((image.permute(1, 2, 0) * 255).round().byte().numpy())
+
+
+def assert_finite_grad(reward, images, prompts):
+    images = images.clone().requires_grad_(True)
+    scores = reward(images, prompts)
+    assert scores.shape == (len(images),) and scores.dtype == torch.float32 and torch.isfinite(scores).all()
+    scores.sum().backward()
+    assert torch.isfinite(images.grad).all() and images.grad.abs().sum() > 0
+    return scores.detach()
+
+
+# ---------------------------------------------------------------- spec parsing
+def test_parse_reward_spec_valid():
+    assert parse_reward_spec("shapes:1.0,verifier:0.5") == [("shapes", 1.0), ("verifier", 0.5)]
+    assert parse_reward_spec("shapes") == [("shapes", 1.0)]
+    assert parse_reward_spec(" hps : 2 , jpeg:-0.5") == [("hpsv2.1", 2.0), ("jpeg", -0.5)]  # alias, spaces, sign
+    assert parse_reward_spec("hpsv2.1:0") == [("hpsv2.1", 0.0)]  # the dot in the name is not a separator
+
+
+@pytest.mark.parametrize("spec", ["shapes:abc", "shapes:", "", ",", "shapes,,jpeg", ":1", "shapes:nan",
+                                  "shapes:1,shapes:2", "hps,hpsv2.1"])
+def test_parse_reward_spec_malformed(spec):
+    with pytest.raises(ValueError, match="--reward name:weight,name:weight"):
+        parse_reward_spec(spec)
+
+
+def test_unknown_reward_lists_valid_names():
+    with pytest.raises(ValueError, match="--reward") as e:
+        parse_reward_spec("shapes:1,hpsv3:1")
+    assert "hpsv3" in str(e.value) and all(name in str(e.value) for name in REWARDS)
+
+
+def test_checkpoint_for_unused_reward_is_rejected():
+    with pytest.raises(ValueError, match="--reward-ckpt"):
+        build_reward("jpeg", "cpu", {"hps": "/x.pt"})
+    with pytest.raises(ValueError, match="--reward-ckpt"):
+        build_reward("jpeg", "cpu", {"jpeg": "/x.pt"})  # jpeg takes none
+    with pytest.raises(ValueError, match="--reward-ckpt: unknown reward 'hpsv3'"):
+        build_reward("jpeg", "cpu", {"hpsv3": "/x.pt"})
+
+
+# ---------------------------------------------------------------- composite and JPEG
+@pytest.fixture
+def dummy(monkeypatch):
+    """A cheap differentiable reward: mean brightness."""
+    monkeypatch.setitem(REWARDS, "dummy", lambda device, checkpoint=None: ScoreFn(lambda x, p: x.mean((1, 2, 3)), True))
+
+
+def test_composite_weights_and_components(dummy):
+    images = torch.rand(3, 3, 32, 32)
+    images[0] = 0.5  # a flat image, so the two components disagree on the ranking
+    reward = build_reward("jpeg:0.3,dummy:-2", "cpu")
+    total, scores = reward(images, PROMPTS + ["x"])
+    jpeg, bright = REWARDS["jpeg"]("cpu")(images, PROMPTS + ["x"]), images.mean((1, 2, 3))
+    assert set(scores) == {"jpeg", "dummy"}
+    assert torch.equal(scores["jpeg"], jpeg) and torch.equal(scores["dummy"], bright)
+    assert torch.equal(total, 0.3 * jpeg + -2 * bright)
+    assert not reward.differentiable  # jpeg has a nonzero weight
+
+
+def test_composite_zero_weight_is_logged_only(dummy):
+    images = uint8_images(2, 16, 16).requires_grad_(True)
+    reward = build_reward("dummy:2,jpeg:0", "cpu")
+    assert reward.differentiable  # a zero-weight jpeg does not make the sum non-differentiable
+    total, scores = reward(images, PROMPTS)
+    assert torch.equal(total, 2 * images.mean((1, 2, 3))) and scores["jpeg"].shape == (2,)
+    total.sum().backward()
+    assert torch.allclose(images.grad, torch.full_like(images, 2 / images[0].numel()))
+
+
+def test_jpeg_prefers_flat_images():
+    images = torch.cat([torch.full((1, 3, 64, 64), 0.4), torch.rand(1, 3, 64, 64)])
+    scores = REWARDS["jpeg"]("cpu")(images, PROMPTS)
+    assert scores.shape == (2,) and scores.dtype == torch.float32 and (scores < 0).all()
+    assert scores[0] > scores[1]
+
+
+# ---------------------------------------------------------------- ShapesBench rewards
+def test_shapes_wiring(monkeypatch):
+    """Factories call common.shapes lazily with the checkpoint and device (a stand-in module here)."""
+    calls = {}
+
+    def load_reward_model(path=None, device="cpu"):
+        calls.update(path=path, device=device)
+        return lambda x, p: x.mean((1, 2, 3))
+
+    fake = types.SimpleNamespace(load_reward_model=load_reward_model, verifier_reward=lambda x, p: x.amax((1, 2, 3)))
+    monkeypatch.setitem(sys.modules, "common.shapes", fake)
+    reward = build_reward("shapes:1,verifier:0", "cpu", {"shapes": "ckpt"})
+    assert calls == {"path": "ckpt", "device": "cpu"} and reward.differentiable
+    images = uint8_images(2, 32, 32)
+    _, scores = reward(images, PROMPTS)
+    assert torch.equal(scores["verifier"], images.amax((1, 2, 3)))
+
+
+def test_verifier_real():
+    pytest.importorskip("common.shapes")
+    scores = build_reward("verifier", "cpu")(uint8_images(2, 32, 32), PROMPTS)[1]["verifier"]
+    assert scores.shape == (2,) and torch.isfinite(scores).all()
+
+
+def test_shapes_real():
+    shapes = pytest.importorskip("common.shapes")
+    if not (shapes.REWARD_PATH / "model" / "config.json").exists():
+        pytest.skip("the ShapesBench reward model is not trained yet (scripts/train_shapes_reward.py)")
+    assert_finite_grad(REWARDS["shapes"]("cpu"), uint8_images(2, 32, 32), PROMPTS)
+
+
+# ---------------------------------------------------------------- HPSv2.1 with a tiny open_clip model
+@pytest.fixture(scope="module")
+def tiny_hps(tmp_path_factory):
+    return build_tiny_hps(tmp_path_factory.mktemp("hps"))
+
+
+@pytest.mark.parametrize("size", [(64, 64), (96, 160)])  # square; non-square exercises the padding
+def test_hps_matches_open_clip_pil_path(tiny_hps, size):
+    import open_clip
+
+    reward = REWARDS["hpsv2.1"]("cpu", tiny_hps, arch="tiny-hps")
+    images = uint8_images(2, *size)
+    scores = assert_finite_grad(reward, images, PROMPTS)
+
+    # hand computation: open_clip's eval transform with HPS's resize mode, on PIL images
+    model, _, preprocess = open_clip.create_model_and_transforms("tiny-hps", image_resize_mode="longest")
+    model.load_state_dict(torch.load(tiny_hps)["state_dict"])
+    with torch.no_grad():
+        img = model.encode_image(torch.stack([preprocess(to_pil(x)) for x in images]), normalize=True)
+        txt = model.encode_text(open_clip.get_tokenizer("tiny-hps")(PROMPTS), normalize=True)
+    torch.testing.assert_close(scores, (img * txt).sum(-1), atol=5e-4, rtol=0)  # PIL rounds resized pixels to uint8
+
+
+def test_hps_offline_without_checkpoint(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    # an empty cache, whatever this machine has downloaded
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match=r"--reward-ckpt hpsv2.1=/path/to/HPS_v2.1_compressed.pt"):
+        build_reward("hps", "cpu")
+    with pytest.raises(ValueError, match="no such file"):
+        build_reward("hps", "cpu", {"hps": str(tmp_path / "missing.pt")})
+
+
+# ---------------------------------------------------------------- PickScore / CLIP with a tiny transformers CLIPModel
+@pytest.fixture(scope="module")
+def tiny_clip(tmp_path_factory):
+    """A folder with a tiny random CLIPModel, the real CLIP BPE tokenizer (built offline from open_clip's vocab
+    file) and a CLIPImageProcessor at 64 px, as --reward-ckpt expects."""
+    import open_clip.tokenizer
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+
+    bpe = Path(open_clip.tokenizer.__file__).parent / "bpe_simple_vocab_16e6.txt.gz"
+    merges = [tuple(line.split()) for line in gzip.open(bpe).read().decode().split("\n")[1:49152 - 256 - 2 + 1]]
+    vocab = list(open_clip.tokenizer.bytes_to_unicode().values())
+    vocab += [v + "</w>" for v in vocab] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
+    tokenizer = CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=merges, model_max_length=77)
+
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64})
+    torch.manual_seed(0)
+    config = CLIPConfig(
+        text_config=dict(vocab_size=49408, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=77,
+                         bos_token_id=49406, eos_token_id=49407, pad_token_id=49407),
+        vision_config=dict(image_size=64, patch_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2),
+        projection_dim=32)
+    d = tmp_path_factory.mktemp("clip")
+    CLIPModel(config).save_pretrained(d)
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def clip_setup(tiny_clip):
+    """Both rewards loaded through --reward-ckpt, plus the reference model and processor (loading takes ~1 s)."""
+    from transformers import CLIPModel, CLIPProcessor
+
+    rewards = {name: REWARDS[name]("cpu", tiny_clip) for name in ("pickscore", "clip")}
+    return rewards, CLIPModel.from_pretrained(tiny_clip).eval(), CLIPProcessor.from_pretrained(tiny_clip)
+
+
+@pytest.mark.parametrize("name", ["pickscore", "clip"])
+@pytest.mark.parametrize("size", [(64, 64), (48, 80), (100, 70)])  # square; shortest side is height, then width
+def test_clip_rewards_match_processor_pil_path(clip_setup, name, size):
+    rewards, model, processor = clip_setup
+    images = uint8_images(2, *size)
+    scores = assert_finite_grad(rewards[name], images, PROMPTS)
+
+    inputs = processor(text=PROMPTS, images=[to_pil(x) for x in images], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits_per_image.diagonal()  # logit_scale.exp() * cosine
+    expected = logits if name == "pickscore" else 100 * logits / model.logit_scale.exp()
+    torch.testing.assert_close(scores, expected, atol=2e-3 * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("name", ["pickscore", "clip"])
+def test_clip_rewards_offline_without_checkpoint(tmp_path, monkeypatch, name):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match=f"--reward-ckpt {name}="):
+        build_reward(name, "cpu")
