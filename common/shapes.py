@@ -315,7 +315,7 @@ def sample_ode(model, prompts: list[str], seed: int, steps: int = 20, guidance_s
     out = []
     for i in range(0, len(prompts), batch_size):
         cond = model.encode_prompts(prompts[i : i + batch_size])
-        x = noise[i : i + batch_size].to(model.device)
+        x = noise[i : i + batch_size].to(model.transformer.device)
         for s, s_next in zip(sigmas[:-1], sigmas[1:]):
             v = model.velocity(transformer, x, s.expand(len(x)).to(x.device), cond, guidance_scale)
             x = x + (s_next - s) * v

@@ -1,0 +1,597 @@
+# DanceGRPO (and MixGRPO with --sde-window): docs/dancegrpo.md; paper: arXiv 2505.07818 (MixGRPO: 2507.21802)
+"""GRPO on the reverse-time SDE of a flow-matching text-to-image model, one file.
+
+Each denoising step of an SDE sampler is a Gaussian policy pi(x_{i+1} | x_i); a group of images per
+prompt is sampled and scored, rewards are normalised within the group, and a PPO-clipped surrogate on
+the per-step likelihood ratio is optimised over a random fraction of the steps (DanceGRPO). With
+--sde-window W only a W-step window is stochastic (and trained); it slides one step deeper every
+--window-shift-every iterations and every other step is a deterministic ODE step (MixGRPO).
+
+Launch (run.sh has more):
+    python dancegrpo.py                                              # ShapesBench on CPU, ~10 min
+    python dancegrpo.py --sde-window 4                               # MixGRPO on ShapesBench
+    accelerate launch dancegrpo.py --model-id black-forest-labs/FLUX.1-dev --resolution 512 \
+        --reward hpsv2.1 --lora --mixed-precision bf16 --samples-per-device 12 --group-size 12 \
+        --rollout-batch-size 1 --kl-beta 0 --clip-range 1e-4 --learning-rate 3e-4
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 dancegrpo.py   # 2 CPU processes
+    python dancegrpo.py --resume-from latest                         # continue runs/dancegrpo
+
+Deviations from the official code (docs/dancegrpo.md explains each):
+  * rollout chunks are also the training micro-batches, and the trained steps are drawn per chunk (per
+    sample when --rollout-batch-size 1, as upstream), so the first ratio of an iteration is exactly 1;
+  * the last step is a deterministic Euler step, which lands exactly on x0_hat (what upstream decodes),
+    so the last transition is neither sampled nor trained;
+  * the optional KL to the frozen base is the exact Gaussian KL of one step (Flow-GRPO's code drops 1/dt);
+  * all randomness (prompts, noise, trained steps) is keyed on (seed, iteration, global sample index),
+    so a resumed or a multi-process run draws the same numbers as an uninterrupted single-process one.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, set_seed
+from tqdm import tqdm
+
+
+@dataclass
+class Args:
+    # Shared experiment arguments (identical in every script)
+    exp_name: str = Path(__file__).stem
+    """run name: outputs go to {output_dir}/{exp_name}"""
+    seed: int = 0
+    """seed of every random draw (prompts, noise, trained steps, initial weights of LoRA)"""
+    output_dir: str = "runs"
+    """parent folder of the run folder (TensorBoard logs, sample grids, checkpoints, final weights)"""
+    model_id: str = "shapesbench"
+    """'shapesbench' (shipped, CPU-sized), or a diffusers FLUX.1 / SD3.5 folder or hub id"""
+    resolution: Optional[int] = None
+    """square image side in pixels; None = the model's native size"""
+    lora: bool = False
+    """train a LoRA adapter (peft) instead of all transformer weights"""
+    lora_rank: int = 32
+    """LoRA rank (with --lora)"""
+    lora_alpha: float = 64.0
+    """LoRA alpha (with --lora)"""
+    mixed_precision: Literal["no", "bf16"] = "no"
+    """'bf16' runs forwards under autocast; log-probs, samples and master weights stay fp32"""
+    reward: str = "shapes"
+    """reward spec 'name:weight,...', e.g. 'shapes:1.0,verifier:0.5' or 'hpsv2.1'"""
+    reward_ckpt: list[str] = field(default_factory=list)
+    """NAME=PATH per reward model, e.g. hpsv2.1=/ckpt/HPS_v2.1_compressed.pt"""
+    prompts: str = "shapes-train"
+    """training prompts: 'shapes-train' or a text file, one prompt per line"""
+    eval_prompts: str = "shapes-eval"
+    """held-out prompts: 'shapes-eval' or a text file, one prompt per line"""
+    iterations: int = 200
+    """training iterations (one rollout + its updates each)"""
+    learning_rate: float = 1e-4
+    """AdamW learning rate (constant)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm per optimizer step"""
+    guidance_scale: float = 1.0
+    """CFG scale for ShapesBench / SD3.5 (1 = off), embedded guidance for FLUX.1-dev (3.5 there); same in training"""
+    eval_every: int = 50
+    """evaluate on --eval-prompts every N iterations (and at the start and the end); 0 = never"""
+    eval_samples_per_prompt: int = 4
+    """samples per held-out prompt in evaluation (fixed seeds, ODE)"""
+    eval_steps: int = 20
+    """Euler ODE steps in evaluation"""
+    sample_every: int = 25
+    """write a fixed-seed sample grid PNG every N iterations; 0 = never"""
+    save_every: int = 25
+    """accelerate save_state checkpoint every N iterations; 0 = only at the end"""
+    checkpoints_total_limit: int = 2
+    """keep only the newest N checkpoints"""
+    resume_from: Optional[str] = None
+    """'latest' or a checkpoint folder to resume from"""
+    track: bool = False
+    """also log to Weights & Biases (needs `pip install wandb`)"""
+    wandb_project_name: str = "diffusion-rl"
+    """W&B project (with --track)"""
+
+    # Algorithm specific arguments
+    num_steps: int = 10
+    """sampling steps T of a rollout (shifted sigma schedule)"""
+    shift: float = 3.0
+    """SD3 time shift k of the sigma schedule: s' = k s / (1 + (k - 1) s)"""
+    sde_type: Literal["dance", "flow"] = "flow"
+    """noise schedule g(sigma): 'dance' = constant eta (DanceGRPO), 'flow' = a sqrt(sigma / (1 - sigma)) (Flow-GRPO)"""
+    noise_level: Optional[float] = None
+    """eta for 'dance' (default 0.3), a for 'flow' (default 0.7)"""
+    group_size: int = 8
+    """images per prompt (G); a group may span processes"""
+    samples_per_device: int = 64
+    """images sampled per process per iteration; prompts per iteration = processes * this / group size"""
+    rollout_batch_size: int = 16
+    """images per transformer forward in sampling; also the training micro-batch"""
+    same_noise: bool = False
+    """one shared initial noise per prompt group (DanceGRPO --init_same_noise)"""
+    timestep_fraction: Optional[float] = None
+    """fraction of a trajectory's SDE steps trained (default 0.6; 1.0 with --sde-window, as MixGRPO)"""
+    trajectories_per_update: int = 32
+    """trajectories (per process) whose gradients are accumulated into one optimizer step"""
+    clip_range: float = 1e-3
+    """PPO clip epsilon on the ratio (log-probs are means over latent dimensions, hence small)"""
+    adv_clip_max: float = 5.0
+    """advantages are clipped to +-this"""
+    kl_beta: float = 0.004
+    """weight of the per-step Gaussian KL to the frozen base model (0 = off, as upstream DanceGRPO)"""
+    sde_window: int = 0
+    """MixGRPO: SDE (and training) only inside a window of W steps, ODE elsewhere; 0 = SDE everywhere"""
+    window_shift_every: int = 25
+    """MixGRPO: the window moves one step deeper every N iterations"""
+
+
+# ---------------------------------------------------------------------------------------------------
+# ALGO LOGIC: schedule, SDE step with log-prob, advantages, loss
+# ---------------------------------------------------------------------------------------------------
+def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:
+    """linspace(1, 0, T + 1) warped by s' = k s / (1 + (k - 1) s) (SD3 shift); shape (T + 1,)."""
+    s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
+    return (shift * s / (1 + (shift - 1) * s)).float()
+
+
+def noise_g(sigmas: torch.Tensor, sde_type: str, level: float) -> torch.Tensor:
+    """Diffusion coefficient g_i of each step i (T,). DanceGRPO: constant eta. Flow-GRPO: a sqrt(s / (1 - s)),
+    with sigmas[1] standing in for the first sigma in the denominator, as Flow-GRPO does (1 - 1 = 0)."""
+    s = sigmas[:-1]
+    if sde_type == "dance":
+        return torch.full_like(s, level)
+    s_den = torch.where(s >= 1, sigmas[1], s)
+    return level * torch.sqrt(s / (1 - s_den))
+
+
+def sde_step(x, v, sigma, sigma_next, g, prev_sample=None, noise=None):
+    """One Euler-Maruyama step of the reverse SDE dx = [v - g^2/2 score] ds + g dw (SPEC §2).
+
+    x, v: (B, *L) fp32; sigma, sigma_next, g: floats or (B,) tensors. Returns (x_next, log_prob (B,), mean, std).
+    x0_hat = x - sigma v, score = -(x - (1 - sigma) x0_hat) / sigma^2, mean = x + d (v - g^2/2 score),
+    std = g sqrt(-d) with d = sigma_next - sigma < 0. log_prob is the full Gaussian log-density of x_next,
+    averaged (not summed) over the latent dimensions as the official code does.
+    """
+    view = (-1,) + (1,) * (x.dim() - 1)
+    sigma, sigma_next, g = (torch.as_tensor(t, dtype=x.dtype, device=x.device).reshape(view) for t in (sigma, sigma_next, g))
+    d = sigma_next - sigma
+    x0_hat = x - sigma * v
+    score = -(x - (1 - sigma) * x0_hat) / sigma**2
+    mean = x + d * (v - g**2 / 2 * score)
+    std = g * torch.sqrt(-d)
+    if prev_sample is None:
+        prev_sample = mean + std * noise
+    log_prob = -((prev_sample - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    return prev_sample, log_prob.flatten(1).mean(1), mean, std
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N,) rewards in global sample order, consecutive blocks of G = one prompt -> (N,) advantages.
+
+    A = (r - mean_group) / (std_group + 1e-8) with the unbiased std, as DanceGRPO; a group with equal
+    rewards gets 0 everywhere."""
+    r = rewards.view(-1, group_size).double()
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-8)).flatten().float()
+
+
+def grpo_loss(log_prob, old_log_prob, adv, clip_range: float):
+    """PPO-clipped surrogate per sample: max(-A r, -A clip(r, 1 - eps, 1 + eps)), r = exp(logp - logp_old). (B,)"""
+    ratio = torch.exp(log_prob - old_log_prob)
+    return torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)), ratio
+
+
+def sde_steps(num_steps: int, sde_window: int, window_shift_every: int, iteration: int) -> list[int]:
+    """Steps sampled with the SDE (and trainable) at this iteration. The last step (to sigma = 0) is always
+    ODE: it lands on x0_hat, which DanceGRPO decodes anyway, so it cannot change the reward.
+    MixGRPO: the window [c, c + W) with c = iteration // window_shift_every, stopping at the last trainable step."""
+    trainable = num_steps - 1
+    if sde_window == 0:
+        return list(range(trainable))
+    start = min(iteration // window_shift_every, trainable - sde_window)
+    return list(range(start, start + sde_window))
+
+
+def rng(*keys) -> torch.Generator:
+    """A CPU generator seeded by a stable hash of `keys`, e.g. (seed, iteration, "noise", sample_index)."""
+    digest = hashlib.sha256(repr(keys).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+@torch.no_grad()
+def rollout(model, transformer, cond, x, step_noise, sigmas, g, sde_idx, guidance_scale, autocast):
+    """Sample one chunk. x: (B, *L) initial noise, step_noise: (B, T, *L). SDE at steps in `sde_idx`, Euler elsewhere.
+
+    Returns latents (B, T + 1, *L) fp32 (x_0 ... x_T, x_T the image latent) and log_probs (B, T) (0 at ODE steps)."""
+    latents, log_probs = [x], torch.zeros(len(x), len(sigmas) - 1, device=x.device)
+    for i in range(len(sigmas) - 1):
+        with autocast():
+            v = model.velocity(transformer, x, sigmas[i].expand(len(x)).to(x.device), cond, guidance_scale)
+        v = v.float()
+        if i in sde_idx:
+            x, log_probs[:, i], _, _ = sde_step(x, v, sigmas[i], sigmas[i + 1], g[i], noise=step_noise[:, i].to(x.device))
+        else:
+            x = x + (sigmas[i + 1] - sigmas[i]) * v
+        latents.append(x)
+    return torch.stack(latents, 1), log_probs
+
+
+# ---------------------------------------------------------------------------------------------------
+# BOILERPLATE: validation, evaluation, checkpoints
+# ---------------------------------------------------------------------------------------------------
+def validate(args: Args, world: int) -> None:
+    """Every flag is checked here, before any model loads; messages name the flag to change."""
+    def need(ok, msg):
+        if not ok:
+            raise SystemExit(f"error: {msg}")
+    need(args.num_steps >= 2, "--num-steps must be at least 2 (the last step is a deterministic Euler step)")
+    need(0 <= args.sde_window <= args.num_steps - 1, f"--sde-window must be in [0, {args.num_steps - 1}] (= --num-steps - 1)")
+    need(args.window_shift_every >= 1, "--window-shift-every must be >= 1")
+    need(0 < args.timestep_fraction <= 1, "--timestep-fraction must be in (0, 1]")
+    need(args.noise_level > 0, "--noise-level must be > 0")
+    need(args.group_size >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
+    need(args.samples_per_device * world % args.group_size == 0,
+         f"--samples-per-device {args.samples_per_device} x {world} processes must be a multiple of --group-size {args.group_size}")
+    need(args.samples_per_device % args.rollout_batch_size == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
+    need(args.trajectories_per_update % args.rollout_batch_size == 0 and args.samples_per_device % args.trajectories_per_update == 0,
+         "--trajectories-per-update must be a multiple of --rollout-batch-size and divide --samples-per-device")
+    need(args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0, "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0")
+    need(args.iterations >= 1 and args.learning_rate > 0, "--iterations >= 1 and --learning-rate > 0")
+    for name in ("eval_every", "sample_every", "save_every"):
+        need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
+    need(args.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1")
+    for item in args.reward_ckpt:
+        need("=" in item, f"--reward-ckpt {item!r}: expected NAME=PATH")
+    if args.track:
+        import importlib.util
+
+        need(importlib.util.find_spec("wandb") is not None, "--track needs wandb: pip install wandb")
+    from common.rewards import parse_reward_spec
+
+    try:
+        parse_reward_spec(args.reward)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+@torch.no_grad()
+def sample_ode(model, transformer, cond, noise, sigmas, guidance_scale, autocast):
+    """Deterministic Euler samples for evaluation and grids; noise (B, *L) -> images (B, 3, H, W)."""
+    x = noise
+    for i in range(len(sigmas) - 1):
+        with autocast():
+            v = model.velocity(transformer, x, sigmas[i].expand(len(x)).to(x.device), cond, guidance_scale)
+        x = x + (sigmas[i + 1] - sigmas[i]) * v.float()
+    return model.decode(x).float()
+
+
+@torch.no_grad()
+def evaluate(args, model, transformer, reward_fn, prompts, device, autocast, shapes_reward=None):
+    """Held-out evaluation on the main process: ODE samples with fixed seeds -> reward and, on ShapesBench,
+    the verifier's accuracies, the learned reward and diversity. Returns (metrics, images, prompts)."""
+    from common import shapes
+
+    prompts = [p for p in prompts for _ in range(args.eval_samples_per_prompt)]
+    sigmas = sigma_schedule(args.eval_steps, args.shift)
+    images = []
+    for i in range(0, len(prompts), args.rollout_batch_size):
+        chunk = prompts[i : i + args.rollout_batch_size]
+        noise = torch.stack([torch.randn(model.latent_shape(), generator=rng(args.seed, "eval", i + j)) for j in range(len(chunk))])
+        images.append(sample_ode(model, transformer, model.encode_prompts(chunk), noise.to(device), sigmas, args.guidance_scale, autocast))
+    images = torch.cat(images)
+    total, parts = reward_fn(images, prompts)
+    metrics = {"eval/reward": total.mean().item(), **{f"eval/reward_{k}": v.mean().item() for k, v in parts.items()}}
+    if model.kind == "shapes":
+        metrics.update({f"eval/{k}": v for k, v in shapes.evaluate(images.cpu(), prompts, shapes_reward).items()})
+    return metrics, images, prompts
+
+
+def rotate_checkpoints(ckpt_dir: Path, limit: int) -> None:
+    done = sorted(ckpt_dir.glob("iter_*"))
+    for old in done[:-limit]:
+        for f in sorted(old.rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+        old.rmdir()
+
+
+class TrainState:
+    """The loop counter, saved inside accelerate checkpoints (register_for_checkpointing)."""
+
+    def __init__(self):
+        self.iteration = 0
+
+    def state_dict(self):
+        return {"iteration": self.iteration}
+
+    def load_state_dict(self, d):
+        self.iteration = d["iteration"]
+
+
+def main(args: Args):
+    # ---------------------------------------------------------------- SETUP
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, log_with=["tensorboard"] + (["wandb"] if args.track else []),
+                              project_dir=str(Path(args.output_dir) / args.exp_name))
+    world, rank = accelerator.num_processes, accelerator.process_index
+    if args.noise_level is None:
+        args.noise_level = 0.3 if args.sde_type == "dance" else 0.7
+    if args.timestep_fraction is None:
+        args.timestep_fraction = 1.0 if args.sde_window else 0.6
+    validate(args, world)
+    if accelerator.distributed_type == DistributedType.FSDP and args.kl_beta > 0 and not args.lora:
+        raise SystemExit("error: --kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU; "
+                         "under FSDP pass --kl-beta 0 or use --lora")
+    run_dir = Path(args.output_dir) / args.exp_name
+    ckpt_dir = run_dir / "checkpoints"
+    if args.resume_from is None and any(ckpt_dir.glob("iter_*")):
+        raise SystemExit(f"error: {run_dir} already holds checkpoints: pass --resume-from latest, or another --exp-name")
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
+    device = accelerator.device
+    autocast = accelerator.autocast
+    frozen_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
+    prompts_per_iter = world * args.samples_per_device // args.group_size
+    chunks_per_update = args.trajectories_per_update // args.rollout_batch_size
+    updates_per_iter = args.samples_per_device // args.trajectories_per_update
+
+    # ---------------------------------------------------------------- MODELS
+    from common.models import add_lora, load_model, save_trained_weights
+
+    model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
+    transformer = model.transformer.float()  # fp32 master weights; autocast handles bf16
+    if args.lora:
+        add_lora(transformer, args.lora_rank, args.lora_alpha)
+        for p in transformer.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    ref = None
+    if args.kl_beta > 0 and not args.lora:  # with LoRA the reference is the same module with the adapter disabled
+        ref = copy.deepcopy(transformer).requires_grad_(False).eval().to(frozen_dtype)
+    transformer.train()
+
+    # ---------------------------------------------------------------- PROMPTS & REWARDS
+    from common.prompts import load_prompts
+    from common.rewards import build_reward
+
+    train_prompts = load_prompts(args.prompts, "--prompts")
+    eval_prompts = load_prompts(args.eval_prompts, "--eval-prompts")
+    reward_ckpts = dict(item.split("=", 1) for item in args.reward_ckpt)
+    reward_fn = build_reward(args.reward, device, reward_ckpts)
+    shapes_reward = None
+    if model.kind == "shapes":
+        from common import shapes
+
+        shapes_reward = shapes.load_reward_model(reward_ckpts.get("shapes"), device=device)
+
+    # ---------------------------------------------------------------- OPTIMIZER
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    transformer, optimizer = accelerator.prepare(transformer, optimizer)
+    unwrapped = accelerator.unwrap_model(transformer)
+    state = TrainState()
+    accelerator.register_for_checkpointing(state)
+
+    # ---------------------------------------------------------------- RESUME
+    if args.resume_from:
+        path = max(ckpt_dir.glob("iter_*"), default=None) if args.resume_from == "latest" else Path(args.resume_from)
+        if path is None or not path.is_dir():
+            raise SystemExit(f"error: --resume-from {args.resume_from}: no checkpoint found (looked in {ckpt_dir})")
+        accelerator.load_state(str(path))
+        accelerator.print(f"resumed from {path} at iteration {state.iteration}")
+
+    sigmas = sigma_schedule(args.num_steps, args.shift)
+    g = noise_g(sigmas, args.sde_type, args.noise_level)
+    latent_shape = model.latent_shape()
+    if accelerator.is_main_process:
+        accelerator.init_trackers(args.exp_name, config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(args).items()})
+        n_train = max(1, int(len(sde_steps(args.num_steps, args.sde_window, args.window_shift_every, 0)) * args.timestep_fraction))
+        print("\n".join([
+            "***** DanceGRPO" + (" (MixGRPO window)" if args.sde_window else "") + " *****",
+            f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
+            f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
+            f"  processes {world} x samples per process {args.samples_per_device} = {world * args.samples_per_device} images / iteration",
+            f"  = {prompts_per_iter} prompts x group size {args.group_size} (prompts per process {args.samples_per_device / args.group_size:g})",
+            f"  steps {args.num_steps}, SDE steps {'window of %d' % args.sde_window if args.sde_window else args.num_steps - 1}, "
+            f"trained steps / trajectory {n_train}, {args.sde_type} noise {args.noise_level}",
+            f"  rollout / train micro-batch {args.rollout_batch_size}, optimizer steps / iteration {updates_per_iter} "
+            f"({args.trajectories_per_update} trajectories per process each)",
+            f"  reward {args.reward}, KL beta {args.kl_beta}, clip {args.clip_range}, lr {args.learning_rate}, iterations {args.iterations}",
+            f"  run folder {run_dir}",
+        ]))
+
+    def log_images(tag, images, captions, ok, it):
+        from common.viz import save_grid
+
+        path = save_grid(run_dir / "samples" / f"{tag}_{it:06d}.png", images, captions, ok, ncol=8)
+        tb = accelerator.get_tracker("tensorboard", unwrap=True)
+        import numpy as np
+        from PIL import Image
+
+        tb.add_image(tag, np.asarray(Image.open(path)), it, dataformats="HWC")
+
+    # fixed prompts and seeds for the sample grid: the first 8 held-out prompts x 2 seeds
+    grid_prompts = [p for p in eval_prompts[:8] for _ in range(2)]
+    grid_noise = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, "grid", j)) for j in range(len(grid_prompts))])
+
+    def grid_and_eval(it: int, do_eval: bool, do_grid: bool):
+        """Runs on every process with the prepared module (FSDP needs all ranks in each forward; under DDP the
+        other ranks would only wait), so every process computes the same images; the main one logs them."""
+        if not (do_eval or do_grid):
+            return
+        transformer.eval()
+        if do_grid:
+            images = sample_ode(model, transformer, model.encode_prompts(grid_prompts), grid_noise.to(device),
+                                sigma_schedule(args.eval_steps, args.shift), args.guidance_scale, autocast)
+            r, _ = reward_fn(images, grid_prompts)
+            if accelerator.is_main_process:
+                ok = None
+                if model.kind == "shapes":
+                    from common import shapes
+
+                    ok = shapes.verify(images, grid_prompts)["all"].tolist()
+                log_images("samples", images, [f"{p}\nreward {x:.3f}" for p, x in zip(grid_prompts, r.tolist())], ok, it)
+        if do_eval:
+            metrics, _, _ = evaluate(args, model, transformer, reward_fn, eval_prompts, device, autocast, shapes_reward)
+            if accelerator.is_main_process:
+                accelerator.log(metrics, step=it)
+                with open(run_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps({"iteration": it, **metrics}) + "\n")
+                print(f"eval @ {it}: " + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
+        transformer.train()
+
+    start = state.iteration
+    if start == 0:
+        grid_and_eval(0, args.eval_every > 0, args.sample_every > 0)
+    accelerator.wait_for_everyone()
+    bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="iterations",
+               disable=not accelerator.is_local_main_process)
+    for it in bar:
+        t_iter = time.perf_counter()
+        # ------------------------------------------------------------ SAMPLING
+        # The same prompt draw on every process; process r owns global samples [r S, (r + 1) S).
+        gen = rng(args.seed, it, "prompts")
+        if prompts_per_iter <= len(train_prompts):
+            pick = torch.randperm(len(train_prompts), generator=gen)[:prompts_per_iter]
+        else:
+            pick = torch.randint(len(train_prompts), (prompts_per_iter,), generator=gen)
+        global_idx = range(rank * args.samples_per_device, (rank + 1) * args.samples_per_device)
+        my_prompts = [train_prompts[pick[k // args.group_size]] for k in global_idx]
+        init = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, it, "init", k // args.group_size if args.same_noise else k))
+                            for k in global_idx])
+        step_noise = torch.stack([torch.randn((args.num_steps, *latent_shape), generator=rng(args.seed, it, "sde", k)) for k in global_idx])
+        sde_idx = sde_steps(args.num_steps, args.sde_window, args.window_shift_every, it)
+        cond = model.encode_prompts(my_prompts)
+        chunks = []  # one dict per rollout chunk: cond, latents (B, T + 1, *L), log_probs (B, T)
+        transformer.eval()
+        for c in range(0, args.samples_per_device, args.rollout_batch_size):
+            sl = slice(c, c + args.rollout_batch_size)
+            cond_c = {k: v[sl] for k, v in cond.items()}
+            latents, log_probs = rollout(model, transformer, cond_c, init[sl].to(device), step_noise[sl], sigmas, g, sde_idx,
+                                         args.guidance_scale, autocast)
+            chunks.append({"cond": cond_c, "latents": latents, "log_probs": log_probs})
+        t_sample = time.perf_counter() - t_iter
+
+        # ------------------------------------------------------------ REWARDS & ADVANTAGES
+        with torch.no_grad():
+            images = torch.cat([model.decode(ch["latents"][:, -1]).float() for ch in chunks])
+            rewards, parts = reward_fn(images, my_prompts)
+        all_rewards = accelerator.gather(rewards.float().to(device))  # (world * S,) in global sample order
+        all_adv = group_advantages(all_rewards, args.group_size)
+        adv = all_adv[rank * args.samples_per_device : (rank + 1) * args.samples_per_device].clamp(-args.adv_clip_max, args.adv_clip_max)
+        parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
+
+        # ------------------------------------------------------------ TRAINING
+        transformer.train()
+        n_train = max(1, int(len(sde_idx) * args.timestep_fraction))
+        stats = {k: [] for k in ("policy_loss", "kl", "ratio", "clipfrac", "approx_kl")}
+        grad_norms, skipped = [], 0
+        for u in range(updates_per_iter):
+            for ci in range(u * chunks_per_update, (u + 1) * chunks_per_update):
+                ch, sl = chunks[ci], slice(ci * args.rollout_batch_size, (ci + 1) * args.rollout_batch_size)
+                # trained steps of this chunk: a random subset of its SDE steps (DanceGRPO: per sample, here per chunk)
+                first_k = ci * args.rollout_batch_size + rank * args.samples_per_device
+                steps = [sde_idx[j] for j in torch.randperm(len(sde_idx), generator=rng(args.seed, it, "steps", first_k))[:n_train]]
+                for j, i in enumerate(steps):
+                    last = ci == (u + 1) * chunks_per_update - 1 and j == len(steps) - 1
+                    x, x_next = ch["latents"][:, i], ch["latents"][:, i + 1]
+                    sig = sigmas[i].expand(len(x)).to(device)
+                    with accelerator.no_sync(transformer) if not last else nullcontext():
+                        with autocast():
+                            v = model.velocity(transformer, x, sig, ch["cond"], args.guidance_scale)
+                        _, log_prob, mean, std = sde_step(x, v.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=x_next)
+                        loss_vec, ratio = grpo_loss(log_prob, ch["log_probs"][:, i], adv[sl], args.clip_range)
+                        loss = loss_vec.mean()
+                        if args.kl_beta > 0:
+                            with torch.no_grad(), autocast():
+                                if args.lora:
+                                    unwrapped.disable_adapters()
+                                    v_ref = model.velocity(unwrapped, x, sig, ch["cond"], args.guidance_scale)
+                                    unwrapped.enable_adapters()
+                                else:
+                                    v_ref = model.velocity(ref, x, sig, ch["cond"], args.guidance_scale)
+                            _, _, mean_ref, _ = sde_step(x, v_ref.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=x_next)
+                            # exact KL(N(mean, std^2) || N(mean_ref, std^2)) per dimension, averaged like the log-prob
+                            kl = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * std.flatten() ** 2)
+                            loss = loss + args.kl_beta * kl.mean()
+                            stats["kl"].append(kl.mean().detach())
+                        accelerator.backward(loss / (chunks_per_update * len(steps)))
+                    stats["policy_loss"].append(loss_vec.mean().detach())
+                    stats["ratio"].append(ratio.detach())
+                    stats["clipfrac"].append(((ratio - 1).abs() > args.clip_range).float().mean().detach())
+                    stats["approx_kl"].append((0.5 * (log_prob - ch["log_probs"][:, i]) ** 2).mean().detach())
+            grad_norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)
+            # NaN/Inf guard: every process agrees to skip, so the weights stay identical across ranks
+            bad = accelerator.reduce(torch.tensor(float(not torch.isfinite(grad_norm)), device=device), "sum")
+            if bad.item() > 0:
+                skipped += 1
+                optimizer.zero_grad(set_to_none=True)
+                continue
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            grad_norms.append(float(grad_norm))
+        state.iteration = it + 1
+
+        # ------------------------------------------------------------ LOGGING
+        ratios = torch.cat(stats["ratio"])
+        log = {
+            "rewards/mean": all_rewards.mean().item(), "rewards/std": all_rewards.std().item(),
+            **{f"rewards/{k}": v.mean().item() for k, v in parts.items()},
+            "advantages/zero_std_groups": (all_rewards.view(-1, args.group_size).std(1) == 0).float().mean().item(),
+            "losses/policy": torch.stack(stats["policy_loss"]).mean().item(),
+            "losses/ratio_mean": ratios.mean().item(), "losses/ratio_max_dev": (ratios - 1).abs().max().item(),
+            "losses/first_ratio_max_dev": (stats["ratio"][0] - 1).abs().max().item(),
+            "losses/clipfrac": torch.stack(stats["clipfrac"]).mean().item(),
+            "losses/approx_kl": torch.stack(stats["approx_kl"]).mean().item(),
+            "charts/grad_norm": sum(grad_norms) / max(1, len(grad_norms)), "charts/skipped_updates": skipped,
+            "charts/window_start": sde_idx[0], "charts/lr": args.learning_rate,
+            "perf/nfe_per_image": args.num_steps + n_train * (2 if args.kl_beta > 0 else 1),
+            "perf/sampling_s": t_sample, "perf/iteration_s": time.perf_counter() - t_iter,
+        }
+        if stats["kl"]:
+            log["losses/kl"] = torch.stack(stats["kl"]).mean().item()
+        if (it + 1) % 10 == 0 or it + 1 == args.iterations:  # all processes must hold identical weights (DDP)
+            sums = accelerator.gather(torch.stack([p.detach().double().sum() for p in params]).to(device)).view(world, -1)
+            log["charts/rank_weight_spread"] = (sums.max(0).values - sums.min(0).values).max().item()
+        if skipped:
+            accelerator.print(f"iteration {it}: skipped {skipped} update(s) with a non-finite gradient norm")
+        accelerator.log(log, step=it + 1)
+        if accelerator.is_main_process:  # plain-text copy of every logged scalar, one JSON line per iteration
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"iteration": it + 1, **log}) + "\n")
+        bar.set_postfix(reward=f"{log['rewards/mean']:.4f}", s_it=f"{log['perf/iteration_s']:.1f}")
+
+        # ------------------------------------------------------------ CHECKPOINT
+        final = it + 1 == args.iterations
+        if (args.save_every and (it + 1) % args.save_every == 0) or final:
+            accelerator.save_state(str(ckpt_dir / f"iter_{it + 1:06d}"))  # on every process (sharded states need it)
+            if accelerator.is_main_process:
+                rotate_checkpoints(ckpt_dir, args.checkpoints_total_limit)
+
+        # ------------------------------------------------------------ EVAL
+        do_eval = args.eval_every > 0 and ((it + 1) % args.eval_every == 0 or final)
+        do_grid = args.sample_every > 0 and ((it + 1) % args.sample_every == 0 or final)
+        grid_and_eval(it + 1, do_eval, do_grid)
+        accelerator.wait_for_everyone()
+
+    # ---------------------------------------------------------------- FINAL SAVE
+    sharded = accelerator.distributed_type == DistributedType.FSDP
+    state_dict = accelerator.get_state_dict(transformer) if sharded else None  # collective under FSDP
+    if accelerator.is_main_process:
+        save_trained_weights(model, unwrapped, run_dir / "final", args.lora, state_dict)
+        print(f"trained weights in {run_dir / 'final'}")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(tyro.cli(Args))

@@ -1,0 +1,180 @@
+"""dancegrpo.py: the SDE log-prob, advantages, the MixGRPO window, ratio == 1, and the real script end to end."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import tyro
+from safetensors.torch import load_file
+
+import dancegrpo as D
+from common.models import load_model
+from tests.tiny import build_flux, build_shapes, build_tiny_hps
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_RUN = ["--iterations", "2", "--samples-per-device", "8", "--group-size", "4", "--rollout-batch-size", "4",
+            "--trajectories-per-update", "4", "--num-steps", "4", "--eval-every", "2", "--eval-samples-per-prompt", "1",
+            "--eval-steps", "4", "--sample-every", "2"]
+
+
+def run_script(args, tmp_path, launcher=(sys.executable,), env=None):
+    cmd = [*launcher, str(ROOT / "dancegrpo.py"), "--output-dir", str(tmp_path), *args]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sde_step_log_prob_is_the_gaussian_density():
+    g = torch.Generator().manual_seed(0)
+    x, v, noise = (torch.randn(5, 3, 8, 8, generator=g) for _ in range(3))
+    sigma, sigma_next, eta = torch.tensor([0.9, 0.7, 0.5, 0.3, 0.2]), torch.tensor([0.8, 0.6, 0.3, 0.1, 0.0]), 0.7
+    x_next, log_prob, mean, std = D.sde_step(x, v, sigma, sigma_next, eta, noise=noise)
+    # the closed form of SPEC §2, written independently
+    s, d = sigma.view(-1, 1, 1, 1), (sigma_next - sigma).view(-1, 1, 1, 1)
+    expected_mean = x + d * (v + eta**2 / 2 * (x + (1 - s) * v) / s)
+    torch.testing.assert_close(mean, expected_mean)
+    torch.testing.assert_close(x_next, expected_mean + eta * (-d).sqrt() * noise)
+    normal = torch.distributions.Normal(expected_mean, eta * (-d).sqrt())
+    torch.testing.assert_close(log_prob, normal.log_prob(x_next).flatten(1).mean(1))
+    # scoring a given sample reproduces the same log-prob
+    torch.testing.assert_close(D.sde_step(x, v, sigma, sigma_next, eta, prev_sample=x_next)[1], log_prob)
+
+
+def test_noise_schedules():
+    sigmas = D.sigma_schedule(10, 3.0)
+    assert sigmas[0] == 1 and sigmas[-1] == 0 and torch.all(sigmas[1:] < sigmas[:-1])
+    torch.testing.assert_close(sigmas[5], torch.tensor(3 * 0.5 / (1 + 2 * 0.5)))
+    assert torch.all(D.noise_g(sigmas, "dance", 0.3) == 0.3)
+    flow = D.noise_g(sigmas, "flow", 0.7)
+    # Flow-GRPO: the first step's std g sqrt(dt) is exactly a, since dt = 1 - sigma_1
+    torch.testing.assert_close(flow[0] * (sigmas[0] - sigmas[1]).sqrt(), torch.tensor(0.7))
+    torch.testing.assert_close(flow[3], 0.7 * (sigmas[3] / (1 - sigmas[3])).sqrt())
+
+
+def test_group_advantages_by_hand():
+    r = torch.tensor([1.0, 2.0, 3.0, 6.0, 5.0, 5.0, 5.0, 5.0])
+    adv = D.group_advantages(r, 4)
+    mean, std = 3.0, torch.tensor([1.0, 2.0, 3.0, 6.0]).std().item()  # unbiased std = sqrt(14/3)
+    torch.testing.assert_close(adv[:4], (torch.tensor([1.0, 2.0, 3.0, 6.0]) - mean) / (std + 1e-8))
+    assert torch.all(adv[4:] == 0)  # a group of equal rewards carries no signal
+
+
+def test_grpo_loss_clips_the_ratio():
+    logp_old = torch.zeros(4)
+    logp = torch.log(torch.tensor([1.0, 1.5, 0.5, 1.5]))
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss, ratio = D.grpo_loss(logp, logp_old, adv, 0.2)
+    torch.testing.assert_close(ratio, torch.tensor([1.0, 1.5, 0.5, 1.5]))
+    # A > 0: the gain is capped at 1 + eps; A < 0: the pessimistic (larger) loss is kept
+    torch.testing.assert_close(loss, torch.tensor([-1.0, -1.2, 0.8, 1.5]))
+
+
+def test_mixgrpo_window_slides_and_stops():
+    assert D.sde_steps(10, 0, 25, 123) == list(range(9))  # DanceGRPO: every step but the last
+    assert D.sde_steps(10, 4, 25, 0) == [0, 1, 2, 3]
+    assert D.sde_steps(10, 4, 25, 24) == [0, 1, 2, 3]
+    assert D.sde_steps(10, 4, 25, 25) == [1, 2, 3, 4]
+    assert D.sde_steps(10, 4, 25, 125) == [5, 6, 7, 8]
+    assert D.sde_steps(10, 4, 25, 10_000) == [5, 6, 7, 8]  # stays at the last trainable steps
+
+
+def test_ratio_is_exactly_one_before_the_first_update(tmp_path):
+    build_shapes(tmp_path)
+    model = load_model(str(tmp_path))
+    prompts = ["a red circle on a blue background", "a green square on a white background"] * 2
+    cond = model.encode_prompts(prompts)
+    sigmas = D.sigma_schedule(6, 3.0)
+    g = D.noise_g(sigmas, "flow", 0.7)
+    gen = torch.Generator().manual_seed(0)
+    x, noise = torch.randn(4, 3, 32, 32, generator=gen), torch.randn(4, 6, 3, 32, 32, generator=gen)
+    from contextlib import nullcontext
+
+    latents, log_probs = D.rollout(model, model.transformer, cond, x, noise, sigmas, g, range(5), 1.0, nullcontext)
+    assert latents.shape == (4, 7, 3, 32, 32) and torch.all(log_probs[:, -1] == 0)
+    for i in range(5):  # the training forward (with grad) on the same micro-batch
+        v = model.velocity(model.transformer, latents[:, i], sigmas[i].expand(4), cond)
+        _, logp, _, _ = D.sde_step(latents[:, i], v.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=latents[:, i + 1])
+        assert torch.equal(torch.exp(logp - log_probs[:, i]), torch.ones(4))
+
+
+def test_validation_names_the_flag():
+    args = D.Args(samples_per_device=10, group_size=4, noise_level=0.7, timestep_fraction=0.6)
+    with pytest.raises(SystemExit, match="--group-size"):
+        D.validate(args, world=1)
+    with pytest.raises(SystemExit, match="--sde-window"):
+        D.validate(D.Args(sde_window=10, noise_level=0.7, timestep_fraction=1.0), world=1)
+    with pytest.raises(SystemExit, match="unknown reward"):
+        D.validate(D.Args(reward="nope", noise_level=0.7, timestep_fraction=0.6), world=1)
+
+
+def test_end_to_end_shapesbench(tmp_path):
+    run_script(TINY_RUN + ["--exp-name", "e2e", "--save-every", "1"], tmp_path)
+    run = tmp_path / "e2e"
+    rows = metrics(run)
+    train = [r for r in rows if "losses/policy" in r]
+    assert [r["iteration"] for r in train] == [1, 2]
+    assert all(r["losses/first_ratio_max_dev"] == 0 for r in train)  # ratio exactly 1 at the first update
+    assert all(r["perf/nfe_per_image"] == 4 + 2 * 3 for r in train)  # 4 rollout steps + 3 trained steps x (policy + KL ref)
+    evals = [r for r in rows if "eval/shape_acc" in r]
+    assert [r["iteration"] for r in evals] == [0, 2]
+    assert (run / "final" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001", "iter_000002"]
+    assert (run / "samples" / "samples_000002.png").is_file()
+    # a second run into the same folder without --resume-from is refused rather than mixing two runs
+    out = subprocess.run([sys.executable, "dancegrpo.py", "--output-dir", str(tmp_path), "--exp-name", "e2e"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode != 0 and "--resume-from latest" in out.stderr + out.stdout
+
+
+def test_mixgrpo_end_to_end(tmp_path):
+    run_script(TINY_RUN + ["--exp-name", "mix", "--sde-window", "2", "--kl-beta", "0", "--eval-every", "0"], tmp_path)
+    train = [r for r in metrics(tmp_path / "mix") if "losses/policy" in r]
+    assert all(r["perf/nfe_per_image"] == 4 + 2 and r["charts/window_start"] == 0 for r in train)
+
+
+def test_resume_gives_the_same_weights(tmp_path):
+    common = TINY_RUN + ["--eval-every", "0", "--sample-every", "0", "--save-every", "2"]
+    run_script(common + ["--exp-name", "straight", "--iterations", "4"], tmp_path)
+    run_script(common + ["--exp-name", "resumed", "--iterations", "2"], tmp_path)
+    run_script(common + ["--exp-name", "resumed", "--iterations", "4", "--resume-from", "latest"], tmp_path)
+    a = load_file(tmp_path / "straight" / "final" / "transformer" / "diffusion_pytorch_model.safetensors")
+    b = load_file(tmp_path / "resumed" / "final" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    base = load_file(ROOT / "common" / "assets" / "shapes-flow" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert any(not torch.equal(a[k], base[k]) for k in a)  # and training did change them
+
+
+def test_two_processes_keep_identical_weights(tmp_path):
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2")
+    # groups of 4 over 2 processes x 2 samples: every group spans both processes
+    run_script(TINY_RUN + ["--exp-name", "ddp", "--samples-per-device", "2", "--rollout-batch-size", "2",
+                           "--trajectories-per-update", "2", "--eval-every", "0"], tmp_path, launcher, {"ACCELERATE_USE_CPU": "1"})
+    last = [r for r in metrics(tmp_path / "ddp") if "charts/rank_weight_spread" in r][-1]
+    assert last["iteration"] == 2 and last["charts/rank_weight_spread"] == 0
+
+
+def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
+    """In-process (open_clip's tiny-hps config is registered in this process only), the real main()."""
+    import functools
+
+    from common import rewards
+
+    ckpt = build_tiny_hps(tmp_path)
+    monkeypatch.setitem(rewards.REWARDS, "hpsv2.1", functools.partial(rewards.REWARDS["hpsv2.1"], arch="tiny-hps"))
+    build_flux(tmp_path / "flux")
+    (tmp_path / "prompts.txt").write_text("a cat\na dog\n")
+    argv = TINY_RUN + ["--output-dir", str(tmp_path), "--exp-name", "flux", "--model-id", str(tmp_path / "flux"),
+                       "--resolution", "32", "--prompts", str(tmp_path / "prompts.txt"),
+                       "--eval-prompts", str(tmp_path / "prompts.txt"), "--reward", "hpsv2.1",
+                       "--reward-ckpt", f"hpsv2.1={ckpt}", "--lora", "--lora-rank", "4", "--guidance-scale", "3.5"]
+    D.main(tyro.cli(D.Args, args=argv))
+    train = [r for r in metrics(tmp_path / "flux") if "losses/policy" in r]
+    assert len(train) == 2 and all(r["losses/first_ratio_max_dev"] == 0 for r in train)
+    assert (tmp_path / "flux" / "final" / "pytorch_lora_weights.safetensors").is_file()
