@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Launch recipes: bash run.sh <recipe> [extra flags, passed to the script; later flags win]
+#   set up first with: bash scripts/setup.sh   (this file installs nothing)
+#
+#   dancegrpo-cpu          DanceGRPO on ShapesBench, 1 CPU process (~10 min on 2 cores)
+#   mixgrpo-cpu            MixGRPO (4-step sliding SDE window) on ShapesBench
+#   dancegrpo-cpu-2proc    the same, 2 CPU processes (gloo): groups span processes
+#   dancegrpo-flux-1gpu    FLUX.1-dev + HPSv2.1, LoRA, 1 GPU
+#   dancegrpo-flux-8gpu    FLUX.1-dev + HPSv2.1, LoRA, 8 GPUs (DDP)
+#   dancegrpo-flux-fsdp8   FLUX.1-dev + HPSv2.1, full fine-tuning, 8 GPUs (FSDP)
+#   dancegrpo-flux-multinode  LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES (MAIN_PORT=29500)
+#
+# FLUX recipes need the weights and a prompt file: pass --model-id /path/to/FLUX.1-dev if the hub is not
+# reachable, PROMPTS=/path/to/hpdv2_prompts.txt (one prompt per line), and HPS=/path/to/HPS_v2.1_compressed.pt.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PY:-.venv/bin/python}
+LAUNCH="$PY -m accelerate.commands.launch"  # = `accelerate launch`, minus the console script's timm import
+recipe=${1:-dancegrpo-cpu}
+shift || true
+
+# DanceGRPO's FLUX setting (reference/dancegrpo_flowgrpo_mixgrpo.md §1.9), LoRA variant: 720 px, 16 steps,
+# constant eta 0.3, 12 images per prompt, rollout batch 1, clip 1e-4, no KL, embedded guidance 3.5.
+FLUX_DANCE=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 --mixed-precision bf16
+  --reward hpsv2.1 --reward-ckpt "hpsv2.1=${HPS:-/path/to/HPS_v2.1_compressed.pt}"
+  --prompts "${PROMPTS:-/path/to/hpdv2_prompts.txt}" --eval-prompts "${EVAL_PROMPTS:-${PROMPTS:-/path/to/hpdv2_prompts.txt}}"
+  --num-steps 16 --sde-type dance --noise-level 0.3 --guidance-scale 3.5 --group-size 12 --samples-per-device 12
+  --rollout-batch-size 1 --trajectories-per-update 4 --clip-range 1e-4 --kl-beta 0 --iterations 300
+  --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
+FLUX_LORA=(--lora --lora-rank 128 --lora-alpha 256 --learning-rate 3e-4)
+
+case "$recipe" in
+  dancegrpo-cpu) $PY dancegrpo.py "$@" ;;
+  mixgrpo-cpu) $PY dancegrpo.py --exp-name mixgrpo --sde-window 4 "$@" ;;
+  dancegrpo-cpu-2proc) ACCELERATE_USE_CPU=1 $LAUNCH --multi_gpu --num_processes 2 dancegrpo.py --samples-per-device 32 "$@" ;;
+  dancegrpo-flux-1gpu) $LAUNCH --num_processes 1 dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  dancegrpo-flux-8gpu) $LAUNCH --config_file configs/ddp_8gpu.yaml dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  dancegrpo-flux-fsdp8) $LAUNCH --config_file configs/fsdp_flux_8gpu.yaml dancegrpo.py "${FLUX_DANCE[@]}" --learning-rate 1e-5 "$@" ;;
+  dancegrpo-flux-multinode)
+    : "${MAIN_IP:?set MAIN_IP}" "${MACHINE_RANK:?set MACHINE_RANK}" "${NUM_MACHINES:?set NUM_MACHINES}"
+    $LAUNCH --config_file configs/ddp_8gpu.yaml --num_machines "$NUM_MACHINES" --machine_rank "$MACHINE_RANK" \
+      --main_process_ip "$MAIN_IP" --main_process_port "${MAIN_PORT:-29500}" --num_processes $((8 * NUM_MACHINES)) \
+      dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  *) echo "unknown recipe '$recipe'; see the list at the top of run.sh" >&2; exit 2 ;;
+esac
