@@ -277,8 +277,8 @@ def sample_ode(model, transformer, cond, noise, sigmas, guidance_scale, autocast
 
 @torch.no_grad()
 def evaluate(args, model, transformer, reward_fn, prompts, device, autocast, shapes_reward=None):
-    """Held-out evaluation on the main process: ODE samples with fixed seeds -> reward and, on ShapesBench,
-    the verifier's accuracies, the learned reward and diversity. Returns (metrics, images, prompts)."""
+    """Held-out evaluation: ODE samples with fixed seeds -> reward and, on ShapesBench, the verifier's accuracies,
+    the learned reward and diversity. Every process computes the same numbers. Returns (metrics, images, prompts)."""
     from common import shapes
 
     prompts = [p for p in prompts for _ in range(args.eval_samples_per_prompt)]

@@ -1,0 +1,783 @@
+# BranchGRPO: docs/branchgrpo.md; paper: arXiv 2509.06040 (Li et al., "BranchGRPO: Stable and Efficient GRPO with Structured Branching")
+"""GRPO on tree-structured SDE rollouts of a flow-matching text-to-image model, one file.
+
+Every prompt grows one tree: the trajectories share their early denoising prefix and split into K children
+at chosen steps, so 16 leaves cost 203 node forwards instead of 320 (20 steps, splits 0,3,6,9, K = 2). All
+nodes of a depth go through one batched forward. Leaf rewards are fused upward into node values, normalised
+per depth within the tree, and each edge parent -> child is trained with its child's advantage under the
+PPO-clipped ratio of its SDE step. Width pruning, depth pruning or a sliding ODE/SDE mix only change which
+edges are trained, never the rollout or the rewards.
+
+Launch (run.sh has more):
+    python branchgrpo.py                                            # ShapesBench on CPU, ~10 min
+    python branchgrpo.py --pruning depth                            # depth pruning (4-step window, slides every 30 it.)
+    accelerate launch branchgrpo.py --pruning depth --model-id black-forest-labs/FLUX.1-dev --resolution 720 \
+        --reward hpsv2.1 --mixed-precision bf16 --num-steps 20 --sde-type dance --trees-per-device 2 \
+        --trees-per-update 1 --rollout-batch-size 8 --kl-beta 0 --learning-rate 1e-5 --guidance-scale 3.5
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 branchgrpo.py   # 2 CPU processes
+    python branchgrpo.py --resume-from latest                       # continue runs/branchgrpo
+
+Deviations from the official release (docs/branchgrpo.md explains each):
+  * branch noise is the paper's correlated, marginal-preserving construction (z_k = sqrt(rho) xi + sqrt(1 - rho) xi_k,
+    rho = 1 / (1 + s)); the release's independent noise scaled by 4 is --branch-noise scaled, and its edges
+    are scored under the std actually used (the release scores them under the unscaled std);
+  * nodes are evaluated in batches per depth, not one at a time;
+  * path fusion is a softmax over descendant leaves of beta * (path log-prob) / temperature (the release: a
+    sibling softmax with beta fixed to 1 and a broadcasting bug at the last split);
+  * parent-top1 keeps, for each parent of the last split, the post-split chain of its best child (the release
+    keeps the first 5 edges of every chain); extreme is per tree; depth pruning slides one step deeper every
+    30 iterations (the release slides earlier and ships it off); the Mix window slides with training iterations
+    (the release's never moves);
+  * the last step is a deterministic Euler step onto x0_hat, the image the release rewards, so it is not trained;
+  * optimizer steps are counted in trees (samples), not in edges (the release: every 12 edges, 37 per iteration).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, set_seed
+from tqdm import tqdm
+
+
+@dataclass
+class Args:
+    # Shared experiment arguments (identical in every script)
+    exp_name: str = Path(__file__).stem
+    """run name: outputs go to {output_dir}/{exp_name}"""
+    seed: int = 0
+    """seed of every random draw (prompts, noise, trained steps, initial weights of LoRA)"""
+    output_dir: str = "runs"
+    """parent folder of the run folder (TensorBoard logs, sample grids, checkpoints, final weights)"""
+    model_id: str = "shapesbench"
+    """'shapesbench' (shipped, CPU-sized), or a diffusers FLUX.1 / SD3.5 folder or hub id"""
+    resolution: Optional[int] = None
+    """square image side in pixels; None = the model's native size"""
+    lora: bool = False
+    """train a LoRA adapter (peft) instead of all transformer weights"""
+    lora_rank: int = 32
+    """LoRA rank (with --lora)"""
+    lora_alpha: float = 64.0
+    """LoRA alpha (with --lora)"""
+    mixed_precision: Literal["no", "bf16"] = "no"
+    """'bf16' runs forwards under autocast; log-probs, samples and master weights stay fp32"""
+    reward: str = "shapes"
+    """reward spec 'name:weight,...', e.g. 'shapes:1.0,verifier:0.5' or 'hpsv2.1'"""
+    reward_ckpt: list[str] = field(default_factory=list)
+    """NAME=PATH per reward model, e.g. hpsv2.1=/ckpt/HPS_v2.1_compressed.pt"""
+    prompts: str = "shapes-train"
+    """training prompts: 'shapes-train' or a text file, one prompt per line"""
+    eval_prompts: str = "shapes-eval"
+    """held-out prompts: 'shapes-eval' or a text file, one prompt per line"""
+    iterations: int = 200
+    """training iterations (one rollout + its updates each)"""
+    learning_rate: float = 1e-4
+    """AdamW learning rate (constant)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm per optimizer step"""
+    guidance_scale: float = 1.0
+    """CFG scale for ShapesBench / SD3.5 (1 = off), embedded guidance for FLUX.1-dev (3.5 there); same in training"""
+    eval_every: int = 50
+    """evaluate on --eval-prompts every N iterations (and at the start and the end); 0 = never"""
+    eval_samples_per_prompt: int = 4
+    """samples per held-out prompt in evaluation (fixed seeds, ODE)"""
+    eval_steps: int = 20
+    """Euler ODE steps in evaluation"""
+    sample_every: int = 25
+    """write a fixed-seed sample grid PNG every N iterations; 0 = never"""
+    save_every: int = 25
+    """accelerate save_state checkpoint every N iterations; 0 = only at the end"""
+    checkpoints_total_limit: int = 2
+    """keep only the newest N checkpoints"""
+    resume_from: Optional[str] = None
+    """'latest' or a checkpoint folder to resume from"""
+    track: bool = False
+    """also log to Weights & Biases (needs `pip install wandb`)"""
+    wandb_project_name: str = "diffusion-rl"
+    """W&B project (with --track)"""
+
+    # Algorithm specific arguments
+    num_steps: int = 12
+    """sampling steps T of a rollout (shifted sigma schedule; the paper uses 20)"""
+    shift: float = 3.0
+    """SD3 time shift k of the sigma schedule: s' = k s / (1 + (k - 1) s)"""
+    sde_type: Literal["dance", "flow"] = "flow"
+    """noise schedule g(sigma): 'dance' = constant eta (DanceGRPO, the release), 'flow' = a sqrt(sigma / (1 - sigma))"""
+    noise_level: Optional[float] = None
+    """eta for 'dance' (default 0.3), a for 'flow' (default 0.7)"""
+    split_schedule: str = "dense"
+    """split steps: 'dense' (0,3,6,...), 'sparse' (evenly spread), 'late' (second half) or a list like '0,3,6,9'"""
+    num_splits: int = 4
+    """number of split steps for the named schedules"""
+    branch_factor: int = 2
+    """children per split (K); leaves per tree = K ** splits"""
+    branch_noise: Literal["correlated", "scaled"] = "correlated"
+    """'correlated': siblings share part of their noise, each child is an exact SDE step (paper); 'scaled': independent noise times s (release)"""
+    branch_s: float = 4.0
+    """correlated: ratio of branch-specific to shared noise variance, rho = 1 / (1 + s); scaled: the noise multiplier"""
+    trees_per_device: int = 4
+    """prompts (trees) per process per iteration"""
+    trees_per_update: int = 2
+    """trees whose edges are accumulated into one optimizer step"""
+    rollout_batch_size: int = 16
+    """nodes per transformer forward (batched per depth); also the training micro-batch of parents"""
+    fusion: Literal["uniform", "path"] = "uniform"
+    """node value from its leaves: 'uniform' mean, or 'path' softmax of beta * path log-prob / temperature"""
+    fusion_beta: Optional[float] = None
+    """'path' fusion: weight of the path log-prob (default 1.0; 0 gives uniform)"""
+    fusion_temperature: Optional[float] = None
+    """'path' fusion: softmax temperature (default 1.0)"""
+    pruning: Literal["none", "width", "depth", "mix"] = "none"
+    """which edges are trained: all, width-pruned, depth-pruned, or only SDE edges of a sliding Mix window"""
+    width_mode: Optional[Literal["parent-top1", "extreme"]] = None
+    """--pruning width: 'parent-top1' (default) or 'extreme'"""
+    width_keep_ratio: Optional[float] = None
+    """--width-mode extreme: fraction of post-split chains kept, half best and half worst (default 0.5)"""
+    window: Optional[int] = None
+    """--pruning depth / mix: window size in steps (default 4)"""
+    window_shift_every: Optional[int] = None
+    """--pruning depth / mix: the window moves one step deeper every N iterations (default 30)"""
+    clip_range: float = 1e-3
+    """PPO clip epsilon on the ratio (log-probs are means over latent dimensions, hence small)"""
+    adv_clip_max: float = 5.0
+    """advantages are clipped to +-this"""
+    kl_beta: float = 0.004
+    """weight of the per-step Gaussian KL to the frozen base model (0 = off, as the release)"""
+
+
+# ---------------------------------------------------------------------------------------------------
+# ALGO LOGIC: schedule and SDE step (same as in dancegrpo.py), the tree, fusion, advantages, pruning
+# ---------------------------------------------------------------------------------------------------
+def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:  # same as in dancegrpo.py
+    """linspace(1, 0, T + 1) warped by s' = k s / (1 + (k - 1) s) (SD3 shift); shape (T + 1,)."""
+    s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
+    return (shift * s / (1 + (shift - 1) * s)).float()
+
+
+def noise_g(sigmas: torch.Tensor, sde_type: str, level: float) -> torch.Tensor:  # same as in dancegrpo.py
+    """Diffusion coefficient g_i of each step i (T,). DanceGRPO: constant eta. Flow-GRPO: a sqrt(s / (1 - s)),
+    with sigmas[1] standing in for the first sigma in the denominator, as Flow-GRPO does (1 - 1 = 0)."""
+    s = sigmas[:-1]
+    if sde_type == "dance":
+        return torch.full_like(s, level)
+    s_den = torch.where(s >= 1, sigmas[1], s)
+    return level * torch.sqrt(s / (1 - s_den))
+
+
+def step_mean_std(x, v, sigma, sigma_next, g):
+    """Mean and std of one reverse-SDE step (SPEC §2; the body of dancegrpo.py's sde_step). x, v: (B, *L) fp32.
+    x0_hat = x - sigma v, score = -(x - (1 - sigma) x0_hat) / sigma^2, mean = x + d (v - g^2/2 score), std = g sqrt(-d)."""
+    d = float(sigma_next - sigma)
+    x0_hat = x - float(sigma) * v
+    score = -(x - (1 - float(sigma)) * x0_hat) / float(sigma) ** 2
+    return x + d * (v - float(g) ** 2 / 2 * score), float(g) * math.sqrt(-d)
+
+
+def gaussian_log_prob(x_next, mean, std):
+    """Full Gaussian log-density of x_next under N(mean, std^2), averaged over latent dimensions (as dancegrpo.py). (B,)"""
+    std = torch.as_tensor(std, dtype=x_next.dtype, device=x_next.device).reshape((-1,) + (1,) * (x_next.dim() - 1))
+    lp = -((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    return lp.flatten(1).mean(1)
+
+
+def grpo_loss(log_prob, old_log_prob, adv, clip_range: float):  # same as in dancegrpo.py
+    """PPO-clipped surrogate per sample: max(-A r, -A clip(r, 1 - eps, 1 + eps)), r = exp(logp - logp_old). (B,)"""
+    ratio = torch.exp(log_prob - old_log_prob)
+    return torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)), ratio
+
+
+def rng(*keys) -> torch.Generator:  # same as in dancegrpo.py
+    """A CPU generator seeded by a stable hash of `keys`, e.g. (seed, iteration, "noise", sample_index)."""
+    digest = hashlib.sha256(repr(keys).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def split_steps(schedule: str, num_steps: int, num_splits: int) -> list[int]:
+    """Split steps of the tree. 'dense': every 3rd step from 0 (the release's 0,3,6,9 for 4 splits, the paper's
+    default); 'sparse': spread evenly over the trajectory (0,5,10,15 for 20 steps); 'late': spread evenly over the
+    second half (10,12,14,16 for 20 steps); or an explicit comma-separated list. Splits must precede the last step."""
+    if schedule == "dense":
+        return [3 * k for k in range(num_splits)]
+    if schedule == "sparse":
+        return [k * (num_steps // num_splits) for k in range(num_splits)]
+    if schedule == "late":
+        half = num_steps // 2
+        return [half + k * max(1, (num_steps - 1 - half) // num_splits) for k in range(num_splits)]
+    return sorted({int(s) for s in schedule.split(",")})
+
+
+def tree_sizes(num_steps: int, splits: list[int], k: int) -> list[int]:
+    """Nodes per depth (T + 1,): depth 0 is the root x_0 (pure noise), depth i + 1 holds the states after step i."""
+    n = [1]
+    for i in range(num_steps):
+        n.append(n[-1] * (k if i in splits else 1))
+    return n
+
+
+def tree_counts(num_steps: int, splits: list[int], k: int) -> tuple[int, int]:
+    """(node forwards, edges) of one tree: forwards = sum of nodes at depths 0..T-1, edges = sum at depths 1..T.
+    For T = 20, splits 0,3,6,9, K = 2: (203, 218), i.e. 12.69 and 13.625 per leaf (the release's README: 13.68)."""
+    n = tree_sizes(num_steps, splits, k)
+    return sum(n[:-1]), sum(n[1:])
+
+
+def branch_noise(gen, n_parents: int, k: int, shape, rho: float) -> torch.Tensor:
+    """Noise of the k children of each parent, (n_parents * k, *shape), children of a parent consecutive.
+    z_c = sqrt(rho) xi_parent + sqrt(1 - rho) xi_c with fresh xi at every split (paper appendix B.1): every z_c is
+    N(0, I), so each child edge is an exact SDE transition, and siblings have correlation rho."""
+    shared = torch.randn((n_parents, 1, *shape), generator=gen)
+    own = torch.randn((n_parents, k, *shape), generator=gen)
+    return (math.sqrt(rho) * shared + math.sqrt(1 - rho) * own).flatten(0, 1)
+
+
+@torch.no_grad()
+def tree_rollout(model, transformer, cond, roots, sigmas, g, splits, k, sde_set, noise_fn, batch_size, guidance_scale, autocast):
+    """Grow T trees at once. roots: (T, *L), one per tree; cond: dict of (T, ...) tensors.
+
+    Depth by depth, all nodes (tree-major, children of a parent consecutive) go through the transformer in chunks of
+    `batch_size`. noise_fn(step, n_parents_per_tree, k) -> (T * n_parents * k, *L) step noise (already scaled for
+    'scaled' branch noise) and the std multiplier used. Returns states: list of T + 1 tensors (T * n_d, *L) fp32,
+    and log_probs: list of T tensors (T * n_{i+1},), the old log-prob of every edge (0 at ODE steps)."""
+    states, log_probs = [roots], []
+    tree_of = torch.arange(len(roots))  # (nodes,) tree index of each node
+    for i in range(len(sigmas) - 1):
+        x = states[-1]
+        v = []
+        for c in range(0, len(x), batch_size):
+            idx = tree_of[c : c + batch_size]
+            with autocast():
+                out = model.velocity(transformer, x[c : c + batch_size], sigmas[i].expand(len(idx)).to(x.device),
+                                     {key: val[idx] for key, val in cond.items()}, guidance_scale)
+            v.append(out.float())
+        v = torch.cat(v)
+        kk = k if i in splits else 1
+        if i in sde_set:
+            mean, std = step_mean_std(x, v, sigmas[i], sigmas[i + 1], g[i])
+            noise, scale = noise_fn(i, len(x) // len(roots), kk)
+            mean = mean.repeat_interleave(kk, 0)
+            x_next = mean + std * scale * noise.to(x.device)
+            log_probs.append(gaussian_log_prob(x_next, mean, std * scale))
+        else:  # ODE (Euler) step; splits are always SDE
+            x_next = x + (sigmas[i + 1] - sigmas[i]) * v
+            log_probs.append(torch.zeros(len(x), device=x.device))
+        tree_of = tree_of.repeat_interleave(kk)
+        states.append(x_next)
+    return states, log_probs
+
+
+def node_values(leaf_rewards, log_probs, sizes, fusion: str, beta: float, temperature: float) -> list[torch.Tensor]:
+    """Fuse leaf rewards (T, L) into node values, a list over depths of (T, n_d) (paper §3.3).
+
+    A node at depth d covers a contiguous block of L / n_d leaves. 'uniform': the block mean. 'path': a softmax
+    over the block of beta * lp(node -> leaf) / temperature, where lp is the sum of the edge log-probs (per-dim
+    means) from the node down to the leaf; beta = 0 is exactly uniform."""
+    n_trees, n_leaves = leaf_rewards.shape
+    if fusion == "path":
+        # per-leaf log-prob of its edge at each step: (T, L, steps), then suffix sums from each depth
+        per_step = [lp.view(n_trees, sizes[i + 1]).repeat_interleave(n_leaves // sizes[i + 1], 1) for i, lp in enumerate(log_probs)]
+        suffix = torch.flip(torch.cumsum(torch.flip(torch.stack(per_step, -1).double(), [-1]), -1), [-1])
+    values = []
+    for d, n in enumerate(sizes):
+        r = leaf_rewards.view(n_trees, n, n_leaves // n).double()
+        if fusion == "uniform" or d == len(sizes) - 1:
+            values.append(r.mean(-1))
+        else:
+            w = torch.softmax(beta * suffix[..., d].view(n_trees, n, -1) / temperature, -1)
+            values.append((w * r).sum(-1))
+    return values
+
+
+def depth_advantages(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per tree and depth, z-score the node values: A = (V - mean_d) / (std_d + 1e-8), unbiased std (the release);
+    0 where a depth has one node or its values are equal (std < 1e-6). list of (T, n_d), float32."""
+    out = []
+    for v in values:
+        if v.shape[1] < 2:
+            out.append(torch.zeros_like(v, dtype=torch.float32))
+            continue
+        std = v.std(1, keepdim=True)
+        a = (v - v.mean(1, keepdim=True)) / (std + 1e-8)
+        out.append(torch.where(std < 1e-6, torch.zeros_like(a), a).float())
+    return out
+
+
+def window_steps(start: int, last: int, size: int, shift_every: int, iteration: int) -> list[int]:
+    """Sliding window [c, c + size) with c = start + iteration // shift_every, stopping once it ends at `last`."""
+    c = min(start + iteration // shift_every, last - size + 1)
+    return list(range(max(c, 0), c + size))
+
+
+def trained_edges(args, splits, sizes, sde_set, adv, iteration) -> list[torch.Tensor]:
+    """Which edges are trained, a list over steps of bool (T, n_{i+1}); adv[i] (T, n_{i+1}) holds the advantages of
+    the children of step i. Pruning acts here only: the rollout and the rewards are the same whatever it is. ODE
+    edges and the last (deterministic) step are never trained."""
+    n_trees, last, s_last = adv[0].shape[0], args.num_steps - 1, max(splits)
+    keep = [torch.full((n_trees, sizes[i + 1]), i in sde_set and i < last) for i in range(args.num_steps)]
+    if args.pruning == "depth":  # paper appendix A: a 4-step window after the last split, one step deeper every 30 it.
+        for i in window_steps(s_last + 1, last - 1, args.window, args.window_shift_every, iteration):
+            keep[i][:] = False
+    elif args.pruning == "width":  # only the post-split chains (steps after the last split) are pruned
+        a = adv[s_last]  # (T, L): the children of the last split, one per leaf; each chain below carries this advantage
+        if args.width_mode == "parent-top1":  # each parent of the last split keeps its best child's chain
+            best = a.view(n_trees, -1, args.branch_factor).argmax(-1)  # (T, parents)
+            chain = torch.nn.functional.one_hot(best, args.branch_factor).bool().flatten(1)
+        else:  # extreme: the chains with the highest and the lowest advantages
+            n_keep = max(2, int(a.shape[1] * args.width_keep_ratio))
+            order = a.argsort(1)
+            chain = torch.zeros_like(a, dtype=torch.bool)
+            chain.scatter_(1, torch.cat([order[:, : n_keep // 2], order[:, a.shape[1] - (n_keep - n_keep // 2):]], 1), True)
+        for i in range(s_last + 1, last):
+            keep[i] &= chain
+    return keep
+
+
+# ---------------------------------------------------------------------------------------------------
+# BOILERPLATE: validation, evaluation, checkpoints
+# ---------------------------------------------------------------------------------------------------
+def resolve_defaults(args: Args) -> None:
+    """Fill the mode-dependent defaults; a mode-specific flag given for another mode is an error (no dead flags)."""
+    def only(flag, value, ok, mode):
+        if value is not None and not ok:
+            raise SystemExit(f"error: --{flag} only applies with {mode}")
+    only("fusion-beta", args.fusion_beta, args.fusion == "path", "--fusion path")
+    only("fusion-temperature", args.fusion_temperature, args.fusion == "path", "--fusion path")
+    only("width-mode", args.width_mode, args.pruning == "width", "--pruning width")
+    only("width-keep-ratio", args.width_keep_ratio, args.pruning == "width" and args.width_mode == "extreme", "--pruning width --width-mode extreme")
+    only("window", args.window, args.pruning in ("depth", "mix"), "--pruning depth or mix")
+    only("window-shift-every", args.window_shift_every, args.pruning in ("depth", "mix"), "--pruning depth or mix")
+    defaults = {"noise_level": 0.3 if args.sde_type == "dance" else 0.7, "fusion_beta": 1.0, "fusion_temperature": 1.0,
+                "width_mode": "parent-top1", "width_keep_ratio": 0.5, "window": 4, "window_shift_every": 30}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def validate(args: Args, world: int) -> None:
+    """Every flag is checked here, before any model loads; messages name the flag to change."""
+    def need(ok, msg):
+        if not ok:
+            raise SystemExit(f"error: {msg}")
+    need(args.num_steps >= 2, "--num-steps must be at least 2 (the last step is a deterministic Euler step)")
+    try:
+        splits = split_steps(args.split_schedule, args.num_steps, args.num_splits)
+    except ValueError:
+        raise SystemExit(f"error: --split-schedule {args.split_schedule!r}: use dense, sparse, late or a list like 0,3,6,9") from None
+    need(len(splits) >= 1 and all(0 <= s <= args.num_steps - 2 for s in splits),
+         f"--split-schedule gives splits {splits}: they must lie in [0, {args.num_steps - 2}] (the last step is deterministic); "
+         "change --num-splits, --num-steps or --split-schedule")
+    need(args.num_splits >= 1 and args.branch_factor >= 2, "--num-splits >= 1 and --branch-factor >= 2")
+    need(args.branch_s > 0, "--branch-s must be > 0")
+    need(args.noise_level > 0, "--noise-level must be > 0")
+    need(args.fusion_temperature > 0, "--fusion-temperature must be > 0")
+    need(0 < args.width_keep_ratio <= 1, "--width-keep-ratio must be in (0, 1]")
+    need(args.window_shift_every >= 1 and 1 <= args.window <= args.num_steps - 1,
+         f"--window must be in [1, {args.num_steps - 1}] and --window-shift-every >= 1")
+    need(args.trees_per_device >= 1 and args.trees_per_device % args.trees_per_update == 0,
+         "--trees-per-update must divide --trees-per-device")
+    need(args.rollout_batch_size >= 1, "--rollout-batch-size must be >= 1")
+    need(args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0, "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0")
+    need(args.iterations >= 1 and args.learning_rate > 0, "--iterations >= 1 and --learning-rate > 0")
+    for name in ("eval_every", "sample_every", "save_every"):
+        need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
+    need(args.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1")
+    for item in args.reward_ckpt:
+        need("=" in item, f"--reward-ckpt {item!r}: expected NAME=PATH")
+    if args.track:
+        import importlib.util
+
+        need(importlib.util.find_spec("wandb") is not None, "--track needs wandb: pip install wandb")
+    from common.rewards import parse_reward_spec
+
+    try:
+        parse_reward_spec(args.reward)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+@torch.no_grad()
+def sample_ode(model, transformer, cond, noise, sigmas, guidance_scale, autocast):  # same as in dancegrpo.py
+    """Deterministic Euler samples for evaluation and grids; noise (B, *L) -> images (B, 3, H, W)."""
+    x = noise
+    for i in range(len(sigmas) - 1):
+        with autocast():
+            v = model.velocity(transformer, x, sigmas[i].expand(len(x)).to(x.device), cond, guidance_scale)
+        x = x + (sigmas[i + 1] - sigmas[i]) * v.float()
+    return model.decode(x).float()
+
+
+@torch.no_grad()
+def evaluate(args, model, transformer, reward_fn, prompts, device, autocast, shapes_reward=None):  # same as in dancegrpo.py
+    """Held-out evaluation: ODE samples with fixed seeds -> reward and, on ShapesBench, the verifier's accuracies,
+    the learned reward and diversity. Every process computes the same numbers. Returns (metrics, images, prompts)."""
+    from common import shapes
+
+    prompts = [p for p in prompts for _ in range(args.eval_samples_per_prompt)]
+    sigmas = sigma_schedule(args.eval_steps, args.shift)
+    images = []
+    for i in range(0, len(prompts), args.rollout_batch_size):
+        chunk = prompts[i : i + args.rollout_batch_size]
+        noise = torch.stack([torch.randn(model.latent_shape(), generator=rng(args.seed, "eval", i + j)) for j in range(len(chunk))])
+        images.append(sample_ode(model, transformer, model.encode_prompts(chunk), noise.to(device), sigmas, args.guidance_scale, autocast))
+    images = torch.cat(images)
+    total, parts = reward_fn(images, prompts)
+    metrics = {"eval/reward": total.mean().item(), **{f"eval/reward_{k}": v.mean().item() for k, v in parts.items()}}
+    if model.kind == "shapes":
+        metrics.update({f"eval/{k}": v for k, v in shapes.evaluate(images.cpu(), prompts, shapes_reward).items()})
+    return metrics, images, prompts
+
+
+def rotate_checkpoints(ckpt_dir: Path, limit: int) -> None:  # same as in dancegrpo.py
+    done = sorted(ckpt_dir.glob("iter_*"))
+    for old in done[:-limit]:
+        for f in sorted(old.rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+        old.rmdir()
+
+
+class TrainState:  # same as in dancegrpo.py
+    """The loop counter, saved inside accelerate checkpoints (register_for_checkpointing)."""
+
+    def __init__(self):
+        self.iteration = 0
+
+    def state_dict(self):
+        return {"iteration": self.iteration}
+
+    def load_state_dict(self, d):
+        self.iteration = d["iteration"]
+
+
+def main(args: Args):
+    # ---------------------------------------------------------------- SETUP
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, log_with=["tensorboard"] + (["wandb"] if args.track else []),
+                              project_dir=str(Path(args.output_dir) / args.exp_name))
+    world, rank = accelerator.num_processes, accelerator.process_index
+    resolve_defaults(args)
+    validate(args, world)
+    if accelerator.distributed_type == DistributedType.FSDP and args.kl_beta > 0 and not args.lora:
+        raise SystemExit("error: --kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU; "
+                         "under FSDP pass --kl-beta 0 or use --lora")
+    run_dir = Path(args.output_dir) / args.exp_name
+    ckpt_dir = run_dir / "checkpoints"
+    if args.resume_from is None and any(ckpt_dir.glob("iter_*")):
+        raise SystemExit(f"error: {run_dir} already holds checkpoints: pass --resume-from latest, or another --exp-name")
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
+    device = accelerator.device
+    autocast = accelerator.autocast
+    frozen_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
+    splits = split_steps(args.split_schedule, args.num_steps, args.num_splits)
+    sizes = tree_sizes(args.num_steps, splits, args.branch_factor)
+    n_leaves = sizes[-1]
+    rho = 1 / (1 + args.branch_s)  # correlated branch noise: Var(branch-specific) / Var(shared) = s
+
+    # ---------------------------------------------------------------- MODELS
+    from common.models import add_lora, load_model, save_trained_weights
+
+    model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
+    transformer = model.transformer.float()  # fp32 master weights; autocast handles bf16
+    if args.lora:
+        add_lora(transformer, args.lora_rank, args.lora_alpha)
+        for p in transformer.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    ref = None
+    if args.kl_beta > 0 and not args.lora:  # with LoRA the reference is the same module with the adapter disabled
+        ref = copy.deepcopy(transformer).requires_grad_(False).eval().to(frozen_dtype)
+    transformer.train()
+
+    # ---------------------------------------------------------------- PROMPTS & REWARDS
+    from common.prompts import load_prompts
+    from common.rewards import build_reward
+
+    train_prompts = load_prompts(args.prompts, "--prompts")
+    eval_prompts = load_prompts(args.eval_prompts, "--eval-prompts")
+    reward_ckpts = dict(item.split("=", 1) for item in args.reward_ckpt)
+    reward_fn = build_reward(args.reward, device, reward_ckpts)
+    shapes_reward = None
+    if model.kind == "shapes":
+        from common import shapes
+
+        shapes_reward = shapes.load_reward_model(reward_ckpts.get("shapes"), device=device)
+
+    # ---------------------------------------------------------------- OPTIMIZER
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    transformer, optimizer = accelerator.prepare(transformer, optimizer)
+    unwrapped = accelerator.unwrap_model(transformer)
+    state = TrainState()
+    accelerator.register_for_checkpointing(state)
+
+    # ---------------------------------------------------------------- RESUME
+    if args.resume_from:
+        path = max(ckpt_dir.glob("iter_*"), default=None) if args.resume_from == "latest" else Path(args.resume_from)
+        if path is None or not path.is_dir():
+            raise SystemExit(f"error: --resume-from {args.resume_from}: no checkpoint found (looked in {ckpt_dir})")
+        accelerator.load_state(str(path))
+        accelerator.print(f"resumed from {path} at iteration {state.iteration}")
+
+    sigmas = sigma_schedule(args.num_steps, args.shift)
+    g = noise_g(sigmas, args.sde_type, args.noise_level)
+    latent_shape = model.latent_shape()
+    forwards, edges = tree_counts(args.num_steps, splits, args.branch_factor)
+    if accelerator.is_main_process:
+        accelerator.init_trackers(args.exp_name, config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(args).items()})
+        print("\n".join([
+            f"***** BranchGRPO, pruning {args.pruning}" + (f" ({args.width_mode})" if args.pruning == "width" else "") + " *****",
+            f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
+            f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
+            f"  tree: {args.num_steps} steps, splits {splits}, K {args.branch_factor} -> {n_leaves} leaves, "
+            f"{forwards} node forwards ({forwards / n_leaves:.2f} / leaf), {edges} edges ({edges / n_leaves:.3f} / leaf)",
+            f"  branch noise {args.branch_noise} s={args.branch_s}" + (f" (sibling correlation {rho:.3f})" if args.branch_noise == "correlated" else "")
+            + f", {args.sde_type} noise {args.noise_level}, fusion {args.fusion}",
+            f"  processes {world} x trees per process {args.trees_per_device} = {world * args.trees_per_device} prompts, "
+            f"{world * args.trees_per_device * n_leaves} images / iteration",
+            f"  rollout / train micro-batch {args.rollout_batch_size} nodes, optimizer steps / iteration "
+            f"{args.trees_per_device // args.trees_per_update} ({args.trees_per_update} trees per process each)",
+            f"  reward {args.reward}, KL beta {args.kl_beta}, clip {args.clip_range}, lr {args.learning_rate}, iterations {args.iterations}",
+            f"  run folder {run_dir}",
+        ]))
+
+    def log_images(tag, images, captions, ok, it):  # same as in dancegrpo.py
+        from common.viz import save_grid
+
+        path = save_grid(run_dir / "samples" / f"{tag}_{it:06d}.png", images, captions, ok, ncol=8)
+        tb = accelerator.get_tracker("tensorboard", unwrap=True)
+        import numpy as np
+        from PIL import Image
+
+        tb.add_image(tag, np.asarray(Image.open(path)), it, dataformats="HWC")
+
+    # fixed prompts and seeds for the sample grid: the first 8 held-out prompts x 2 seeds
+    grid_prompts = [p for p in eval_prompts[:8] for _ in range(2)]
+    grid_noise = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, "grid", j)) for j in range(len(grid_prompts))])
+
+    def grid_and_eval(it: int, do_eval: bool, do_grid: bool):  # same as in dancegrpo.py
+        """Runs on every process with the prepared module (FSDP needs all ranks in each forward; under DDP the
+        other ranks would only wait), so every process computes the same images; the main one logs them."""
+        if not (do_eval or do_grid):
+            return
+        transformer.eval()
+        if do_grid:
+            images = sample_ode(model, transformer, model.encode_prompts(grid_prompts), grid_noise.to(device),
+                                sigma_schedule(args.eval_steps, args.shift), args.guidance_scale, autocast)
+            r, _ = reward_fn(images, grid_prompts)
+            if accelerator.is_main_process:
+                ok = None
+                if model.kind == "shapes":
+                    from common import shapes
+
+                    ok = shapes.verify(images, grid_prompts)["all"].tolist()
+                log_images("samples", images, [f"{p}\nreward {x:.3f}" for p, x in zip(grid_prompts, r.tolist())], ok, it)
+        if do_eval:
+            metrics, _, _ = evaluate(args, model, transformer, reward_fn, eval_prompts, device, autocast, shapes_reward)
+            if accelerator.is_main_process:
+                accelerator.log(metrics, step=it)
+                with open(run_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps({"iteration": it, **metrics}) + "\n")
+                print(f"eval @ {it}: " + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
+        transformer.train()
+
+    start = state.iteration
+    if start == 0:
+        grid_and_eval(0, args.eval_every > 0, args.sample_every > 0)
+    accelerator.wait_for_everyone()
+    bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="iterations",
+               disable=not accelerator.is_local_main_process)
+    n_groups = args.trees_per_device // args.trees_per_update
+    last = args.num_steps - 1
+    for it in bar:
+        t_iter = time.perf_counter()
+        # ------------------------------------------------------------ SAMPLING
+        # The same prompt draw on every process; process r owns trees [r T, (r + 1) T). One tree = one prompt group.
+        n_global = world * args.trees_per_device
+        gen = rng(args.seed, it, "prompts")
+        if n_global <= len(train_prompts):
+            pick = torch.randperm(len(train_prompts), generator=gen)[:n_global]
+        else:
+            pick = torch.randint(len(train_prompts), (n_global,), generator=gen)
+        tree_ids = list(range(rank * args.trees_per_device, (rank + 1) * args.trees_per_device))
+        my_prompts = [train_prompts[pick[t]] for t in tree_ids]
+        if args.pruning == "mix":  # SDE only inside the sliding window (from step 0) and at the splits; ODE elsewhere
+            sde_set = set(window_steps(0, last - 1, args.window, args.window_shift_every, it)) | set(splits)
+        else:
+            sde_set = set(range(last))  # the last step is a deterministic Euler step onto x0_hat
+        groups = []  # one dict per update group of trees: prompts, cond, states, log_probs
+        transformer.eval()
+        for u in range(n_groups):
+            ids = tree_ids[u * args.trees_per_update : (u + 1) * args.trees_per_update]
+
+            def noise_fn(i, n_parents, kk, ids=ids):
+                """Step noise of every tree, keyed on (tree, step): independent of chunking and process count."""
+                per_tree = []
+                for t in ids:
+                    gen_t = rng(args.seed, it, "tree", t, i)
+                    if kk > 1 and args.branch_noise == "correlated":
+                        per_tree.append(branch_noise(gen_t, n_parents, kk, latent_shape, rho))
+                    else:
+                        per_tree.append(torch.randn((n_parents * kk, *latent_shape), generator=gen_t))
+                scale = args.branch_s if kk > 1 and args.branch_noise == "scaled" else 1.0
+                return torch.cat(per_tree), scale
+
+            prompts_u = [my_prompts[t - tree_ids[0]] for t in ids]
+            cond = model.encode_prompts(prompts_u)
+            roots = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, it, "root", t)) for t in ids]).to(device)
+            states, log_probs = tree_rollout(model, transformer, cond, roots, sigmas, g, splits, args.branch_factor, sde_set,
+                                             noise_fn, args.rollout_batch_size, args.guidance_scale, autocast)
+            groups.append({"prompts": prompts_u, "cond": cond, "states": states, "log_probs": log_probs})
+        t_sample = time.perf_counter() - t_iter
+
+        # ------------------------------------------------------------ REWARDS & ADVANTAGES
+        with torch.no_grad():
+            leaf_prompts = [p for grp in groups for p in grp["prompts"] for _ in range(n_leaves)]
+            images = torch.cat([model.decode(grp["states"][-1]).float() for grp in groups])
+            rewards, parts = reward_fn(images, leaf_prompts)  # (trees * leaves,)
+        for u, grp in enumerate(groups):
+            r = rewards[u * args.trees_per_update * n_leaves : (u + 1) * args.trees_per_update * n_leaves].view(-1, n_leaves).to(device)
+            values = node_values(r, grp["log_probs"], sizes, args.fusion, args.fusion_beta, args.fusion_temperature)
+            grp["adv"] = [a.clamp(-args.adv_clip_max, args.adv_clip_max) for a in depth_advantages(values)]  # (T_u, n_d) per depth
+            grp["keep"] = trained_edges(args, splits, sizes, sde_set, grp["adv"][1:], it)  # edge of step i -> child at depth i + 1
+        all_rewards = accelerator.gather(rewards.float().to(device))
+        parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
+
+        # ------------------------------------------------------------ TRAINING
+        transformer.train()
+        stats = {k: [] for k in ("policy_loss", "kl", "ratio", "clipfrac", "approx_kl")}
+        grad_norms, skipped, n_trained_edges, n_train_forwards = [], 0, 0, 0
+        for grp in groups:
+            # work items: (step, parent indices) chunks of parents that have at least one trained child edge, in
+            # rollout order, so that without pruning a micro-batch is exactly a rollout chunk (ratio == 1 bitwise)
+            work, n_edges = [], 0
+            for i in range(args.num_steps):
+                kk = args.branch_factor if i in splits else 1
+                keep = grp["keep"][i].flatten().to(device)  # (T_u * n_{i+1},)
+                parents = torch.nonzero(keep.view(-1, kk).any(1)).flatten()
+                n_edges += int(keep.sum())
+                work += [(i, parents[c : c + args.rollout_batch_size]) for c in range(0, len(parents), args.rollout_batch_size)]
+            n_trained_edges += n_edges
+            n_train_forwards += sum(len(p) for _, p in work)
+            for w, (i, parents) in enumerate(work):
+                kk = args.branch_factor if i in splits else 1
+                n_per_tree = sizes[i]
+                x = grp["states"][i][parents]
+                tree_idx = parents // n_per_tree
+                cond = {key: val[tree_idx] for key, val in grp["cond"].items()}
+                children = (parents[:, None] * kk + torch.arange(kk, device=device)).flatten()  # (P * kk,)
+                mask = grp["keep"][i].flatten().to(device)[children]
+                adv = grp["adv"][i + 1].flatten().to(device)[children][mask]
+                old_lp = grp["log_probs"][i][children][mask]
+                x_child = grp["states"][i + 1][children][mask]
+                scale = args.branch_s if kk > 1 and args.branch_noise == "scaled" else 1.0
+                sig = sigmas[i].expand(len(x)).to(device)
+                with accelerator.no_sync(transformer) if w < len(work) - 1 else nullcontext():
+                    with autocast():
+                        v = model.velocity(transformer, x, sig, cond, args.guidance_scale)
+                    mean, std = step_mean_std(x, v.float(), sigmas[i], sigmas[i + 1], g[i])
+                    mean = mean.repeat_interleave(kk, 0)[mask]
+                    log_prob = gaussian_log_prob(x_child, mean, std * scale)
+                    loss_vec, ratio = grpo_loss(log_prob, old_lp, adv, args.clip_range)
+                    loss = loss_vec.sum()
+                    if args.kl_beta > 0:
+                        with torch.no_grad(), autocast():
+                            if args.lora:
+                                unwrapped.disable_adapters()
+                                v_ref = model.velocity(unwrapped, x, sig, cond, args.guidance_scale)
+                                unwrapped.enable_adapters()
+                            else:
+                                v_ref = model.velocity(ref, x, sig, cond, args.guidance_scale)
+                        mean_ref, _ = step_mean_std(x, v_ref.float(), sigmas[i], sigmas[i + 1], g[i])
+                        # exact KL between the two Gaussian steps, per edge, averaged over dimensions (as dancegrpo.py)
+                        kl = ((mean - mean_ref.repeat_interleave(kk, 0)[mask]) ** 2).flatten(1).mean(1) / (2 * (std * scale) ** 2)
+                        loss = loss + args.kl_beta * kl.sum()
+                        stats["kl"].append(kl.mean().detach())
+                    accelerator.backward(loss / max(1, n_edges))  # the mean over this update's trained edges
+                stats["policy_loss"].append(loss_vec.mean().detach())
+                stats["ratio"].append(ratio.detach())
+                stats["clipfrac"].append(((ratio - 1).abs() > args.clip_range).float().mean().detach())
+                stats["approx_kl"].append((0.5 * (log_prob - old_lp) ** 2).mean().detach())
+            grad_norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)
+            # NaN/Inf guard: every process agrees to skip, so the weights stay identical across ranks
+            bad = accelerator.reduce(torch.tensor(float(not torch.isfinite(grad_norm)), device=device), "sum")
+            if bad.item() > 0:
+                skipped += 1
+                optimizer.zero_grad(set_to_none=True)
+                continue
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            grad_norms.append(float(grad_norm))
+        state.iteration = it + 1
+
+        # ------------------------------------------------------------ LOGGING
+        ratios = torch.cat(stats["ratio"])
+        leaves_here = args.trees_per_device * n_leaves
+        log = {
+            "rewards/mean": all_rewards.mean().item(), "rewards/std": all_rewards.std().item(),
+            **{f"rewards/{k}": v.mean().item() for k, v in parts.items()},
+            "rewards/tree_std": all_rewards.view(-1, n_leaves).std(1).mean().item(),
+            "losses/policy": torch.stack(stats["policy_loss"]).mean().item(),
+            "losses/ratio_mean": ratios.mean().item(), "losses/ratio_max_dev": (ratios - 1).abs().max().item(),
+            "losses/first_ratio_max_dev": (stats["ratio"][0] - 1).abs().max().item(),
+            "losses/clipfrac": torch.stack(stats["clipfrac"]).mean().item(),
+            "losses/approx_kl": torch.stack(stats["approx_kl"]).mean().item(),
+            "charts/grad_norm": sum(grad_norms) / max(1, len(grad_norms)), "charts/skipped_updates": skipped,
+            "charts/lr": args.learning_rate,
+            "tree/rollout_forwards_per_leaf": forwards / n_leaves,
+            "tree/trained_edges_per_leaf": n_trained_edges / leaves_here,
+            "tree/train_forwards_per_leaf": n_train_forwards * (2 if args.kl_beta > 0 else 1) / leaves_here,
+            "perf/sampling_s": t_sample, "perf/iteration_s": time.perf_counter() - t_iter,
+        }
+        if args.pruning in ("depth", "mix"):
+            start_step = 0 if args.pruning == "mix" else max(splits) + 1
+            log["charts/window_start"] = window_steps(start_step, last - 1, args.window, args.window_shift_every, it)[0]
+        if stats["kl"]:
+            log["losses/kl"] = torch.stack(stats["kl"]).mean().item()
+        if (it + 1) % 10 == 0 or it + 1 == args.iterations:  # all processes must hold identical weights (DDP)
+            sums = accelerator.gather(torch.stack([p.detach().double().sum() for p in params]).to(device)).view(world, -1)
+            log["charts/rank_weight_spread"] = (sums.max(0).values - sums.min(0).values).max().item()
+        if skipped:
+            accelerator.print(f"iteration {it}: skipped {skipped} update(s) with a non-finite gradient norm")
+        accelerator.log(log, step=it + 1)
+        if accelerator.is_main_process:  # plain-text copy of every logged scalar, one JSON line per iteration
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"iteration": it + 1, **log}) + "\n")
+        bar.set_postfix(reward=f"{log['rewards/mean']:.4f}", s_it=f"{log['perf/iteration_s']:.1f}")
+
+        # ------------------------------------------------------------ CHECKPOINT
+        final = it + 1 == args.iterations
+        if (args.save_every and (it + 1) % args.save_every == 0) or final:
+            accelerator.save_state(str(ckpt_dir / f"iter_{it + 1:06d}"))  # on every process (sharded states need it)
+            if accelerator.is_main_process:
+                rotate_checkpoints(ckpt_dir, args.checkpoints_total_limit)
+
+        # ------------------------------------------------------------ EVAL
+        do_eval = args.eval_every > 0 and ((it + 1) % args.eval_every == 0 or final)
+        do_grid = args.sample_every > 0 and ((it + 1) % args.sample_every == 0 or final)
+        grid_and_eval(it + 1, do_eval, do_grid)
+        accelerator.wait_for_everyone()
+
+    # ---------------------------------------------------------------- FINAL SAVE
+    sharded = accelerator.distributed_type == DistributedType.FSDP
+    state_dict = accelerator.get_state_dict(transformer) if sharded else None  # collective under FSDP
+    if accelerator.is_main_process:
+        save_trained_weights(model, unwrapped, run_dir / "final", args.lora, state_dict)
+        print(f"trained weights in {run_dir / 'final'}")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(tyro.cli(Args))

@@ -1,0 +1,285 @@
+"""branchgrpo.py: tree bookkeeping, branch noise, fusion, depth-wise advantages, pruning, and the script end to end."""
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+import tyro
+from safetensors.torch import load_file
+
+import branchgrpo as B
+from common.models import load_model
+from tests.tiny import build_flux, build_shapes, build_tiny_hps
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_RUN = ["--iterations", "2", "--trees-per-device", "2", "--trees-per-update", "1", "--num-steps", "6",
+            "--num-splits", "2", "--rollout-batch-size", "4", "--eval-every", "2", "--eval-samples-per-prompt", "1",
+            "--eval-steps", "4", "--sample-every", "2"]
+
+
+def run_script(args, tmp_path, launcher=(sys.executable,), env=None):
+    cmd = [*launcher, str(ROOT / "branchgrpo.py"), "--output-dir", str(tmp_path), *args]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def args_for(**kw):
+    args = B.Args(**kw)
+    B.resolve_defaults(args)
+    return args
+
+
+# ---------------------------------------------------------------- tree bookkeeping
+def test_dense_tree_counts_match_the_paper():
+    forwards, edges = B.tree_counts(20, [0, 3, 6, 9], 2)
+    assert (forwards, edges) == (203, 218)
+    assert (round(forwards / 16, 2), edges / 16) == (12.69, 13.625)
+    assert B.tree_sizes(20, [0, 3, 6, 9], 2)[:11] == [1, 2, 2, 2, 4, 4, 4, 8, 8, 8, 16]
+
+
+@pytest.mark.parametrize("steps,splits,k", [(20, [0, 5, 10, 15], 2), (12, [0, 3, 6, 9], 2), (10, [2, 5], 3),
+                                            (20, [10, 12, 14, 16], 2), (8, [0], 4), (6, [4], 2)])
+def test_tree_counts_closed_form(steps, splits, k):
+    """edges = sum_j K^j (s_{j+1} - s_j) with s_0 = 0, s_{m+1} = T (K^j edges at each step after the j-th split),
+    and every split adds K - 1 edges per parent without a forward: forwards = edges - (K^m - 1)."""
+    bounds = [0, *splits, steps]
+    edges = sum(k**j * (bounds[j + 1] - bounds[j]) for j in range(len(splits) + 1))
+    assert B.tree_counts(steps, splits, k) == (edges - (k ** len(splits) - 1), edges)
+
+
+def test_named_split_schedules():
+    assert B.split_steps("dense", 20, 4) == [0, 3, 6, 9]
+    assert B.split_steps("sparse", 20, 4) == [0, 5, 10, 15]
+    assert B.split_steps("late", 20, 4) == [10, 12, 14, 16]
+    assert B.split_steps("9,0,3,6", 20, 4) == [0, 3, 6, 9]
+    with pytest.raises(SystemExit, match="--split-schedule"):
+        B.validate(args_for(split_schedule="0,3,19", num_steps=20), world=1)  # 19 is the deterministic last step
+    with pytest.raises(SystemExit, match="--split-schedule"):
+        B.validate(args_for(split_schedule="a,b"), world=1)
+
+
+# ---------------------------------------------------------------- branch noise
+def test_branch_noise_keeps_unit_variance_and_has_the_configured_correlation():
+    s = 4.0
+    rho = 1 / (1 + s)
+    z = B.branch_noise(torch.Generator().manual_seed(0), 20000, 2, (8,), rho).view(20000, 2, 8)
+    assert abs(z.var().item() - 1) < 0.01
+    corr = torch.corrcoef(torch.stack([z[:, 0].flatten(), z[:, 1].flatten()]))[0, 1].item()
+    assert abs(corr - rho) < 0.01
+    z4 = B.branch_noise(torch.Generator().manual_seed(1), 5000, 4, (8,), 0.5).view(5000, 4, 8)
+    c = torch.corrcoef(torch.stack([z4[:, 1].flatten(), z4[:, 3].flatten()]))[0, 1].item()
+    assert abs(c - 0.5) < 0.02
+
+
+@pytest.fixture(scope="module")
+def tiny_shapes(tmp_path_factory):
+    path = tmp_path_factory.mktemp("shapes")
+    build_shapes(path)
+    return load_model(str(path))
+
+
+def grow(model, splits, k, steps=4, batch_size=64, noise="correlated", trees=2):
+    prompts = ["a red circle on a blue background", "a green square on a white background"][:trees]
+    cond = model.encode_prompts(prompts)
+    sigmas = B.sigma_schedule(steps, 3.0)
+    g = B.noise_g(sigmas, "flow", 0.7)
+    shape = model.latent_shape()
+
+    def noise_fn(i, n_parents, kk):
+        gens = [B.rng(0, "t", t, i) for t in range(trees)]
+        if kk > 1 and noise == "correlated":
+            return torch.cat([B.branch_noise(gg, n_parents, kk, shape, 0.2) for gg in gens]), 1.0
+        return torch.cat([torch.randn((n_parents * kk, *shape), generator=gg) for gg in gens]), (4.0 if kk > 1 else 1.0)
+
+    roots = torch.randn((trees, *shape), generator=torch.Generator().manual_seed(0))
+    states, lps = B.tree_rollout(model, model.transformer, cond, roots, sigmas, g, splits, k, set(range(steps - 1)),
+                                 noise_fn, batch_size, 1.0, nullcontext)
+    return states, lps, sigmas, g, cond
+
+
+@pytest.mark.parametrize("noise,scale", [("correlated", 1.0), ("scaled", 4.0)])
+def test_child_edge_log_prob_is_the_sde_transition(tiny_shapes, noise, scale):
+    states, lps, sigmas, g, cond = grow(tiny_shapes, [0, 1], 2, noise=noise)
+    assert [len(s) for s in states] == [2, 4, 8, 8, 8]
+    x = states[1]  # parents of the split at step 1, tree-major
+    with torch.no_grad():
+        v = tiny_shapes.velocity(tiny_shapes.transformer, x, sigmas[1].expand(4), {k: v.repeat_interleave(2, 0) for k, v in cond.items()})
+    mean, std = B.step_mean_std(x, v, sigmas[1], sigmas[2], g[1])
+    normal = torch.distributions.Normal(mean.repeat_interleave(2, 0), std * scale)  # scored under the std actually used
+    torch.testing.assert_close(lps[1], normal.log_prob(states[2]).flatten(1).mean(1), rtol=1e-5, atol=1e-5)
+    assert torch.all(lps[-1] == 0)  # the last step is a deterministic Euler step
+
+
+def test_batched_rollout_equals_node_at_a_time(tiny_shapes):
+    a, lpa, *_ = grow(tiny_shapes, [0, 1], 2, batch_size=64)
+    b, lpb, *_ = grow(tiny_shapes, [0, 1], 2, batch_size=1)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+    for x, y in zip(lpa, lpb):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- fusion and advantages
+def test_path_fusion_with_beta_zero_is_uniform_and_weights_high_probability_leaves():
+    sizes = B.tree_sizes(3, [0, 1], 2)  # [1, 2, 4, 4]
+    r = torch.tensor([[1.0, 2.0, 3.0, 5.0]])
+    lps = [torch.tensor([0.0, 0.0]), torch.tensor([0.0, 1.0, 0.0, 0.0]), torch.zeros(4)]
+    uni = B.node_values(r, lps, sizes, "uniform", 1.0, 1.0)
+    zero = B.node_values(r, lps, sizes, "path", 0.0, 1.0)
+    for u, z in zip(uni, zero):
+        torch.testing.assert_close(u, z)
+    path = B.node_values(r, lps, sizes, "path", 1.0, 1.0)
+    w = torch.softmax(torch.tensor([0.0, 1.0]), 0)  # leaf 2 (index 1) has path log-prob 1 below node 0 of depth 1
+    torch.testing.assert_close(path[1], torch.tensor([[w[0] * 1 + w[1] * 2, 4.0]], dtype=torch.float64))
+
+
+def test_depth_advantages_by_hand():
+    sizes = B.tree_sizes(3, [0, 1], 2)  # depths: 1 root, 2 nodes, 4 nodes, 4 leaves
+    r = torch.tensor([[1.0, 2.0, 3.0, 5.0], [7.0, 7.0, 7.0, 7.0]])
+    adv = B.depth_advantages(B.node_values(r, [torch.zeros(4), torch.zeros(8), torch.zeros(8)], sizes, "uniform", 1, 1))
+    assert torch.all(adv[0] == 0)  # one node: no baseline, no signal
+    d1 = torch.tensor([1.5, 4.0])
+    torch.testing.assert_close(adv[1][0], ((d1 - d1.mean()) / (d1.std() + 1e-8)).float())
+    leaves = torch.tensor([1.0, 2.0, 3.0, 5.0])
+    torch.testing.assert_close(adv[2][0], ((leaves - leaves.mean()) / (leaves.std() + 1e-8)).float())
+    assert torch.all(adv[2][1] == 0) and torch.all(adv[1][1] == 0)  # a tree of equal rewards carries no signal
+
+
+# ---------------------------------------------------------------- pruning
+def masks(pruning, iteration=0, **kw):
+    args = args_for(num_steps=20, pruning=pruning, **kw)
+    splits = B.split_steps(args.split_schedule, 20, 4)
+    sizes = B.tree_sizes(20, splits, 2)
+    torch.manual_seed(0)
+    adv = [torch.randn(1, n) for n in sizes[1:]]
+    if pruning == "mix":
+        sde = set(B.window_steps(0, 18, args.window, args.window_shift_every, iteration)) | set(splits)
+    else:
+        sde = set(range(19))
+    return B.trained_edges(args, splits, sizes, sde, adv, iteration), adv
+
+
+def count(keep, steps=None):
+    return sum(int(k.sum()) for i, k in enumerate(keep) if steps is None or i in steps)
+
+
+def test_no_pruning_trains_every_edge_but_the_last_step():
+    keep, _ = masks("none")
+    assert count(keep) == 218 - 16 and not keep[19].any()
+
+
+def test_depth_pruning_skips_a_sliding_four_step_window():
+    for it, window in [(0, [10, 11, 12, 13]), (29, [10, 11, 12, 13]), (30, [11, 12, 13, 14]), (150, [15, 16, 17, 18]),
+                       (10_000, [15, 16, 17, 18])]:
+        keep, _ = masks("depth", it)
+        assert [i for i in range(19) if not keep[i].any()] == window, it
+        assert count(keep) == 218 - 16 - 4 * 16
+
+
+def test_width_parent_top1_keeps_the_best_child_chain_of_each_parent():
+    keep, adv = masks("width")
+    a = adv[9][0]  # advantages of the 16 children of the last split (step 9)
+    best = a.view(8, 2).argmax(1) + torch.arange(0, 16, 2)
+    for i in range(10, 19):
+        assert torch.equal(torch.nonzero(keep[i][0]).flatten(), best)
+    assert keep[9].all()  # the split edges themselves are always trained
+    assert count(keep) == 218 - 16 - 9 * 8
+
+
+def test_width_extreme_keeps_the_highest_and_lowest_chains():
+    keep, adv = masks("width", width_mode="extreme")
+    order = adv[9][0].argsort()
+    expected = torch.sort(torch.cat([order[:4], order[-4:]])).values
+    for i in range(10, 19):
+        assert torch.equal(torch.nonzero(keep[i][0]).flatten(), expected)
+    assert count(keep) == 218 - 16 - 9 * 8
+
+
+def test_mix_trains_only_the_sliding_window_and_the_splits():
+    keep, _ = masks("mix", 0)
+    assert [i for i in range(20) if keep[i].any()] == [0, 1, 2, 3, 6, 9]
+    keep, _ = masks("mix", 60)  # two shifts: window 2..5
+    assert [i for i in range(20) if keep[i].any()] == [0, 2, 3, 4, 5, 6, 9]
+    assert count(keep) == 2 + 2 + 4 + 4 + 4 + 8 + 16
+
+
+def test_mode_specific_flags_fail_at_start_up():
+    with pytest.raises(SystemExit, match="--width-mode only applies"):
+        args_for(width_mode="extreme")
+    with pytest.raises(SystemExit, match="--fusion-beta only applies"):
+        args_for(fusion_beta=0.5)
+    with pytest.raises(SystemExit, match="--window only applies"):
+        args_for(pruning="width", window=3)
+    with pytest.raises(SystemExit, match="--trees-per-update"):
+        B.validate(args_for(trees_per_device=3, trees_per_update=2), world=1)
+
+
+# ---------------------------------------------------------------- the script
+def test_end_to_end_shapesbench(tmp_path):
+    run_script(TINY_RUN + ["--exp-name", "e2e", "--save-every", "1"], tmp_path)
+    run = tmp_path / "e2e"
+    train = [r for r in metrics(run) if "losses/policy" in r]
+    assert [r["iteration"] for r in train] == [1, 2]
+    assert all(r["losses/first_ratio_max_dev"] == 0 for r in train)  # ratio exactly 1 at the first update
+    forwards, edges = B.tree_counts(6, [0, 3], 2)
+    assert all(r["tree/rollout_forwards_per_leaf"] == forwards / 4 for r in train)
+    assert all(r["tree/trained_edges_per_leaf"] == (edges - 4) / 4 for r in train)
+    assert (run / "final" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+    assert (run / "samples" / "samples_000002.png").is_file()
+
+
+@pytest.mark.parametrize("extra", [["--pruning", "depth", "--window", "2"], ["--pruning", "width"],
+                                   ["--pruning", "width", "--width-mode", "extreme"], ["--pruning", "mix", "--window", "1"],
+                                   ["--branch-noise", "scaled", "--fusion", "path"]])
+def test_pruning_modes_end_to_end(tmp_path, extra):
+    run_script(TINY_RUN + ["--exp-name", "p", "--eval-every", "0", "--sample-every", "0", "--iterations", "1"] + extra, tmp_path)
+    train = [r for r in metrics(tmp_path / "p") if "losses/policy" in r]
+    assert train[0]["tree/trained_edges_per_leaf"] < (B.tree_counts(6, [0, 3], 2)[1] - 4) / 4 or "--branch-noise" in extra
+    assert train[0]["losses/first_ratio_max_dev"] < 1e-5  # pruned micro-batches differ from rollout chunks only in batch size
+
+
+def test_resume_gives_the_same_weights(tmp_path):
+    common = TINY_RUN + ["--eval-every", "0", "--sample-every", "0", "--save-every", "2"]
+    run_script(common + ["--exp-name", "straight", "--iterations", "4"], tmp_path)
+    run_script(common + ["--exp-name", "resumed", "--iterations", "2"], tmp_path)
+    run_script(common + ["--exp-name", "resumed", "--iterations", "4", "--resume-from", "latest"], tmp_path)
+    a = load_file(tmp_path / "straight" / "final" / "transformer" / "diffusion_pytorch_model.safetensors")
+    b = load_file(tmp_path / "resumed" / "final" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_processes_keep_identical_weights(tmp_path):
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2")
+    run_script(TINY_RUN + ["--exp-name", "ddp", "--eval-every", "0"], tmp_path, launcher, {"ACCELERATE_USE_CPU": "1"})
+    last = [r for r in metrics(tmp_path / "ddp") if "charts/rank_weight_spread" in r][-1]
+    assert last["iteration"] == 2 and last["charts/rank_weight_spread"] == 0
+
+
+def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
+    """In-process (open_clip's tiny-hps config is registered in this process only), the real main()."""
+    from common import rewards
+
+    ckpt = build_tiny_hps(tmp_path)
+    monkeypatch.setitem(rewards.REWARDS, "hpsv2.1", functools.partial(rewards.REWARDS["hpsv2.1"], arch="tiny-hps"))
+    build_flux(tmp_path / "flux")
+    (tmp_path / "prompts.txt").write_text("a cat\na dog\n")
+    argv = TINY_RUN + ["--output-dir", str(tmp_path), "--exp-name", "flux", "--model-id", str(tmp_path / "flux"),
+                       "--resolution", "32", "--prompts", str(tmp_path / "prompts.txt"),
+                       "--eval-prompts", str(tmp_path / "prompts.txt"), "--reward", "hpsv2.1",
+                       "--reward-ckpt", f"hpsv2.1={ckpt}", "--lora", "--lora-rank", "4", "--guidance-scale", "3.5",
+                       "--pruning", "depth", "--window", "2"]
+    B.main(tyro.cli(B.Args, args=argv))
+    train = [r for r in metrics(tmp_path / "flux") if "losses/policy" in r]
+    assert len(train) == 2 and all(math.isfinite(r["losses/policy"]) for r in train)
+    assert (tmp_path / "flux" / "final" / "pytorch_lora_weights.safetensors").is_file()
