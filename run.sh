@@ -9,6 +9,12 @@
 #   dancegrpo-flux-8gpu    FLUX.1-dev + HPSv2.1, LoRA, 8 GPUs (DDP)
 #   dancegrpo-flux-fsdp8   FLUX.1-dev + HPSv2.1, full fine-tuning, 8 GPUs (FSDP)
 #   dancegrpo-flux-multinode  LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES (MAIN_PORT=29500)
+#   branchgrpo-cpu         BranchGRPO on ShapesBench, 1 CPU process (~10 min on 2 cores); add --pruning depth|width|mix
+#   branchgrpo-cpu-2proc   the same, 2 CPU processes (gloo)
+#   branchgrpo-flux-1gpu   FLUX.1-dev + HPSv2.1, LoRA, depth pruning, 1 GPU
+#   branchgrpo-flux-8gpu   FLUX.1-dev + HPSv2.1, LoRA, depth pruning, 8 GPUs (DDP)
+#   branchgrpo-flux-fsdp8  FLUX.1-dev + HPSv2.1, full fine-tuning (the paper's setting), depth pruning, 8 GPUs (FSDP)
+#   branchgrpo-flux-multinode  LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
 #
 # FLUX recipes need the weights and a prompt file: pass --model-id /path/to/FLUX.1-dev if the hub is not
 # reachable, PROMPTS=/path/to/hpdv2_prompts.txt (one prompt per line), and HPS=/path/to/HPS_v2.1_compressed.pt.
@@ -28,6 +34,15 @@ FLUX_DANCE=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 
   --rollout-batch-size 1 --trajectories-per-update 4 --clip-range 1e-4 --kl-beta 0 --iterations 300
   --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
 FLUX_LORA=(--lora --lora-rank 128 --lora-alpha 256 --learning-rate 3e-4)
+# BranchGRPO's FLUX setting (reference/branchgrpo.md §6): 20 steps, dense splits 0,3,6,9, K = 2 (16 leaves),
+# constant eta 0.3, 2 prompts per GPU, clip 1e-3, no KL, lr 1e-5 (full fine-tuning).
+FLUX_BRANCH=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 --mixed-precision bf16
+  --reward hpsv2.1 --reward-ckpt "hpsv2.1=${HPS:-/path/to/HPS_v2.1_compressed.pt}"
+  --prompts "${PROMPTS:-/path/to/hpdv2_prompts.txt}" --eval-prompts "${EVAL_PROMPTS:-${PROMPTS:-/path/to/hpdv2_prompts.txt}}"
+  --num-steps 20 --split-schedule dense --num-splits 4 --branch-factor 2 --sde-type dance --noise-level 0.3
+  --guidance-scale 3.5 --trees-per-device 2 --trees-per-update 1 --rollout-batch-size 8 --clip-range 1e-3
+  --kl-beta 0 --iterations 300 --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10
+  --save-every 20 --pruning depth)
 
 case "$recipe" in
   dancegrpo-cpu) $PY dancegrpo.py "$@" ;;
@@ -41,5 +56,15 @@ case "$recipe" in
     $LAUNCH --config_file configs/ddp_8gpu.yaml --num_machines "$NUM_MACHINES" --machine_rank "$MACHINE_RANK" \
       --main_process_ip "$MAIN_IP" --main_process_port "${MAIN_PORT:-29500}" --num_processes $((8 * NUM_MACHINES)) \
       dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  branchgrpo-cpu) $PY branchgrpo.py "$@" ;;
+  branchgrpo-cpu-2proc) ACCELERATE_USE_CPU=1 $LAUNCH --multi_gpu --num_processes 2 branchgrpo.py --trees-per-device 2 "$@" ;;
+  branchgrpo-flux-1gpu) $LAUNCH --num_processes 1 branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  branchgrpo-flux-8gpu) $LAUNCH --config_file configs/ddp_8gpu.yaml branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  branchgrpo-flux-fsdp8) $LAUNCH --config_file configs/fsdp_flux_8gpu.yaml branchgrpo.py "${FLUX_BRANCH[@]}" --learning-rate 1e-5 "$@" ;;
+  branchgrpo-flux-multinode)
+    : "${MAIN_IP:?set MAIN_IP}" "${MACHINE_RANK:?set MACHINE_RANK}" "${NUM_MACHINES:?set NUM_MACHINES}"
+    $LAUNCH --config_file configs/ddp_8gpu.yaml --num_machines "$NUM_MACHINES" --machine_rank "$MACHINE_RANK" \
+      --main_process_ip "$MAIN_IP" --main_process_port "${MAIN_PORT:-29500}" --num_processes $((8 * NUM_MACHINES)) \
+      branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
   *) echo "unknown recipe '$recipe'; see the list at the top of run.sh" >&2; exit 2 ;;
 esac

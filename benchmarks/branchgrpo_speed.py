@@ -1,0 +1,82 @@
+"""BranchGRPO speed benchmarks (issue #4), on the shipped ShapesBench model, CPU.
+
+    python benchmarks/branchgrpo_speed.py rollout      # one 16-leaf tree: batched per depth vs one node at a time
+    python benchmarks/branchgrpo_speed.py iteration    # s/iteration vs dancegrpo.py at 16 samples per prompt, 20 steps
+
+`iteration` runs the real scripts back to back (subprocesses, no evaluation, KL off as in both papers) and
+reports the median seconds per iteration over the iterations after the first; it prints a JSON table.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def rollout(repeats: int = 3) -> dict:
+    import branchgrpo as B
+    from common.models import load_model
+
+    model = load_model("shapesbench")
+    cond = model.encode_prompts(["a red circle on a blue background"])
+    sigmas = B.sigma_schedule(20, 3.0)
+    g = B.noise_g(sigmas, "flow", 0.7)
+    splits, shape = [0, 3, 6, 9], model.latent_shape()
+
+    def noise_fn(i, n_parents, kk):
+        gen = B.rng(0, "bench", i)
+        return (B.branch_noise(gen, n_parents, kk, shape, 0.2) if kk > 1 else torch.randn((n_parents, *shape), generator=gen)), 1.0
+
+    out = {}
+    for name, bs in [("batched_per_depth", 16), ("one_node_at_a_time", 1)]:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            B.tree_rollout(model, model.transformer, cond, torch.randn((1, *shape)), sigmas, g, splits, 2, set(range(19)),
+                           noise_fn, bs, 1.0, nullcontext)
+            times.append(time.perf_counter() - t0)
+        out[name + "_s"] = round(min(times), 3)
+    out["speedup"] = round(out["one_node_at_a_time_s"] / out["batched_per_depth_s"], 2)
+    out["threads"] = torch.get_num_threads()
+    return out
+
+
+def iteration(iterations: int = 4) -> dict:
+    common = ["--num-steps", "20", "--iterations", str(iterations), "--eval-every", "0", "--sample-every", "0",
+              "--save-every", "0", "--kl-beta", "0"]
+    runs = {
+        "dancegrpo": ["dancegrpo.py", "--group-size", "16", "--samples-per-device", "16", "--rollout-batch-size", "16",
+                      "--trajectories-per-update", "16", "--timestep-fraction", "1.0"],
+        **{f"branchgrpo_{p}": ["branchgrpo.py", "--trees-per-device", "1", "--trees-per-update", "1",
+                               "--rollout-batch-size", "16", "--pruning", p] for p in ("none", "width", "depth", "mix")},
+    }
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, argv in runs.items():
+            cmd = [sys.executable, *argv, *common, "--output-dir", tmp, "--exp-name", name]
+            subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+            rows = [json.loads(line) for line in (Path(tmp) / name / "metrics.jsonl").read_text().splitlines()]
+            its = [r["perf/iteration_s"] for r in rows if "perf/iteration_s" in r][1:]
+            out[name] = {"s_per_iteration": round(statistics.median(its), 2)}
+            for key in ("tree/trained_edges_per_leaf", "perf/nfe_per_image"):
+                if key in rows[-1]:
+                    out[name][key] = rows[-1][key]
+    base = out["dancegrpo"]["s_per_iteration"]
+    for name in out:
+        out[name]["speedup_vs_dancegrpo"] = round(base / out[name]["s_per_iteration"], 2)
+    return out
+
+
+if __name__ == "__main__":
+    what = sys.argv[1] if len(sys.argv) > 1 else "rollout"
+    print(json.dumps({"rollout": rollout, "iteration": iteration}[what](), indent=1))

@@ -1,0 +1,673 @@
+# V-GRPO: docs/vgrpo.md; paper: arXiv 2604.23380 (no official code was readable: ../shared/reference/vgrpo.md)
+"""GRPO with an ELBO likelihood surrogate for a flow-matching text-to-image model, one file (V-GRPO).
+
+Sampling is decoupled from training: a group of images per prompt is generated with a deterministic ODE solver
+(DPM-Solver++(2M) or Euler), scored, and the rewards normalised within the group. The likelihood of each whole
+image under the policy is replaced by a low-variance surrogate, the mean over N_MC (t, eps) pairs of a
+self-normalised x-prediction error: S(x) = mean_j -mean((x0_hat_j - x)^2) / sg(mean|x0_hat_j - x|),
+x0_hat_j = z_j - t_j v(z_j, t_j), z_j = (1 - t_j) x + t_j eps_j. The pairs are shared by every image of the
+iteration (so by each group, and on every process) and their timesteps are stratified over the rollout
+schedule. The PPO-clipped loss uses the whole-image ratio exp(S_theta - S_old), with S_old stored right after
+the rollout; optional KL to the behaviour policy and a tanh soft clip of the advantages.
+
+Launch (run.sh has more):
+    python vgrpo.py                                                  # ShapesBench on CPU
+    python vgrpo.py --no-stratified --no-shared-pairs --no-self-normalize   # the naive ELBO baseline
+    accelerate launch vgrpo.py --model-id black-forest-labs/FLUX.1-dev --resolution 512 --reward hpsv2.1 \
+        --lora --mixed-precision bf16 --num-steps 16 --samples-per-device 12 --group-size 12 \
+        --rollout-batch-size 1 --train-batch-size 1 --images-per-update 4 --guidance-scale 3.5 --learning-rate 3e-4
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 vgrpo.py   # 2 CPU processes
+    python vgrpo.py --resume-from latest                             # continue runs/vgrpo
+
+Choices where the paper is silent, and deviations (docs/vgrpo.md explains each):
+  * DPM-Solver++(2M) is written out (dpm_solver_2m_step, 8 lines) rather than taken from diffusers'
+    DPMSolverMultistepScheduler: in diffusers 0.42 its set_timesteps accepts no explicit sigmas, and its flow
+    schedule (use_flow_sigmas) starts at shift(0.999), not 1, with interior points shift(0.999 k / T), so it
+    cannot reproduce sigma_schedule(T, shift); given our sigmas it computes the same update (tested against it);
+  * the pairs come from keyed randomness, (seed, iteration) only, so every process draws the same ones without a
+    broadcast (logged: charts/rank_pairs_spread); --no-shared-pairs keys them by global sample index;
+  * timesteps are drawn from the rollout schedule sigma_0 .. sigma_{T-1} (0 excluded), cut into N_MC chunks with
+    tensor_split semantics, one uniform pick per chunk; --no-stratified draws N_MC i.i.d. uniform picks from the
+    same grid (only the stratification changes, not the support);
+  * the behaviour values S_old are computed once per iteration with the same micro-batches (train_batch_size x
+    N_MC rows) as the training forwards, so the first log ratio is exactly 0; S_old serves every optimizer step
+    of the iteration (one rollout = one behaviour policy);
+  * KL (--kl-beta) is D_simple on the stored pairs against the behaviour policy: its x0_hat predictions are kept
+    from the same pass (fp32, samples x N_MC latents), so no frozen copy and no extra forward are needed;
+  * several rewards: each component is normalised within the group, the advantages are summed with the --reward
+    weights as given (not renormalised to sum 1), then clipped to +-adv_clip_max, then optionally soft-clipped;
+  * the surrogate forwards use --guidance-scale like the rollout (CFG doubles them on SD3 / ShapesBench);
+  * evaluation and grids use the Euler sampler shared with dancegrpo.py, whatever --solver is;
+  * all randomness (prompts, noise, pairs) is keyed on (seed, iteration, ...), as in dancegrpo.py, so a resumed or
+    a multi-process run draws the same numbers as an uninterrupted single-process one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, set_seed
+from tqdm import tqdm
+
+
+@dataclass
+class Args:
+    # Shared experiment arguments (identical in every script)
+    exp_name: str = Path(__file__).stem
+    """run name: outputs go to {output_dir}/{exp_name}"""
+    seed: int = 0
+    """seed of every random draw (prompts, noise, trained steps, initial weights of LoRA)"""
+    output_dir: str = "runs"
+    """parent folder of the run folder (TensorBoard logs, sample grids, checkpoints, final weights)"""
+    model_id: str = "shapesbench"
+    """'shapesbench' (shipped, CPU-sized), or a diffusers FLUX.1 / SD3.5 folder or hub id"""
+    resolution: Optional[int] = None
+    """square image side in pixels; None = the model's native size"""
+    lora: bool = False
+    """train a LoRA adapter (peft) instead of all transformer weights"""
+    lora_rank: int = 32
+    """LoRA rank (with --lora)"""
+    lora_alpha: float = 64.0
+    """LoRA alpha (with --lora)"""
+    mixed_precision: Literal["no", "bf16"] = "no"
+    """'bf16' runs forwards under autocast; log-probs, samples and master weights stay fp32"""
+    reward: str = "shapes"
+    """reward spec 'name:weight,...', e.g. 'shapes:1.0,verifier:0.5' or 'hpsv2.1'"""
+    reward_ckpt: list[str] = field(default_factory=list)
+    """NAME=PATH per reward model, e.g. hpsv2.1=/ckpt/HPS_v2.1_compressed.pt"""
+    prompts: str = "shapes-train"
+    """training prompts: 'shapes-train' or a text file, one prompt per line"""
+    eval_prompts: str = "shapes-eval"
+    """held-out prompts: 'shapes-eval' or a text file, one prompt per line"""
+    iterations: int = 200
+    """training iterations (one rollout + its updates each)"""
+    learning_rate: float = 1e-4
+    """AdamW learning rate (constant)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm per optimizer step"""
+    guidance_scale: float = 1.0
+    """CFG scale for ShapesBench / SD3.5 (1 = off), embedded guidance for FLUX.1-dev (3.5 there); same in training"""
+    eval_every: int = 50
+    """evaluate on --eval-prompts every N iterations (and at the start and the end); 0 = never"""
+    eval_samples_per_prompt: int = 4
+    """samples per held-out prompt in evaluation (fixed seeds, ODE)"""
+    eval_steps: int = 20
+    """Euler ODE steps in evaluation"""
+    sample_every: int = 25
+    """write a fixed-seed sample grid PNG every N iterations; 0 = never"""
+    save_every: int = 25
+    """accelerate save_state checkpoint every N iterations; 0 = only at the end"""
+    checkpoints_total_limit: int = 2
+    """keep only the newest N checkpoints"""
+    resume_from: Optional[str] = None
+    """'latest' or a checkpoint folder to resume from"""
+    track: bool = False
+    """also log to Weights & Biases (needs `pip install wandb`)"""
+    wandb_project_name: str = "diffusion-rl"
+    """W&B project (with --track)"""
+
+    # Algorithm specific arguments
+    num_steps: int = 10
+    """sampling steps T of a rollout (shifted sigma schedule); the surrogate's timesteps are drawn from this grid"""
+    shift: float = 3.0
+    """SD3 time shift k of the sigma schedule: s' = k s / (1 + (k - 1) s)"""
+    solver: Literal["dpm++2m", "euler"] = "dpm++2m"
+    """deterministic ODE solver of the rollouts: DPM-Solver++(2M) for flow models (paper), or Euler"""
+    group_size: int = 8
+    """images per prompt (G); a group may span processes"""
+    samples_per_device: int = 64
+    """images sampled per process per iteration; prompts per iteration = processes * this / group size"""
+    rollout_batch_size: int = 16
+    """images per transformer forward in sampling"""
+    train_batch_size: int = 8
+    """images per surrogate micro-batch: one forward of this x --n-mc rows (behaviour values and training alike)"""
+    images_per_update: int = 32
+    """images (per process) whose gradients are accumulated into one optimizer step"""
+    n_mc: int = 4
+    """(t, eps) pairs per image in the surrogate (N_MC)"""
+    stratified: bool = True
+    """one timestep per contiguous chunk of the rollout schedule; --no-stratified: i.i.d. uniform over the schedule"""
+    shared_pairs: bool = True
+    """the same pairs for every image of an iteration (so of a group, on every process); --no-shared-pairs: per image"""
+    self_normalize: bool = True
+    """divide each pair's squared error by its stop-gradient mean absolute error (clamped at 1e-5)"""
+    prediction: Literal["x", "v", "eps"] = "x"
+    """space of the surrogate's error: x0 (paper), velocity or noise"""
+    clip_range: float = 6e-3
+    """PPO clip epsilon on the whole-image ratio exp(S_theta - S_old)"""
+    adv_clip_max: float = 5.0
+    """advantages are clipped to +-this (before the optional soft clip)"""
+    adv_soft_clip: float = 0.0
+    """eta of the tanh advantage soft clip A -> eta tanh(A / eta); 0 = off"""
+    kl_beta: float = 0.0
+    """weight of D_simple, the x0-prediction MSE to the behaviour policy on the stored pairs (0 = off)"""
+
+
+# ---------------------------------------------------------------------------------------------------
+# ALGO LOGIC: schedule, ODE solvers, pairs, surrogate, advantages, loss
+# ---------------------------------------------------------------------------------------------------
+def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:  # same as in dancegrpo.py
+    """linspace(1, 0, T + 1) warped by s' = k s / (1 + (k - 1) s) (SD3 shift); shape (T + 1,)."""
+    s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
+    return (shift * s / (1 + (shift - 1) * s)).float()
+
+
+def rng(*keys) -> torch.Generator:  # same as in dancegrpo.py
+    """A CPU generator seeded by a stable hash of `keys`, e.g. (seed, iteration, "noise", sample_index)."""
+    digest = hashlib.sha256(repr(keys).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def dpm_solver_2m_step(x, d, d_prev, sigma_prev, sigma, sigma_next):
+    """One DPM-Solver++(2M) step of a flow model from sigma to sigma_next (Lu et al. 2022, multistep, midpoint).
+
+    x: (B, *L); d = x - sigma v is the data prediction at sigma, d_prev the one at sigma_prev (None at the first
+    step). With alpha = 1 - s and lambda(s) = log((1 - s) / s) the update
+    x' = (s'/s) x - alpha' (e^-h - 1) (d + (d - d_prev) / (2 r)),  h = lambda(s') - lambda(s),  r = (lambda(s) - lambda(s_prev)) / h
+    simplifies to x' = (s'/s) x + (1 - s'/s) (d + (d - d_prev) / (2 r)). First order (= DDIM = Euler) at the first
+    step, after sigma_prev = 1 (lambda = -inf, so r = inf) and at the last step (s' = 0), as diffusers does.
+    """
+    ratio = sigma_next / sigma
+    if d_prev is None or sigma_prev >= 1 or sigma_next <= 0:
+        return ratio * x + (1 - ratio) * d
+
+    def lam(s):
+        return math.log((1 - s) / s)
+
+    r = (lam(sigma) - lam(sigma_prev)) / (lam(sigma_next) - lam(sigma))
+    return ratio * x + (1 - ratio) * (d + (d - d_prev) / (2 * r))
+
+
+@torch.no_grad()
+def rollout(model, transformer, cond, x, sigmas, solver, guidance_scale, autocast):
+    """ODE samples of one chunk: x (B, *L) initial noise -> final latents (B, *L) fp32 (no trajectory is kept)."""
+    d_prev, s_prev = None, 1.0
+    for i in range(len(sigmas) - 1):
+        s, s_next = float(sigmas[i]), float(sigmas[i + 1])
+        with autocast():
+            v = model.velocity(transformer, x, sigmas[i].expand(len(x)).to(x.device), cond, guidance_scale)
+        v = v.float()
+        if solver == "euler":
+            x = x + (s_next - s) * v
+        else:
+            d = x - s * v  # x0_hat, the data prediction DPM-Solver++ integrates
+            x = dpm_solver_2m_step(x, d, d_prev, s_prev, s, s_next)
+            d_prev, s_prev = d, s
+    return x
+
+
+def stratified_indices(grid_size: int, n_mc: int, gen: torch.Generator) -> torch.Tensor:
+    """One index drawn uniformly inside each of the n_mc contiguous chunks of range(grid_size) (tensor_split
+    semantics: the first grid_size % n_mc chunks hold one more element). (n_mc,) int64, increasing."""
+    return torch.stack([c[torch.randint(len(c), (1,), generator=gen)[0]] for c in torch.arange(grid_size).tensor_split(n_mc)])
+
+
+def draw_pairs(grid, n_mc, latent_shape, key, sample_ids, stratified=True, shared=True):
+    """The (t, eps) pairs of the surrogate for the images `sample_ids` (global indices) of one iteration.
+
+    grid: (K,) timesteps to draw from (the rollout schedule without 0); key: e.g. (seed, iteration).
+    Returns t (S, N) and eps (S, N, *L). Timesteps and noise come from separate keyed generators, so switching
+    `stratified` leaves eps unchanged. shared: one draw keyed on `key` alone, expanded to all images (a view),
+    hence identical for every image of the group, the batch and every process.
+    """
+    def one(*k):
+        g_t, g_eps = rng(*key, "pairs_t", *k), rng(*key, "pairs_eps", *k)
+        idx = stratified_indices(len(grid), n_mc, g_t) if stratified else torch.randint(len(grid), (n_mc,), generator=g_t)
+        return grid[idx], torch.randn((n_mc, *latent_shape), generator=g_eps)
+
+    if shared:
+        t, eps = one()
+        return t.expand(len(sample_ids), n_mc), eps.expand(len(sample_ids), *eps.shape)
+    t, eps = zip(*(one(k) for k in sample_ids))
+    return torch.stack(t), torch.stack(eps)
+
+
+def pair_values(v, x, z, eps, t, prediction="x", self_normalize=True):
+    """Per-pair surrogate log-likelihood from the velocity v predicted at z = (1 - t) x + t eps. All (M, *L) fp32,
+    t (M,). Returns (values (M,), x0_hat (M, *L)).
+
+    error: x (paper): x0_hat - x with x0_hat = z - t v; v: v - (eps - x); eps: eps_hat - eps with eps_hat = z + (1 - t) v
+    (the three differ by the factors -t and 1 - t). value = -mean(err^2) / sg(max(mean|err|, 1e-5)), or -mean(err^2)
+    without self-normalisation.
+    """
+    tv = t.view(-1, *[1] * (x.dim() - 1))
+    x0_hat = z - tv * v
+    err = {"x": x0_hat - x, "v": v - (eps - x), "eps": z + (1 - tv) * v - eps}[prediction]
+    value = -err.square().flatten(1).mean(1)
+    if self_normalize:
+        value = value / err.detach().abs().flatten(1).mean(1).clamp_min(1e-5)
+    return value, x0_hat
+
+
+def surrogate(model, transformer, x, cond, t, eps, guidance_scale, autocast, prediction="x", self_normalize=True):
+    """Surrogate values of a micro-batch in ONE forward of B x N rows: x (B, *L) rollout latents, cond (B, ...),
+    t (B, N), eps (B, N, *L). Returns values (B, N) fp32 and x0_hat (B, N, *L) fp32. Differentiable (call under
+    no_grad for the behaviour values)."""
+    (B, N), L = t.shape, x.shape[1:]
+    rows = x.unsqueeze(1).expand(B, N, *L).reshape(B * N, *L)  # (B N, *L): image b repeated N times
+    t_rows, eps_rows = t.reshape(B * N).to(x.device), eps.reshape(B * N, *L).to(x.device)
+    tv = t_rows.view(-1, *[1] * len(L))
+    z = (1 - tv) * rows + tv * eps_rows  # forward process at the pair's (t, eps)
+    cond_rows = {k: c.repeat_interleave(N, 0) for k, c in cond.items()}
+    with autocast():
+        v = model.velocity(transformer, z, t_rows, cond_rows, guidance_scale)
+    values, x0_hat = pair_values(v.float(), rows, z, eps_rows, t_rows, prediction, self_normalize)
+    return values.view(B, N), x0_hat.view(B, N, *L)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:  # same as in dancegrpo.py
+    """(N,) rewards in global sample order, consecutive blocks of G = one prompt -> (N,) advantages.
+
+    A = (r - mean_group) / (std_group + 1e-8) with the unbiased std, as DanceGRPO; a group with equal
+    rewards gets 0 everywhere."""
+    r = rewards.view(-1, group_size).double()
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-8)).flatten().float()
+
+
+def combined_advantages(parts: dict, weights: dict, group_size: int, clip_max: float, soft_clip: float) -> torch.Tensor:
+    """Per-reward group advantages summed with the reward weights: A = sum_k w_k A_k, clipped to +-clip_max,
+    then A -> eta tanh(A / eta) when soft_clip = eta > 0. parts: name -> (N,) raw scores in global order."""
+    adv = sum(w * group_advantages(parts[name], group_size) for name, w in weights.items() if w != 0).clamp(-clip_max, clip_max)
+    return soft_clip * torch.tanh(adv / soft_clip) if soft_clip > 0 else adv
+
+
+def vgrpo_loss(values, old_values, adv, clip_range: float):
+    """PPO-clipped loss on the whole-image ratio. values, old_values: (B, N) per-pair surrogates; averaged over the
+    pairs FIRST, then log rho = S_theta - S_old. Returns loss (B,), ratio (B,), log_ratio (B,)."""
+    log_ratio = values.mean(1) - old_values.mean(1)
+    ratio = torch.exp(log_ratio)
+    loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
+    return loss, ratio, log_ratio
+
+
+def coefficient_of_variation(s: torch.Tensor, group_size: int) -> tuple[float, float]:
+    """(overall, within-group) coefficient of variation std / |mean| of per-image surrogates (N,) in global order;
+    the within-group one is averaged over groups."""
+    s = s.double()
+    g = s.view(-1, group_size)
+    return (s.std() / s.mean().abs()).item(), (g.std(1) / g.mean(1).abs()).mean().item()
+
+
+# ---------------------------------------------------------------------------------------------------
+# BOILERPLATE: validation, evaluation, checkpoints
+# ---------------------------------------------------------------------------------------------------
+def validate(args: Args, world: int) -> None:  # same as in dancegrpo.py, with this script's checks
+    """Every flag is checked here, before any model loads; messages name the flag to change."""
+    def need(ok, msg):
+        if not ok:
+            raise SystemExit(f"error: {msg}")
+    need(args.num_steps >= 1 and args.shift > 0, "--num-steps must be >= 1 and --shift > 0")
+    need(args.n_mc >= 1, "--n-mc must be >= 1")
+    need(not args.stratified or args.n_mc <= args.num_steps,
+         f"--n-mc {args.n_mc} must be <= --num-steps {args.num_steps} with stratified timesteps (one per chunk of the schedule), or pass --no-stratified")
+    need(args.group_size >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
+    need(args.samples_per_device * world % args.group_size == 0,
+         f"--samples-per-device {args.samples_per_device} x {world} processes must be a multiple of --group-size {args.group_size}")
+    need(args.samples_per_device % args.rollout_batch_size == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
+    need(args.images_per_update % args.train_batch_size == 0 and args.samples_per_device % args.images_per_update == 0,
+         "--images-per-update must be a multiple of --train-batch-size and divide --samples-per-device")
+    need(args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0 and args.adv_soft_clip >= 0,
+         "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0, --adv-soft-clip >= 0")
+    need(args.iterations >= 1 and args.learning_rate > 0, "--iterations >= 1 and --learning-rate > 0")
+    for name in ("eval_every", "sample_every", "save_every"):
+        need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
+    need(args.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1")
+    for item in args.reward_ckpt:
+        need("=" in item, f"--reward-ckpt {item!r}: expected NAME=PATH")
+    if args.track:
+        import importlib.util
+
+        need(importlib.util.find_spec("wandb") is not None, "--track needs wandb: pip install wandb")
+    from common.rewards import parse_reward_spec
+
+    try:
+        weights = parse_reward_spec(args.reward)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    need(any(w != 0 for _, w in weights), "--reward needs at least one component with a non-zero weight")
+
+
+@torch.no_grad()
+def sample_ode(model, transformer, cond, noise, sigmas, guidance_scale, autocast):  # same as in dancegrpo.py
+    """Deterministic Euler samples for evaluation and grids; noise (B, *L) -> images (B, 3, H, W)."""
+    x = noise
+    for i in range(len(sigmas) - 1):
+        with autocast():
+            v = model.velocity(transformer, x, sigmas[i].expand(len(x)).to(x.device), cond, guidance_scale)
+        x = x + (sigmas[i + 1] - sigmas[i]) * v.float()
+    return model.decode(x).float()
+
+
+@torch.no_grad()
+def evaluate(args, model, transformer, reward_fn, prompts, device, autocast, shapes_reward=None):  # same as in dancegrpo.py
+    """Held-out evaluation: ODE samples with fixed seeds -> reward and, on ShapesBench, the verifier's accuracies,
+    the learned reward and diversity. Every process computes the same numbers. Returns (metrics, images, prompts)."""
+    from common import shapes
+
+    prompts = [p for p in prompts for _ in range(args.eval_samples_per_prompt)]
+    sigmas = sigma_schedule(args.eval_steps, args.shift)
+    images = []
+    for i in range(0, len(prompts), args.rollout_batch_size):
+        chunk = prompts[i : i + args.rollout_batch_size]
+        noise = torch.stack([torch.randn(model.latent_shape(), generator=rng(args.seed, "eval", i + j)) for j in range(len(chunk))])
+        images.append(sample_ode(model, transformer, model.encode_prompts(chunk), noise.to(device), sigmas, args.guidance_scale, autocast))
+    images = torch.cat(images)
+    total, parts = reward_fn(images, prompts)
+    metrics = {"eval/reward": total.mean().item(), **{f"eval/reward_{k}": v.mean().item() for k, v in parts.items()}}
+    if model.kind == "shapes":
+        metrics.update({f"eval/{k}": v for k, v in shapes.evaluate(images.cpu(), prompts, shapes_reward).items()})
+    return metrics, images, prompts
+
+
+def rotate_checkpoints(ckpt_dir: Path, limit: int) -> None:  # same as in dancegrpo.py
+    done = sorted(ckpt_dir.glob("iter_*"))
+    for old in done[:-limit]:
+        for f in sorted(old.rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+        old.rmdir()
+
+
+class TrainState:  # same as in dancegrpo.py
+    """The loop counter, saved inside accelerate checkpoints (register_for_checkpointing)."""
+
+    def __init__(self):
+        self.iteration = 0
+
+    def state_dict(self):
+        return {"iteration": self.iteration}
+
+    def load_state_dict(self, d):
+        self.iteration = d["iteration"]
+
+
+def main(args: Args):
+    # ---------------------------------------------------------------- SETUP
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, log_with=["tensorboard"] + (["wandb"] if args.track else []),
+                              project_dir=str(Path(args.output_dir) / args.exp_name))
+    world, rank = accelerator.num_processes, accelerator.process_index
+    validate(args, world)
+    run_dir = Path(args.output_dir) / args.exp_name
+    ckpt_dir = run_dir / "checkpoints"
+    if args.resume_from is None and any(ckpt_dir.glob("iter_*")):
+        raise SystemExit(f"error: {run_dir} already holds checkpoints: pass --resume-from latest, or another --exp-name")
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
+    device = accelerator.device
+    autocast = accelerator.autocast
+    frozen_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
+    prompts_per_iter = world * args.samples_per_device // args.group_size
+    mb = args.train_batch_size
+    micro_per_update = args.images_per_update // mb
+    updates_per_iter = args.samples_per_device // args.images_per_update
+
+    # ---------------------------------------------------------------- MODELS
+    from common.models import add_lora, load_model, save_trained_weights
+
+    model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
+    transformer = model.transformer.float()  # fp32 master weights; autocast handles bf16
+    if args.lora:
+        add_lora(transformer, args.lora_rank, args.lora_alpha)
+        for p in transformer.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    transformer.train()  # no frozen reference model: the KL term is to the behaviour policy, whose outputs are stored
+
+    # ---------------------------------------------------------------- PROMPTS & REWARDS
+    # same as in dancegrpo.py, plus the reward weights for the per-reward advantages
+    from common.prompts import load_prompts
+    from common.rewards import build_reward, parse_reward_spec
+
+    train_prompts = load_prompts(args.prompts, "--prompts")
+    eval_prompts = load_prompts(args.eval_prompts, "--eval-prompts")
+    reward_ckpts = dict(item.split("=", 1) for item in args.reward_ckpt)
+    reward_fn = build_reward(args.reward, device, reward_ckpts)
+    reward_weights = dict(parse_reward_spec(args.reward))  # canonical name -> weight, the keys of reward_fn's parts
+    shapes_reward = None
+    if model.kind == "shapes":
+        from common import shapes
+
+        shapes_reward = shapes.load_reward_model(reward_ckpts.get("shapes"), device=device)
+
+    # ---------------------------------------------------------------- OPTIMIZER
+    # same as in dancegrpo.py
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    transformer, optimizer = accelerator.prepare(transformer, optimizer)
+    unwrapped = accelerator.unwrap_model(transformer)
+    state = TrainState()
+    accelerator.register_for_checkpointing(state)
+
+    # ---------------------------------------------------------------- RESUME
+    # same as in dancegrpo.py
+    if args.resume_from:
+        path = max(ckpt_dir.glob("iter_*"), default=None) if args.resume_from == "latest" else Path(args.resume_from)
+        if path is None or not path.is_dir():
+            raise SystemExit(f"error: --resume-from {args.resume_from}: no checkpoint found (looked in {ckpt_dir})")
+        accelerator.load_state(str(path))
+        accelerator.print(f"resumed from {path} at iteration {state.iteration}")
+
+    sigmas = sigma_schedule(args.num_steps, args.shift)
+    grid = sigmas[:-1]  # the surrogate's timesteps: the rollout schedule without t = 0 (x0_hat = x there)
+    latent_shape = model.latent_shape()
+    nfe = args.num_steps + 2 * args.n_mc  # rollout + behaviour pass + training pass, per image
+    if accelerator.is_main_process:
+        accelerator.init_trackers(args.exp_name, config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(args).items()})
+        off = [n for n, on in (("stratified", args.stratified), ("shared pairs", args.shared_pairs), ("self-normalize", args.self_normalize)) if not on]
+        print("\n".join([
+            "***** V-GRPO *****",
+            f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
+            f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
+            f"  processes {world} x samples per process {args.samples_per_device} = {world * args.samples_per_device} images / iteration",
+            f"  = {prompts_per_iter} prompts x group size {args.group_size} (prompts per process {args.samples_per_device / args.group_size:g})",
+            f"  rollouts: {args.solver} ODE, {args.num_steps} steps, shift {args.shift}, batch {args.rollout_batch_size}",
+            f"  surrogate: {args.n_mc} (t, eps) pairs per image, {args.prediction}-prediction, "
+            f"variance reduction {'all on' if not off else 'off: ' + ', '.join(off)}; micro-batch {mb} images x {args.n_mc} pairs",
+            f"  optimizer steps / iteration {updates_per_iter} ({args.images_per_update} images per process each), "
+            f"transformer forwards per image {nfe}",
+            f"  reward {args.reward}, clip {args.clip_range}, KL beta {args.kl_beta}, adv soft clip {args.adv_soft_clip or 'off'}, "
+            f"lr {args.learning_rate}, iterations {args.iterations}",
+            f"  run folder {run_dir}",
+        ]))
+
+    def log_images(tag, images, captions, ok, it):  # same as in dancegrpo.py
+        from common.viz import save_grid
+
+        path = save_grid(run_dir / "samples" / f"{tag}_{it:06d}.png", images, captions, ok, ncol=8)
+        tb = accelerator.get_tracker("tensorboard", unwrap=True)
+        import numpy as np
+        from PIL import Image
+
+        tb.add_image(tag, np.asarray(Image.open(path)), it, dataformats="HWC")
+
+    # fixed prompts and seeds for the sample grid: the first 8 held-out prompts x 2 seeds
+    grid_prompts = [p for p in eval_prompts[:8] for _ in range(2)]
+    grid_noise = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, "grid", j)) for j in range(len(grid_prompts))])
+
+    def grid_and_eval(it: int, do_eval: bool, do_grid: bool):  # same as in dancegrpo.py
+        """Runs on every process with the prepared module (FSDP needs all ranks in each forward; under DDP the
+        other ranks would only wait), so every process computes the same images; the main one logs them."""
+        if not (do_eval or do_grid):
+            return
+        transformer.eval()
+        if do_grid:
+            images = sample_ode(model, transformer, model.encode_prompts(grid_prompts), grid_noise.to(device),
+                                sigma_schedule(args.eval_steps, args.shift), args.guidance_scale, autocast)
+            r, _ = reward_fn(images, grid_prompts)
+            if accelerator.is_main_process:
+                ok = None
+                if model.kind == "shapes":
+                    from common import shapes
+
+                    ok = shapes.verify(images, grid_prompts)["all"].tolist()
+                log_images("samples", images, [f"{p}\nreward {x:.3f}" for p, x in zip(grid_prompts, r.tolist())], ok, it)
+        if do_eval:
+            metrics, _, _ = evaluate(args, model, transformer, reward_fn, eval_prompts, device, autocast, shapes_reward)
+            if accelerator.is_main_process:
+                accelerator.log(metrics, step=it)
+                with open(run_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps({"iteration": it, **metrics}) + "\n")
+                print(f"eval @ {it}: " + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
+        transformer.train()
+
+    start = state.iteration
+    if start == 0:
+        grid_and_eval(0, args.eval_every > 0, args.sample_every > 0)
+    accelerator.wait_for_everyone()
+    bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="iterations",
+               disable=not accelerator.is_local_main_process)
+    for it in bar:
+        t_iter = time.perf_counter()
+        # ------------------------------------------------------------ SAMPLING
+        # The same prompt draw on every process; process r owns global samples [r S, (r + 1) S).
+        gen = rng(args.seed, it, "prompts")
+        if prompts_per_iter <= len(train_prompts):
+            pick = torch.randperm(len(train_prompts), generator=gen)[:prompts_per_iter]
+        else:
+            pick = torch.randint(len(train_prompts), (prompts_per_iter,), generator=gen)
+        global_idx = range(rank * args.samples_per_device, (rank + 1) * args.samples_per_device)
+        my_prompts = [train_prompts[pick[k // args.group_size]] for k in global_idx]
+        # every image its own initial noise: the ODE is deterministic, so shared noise would give identical images
+        init = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, it, "init", k)) for k in global_idx])
+        cond = model.encode_prompts(my_prompts)
+        transformer.eval()
+        x = torch.cat([rollout(model, transformer, {k: v[c : c + args.rollout_batch_size] for k, v in cond.items()},
+                               init[c : c + args.rollout_batch_size].to(device), sigmas, args.solver, args.guidance_scale, autocast)
+                       for c in range(0, args.samples_per_device, args.rollout_batch_size)])  # (S, *L) fp32 final latents
+        t_sample = time.perf_counter() - t_iter
+
+        # behaviour values S_old, right after the rollout, on the micro-batches the training pass will use
+        t_pairs, eps = draw_pairs(grid, args.n_mc, latent_shape, (args.seed, it), global_idx, args.stratified, args.shared_pairs)
+        old_values = torch.empty(args.samples_per_device, args.n_mc, device=device)  # (S, N)
+        old_x0 = torch.empty(args.samples_per_device, args.n_mc, *latent_shape, device=device) if args.kl_beta > 0 else None
+        with torch.no_grad():
+            for m in range(args.samples_per_device // mb):
+                sl = slice(m * mb, (m + 1) * mb)
+                values, x0_hat = surrogate(model, transformer, x[sl], {k: v[sl] for k, v in cond.items()}, t_pairs[sl], eps[sl],
+                                           args.guidance_scale, autocast, args.prediction, args.self_normalize)
+                old_values[sl] = values
+                if old_x0 is not None:
+                    old_x0[sl] = x0_hat
+        t_old = time.perf_counter() - t_iter - t_sample
+
+        # ------------------------------------------------------------ REWARDS & ADVANTAGES
+        with torch.no_grad():
+            images = torch.cat([model.decode(x[c : c + args.rollout_batch_size]).float()
+                                for c in range(0, args.samples_per_device, args.rollout_batch_size)])
+            rewards, parts = reward_fn(images, my_prompts)
+        all_rewards = accelerator.gather(rewards.float().to(device))  # (world * S,) in global sample order
+        parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
+        all_adv = combined_advantages(parts, reward_weights, args.group_size, args.adv_clip_max, args.adv_soft_clip)
+        adv = all_adv[rank * args.samples_per_device : (rank + 1) * args.samples_per_device]
+        all_old = accelerator.gather(old_values.mean(1))  # (world * S,) per-image behaviour surrogates, for logging
+
+        # ------------------------------------------------------------ TRAINING
+        transformer.train()
+        stats = {k: [] for k in ("policy_loss", "kl", "ratio", "log_ratio", "clipfrac")}
+        grad_norms, skipped = [], 0
+        for u in range(updates_per_iter):
+            for m in range(u * micro_per_update, (u + 1) * micro_per_update):
+                sl = slice(m * mb, (m + 1) * mb)
+                last = m == (u + 1) * micro_per_update - 1
+                with accelerator.no_sync(transformer) if not last else nullcontext():
+                    values, x0_hat = surrogate(model, transformer, x[sl], {k: v[sl] for k, v in cond.items()}, t_pairs[sl], eps[sl],
+                                               args.guidance_scale, autocast, args.prediction, args.self_normalize)
+                    loss_vec, ratio, log_ratio = vgrpo_loss(values, old_values[sl], adv[sl], args.clip_range)
+                    loss = loss_vec.mean()
+                    if args.kl_beta > 0:  # D_simple to the behaviour policy on the same pairs (x0 space)
+                        kl = (x0_hat - old_x0[sl]).square().flatten(2).mean(2).mean(1)  # (B,)
+                        loss = loss + args.kl_beta * kl.mean()
+                        stats["kl"].append(kl.mean().detach())
+                    accelerator.backward(loss / micro_per_update)
+                stats["policy_loss"].append(loss_vec.mean().detach())
+                stats["ratio"].append(ratio.detach())
+                stats["log_ratio"].append(log_ratio.detach())
+                stats["clipfrac"].append(((ratio - 1).abs() > args.clip_range).float().mean().detach())
+            grad_norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)
+            # NaN/Inf guard: every process agrees to skip, so the weights stay identical across ranks
+            bad = accelerator.reduce(torch.tensor(float(not torch.isfinite(grad_norm)), device=device), "sum")
+            if bad.item() > 0:
+                skipped += 1
+                optimizer.zero_grad(set_to_none=True)
+                continue
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            grad_norms.append(float(grad_norm))
+        state.iteration = it + 1
+
+        # ------------------------------------------------------------ LOGGING
+        ratios, log_ratios = torch.cat(stats["ratio"]), torch.cat(stats["log_ratio"])
+        cv, group_cv = coefficient_of_variation(all_old, args.group_size)
+        # checksum of this process's first image's pairs; with shared pairs all processes must agree
+        checksum = (t_pairs[0].double().sum() + eps[0].double().sum()).reshape(1).to(device)
+        checksums = accelerator.gather(checksum)
+        log = {
+            "rewards/mean": all_rewards.mean().item(), "rewards/std": all_rewards.std().item(),
+            **{f"rewards/{k}": v.mean().item() for k, v in parts.items()},
+            "advantages/zero_std_groups": (all_adv.view(-1, args.group_size) == 0).all(1).float().mean().item(),
+            "advantages/abs_mean": all_adv.abs().mean().item(),
+            "surrogate/mean": all_old.mean().item(), "surrogate/cv": cv, "surrogate/group_cv": group_cv,
+            "surrogate/t_mean": t_pairs.float().mean().item(),
+            "losses/policy": torch.stack(stats["policy_loss"]).mean().item(),
+            "losses/ratio_mean": ratios.mean().item(), "losses/ratio_max_dev": (ratios - 1).abs().max().item(),
+            "losses/first_log_ratio_max_abs": stats["log_ratio"][0].abs().max().item(),
+            "losses/clipfrac": torch.stack(stats["clipfrac"]).mean().item(),
+            "losses/approx_kl": (0.5 * log_ratios**2).mean().item(),
+            "charts/grad_norm": sum(grad_norms) / max(1, len(grad_norms)), "charts/skipped_updates": skipped,
+            "charts/lr": args.learning_rate,
+            "charts/pairs_checksum": checksums[0].item(), "charts/rank_pairs_spread": (checksums.max() - checksums.min()).item(),
+            "perf/nfe_per_image": nfe, "perf/sampling_s": t_sample, "perf/behaviour_s": t_old,
+            "perf/iteration_s": time.perf_counter() - t_iter,
+        }
+        if stats["kl"]:
+            log["losses/kl"] = torch.stack(stats["kl"]).mean().item()
+        if (it + 1) % 10 == 0 or it + 1 == args.iterations:  # all processes must hold identical weights (DDP)
+            sums = accelerator.gather(torch.stack([p.detach().double().sum() for p in params]).to(device)).view(world, -1)
+            log["charts/rank_weight_spread"] = (sums.max(0).values - sums.min(0).values).max().item()
+        if skipped:
+            accelerator.print(f"iteration {it}: skipped {skipped} update(s) with a non-finite gradient norm")
+        accelerator.log(log, step=it + 1)
+        if accelerator.is_main_process:  # plain-text copy of every logged scalar, one JSON line per iteration
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"iteration": it + 1, **log}) + "\n")
+        bar.set_postfix(reward=f"{log['rewards/mean']:.4f}", s_it=f"{log['perf/iteration_s']:.1f}")
+
+        # ------------------------------------------------------------ CHECKPOINT
+        # same as in dancegrpo.py
+        final = it + 1 == args.iterations
+        if (args.save_every and (it + 1) % args.save_every == 0) or final:
+            accelerator.save_state(str(ckpt_dir / f"iter_{it + 1:06d}"))  # on every process (sharded states need it)
+            if accelerator.is_main_process:
+                rotate_checkpoints(ckpt_dir, args.checkpoints_total_limit)
+
+        # ------------------------------------------------------------ EVAL
+        do_eval = args.eval_every > 0 and ((it + 1) % args.eval_every == 0 or final)
+        do_grid = args.sample_every > 0 and ((it + 1) % args.sample_every == 0 or final)
+        grid_and_eval(it + 1, do_eval, do_grid)
+        accelerator.wait_for_everyone()
+
+    # ---------------------------------------------------------------- FINAL SAVE
+    # same as in dancegrpo.py
+    sharded = accelerator.distributed_type == DistributedType.FSDP
+    state_dict = accelerator.get_state_dict(transformer) if sharded else None  # collective under FSDP
+    if accelerator.is_main_process:
+        save_trained_weights(model, unwrapped, run_dir / "final", args.lora, state_dict)
+        print(f"trained weights in {run_dir / 'final'}")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(tyro.cli(Args))
