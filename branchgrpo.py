@@ -592,7 +592,7 @@ def main(args: Args):
                 print(f"eval @ {it}: " + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
         transformer.train()
 
-    start = state.iteration
+    start, t_start = state.iteration, time.perf_counter()
     if start == 0:
         grid_and_eval(0, args.eval_every > 0, args.sample_every > 0)
     accelerator.wait_for_everyone()
@@ -739,6 +739,7 @@ def main(args: Args):
             "tree/trained_edges_per_leaf": n_trained_edges / leaves_here,
             "tree/train_forwards_per_leaf": n_train_forwards * (2 if args.kl_beta > 0 else 1) / leaves_here,
             "perf/sampling_s": t_sample, "perf/iteration_s": time.perf_counter() - t_iter,
+            "perf/wall_s": time.perf_counter() - t_start,
         }
         if args.pruning in ("depth", "mix"):
             start_step = 0 if args.pruning == "mix" else max(splits) + 1

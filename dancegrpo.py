@@ -449,7 +449,7 @@ def main(args: Args):
                 print(f"eval @ {it}: " + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
         transformer.train()
 
-    start = state.iteration
+    start, t_start = state.iteration, time.perf_counter()
     if start == 0:
         grid_and_eval(0, args.eval_every > 0, args.sample_every > 0)
     accelerator.wait_for_everyone()
@@ -556,6 +556,7 @@ def main(args: Args):
             "charts/window_start": sde_idx[0], "charts/lr": args.learning_rate,
             "perf/nfe_per_image": args.num_steps + n_train * (2 if args.kl_beta > 0 else 1),
             "perf/sampling_s": t_sample, "perf/iteration_s": time.perf_counter() - t_iter,
+            "perf/wall_s": time.perf_counter() - t_start,
         }
         if stats["kl"]:
             log["losses/kl"] = torch.stack(stats["kl"]).mean().item()

@@ -15,6 +15,13 @@
 #   branchgrpo-flux-8gpu   FLUX.1-dev + HPSv2.1, LoRA, depth pruning, 8 GPUs (DDP)
 #   branchgrpo-flux-fsdp8  FLUX.1-dev + HPSv2.1, full fine-tuning (the paper's setting), depth pruning, 8 GPUs (FSDP)
 #   branchgrpo-flux-multinode  LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
+#   vgrpo-cpu              V-GRPO on ShapesBench, 1 CPU process
+#   vgrpo-naive-cpu        the naive ELBO surrogate (no stratification, no shared pairs, no self-normalisation)
+#   vgrpo-cpu-2proc        the same as vgrpo-cpu, 2 CPU processes (gloo): groups span processes
+#   vgrpo-flux-1gpu        FLUX.1-dev + HPSv2.1, LoRA, 1 GPU
+#   vgrpo-flux-8gpu        FLUX.1-dev + HPSv2.1, LoRA, 8 GPUs (DDP)
+#   vgrpo-flux-fsdp8       FLUX.1-dev + HPSv2.1, full fine-tuning, 8 GPUs (FSDP)
+#   vgrpo-flux-multinode   LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
 #
 # FLUX recipes need the weights and a prompt file: pass --model-id /path/to/FLUX.1-dev if the hub is not
 # reachable, PROMPTS=/path/to/hpdv2_prompts.txt (one prompt per line), and HPS=/path/to/HPS_v2.1_compressed.pt.
@@ -43,6 +50,14 @@ FLUX_BRANCH=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution
   --guidance-scale 3.5 --trees-per-device 2 --trees-per-update 1 --rollout-batch-size 8 --clip-range 1e-3
   --kl-beta 0 --iterations 300 --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10
   --save-every 20 --pruning depth)
+# V-GRPO's FLUX setting (reference/vgrpo.md §3-4): 720 px, 16-step DPM-Solver++ ODE, N_MC 4, 12 images per prompt
+# (one prompt per GPU), clip 6e-3, no KL, embedded guidance 3.5, 3 optimizer steps per iteration.
+FLUX_VGRPO=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 --mixed-precision bf16
+  --reward hpsv2.1 --reward-ckpt "hpsv2.1=${HPS:-/path/to/HPS_v2.1_compressed.pt}"
+  --prompts "${PROMPTS:-/path/to/hpdv2_prompts.txt}" --eval-prompts "${EVAL_PROMPTS:-${PROMPTS:-/path/to/hpdv2_prompts.txt}}"
+  --num-steps 16 --solver dpm++2m --n-mc 4 --guidance-scale 3.5 --group-size 12 --samples-per-device 12
+  --rollout-batch-size 1 --train-batch-size 1 --images-per-update 4 --clip-range 6e-3 --kl-beta 0 --iterations 300
+  --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
 
 case "$recipe" in
   dancegrpo-cpu) $PY dancegrpo.py "$@" ;;
@@ -66,5 +81,16 @@ case "$recipe" in
     $LAUNCH --config_file configs/ddp_8gpu.yaml --num_machines "$NUM_MACHINES" --machine_rank "$MACHINE_RANK" \
       --main_process_ip "$MAIN_IP" --main_process_port "${MAIN_PORT:-29500}" --num_processes $((8 * NUM_MACHINES)) \
       branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  vgrpo-cpu) $PY vgrpo.py "$@" ;;
+  vgrpo-naive-cpu) $PY vgrpo.py --exp-name vgrpo-naive --no-stratified --no-shared-pairs --no-self-normalize "$@" ;;
+  vgrpo-cpu-2proc) ACCELERATE_USE_CPU=1 $LAUNCH --multi_gpu --num_processes 2 vgrpo.py --samples-per-device 32 --images-per-update 16 "$@" ;;
+  vgrpo-flux-1gpu) $LAUNCH --num_processes 1 vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  vgrpo-flux-8gpu) $LAUNCH --config_file configs/ddp_8gpu.yaml vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  vgrpo-flux-fsdp8) $LAUNCH --config_file configs/fsdp_flux_8gpu.yaml vgrpo.py "${FLUX_VGRPO[@]}" --learning-rate 1e-5 "$@" ;;
+  vgrpo-flux-multinode)
+    : "${MAIN_IP:?set MAIN_IP}" "${MACHINE_RANK:?set MACHINE_RANK}" "${NUM_MACHINES:?set NUM_MACHINES}"
+    $LAUNCH --config_file configs/ddp_8gpu.yaml --num_machines "$NUM_MACHINES" --machine_rank "$MACHINE_RANK" \
+      --main_process_ip "$MAIN_IP" --main_process_port "${MAIN_PORT:-29500}" --num_processes $((8 * NUM_MACHINES)) \
+      vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;
   *) echo "unknown recipe '$recipe'; see the list at the top of run.sh" >&2; exit 2 ;;
 esac

@@ -522,7 +522,7 @@ def main(args: Args):
                 print(f"eval @ {it}: " + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
         transformer.train()
 
-    start = state.iteration
+    start, t_start = state.iteration, time.perf_counter()
     if start == 0:
         grid_and_eval(0, args.eval_every > 0, args.sample_every > 0)
     accelerator.wait_for_everyone()
@@ -630,6 +630,7 @@ def main(args: Args):
             "charts/pairs_checksum": checksums[0].item(), "charts/rank_pairs_spread": (checksums.max() - checksums.min()).item(),
             "perf/nfe_per_image": nfe, "perf/sampling_s": t_sample, "perf/behaviour_s": t_old,
             "perf/iteration_s": time.perf_counter() - t_iter,
+            "perf/wall_s": time.perf_counter() - t_start,
         }
         if stats["kl"]:
             log["losses/kl"] = torch.stack(stats["kl"]).mean().item()
