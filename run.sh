@@ -22,6 +22,13 @@
 #   vgrpo-flux-8gpu        FLUX.1-dev + HPSv2.1, LoRA, 8 GPUs (DDP)
 #   vgrpo-flux-fsdp8       FLUX.1-dev + HPSv2.1, full fine-tuning, 8 GPUs (FSDP)
 #   vgrpo-flux-multinode   LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
+#   rlr-cpu                RLR on ShapesBench, 1 CPU process
+#   rlr-v1-cpu             RLR ablation V1: first-order term only (AlignProp with K = 1)
+#   rlr-v2-cpu             RLR ablation V2: no zero-order term (biased)
+#   rlr-cpu-2proc          2 CPU processes (gloo)
+#   rlr-sd15-1gpu          SD1.5 + HPSv2.1, DDIM eta 1, LoRA r=4, 1 GPU
+#   rlr-sd15-8gpu          SD1.5 + HPSv2.1, LoRA, 8 GPUs (DDP)
+#   rlr-sd15-multinode     LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
 #
 # FLUX recipes need the weights and a prompt file: pass --model-id /path/to/FLUX.1-dev if the hub is not
 # reachable, PROMPTS=/path/to/hpdv2_prompts.txt (one prompt per line), and HPS=/path/to/HPS_v2.1_compressed.pt.
@@ -50,6 +57,14 @@ FLUX_BRANCH=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution
   --guidance-scale 3.5 --trees-per-device 2 --trees-per-update 1 --rollout-batch-size 8 --clip-range 1e-3
   --kl-beta 0 --iterations 300 --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10
   --save-every 20 --pruning depth)
+# RLR's SD setting (reference/rlr.md §4-5, HPS scripts): SD1.5 (paper: SD1.4), 50 DDIM steps eta 1, CFG 5,
+# LoRA r = 4, lr 1e-4, h = 2 (the paper's 30-40 GB choice), 4 images per prompt.
+SD15_RLR=(--model-id "${MODEL_ID:-stable-diffusion-v1-5/stable-diffusion-v1-5}" --mixed-precision bf16
+  --reward hpsv2.1 --reward-ckpt "hpsv2.1=${HPS:-/path/to/HPS_v2.1_compressed.pt}"
+  --prompts "${PROMPTS:-/path/to/hpdv2_prompts.txt}" --eval-prompts "${EVAL_PROMPTS:-${PROMPTS:-/path/to/hpdv2_prompts.txt}}"
+  --num-steps 50 --noise-level 1.0 --guidance-scale 5 --group-size 4 --samples-per-device 4 --rollout-batch-size 2
+  --subchain-len 2 --gradient-checkpointing --lora --lora-rank 4 --lora-alpha 4 --learning-rate 1e-4
+  --iterations 100 --eval-every 10 --eval-samples-per-prompt 1 --eval-steps 50 --sample-every 5 --save-every 10)
 # V-GRPO's FLUX setting (reference/vgrpo.md §3-4): 720 px, 16-step DPM-Solver++ ODE, N_MC 4, 12 images per prompt
 # (one prompt per GPU), clip 6e-3, no KL, embedded guidance 3.5, 3 optimizer steps per iteration.
 FLUX_VGRPO=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 --mixed-precision bf16
@@ -92,5 +107,16 @@ case "$recipe" in
     $LAUNCH --config_file configs/ddp_8gpu.yaml --num_machines "$NUM_MACHINES" --machine_rank "$MACHINE_RANK" \
       --main_process_ip "$MAIN_IP" --main_process_port "${MAIN_PORT:-29500}" --num_processes $((8 * NUM_MACHINES)) \
       vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  rlr-cpu) $PY rlr.py "$@" ;;
+  rlr-v1-cpu) $PY rlr.py --exp-name rlr-v1 --terms fo "$@" ;;
+  rlr-v2-cpu) $PY rlr.py --exp-name rlr-v2 --terms fo+ho "$@" ;;
+  rlr-cpu-2proc) ACCELERATE_USE_CPU=1 $LAUNCH --multi_gpu --num_processes 2 rlr.py --samples-per-device 4 "$@" ;;
+  rlr-sd15-1gpu) $LAUNCH --num_processes 1 rlr.py "${SD15_RLR[@]}" "$@" ;;
+  rlr-sd15-8gpu) $LAUNCH --config_file configs/ddp_8gpu.yaml rlr.py "${SD15_RLR[@]}" "$@" ;;
+  rlr-sd15-multinode)
+    : "${MAIN_IP:?set MAIN_IP}" "${MACHINE_RANK:?set MACHINE_RANK}" "${NUM_MACHINES:?set NUM_MACHINES}"
+    $LAUNCH --config_file configs/ddp_8gpu.yaml --num_machines "$NUM_MACHINES" --machine_rank "$MACHINE_RANK" \
+      --main_process_ip "$MAIN_IP" --main_process_port "${MAIN_PORT:-29500}" --num_processes $((8 * NUM_MACHINES)) \
+      rlr.py "${SD15_RLR[@]}" "$@" ;;
   *) echo "unknown recipe '$recipe'; see the list at the top of run.sh" >&2; exit 2 ;;
 esac

@@ -1,0 +1,820 @@
+# RLR (Recursive Likelihood Ratio optimizer): docs/rlr.md; paper: arXiv 2502.00639 (ICLR 2026 oral)
+"""Half-order fine-tuning of a text-to-image diffusion / flow model with the RLR gradient estimator, one file.
+
+The sampler is a chain of Gaussian transitions from noise x_0 to the sample x_T (the paper counts the other way:
+its step t is our step T - t):
+    x_{i+1} = mu_i(x_i; theta_i) + s_i z_i,   z_i ~ N(0, I),   i = 0 .. T-1,   s_{T-1} = 0 (deterministic last step),
+the flow SDE of dancegrpo.py for flow models (ShapesBench, FLUX.1, SD3.5) and DDIM with eta > 0 for SD1.x/2.x.
+Every rollout chunk draws a window start j (uniform over the allowed starts, independent of everything else), which
+splits the steps in three; each group gets an estimator that is unbiased for exactly its steps' share of
+grad_theta E[R(decode(x_T))], and the three are added with unit weights (per sample, then averaged):
+    FO  step T-1:           grad_theta R(decode(mu_{T-1}(sg(x_{T-1}); theta)))       backprop: last step, decoder, reward
+    HO  steps j..j+h-1:     (R - b) (d m / d theta)^T z_{j+h-1} / s_{j+h-1}
+                            m = mean of x_{j+h} from the h-step rollout of means started at sg(x_j), the window's inner
+                            noises held fixed: backprop through h denoiser calls, cut at x_j, likelihood-ratio weight
+                            on the sampler noise at the window's end (= (R - b) grad_theta log N(x_{j+h}; m, s^2 I))
+    ZO  all other steps C:  sum_{i in C} (R - b') zeta_i / sigma^2, where the rollout ran step i with the parameters
+                            theta + zeta_i, zeta_i ~ N(0, sigma^2 I) (Gaussian smoothing; --zo-scale sigma), one zeta_i
+                            per step and perturbation block (--zo-perturbations), regenerated from its seed (MeZO)
+Baselines keep it unbiased: b = mean reward of the other samples of the prompt (independent of this sample's z);
+b' = mean reward of the prompt's samples in other perturbation blocks (independent of this block's zetas).
+The objective is that of the chain that is actually sampled, with the ZO steps' parameters perturbed (the paper's
+eq. 1); it differs from the unperturbed one by O(sigma^2). tests/test_rlr.py checks unbiasedness against the
+closed-form gradient of a linear-Gaussian chain. h is --subchain-len, or the paper's h* for --memory-budget-gb.
+
+Launch (run.sh has more):
+    python rlr.py                                                    # ShapesBench on CPU, ~10 min
+    python rlr.py --terms fo+ho                                      # the paper's ablation V2 (no ZO term)
+    python rlr.py --subchain-stage coarse                            # restrict the sub-chain to the coarse steps
+    accelerate launch rlr.py --model-id stable-diffusion-v1-5/stable-diffusion-v1-5 --reward hpsv2.1 \
+        --reward-ckpt hpsv2.1=/ckpt/HPS_v2.1_compressed.pt --prompts prompts.txt --lora --lora-rank 4 \
+        --lora-alpha 4 --mixed-precision bf16 --num-steps 50 --guidance-scale 5 --gradient-checkpointing
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 rlr.py --samples-per-device 4  # 2 CPU processes
+    python rlr.py --resume-from latest                               # continue runs/rlr
+
+Deviations from the public code (which implements neither the sub-chain nor the ZO term; docs/rlr.md):
+  * the estimator is the paper's eq. 6: one h-step back-propagated sub-chain with a likelihood ratio at its end,
+    and a per-step parameter-perturbation ZO term on every other step, unit weights, raw rewards minus
+    baselines that keep it unbiased (public code: AlignProp K=1 plus down-weighted one-step PPO terms, no ZO);
+  * one optimizer step per iteration on the sum of the three terms (no PPO clip: every term is on-policy);
+    --terms selects the paper's ablations (V1 = fo, V2 = fo+ho, V3 = fo+zo);
+  * the log-density is summed over latent dimensions (the public code averages, which rescales the LR term);
+  * the window start is uniform (or uniform in a --subchain-stage); the paper's softmax over per-step gradient
+    norms is not specified well enough to implement;
+  * DDIM's last step lands on x0_hat (alpha_prev = 1), not on alpha_0 as trl does;
+  * all randomness (prompts, noise, windows, parameter perturbations) is keyed on (seed, iteration, global
+    sample / chunk / block index), so resumed and multi-process runs draw the same numbers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import resource
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Literal, Optional
+
+import torch
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, set_seed
+from tqdm import tqdm
+
+
+@dataclass
+class Args:
+    # Shared experiment arguments (identical in every script)
+    exp_name: str = Path(__file__).stem
+    """run name: outputs go to {output_dir}/{exp_name}"""
+    seed: int = 0
+    """seed of every random draw (prompts, noise, trained steps, initial weights of LoRA)"""
+    output_dir: str = "runs"
+    """parent folder of the run folder (TensorBoard logs, sample grids, checkpoints, final weights)"""
+    model_id: str = "shapesbench"
+    """'shapesbench' (shipped, CPU-sized), or a diffusers FLUX.1 / SD3.5 folder or hub id"""
+    resolution: Optional[int] = None
+    """square image side in pixels; None = the model's native size"""
+    lora: bool = False
+    """train a LoRA adapter (peft) instead of all transformer weights"""
+    lora_rank: int = 32
+    """LoRA rank (with --lora)"""
+    lora_alpha: float = 64.0
+    """LoRA alpha (with --lora)"""
+    mixed_precision: Literal["no", "bf16"] = "no"
+    """'bf16' runs forwards under autocast; log-probs, samples and master weights stay fp32"""
+    reward: str = "shapes"
+    """reward spec 'name:weight,...', e.g. 'shapes:1.0,verifier:0.5' or 'hpsv2.1'"""
+    reward_ckpt: list[str] = field(default_factory=list)
+    """NAME=PATH per reward model, e.g. hpsv2.1=/ckpt/HPS_v2.1_compressed.pt"""
+    prompts: str = "shapes-train"
+    """training prompts: 'shapes-train' or a text file, one prompt per line"""
+    eval_prompts: str = "shapes-eval"
+    """held-out prompts: 'shapes-eval' or a text file, one prompt per line"""
+    iterations: int = 200
+    """training iterations (one rollout + its updates each)"""
+    learning_rate: float = 1e-4
+    """AdamW learning rate (constant)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm per optimizer step"""
+    guidance_scale: float = 1.0
+    """CFG scale for ShapesBench / SD3.5 (1 = off), embedded guidance for FLUX.1-dev (3.5 there); same in training"""
+    eval_every: int = 50
+    """evaluate on --eval-prompts every N iterations (and at the start and the end); 0 = never"""
+    eval_samples_per_prompt: int = 4
+    """samples per held-out prompt in evaluation (fixed seeds, ODE)"""
+    eval_steps: int = 20
+    """Euler ODE steps in evaluation"""
+    sample_every: int = 25
+    """write a fixed-seed sample grid PNG every N iterations; 0 = never"""
+    save_every: int = 25
+    """accelerate save_state checkpoint every N iterations; 0 = only at the end"""
+    checkpoints_total_limit: int = 2
+    """keep only the newest N checkpoints"""
+    resume_from: Optional[str] = None
+    """'latest' or a checkpoint folder to resume from"""
+    track: bool = False
+    """also log to Weights & Biases (needs `pip install wandb`)"""
+    wandb_project_name: str = "diffusion-rl"
+    """W&B project (with --track)"""
+
+
+    # Algorithm specific arguments
+    num_steps: int = 10
+    """sampling steps T of a rollout (shifted sigma schedule for flow models, DDIM timesteps for SD1.x)"""
+    shift: float = 3.0
+    """SD3 time shift k of the flow sigma schedule: s' = k s / (1 + (k - 1) s)"""
+    sde_type: Literal["dance", "flow"] = "flow"
+    """flow models' noise schedule g(sigma): 'dance' = constant eta, 'flow' = a sqrt(sigma / (1 - sigma)); unused for SD1.x"""
+    noise_level: Optional[float] = None
+    """eta for 'dance' (default 0.3), a for 'flow' (default 0.7), DDIM eta for SD1.x (default 1.0)"""
+    group_size: int = 4
+    """images per prompt; the others' mean reward is each sample's baseline (a group may span processes)"""
+    samples_per_device: int = 8
+    """images sampled per process per iteration; prompts per iteration = processes * this / group size"""
+    rollout_batch_size: int = 2
+    """images per denoiser forward; also the unit that shares one sub-chain window"""
+    subchain_len: Optional[int] = None
+    """h, the number of denoising steps back-propagated in the half-order sub-chain (default 2, the paper's choice)"""
+    memory_budget_gb: Optional[float] = None
+    """choose h by the paper's h* rule for this memory budget instead of --subchain-len"""
+    ho_step_gb: float = 8.0
+    """B_h of the h* rule: memory of one back-propagated step (8 GB for SD1.4, paper Table 9)"""
+    zo_step_gb: float = 0.24
+    """B_z of the h* rule: memory of one zero-order step (0.24 GB for SD1.4, paper Table 9)"""
+    variance_ratio: float = 0.0
+    """V_h / V_z of the h* rule (per-step variance of HO over ZO; 0 = negligible, as the paper assumes)"""
+    subchain_stage: Literal["any", "coarse", "medium", "fine"] = "any"
+    """window starts allowed: anywhere, or in the first / middle / last third of the steps (diffusion chain of thought)"""
+    dcot_prompts: Optional[str] = None
+    """diffusion chain-of-thought prompt file (TSV: prompt, coarse, medium, fine); replaces --prompts"""
+    zo_scale: float = 1e-3
+    """sigma, std of the Gaussian parameter perturbation zeta_i of the zero-order steps"""
+    zo_perturbations: Optional[int] = None
+    """independent parameter perturbations per process and iteration (samples split into that many blocks);
+    None = one per rollout chunk"""
+    terms: Literal["fo+ho+zo", "fo+ho", "fo+zo", "fo"] = "fo+ho+zo"
+    """estimator terms: fo+ho+zo = RLR (unbiased); the paper's ablations fo+ho = V2 (biased), fo+zo = V3
+    (unbiased, every step but the last is ZO), fo = V1 (one-step truncated backprop, AlignProp K=1; biased)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward (diffusers enable_gradient_checkpointing): less memory per HO step"""
+
+
+# ---------------------------------------------------------------------------------------------------
+# ALGO LOGIC: schedules and Gaussian transitions
+# ---------------------------------------------------------------------------------------------------
+def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:  # same as in dancegrpo.py
+    """linspace(1, 0, T + 1) warped by s' = k s / (1 + (k - 1) s) (SD3 shift); shape (T + 1,)."""
+    s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
+    return (shift * s / (1 + (shift - 1) * s)).float()
+
+
+def noise_g(sigmas: torch.Tensor, sde_type: str, level: float) -> torch.Tensor:  # same as in dancegrpo.py
+    """Diffusion coefficient g_i of each step i (T,). DanceGRPO: constant eta. Flow-GRPO: a sqrt(s / (1 - s)),
+    with sigmas[1] standing in for the first sigma in the denominator, as Flow-GRPO does (1 - 1 = 0)."""
+    s = sigmas[:-1]
+    if sde_type == "dance":
+        return torch.full_like(s, level)
+    s_den = torch.where(s >= 1, sigmas[1], s)
+    return level * torch.sqrt(s / (1 - s_den))
+
+
+def sde_step(x, v, sigma, sigma_next, g, prev_sample=None, noise=None):  # same as in dancegrpo.py
+    """One Euler-Maruyama step of the reverse SDE dx = [v - g^2/2 score] ds + g dw (SPEC §2).
+
+    x, v: (B, *L) fp32; sigma, sigma_next, g: floats or (B,) tensors. Returns (x_next, log_prob (B,), mean, std).
+    x0_hat = x - sigma v, score = -(x - (1 - sigma) x0_hat) / sigma^2, mean = x + d (v - g^2/2 score),
+    std = g sqrt(-d) with d = sigma_next - sigma < 0. log_prob is the full Gaussian log-density of x_next,
+    averaged (not summed) over the latent dimensions as the official code does.
+    """
+    view = (-1,) + (1,) * (x.dim() - 1)
+    sigma, sigma_next, g = (torch.as_tensor(t, dtype=x.dtype, device=x.device).reshape(view) for t in (sigma, sigma_next, g))
+    d = sigma_next - sigma
+    x0_hat = x - sigma * v
+    score = -(x - (1 - sigma) * x0_hat) / sigma**2
+    mean = x + d * (v - g**2 / 2 * score)
+    std = g * torch.sqrt(-d)
+    if prev_sample is None:
+        prev_sample = mean + std * noise
+    log_prob = -((prev_sample - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    return prev_sample, log_prob.flatten(1).mean(1), mean, std
+
+
+def ddim_step(x, eps, alpha, alpha_prev, eta):
+    """Mean and std of one DDIM step (Song et al. eq. 12, DDPO's form) from alpha = alphabar_t to alpha_prev.
+
+    x0_hat = (x - sqrt(1 - a) eps) / sqrt(a), std = eta sqrt((1 - a_prev) / (1 - a) (1 - a / a_prev)),
+    mean = sqrt(a_prev) x0_hat + sqrt(1 - a_prev - std^2) eps. eta = 0 is deterministic DDIM."""
+    alpha, alpha_prev = torch.as_tensor(alpha, dtype=x.dtype), torch.as_tensor(alpha_prev, dtype=x.dtype)
+    x0_hat = (x - (1 - alpha).sqrt() * eps) / alpha.sqrt()
+    std = eta * ((1 - alpha_prev) / (1 - alpha) * (1 - alpha / alpha_prev)).clamp(min=0).sqrt()
+    mean = alpha_prev.sqrt() * x0_hat + (1 - alpha_prev - std**2).clamp(min=0).sqrt() * eps
+    return mean, std.to(x.device)
+
+
+def make_schedule(model, num_steps: int, args: Args, stochastic: bool = True) -> dict:
+    """Per-step constants of the sampler. Flow: sigmas (T + 1,), g (T,). DDIM: timesteps t, alphabar a and a_prev,
+    eta (T,), "leading" spacing with the scheduler's steps_offset as diffusers; the last step is always
+    deterministic (g = eta = 0) and DDIM's lands on x0_hat (a_prev = 1). stochastic=False: an ODE / DDIM(eta=0)."""
+    if model.kind == "sd1":
+        ac = model.alphas_cumprod.double()
+        ratio = len(ac) // num_steps
+        t = torch.arange(num_steps - 1, -1, -1) * ratio + model.pipe.scheduler.config.get("steps_offset", 0)
+        prev = t - ratio
+        a_prev = torch.where(prev >= 0, ac[prev.clamp(min=0)], torch.ones((), dtype=ac.dtype))
+        eta = torch.full((num_steps,), args.noise_level if stochastic else 0.0)
+        eta[-1] = 0
+        return {"t": t, "a": ac[t].float(), "a_prev": a_prev.float(), "eta": eta}
+    sigmas = sigma_schedule(num_steps, args.shift)
+    g = noise_g(sigmas, args.sde_type, args.noise_level) if stochastic else torch.zeros(num_steps)
+    g[-1] = 0
+    return {"sigmas": sigmas, "g": g}
+
+
+def transition(model, module, sched: dict, i: int, x, cond, guidance_scale: float, autocast):
+    """Gaussian step i of the sampler: (mean (B, *L), std) of x_{i+1} given x_i, differentiable w.r.t. `module`."""
+    n = len(x)
+    if model.kind == "sd1":
+        with autocast():
+            eps = model.eps(module, x, sched["t"][i].expand(n).to(x.device), cond, guidance_scale)
+        return ddim_step(x, eps.float(), sched["a"][i], sched["a_prev"][i], sched["eta"][i])
+    sigma, sigma_next, g = sched["sigmas"][i], sched["sigmas"][i + 1], sched["g"][i]
+    with autocast():
+        v = model.velocity(module, x, sigma.expand(n).to(x.device), cond, guidance_scale)
+    v = v.float()
+    if g == 0:  # Euler (ODE) step
+        return x + (sigma_next - sigma) * v, torch.zeros((), device=x.device)
+    _, _, mean, std = sde_step(x, v, sigma, sigma_next, g, prev_sample=x)
+    return mean, std
+
+
+def stage_of(i: int, num_steps: int) -> int:
+    """0 / 1 / 2 = coarse / medium / fine: the first, middle and last third of the steps (from the noise end)."""
+    return min(3 * i // num_steps, 2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# ALGO LOGIC: the RLR estimator, on any chain of Gaussian steps mean_std(i, x) -> (mean, std)
+# ---------------------------------------------------------------------------------------------------
+def optimal_subchain_len(budget_gb, num_steps, ho_step_gb, zo_step_gb, variance_ratio=0.0) -> int:
+    """The paper's h* (eq. 8): min(floor((B - B_z (T - 1)) / (B_h - B_z)), floor(T V_z / (2 (V_z - V_h)) - 1)),
+    with V_h = variance_ratio V_z, capped at T - 1 (the window must end before the FO step). May be < 1."""
+    by_memory = math.floor((budget_gb - zo_step_gb * (num_steps - 1)) / (ho_step_gb - zo_step_gb) + 1e-9)
+    by_variance = math.floor(num_steps / (2 * (1 - variance_ratio)) - 1 + 1e-9)
+    return min(by_memory, by_variance, num_steps - 1)
+
+
+def window_starts(num_steps: int, h: int, stage: str = "any") -> list[int]:
+    """Allowed sub-chain starts j: the window j..j+h-1 must end before the last (FO) step; a stage restricts j
+    to its third of the steps (the paper's DCoT: j ~ U(a, b))."""
+    starts = range(num_steps - h)
+    if stage != "any":
+        starts = [j for j in starts if stage_of(j, num_steps) == ("coarse", "medium", "fine").index(stage)]
+    return list(starts)
+
+
+def zo_steps_of(num_steps: int, j: int, h: int) -> list[int]:
+    """Steps estimated by ZO: every step but the window j..j+h-1 and the last (FO) step (h = 0: no window)."""
+    return [i for i in range(num_steps - 1) if not j <= i < j + h]
+
+
+def rollout(mean_std: Callable, x, noise, zo_steps=(), perturb: Optional[Callable] = None):
+    """Sample the stochastic steps 0..T-2 without a graph. x: (B, *L) = x_0, noise: (B, T - 1, *L) the z_i.
+
+    Steps in `zo_steps` run inside `perturb(i)` (parameters theta + zeta_i). Returns latents (B, T, *L) fp32:
+    x_0 .. x_{T-1}, the last one the input of the deterministic FO step."""
+    latents = [x]
+    with torch.no_grad():
+        for i in range(noise.shape[1]):
+            with perturb(i) if i in zo_steps else nullcontext():
+                mean, std = mean_std(i, x)
+            x = mean + std * noise[:, i]
+            latents.append(x)
+    return torch.stack(latents, 1)
+
+
+def subchain_log_prob(mean_std: Callable, latents, noise, j: int, h: int):
+    """HO window: recompute steps j..j+h-1 with a graph from the constant x_j, inner noises z_j..z_{j+h-2} fixed.
+
+    Returns (log N(x_{j+h}; m, s^2 I) summed over latent dimensions (B,), max |m - rollout's mean|). The gradient
+    of (R - b) * log_prob is (R - b) (dm / dtheta)^T z_{j+h-1} / s: the HO term. The second value is 0 when the
+    recomputation reproduces the rollout (an on-policy check)."""
+    x = latents[:, j].detach()
+    for k in range(j, j + h):
+        mean, std = mean_std(k, x)
+        if k < j + h - 1:
+            x = mean + std * noise[:, k]
+    target = latents[:, j + h]
+    std = torch.as_tensor(std, dtype=mean.dtype, device=mean.device)
+    log_prob = -((target - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    deviation = (mean.detach() + std * noise[:, j + h - 1] - target).abs().max()
+    return log_prob.flatten(1).sum(1), deviation
+
+
+def loo_baseline(rewards, group_size: int):
+    """Leave-one-out group mean: each sample's baseline is the mean reward of the other G - 1 samples of its group
+    (consecutive blocks of G in global order); independent of the sample's own noise. (N,) -> (N,)."""
+    r = rewards.view(-1, group_size).double()
+    return ((r.sum(1, keepdim=True) - r) / (group_size - 1)).flatten().to(rewards.dtype)
+
+
+def zo_baseline(rewards, group_size: int, block):
+    """ZO baseline of each sample: mean reward of its group's samples in *other* perturbation blocks, else of all
+    samples in other blocks, else 0; never uses the sample's own block, so it is independent of its zetas.
+    rewards (N,), block (N,) long -> (N,)."""
+    n = len(rewards)
+    group = torch.arange(n, device=rewards.device) // group_size
+    r = rewards.double()
+    n_g, n_b = int(group.max()) + 1, int(block.max()) + 1
+    gb_sum = torch.zeros(n_g, n_b, dtype=r.dtype, device=r.device).index_put_((group, block), r, accumulate=True)
+    gb_cnt = torch.zeros_like(gb_sum).index_put_((group, block), torch.ones_like(r), accumulate=True)
+    same_sum, same_cnt = gb_sum.sum(1)[group] - gb_sum[group, block], gb_cnt.sum(1)[group] - gb_cnt[group, block]
+    all_sum, all_cnt = r.sum() - gb_sum.sum(0)[block], n - gb_cnt.sum(0)[block]
+    out = torch.where(same_cnt > 0, same_sum / same_cnt.clamp(min=1),
+                      torch.where(all_cnt > 0, all_sum / all_cnt.clamp(min=1), torch.zeros_like(r)))
+    return out.to(rewards.dtype)
+
+
+def zo_coefficients(weights, block, zo_mask, n_blocks: int):
+    """coef[q, i] = sum of weights[b] over the samples b of block q whose step i was a ZO step. weights (N,),
+    block (N,), zo_mask (N, T) bool -> (n_blocks, T); the ZO term of (block q, step i) is coef[q, i] zeta_qi / sigma^2."""
+    return torch.zeros(n_blocks, zo_mask.shape[1], dtype=weights.dtype, device=weights.device).index_add_(
+        0, block, weights[:, None] * zo_mask.to(weights.dtype))
+
+
+def zo_noise(params, seed: int, scale: float) -> list[torch.Tensor]:
+    """zeta ~ N(0, scale^2 I) shaped like `params`, drawn on their device from one generator seeded by `seed`, so
+    it can be regenerated for the gradient instead of stored (MeZO)."""
+    gen = torch.Generator(device=params[0].device).manual_seed(seed)
+    return [scale * torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype) for p in params]
+
+
+@contextmanager
+def perturbed(params, zeta):
+    """Run the body with theta + zeta, then restore theta exactly (a copy, not a subtraction)."""
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, z in zip(params, zeta):
+            p.add_(z)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
+
+
+def add_zo_grad(params, zeta, coef, scale: float) -> None:
+    """Accumulate the ZO term into .grad, minimisation convention: grad -= coef * zeta / scale^2
+    (coef a scalar, or a tensor that broadcasts against zeta, e.g. one row per chain in tests)."""
+    for p, z in zip(params, zeta):
+        g = -(coef * z) / scale**2
+        p.grad = g.to(p.dtype) if p.grad is None else p.grad.add_(g.to(p.dtype))
+
+
+def key_seed(*keys) -> int:
+    """A 63-bit seed from a stable hash of `keys` (as rng(), for generators on any device)."""
+    return int.from_bytes(hashlib.sha256(repr(keys).encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def rng(*keys) -> torch.Generator:  # same as in dancegrpo.py
+    """A CPU generator seeded by a stable hash of `keys`, e.g. (seed, iteration, "noise", sample_index)."""
+    digest = hashlib.sha256(repr(keys).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# BOILERPLATE: validation, evaluation, checkpoints
+# ---------------------------------------------------------------------------------------------------
+NON_DIFFERENTIABLE_REWARDS = {"verifier", "jpeg"}  # common/rewards.py builds these with differentiable=False
+
+
+def load_dcot(path: str) -> dict[str, tuple[str, str, str]]:
+    """Diffusion chain-of-thought prompts: a UTF-8 TSV file, one training prompt per line,
+    `prompt<TAB>coarse prompt<TAB>medium prompt<TAB>fine prompt`; blank lines and lines starting with '#' are skipped.
+    The reward scores the first column; steps in the first / middle / last third are conditioned on the others."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise SystemExit(f"error: --dcot-prompts {path}: no such file")
+    out = {}
+    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        fields = [f.strip() for f in line.split("\t")]
+        if len(fields) != 4 or not all(fields):
+            raise SystemExit(f"error: --dcot-prompts {path}, line {n}: expected 4 TAB-separated fields "
+                             "(prompt, coarse, medium, fine)")
+        out[fields[0]] = tuple(fields[1:])
+    if not out:
+        raise SystemExit(f"error: --dcot-prompts {path}: the file holds no prompts")
+    return out
+
+
+def validate(args: Args, world: int) -> None:  # same as in dancegrpo.py, with this script's checks
+    """Every flag is checked here, before any model loads; messages name the flag to change."""
+    def need(ok, msg):
+        if not ok:
+            raise SystemExit(f"error: {msg}")
+    T, h = args.num_steps, args.subchain_len
+    need(T >= 2, "--num-steps must be at least 2 (one stochastic step and the deterministic last step)")
+    if "ho" in args.terms:
+        budget = f" (h* of --memory-budget-gb {args.memory_budget_gb})" if args.memory_budget_gb is not None else ""
+        need(1 <= h <= T - 1, f"h = {h}{budget}: --subchain-len must be in [1, {T - 1}] (= --num-steps - 1)")
+        need(window_starts(T, h, args.subchain_stage),
+             f"--subchain-stage {args.subchain_stage}: no window of {h} steps (--subchain-len) starts in that third of "
+             f"--num-steps {T} and ends before the last step")
+    need(args.ho_step_gb > args.zo_step_gb > 0 and 0 <= args.variance_ratio < 1,
+         "--ho-step-gb > --zo-step-gb > 0 and --variance-ratio in [0, 1) are needed by the h* rule")
+    need(args.noise_level is None or args.noise_level > 0, "--noise-level must be > 0 (the HO term needs noise)")
+    need(args.group_size >= 2, "--group-size must be >= 2 (the baseline is the mean of the other samples of a prompt)")
+    need(args.samples_per_device * world % args.group_size == 0,
+         f"--samples-per-device {args.samples_per_device} x {world} processes must be a multiple of --group-size {args.group_size}")
+    need(args.samples_per_device % args.rollout_batch_size == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
+    K = args.zo_perturbations
+    need(K > 0 and args.samples_per_device % K == 0 and args.samples_per_device // K % args.rollout_batch_size == 0,
+         "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size")
+    need(args.zo_scale > 0, "--zo-scale must be > 0")
+    need(args.iterations >= 1 and args.learning_rate > 0, "--iterations >= 1 and --learning-rate > 0")
+    for name in ("eval_every", "sample_every", "save_every"):
+        need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
+    need(args.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1")
+    for item in args.reward_ckpt:
+        need("=" in item, f"--reward-ckpt {item!r}: expected NAME=PATH")
+    if args.track:
+        import importlib.util
+
+        need(importlib.util.find_spec("wandb") is not None, "--track needs wandb: pip install wandb")
+    from common.rewards import parse_reward_spec
+
+    try:
+        spec = parse_reward_spec(args.reward)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    bad = [name for name, w in spec if w != 0 and name in NON_DIFFERENTIABLE_REWARDS]
+    need(not bad, f"--reward {args.reward}: {', '.join(bad)} is not differentiable, and RLR's first-order term "
+                  "backpropagates through the reward; use a differentiable one (shapes, hpsv2.1, pickscore, clip), or "
+                  f"give {bad[0] if bad else ''} weight 0 to only log it")
+    if args.dcot_prompts is not None:
+        need(args.prompts == "shapes-train", "--dcot-prompts replaces --prompts: give one of them")
+        load_dcot(args.dcot_prompts)
+
+
+@torch.no_grad()
+def sample_images(model, module, sched, cond, noise, guidance_scale, autocast):
+    """Deterministic samples (Euler ODE, or DDIM with eta 0) for evaluation and grids; noise (B, *L) -> (B, 3, H, W).
+    Adapted from dancegrpo.py's sample_ode (any sampler of this file)."""
+    x = noise
+    for i in range(len(sched["eta" if model.kind == "sd1" else "g"])):
+        x, _ = transition(model, module, sched, i, x, cond, guidance_scale, autocast)
+    return model.decode(x).float()
+
+
+@torch.no_grad()
+def evaluate(args, model, transformer, reward_fn, prompts, device, autocast, shapes_reward=None):
+    """Held-out evaluation: deterministic samples with fixed seeds -> reward and, on ShapesBench, the verifier's
+    accuracies, the learned reward and diversity. Every process computes the same numbers. Returns (metrics, images,
+    prompts). Adapted from dancegrpo.py (any sampler of this file; CPU ShapesBench evaluates in batches of 16)."""
+    from common import shapes
+
+    prompts = [p for p in prompts for _ in range(args.eval_samples_per_prompt)]
+    sched = make_schedule(model, args.eval_steps, args, stochastic=False)
+    images, bs = [], max(args.rollout_batch_size, 16) if model.kind == "shapes" else args.rollout_batch_size  # (CPU: batch up)
+    for i in range(0, len(prompts), bs):
+        chunk = prompts[i : i + bs]
+        noise = torch.stack([torch.randn(model.latent_shape(), generator=rng(args.seed, "eval", i + j)) for j in range(len(chunk))])
+        images.append(sample_images(model, transformer, sched, model.encode_prompts(chunk), noise.to(device), args.guidance_scale, autocast))
+    images = torch.cat(images)
+    total, parts = reward_fn(images, prompts)
+    metrics = {"eval/reward": total.mean().item(), **{f"eval/reward_{k}": v.mean().item() for k, v in parts.items()}}
+    if model.kind == "shapes":
+        metrics.update({f"eval/{k}": v for k, v in shapes.evaluate(images.cpu(), prompts, shapes_reward).items()})
+    return metrics, images, prompts
+
+
+def rotate_checkpoints(ckpt_dir: Path, limit: int) -> None:  # same as in dancegrpo.py
+    done = sorted(ckpt_dir.glob("iter_*"))
+    for old in done[:-limit]:
+        for f in sorted(old.rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+        old.rmdir()
+
+
+class TrainState:  # same as in dancegrpo.py
+    """The loop counter, saved inside accelerate checkpoints (register_for_checkpointing)."""
+
+    def __init__(self):
+        self.iteration = 0
+
+    def state_dict(self):
+        return {"iteration": self.iteration}
+
+    def load_state_dict(self, d):
+        self.iteration = d["iteration"]
+
+
+def peak_memory_gb(device) -> float:
+    """Peak memory: CUDA allocator peak since the last reset, else this process's max resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
+
+
+def main(args: Args):
+    # ---------------------------------------------------------------- SETUP
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, log_with=["tensorboard"] + (["wandb"] if args.track else []),
+                              project_dir=str(Path(args.output_dir) / args.exp_name))
+    world, rank = accelerator.num_processes, accelerator.process_index
+    if args.memory_budget_gb is not None:
+        if args.subchain_len is not None:
+            raise SystemExit("error: give --subchain-len or --memory-budget-gb, not both")
+        args.subchain_len = optimal_subchain_len(args.memory_budget_gb, args.num_steps, args.ho_step_gb, args.zo_step_gb,
+                                                 args.variance_ratio)
+    elif args.subchain_len is None:
+        args.subchain_len = min(2, args.num_steps - 1)
+    if args.zo_perturbations is None:
+        args.zo_perturbations = args.samples_per_device // max(1, args.rollout_batch_size)  # one per rollout chunk
+    validate(args, world)
+    if accelerator.distributed_type == DistributedType.FSDP and "zo" in args.terms:
+        raise SystemExit("error: the ZO term perturbs whole parameter tensors in place, which FSDP shards; "
+                         "use DDP (e.g. --lora and configs/ddp_8gpu.yaml) or --terms fo+ho")
+    run_dir = Path(args.output_dir) / args.exp_name
+    ckpt_dir = run_dir / "checkpoints"
+    if args.resume_from is None and any(ckpt_dir.glob("iter_*")):
+        raise SystemExit(f"error: {run_dir} already holds checkpoints: pass --resume-from latest, or another --exp-name")
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
+    device = accelerator.device
+    autocast = accelerator.autocast
+    frozen_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
+    T, S, B, G, K = args.num_steps, args.samples_per_device, args.rollout_batch_size, args.group_size, args.zo_perturbations
+    use_ho, use_zo = "ho" in args.terms, "zo" in args.terms
+    h = args.subchain_len if use_ho else 0  # h = 0: no window (ablations V1, V3)
+    N = world * S  # samples per iteration, all processes
+    prompts_per_iter = N // G
+    n_chunks = S // B  # rollout chunks per process; global chunk gc = rank * n_chunks + c holds global samples [gc B, (gc + 1) B)
+    chunks_per_block = S // K // B  # chunks sharing one parameter perturbation
+
+    # ---------------------------------------------------------------- MODELS
+    from common.models import add_lora, load_model, save_trained_weights
+
+    model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
+    if args.noise_level is None:
+        args.noise_level = 1.0 if model.kind == "sd1" else 0.3 if args.sde_type == "dance" else 0.7
+    transformer = (model.unet if model.kind == "sd1" else model.transformer).float()  # fp32 master weights
+    if args.lora:
+        add_lora(transformer, args.lora_rank, args.lora_alpha)
+        for p in transformer.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+
+    # ---------------------------------------------------------------- PROMPTS & REWARDS
+    from common.prompts import load_prompts
+    from common.rewards import build_reward
+
+    dcot = load_dcot(args.dcot_prompts) if args.dcot_prompts else None
+    train_prompts = list(dcot) if dcot else load_prompts(args.prompts, "--prompts")
+    eval_prompts = load_prompts(args.eval_prompts, "--eval-prompts")
+    reward_ckpts = dict(item.split("=", 1) for item in args.reward_ckpt)
+    reward_fn = build_reward(args.reward, device, reward_ckpts)
+    if not reward_fn.differentiable:  # a reward registered after NON_DIFFERENTIABLE_REWARDS was written
+        raise SystemExit(f"error: --reward {args.reward} is not differentiable; RLR's first-order term needs gradients")
+    shapes_reward = None
+    if model.kind == "shapes":
+        from common import shapes
+
+        shapes_reward = shapes.load_reward_model(reward_ckpts.get("shapes"), device=device)
+
+    # ---------------------------------------------------------------- OPTIMIZER
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    transformer, optimizer = accelerator.prepare(transformer, optimizer)
+    unwrapped = accelerator.unwrap_model(transformer)
+    transformer.eval()  # no dropout anywhere: the sampled and the differentiated policy must be the same function
+    state = TrainState()
+    accelerator.register_for_checkpointing(state)
+
+    # ---------------------------------------------------------------- RESUME
+    # same as in dancegrpo.py
+    if args.resume_from:
+        path = max(ckpt_dir.glob("iter_*"), default=None) if args.resume_from == "latest" else Path(args.resume_from)
+        if path is None or not path.is_dir():
+            raise SystemExit(f"error: --resume-from {args.resume_from}: no checkpoint found (looked in {ckpt_dir})")
+        accelerator.load_state(str(path))
+        accelerator.print(f"resumed from {path} at iteration {state.iteration}")
+
+    sched = make_schedule(model, T, args)
+    eval_sched = make_schedule(model, args.eval_steps, args, stochastic=False)
+    latent_shape = model.latent_shape()
+    starts = window_starts(T, h, args.subchain_stage) if use_ho else [0]
+    if accelerator.is_main_process:
+        accelerator.init_trackers(args.exp_name, config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(args).items()})
+        print("\n".join([
+            "***** RLR (first-order + half-order sub-chain + zero-order) *****",
+            f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
+            f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
+            f"  processes {world} x samples per process {S} = {N} images / iteration = {prompts_per_iter} prompts x group size {G}",
+            f"  steps {T} ({'DDIM eta' if model.kind == 'sd1' else args.sde_type + ' SDE noise'} {args.noise_level}), "
+            f"estimator terms {args.terms}" + ("" if args.terms in ("fo+ho+zo", "fo+zo") else " (biased ablation)")
+            + (f", sub-chain h = {h}" + (f" (h* for {args.memory_budget_gb} GB)" if args.memory_budget_gb is not None else "")
+               + f", window starts {starts[0]}..{starts[-1]} ({args.subchain_stage})" if use_ho else "")
+            + (", DCoT prompts" if dcot else ""),
+            (f"  ZO: {K} perturbation block(s) per process, scale {args.zo_scale:g}; " if use_zo else "  ")
+            + f"rollout batch {B}, one optimizer step per iteration",
+            f"  reward {args.reward}, lr {args.learning_rate}, iterations {args.iterations}",
+            f"  run folder {run_dir}",
+        ]))
+
+    def log_images(tag, images, captions, ok, it):  # same as in dancegrpo.py
+        from common.viz import save_grid
+
+        path = save_grid(run_dir / "samples" / f"{tag}_{it:06d}.png", images, captions, ok, ncol=8)
+        tb = accelerator.get_tracker("tensorboard", unwrap=True)
+        import numpy as np
+        from PIL import Image
+
+        tb.add_image(tag, np.asarray(Image.open(path)), it, dataformats="HWC")
+
+    # fixed prompts and seeds for the sample grid: the first 8 held-out prompts x 2 seeds
+    grid_prompts = [p for p in eval_prompts[:8] for _ in range(2)]
+    grid_noise = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, "grid", j)) for j in range(len(grid_prompts))])
+
+    def grid_and_eval(it: int, do_eval: bool, do_grid: bool):
+        """Runs on every process with the prepared module (FSDP needs all ranks in each forward; under DDP the
+        other ranks would only wait), so every process computes the same images; the main one logs them.
+        Same as in dancegrpo.py, with this file's deterministic sampler (ODE or DDIM eta 0)."""
+        if not (do_eval or do_grid):
+            return
+        if do_grid:
+            images = sample_images(model, transformer, eval_sched, model.encode_prompts(grid_prompts), grid_noise.to(device),
+                                   args.guidance_scale, autocast)
+            with torch.no_grad():
+                r, _ = reward_fn(images, grid_prompts)
+            if accelerator.is_main_process:
+                ok = None
+                if model.kind == "shapes":
+                    from common import shapes
+
+                    ok = shapes.verify(images, grid_prompts)["all"].tolist()
+                log_images("samples", images, [f"{p}\nreward {x:.3f}" for p, x in zip(grid_prompts, r.tolist())], ok, it)
+        if do_eval:
+            metrics, _, _ = evaluate(args, model, transformer, reward_fn, eval_prompts, device, autocast, shapes_reward)
+            if accelerator.is_main_process:
+                accelerator.log(metrics, step=it)
+                with open(run_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps({"iteration": it, **metrics}) + "\n")
+                print(f"eval @ {it}: " + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
+
+    def grad_norm_now() -> float:
+        return math.sqrt(sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None))
+
+    start, t_start = state.iteration, time.perf_counter()
+    if start == 0:
+        grid_and_eval(0, args.eval_every > 0, args.sample_every > 0)
+    accelerator.wait_for_everyone()
+    bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="iterations",
+               disable=not accelerator.is_local_main_process)
+    for it in bar:
+        t_iter = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        # ------------------------------------------------------------ SAMPLING
+        # The same prompt draw on every process; process r owns global samples [r S, (r + 1) S) (same as in dancegrpo.py).
+        gen = rng(args.seed, it, "prompts")
+        if prompts_per_iter <= len(train_prompts):
+            pick = torch.randperm(len(train_prompts), generator=gen)[:prompts_per_iter]
+        else:
+            pick = torch.randint(len(train_prompts), (prompts_per_iter,), generator=gen)
+        global_idx = range(rank * S, (rank + 1) * S)
+        my_prompts = [train_prompts[pick[k // G]] for k in global_idx]
+        init = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, it, "init", k)) for k in global_idx])
+        step_noise = torch.stack([torch.randn((T - 1, *latent_shape), generator=rng(args.seed, it, "sde", k)) for k in global_idx])
+        cond = model.encode_prompts(my_prompts)
+        # conditioning per stage (coarse, medium, fine): the DCoT prompts, else the prompt itself three times
+        conds = [model.encode_prompts([dcot[p][s] for p in my_prompts]) for s in range(3)] if dcot else [cond] * 3
+        # every global chunk's window start j and perturbation block, drawn identically on every process
+        j_of = [starts[int(torch.randint(len(starts), (1,), generator=rng(args.seed, it, "window", gc)))] for gc in range(world * n_chunks)]
+        block_of = torch.arange(world * n_chunks) // chunks_per_block  # (global chunks,)
+        chunks, rewards, parts = [], [], []
+        for c in range(n_chunks):
+            gc, sl = rank * n_chunks + c, slice(c * B, (c + 1) * B)
+            conds_c = [{k: v[sl] for k, v in cd.items()} for cd in conds]
+
+            def mean_std(i, x, conds_c=conds_c):
+                return transition(model, transformer, sched, i, x, conds_c[stage_of(i, T)], args.guidance_scale, autocast)
+
+            def perturb(i, q=int(block_of[gc]), it=it):  # theta + zeta_{q, i} for ZO step i of block q
+                return perturbed(params, zo_noise(params, key_seed(args.seed, it, "zo", q, i), args.zo_scale))
+
+            noise_c = step_noise[sl].to(device)
+            latents = rollout(mean_std, init[sl].to(device), noise_c, zo_steps_of(T, j_of[gc], h) if use_zo else (), perturb)
+            # FO term: the last (deterministic) step with a graph, the decoder and the reward; x_{T-1} is a constant.
+            # All backwards but the iteration's last skip the DDP all-reduce; the last one reduces the sum.
+            with accelerator.no_sync(transformer) if use_ho or c < n_chunks - 1 else nullcontext():
+                x_last, _ = mean_std(T - 1, latents[:, -1])
+                r, comp = reward_fn(model.decode(x_last).float(), my_prompts[sl])
+                accelerator.backward(-r.sum() / S)
+            chunks.append({"mean_std": mean_std, "latents": latents, "noise": noise_c, "j": j_of[gc]})
+            rewards.append(r.detach())
+            parts.append(comp)
+        fo_norm = grad_norm_now()  # process-local: the FO term of this process's samples
+        t_sample = time.perf_counter() - t_iter
+
+        # ------------------------------------------------------------ REWARDS & ADVANTAGES
+        all_rewards = accelerator.gather(torch.cat(rewards).float().to(device))  # (N,) in global sample order
+        parts = {k: accelerator.gather(torch.cat([p[k] for p in parts]).float().to(device)) for k in parts[0]}
+        sample_block = block_of.to(device)[torch.arange(N, device=device) // B]  # (N,)
+        adv_ho = (all_rewards - loo_baseline(all_rewards, G))[rank * S : (rank + 1) * S]  # R - b, this process's samples
+        adv_zo = all_rewards - zo_baseline(all_rewards, G, sample_block)  # R - b', all samples
+        zo_mask = torch.zeros(N, T, dtype=torch.bool, device=device)  # (N, T): which steps of each sample were ZO steps
+        if use_zo:
+            for gc, j in enumerate(j_of):
+                zo_mask[gc * B : (gc + 1) * B, zo_steps_of(T, j, h)] = True
+
+        # ------------------------------------------------------------ TRAINING
+        # HO term: -(R - b) log N(x_{j+h}; m(theta), s^2) per sample; the last backward all-reduces FO + HO (DDP)
+        deviations = [torch.zeros((), device=device)]
+        for c, ch in enumerate(chunks if use_ho else []):
+            with accelerator.no_sync(transformer) if c < n_chunks - 1 else nullcontext():
+                log_prob, dev = subchain_log_prob(ch["mean_std"], ch["latents"], ch["noise"], ch["j"], h)
+                accelerator.backward(-(adv_ho[c * B : (c + 1) * B] * log_prob).sum() / S)
+            deviations.append(dev)
+        fo_ho_norm = grad_norm_now()
+        # ZO term: identical on every process (all blocks' zetas are regenerated from their seeds), added after the all-reduce
+        zo_norm = 0.0
+        if use_zo:
+            before = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+            coef = zo_coefficients(adv_zo / N, sample_block, zo_mask, world * K)  # (blocks, T)
+            for q, i in coef.nonzero().tolist():
+                add_zo_grad(params, zo_noise(params, key_seed(args.seed, it, "zo", q, i), args.zo_scale), coef[q, i], args.zo_scale)
+            zo_norm = math.sqrt(sum(float((p.grad - g).double().square().sum()) for p, g in zip(params, before)))
+            del before
+        grad_norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)
+        # NaN/Inf guard: every process agrees to skip, so the weights stay identical across ranks (same as in dancegrpo.py)
+        bad = accelerator.reduce(torch.tensor(float(not torch.isfinite(grad_norm)), device=device), "sum")
+        skipped = int(bad.item() > 0)
+        if not skipped:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        state.iteration = it + 1
+
+        # ------------------------------------------------------------ LOGGING
+        log = {
+            "rewards/mean": all_rewards.mean().item(), "rewards/std": all_rewards.std().item(),
+            **{f"rewards/{k}": v.mean().item() for k, v in parts.items()},
+            "rlr/subchain_len": h, "rlr/window_start": sum(j_of) / len(j_of),
+            "rlr/zo_steps": zo_mask.sum(1).float().mean().item(),
+            "rlr/ho_adv_abs": (all_rewards - loo_baseline(all_rewards, G)).abs().mean().item(),
+            "rlr/zo_adv_abs": adv_zo.abs().mean().item() if use_zo else 0.0,
+            "rlr/recompute_max_dev": accelerator.gather(torch.stack(deviations).max().reshape(1)).max().item(),
+            "grad/fo_norm": fo_norm, "grad/fo_ho_norm": fo_ho_norm, "grad/zo_norm": zo_norm,
+            "charts/grad_norm": float(grad_norm), "charts/skipped_updates": skipped, "charts/lr": args.learning_rate,
+            "perf/nfe_per_image": T + h, "perf/peak_mem_gb": peak_memory_gb(device),
+            "perf/sampling_s": t_sample, "perf/iteration_s": time.perf_counter() - t_iter,
+            "perf/wall_s": time.perf_counter() - t_start,
+        }
+        if (it + 1) % 10 == 0 or it + 1 == args.iterations:  # all processes must hold identical weights (same as in dancegrpo.py)
+            sums = accelerator.gather(torch.stack([p.detach().double().sum() for p in params]).to(device)).view(world, -1)
+            log["charts/rank_weight_spread"] = (sums.max(0).values - sums.min(0).values).max().item()
+        if skipped:
+            accelerator.print(f"iteration {it}: skipped the update: non-finite gradient norm")
+        accelerator.log(log, step=it + 1)
+        if accelerator.is_main_process:  # plain-text copy of every logged scalar, one JSON line per iteration
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"iteration": it + 1, **log}) + "\n")
+        bar.set_postfix(reward=f"{log['rewards/mean']:.4f}", s_it=f"{log['perf/iteration_s']:.1f}")
+
+        # ------------------------------------------------------------ CHECKPOINT
+        # same as in dancegrpo.py
+        final = it + 1 == args.iterations
+        if (args.save_every and (it + 1) % args.save_every == 0) or final:
+            accelerator.save_state(str(ckpt_dir / f"iter_{it + 1:06d}"))  # on every process (sharded states need it)
+            if accelerator.is_main_process:
+                rotate_checkpoints(ckpt_dir, args.checkpoints_total_limit)
+
+        # ------------------------------------------------------------ EVAL
+        do_eval = args.eval_every > 0 and ((it + 1) % args.eval_every == 0 or final)
+        do_grid = args.sample_every > 0 and ((it + 1) % args.sample_every == 0 or final)
+        grid_and_eval(it + 1, do_eval, do_grid)
+        accelerator.wait_for_everyone()
+
+    # ---------------------------------------------------------------- FINAL SAVE
+    # same as in dancegrpo.py
+    sharded = accelerator.distributed_type == DistributedType.FSDP
+    state_dict = accelerator.get_state_dict(transformer) if sharded else None  # collective under FSDP
+    if accelerator.is_main_process:
+        save_trained_weights(model, unwrapped, run_dir / "final", args.lora, state_dict)
+        print(f"trained weights in {run_dir / 'final'}")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(tyro.cli(Args))
