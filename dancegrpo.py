@@ -116,7 +116,7 @@ class Args:
     """images per prompt (G); a group may span processes"""
     samples_per_device: int = 64
     """images sampled per process per iteration; prompts per iteration = processes * this / group size"""
-    rollout_batch_size: int = 16
+    rollout_batch_size: int = 32
     """images per transformer forward in sampling; also the training micro-batch"""
     same_noise: bool = False
     """one shared initial noise per prompt group (DanceGRPO --init_same_noise)"""

@@ -2,6 +2,7 @@
 
     python benchmarks/branchgrpo_speed.py rollout      # one 16-leaf tree: batched per depth vs one node at a time
     python benchmarks/branchgrpo_speed.py iteration    # s/iteration vs dancegrpo.py at 16 samples per prompt, 20 steps
+    python benchmarks/branchgrpo_speed.py mixgrpo      # dancegrpo.py defaults: full SDE vs --sde-window 4 (issue #3)
 
 `iteration` runs the real scripts back to back (subprocesses, no evaluation, KL off as in both papers) and
 reports the median seconds per iteration over the iterations after the first; it prints a JSON table.
@@ -51,15 +52,8 @@ def rollout(repeats: int = 3) -> dict:
     return out
 
 
-def iteration(iterations: int = 4) -> dict:
-    common = ["--num-steps", "20", "--iterations", str(iterations), "--eval-every", "0", "--sample-every", "0",
-              "--save-every", "0", "--kl-beta", "0"]
-    runs = {
-        "dancegrpo": ["dancegrpo.py", "--group-size", "16", "--samples-per-device", "16", "--rollout-batch-size", "16",
-                      "--trajectories-per-update", "16", "--timestep-fraction", "1.0"],
-        **{f"branchgrpo_{p}": ["branchgrpo.py", "--trees-per-device", "1", "--trees-per-update", "1",
-                               "--rollout-batch-size", "16", "--pruning", p] for p in ("none", "width", "depth", "mix")},
-    }
+def timed_runs(runs: dict, common: list) -> dict:
+    """Run each script back to back; median seconds per iteration over the iterations after the first."""
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, argv in runs.items():
@@ -68,15 +62,31 @@ def iteration(iterations: int = 4) -> dict:
             rows = [json.loads(line) for line in (Path(tmp) / name / "metrics.jsonl").read_text().splitlines()]
             its = [r["perf/iteration_s"] for r in rows if "perf/iteration_s" in r][1:]
             out[name] = {"s_per_iteration": round(statistics.median(its), 2)}
-            for key in ("tree/trained_edges_per_leaf", "perf/nfe_per_image"):
+            for key in ("tree/trained_edges_per_leaf", "tree/train_forwards_per_leaf", "perf/nfe_per_image"):
                 if key in rows[-1]:
                     out[name][key] = rows[-1][key]
-    base = out["dancegrpo"]["s_per_iteration"]
+    base = out[next(iter(runs))]["s_per_iteration"]
     for name in out:
-        out[name]["speedup_vs_dancegrpo"] = round(base / out[name]["s_per_iteration"], 2)
+        out[name]["speedup"] = round(base / out[name]["s_per_iteration"], 2)
     return out
+
+
+def mixgrpo(iterations: int = 6) -> dict:
+    common = ["--iterations", str(iterations), "--eval-every", "0", "--sample-every", "0", "--save-every", "0"]
+    return timed_runs({"dancegrpo": ["dancegrpo.py"], "mixgrpo_window4": ["dancegrpo.py", "--sde-window", "4"]}, common)
+
+
+def iteration(iterations: int = 4) -> dict:
+    common = ["--num-steps", "20", "--iterations", str(iterations), "--eval-every", "0", "--sample-every", "0",
+              "--save-every", "0", "--kl-beta", "0"]
+    return timed_runs({
+        "dancegrpo": ["dancegrpo.py", "--group-size", "16", "--samples-per-device", "16", "--rollout-batch-size", "16",
+                      "--trajectories-per-update", "16", "--timestep-fraction", "1.0"],
+        **{f"branchgrpo_{p}": ["branchgrpo.py", "--trees-per-device", "1", "--trees-per-update", "1",
+                               "--rollout-batch-size", "16", "--pruning", p] for p in ("none", "width", "depth", "mix")},
+    }, common)
 
 
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "rollout"
-    print(json.dumps({"rollout": rollout, "iteration": iteration}[what](), indent=1))
+    print(json.dumps({"rollout": rollout, "iteration": iteration, "mixgrpo": mixgrpo}[what](), indent=1))

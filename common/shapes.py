@@ -44,7 +44,7 @@ JITTER = 3  # centre = 16 +- JITTER pixels on each axis
 # The verifier's template bank is wider than the data, so off-distribution samples still get a shape.
 TEMPLATE_RADII = tuple(range(3, 14))
 TEMPLATE_CENTRES = tuple(range(6, 27))
-SHAPE_IOU_MIN = 0.75  # a shape counts as correct only if its best template of the right class fits this well
+SHAPE_IOU_MIN = 0.6  # a shape counts as correct only if its best template of the right class fits this well
 CLEAN_MAX_DEV = 0.08  # mean |pixel - palette background| over background pixels
 CLEAN_MAX_STRAY = 0.03  # fraction of pixels that are neither the background nor the foreground colour
 

@@ -178,3 +178,14 @@ def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
     train = [r for r in metrics(tmp_path / "flux") if "losses/policy" in r]
     assert len(train) == 2 and all(r["losses/first_ratio_max_dev"] == 0 for r in train)
     assert (tmp_path / "flux" / "final" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_run_sh_recipe_launches_the_script(tmp_path):
+    """run.sh's CPU recipes are what the README points to: run one with tiny flags (later flags win)."""
+    out = subprocess.run(["bash", "run.sh", "mixgrpo-cpu", *TINY_RUN, "--eval-every", "0", "--output-dir", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PY": sys.executable, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    train = [r for r in metrics(tmp_path / "mixgrpo") if "losses/policy" in r]
+    assert len(train) == 2 and train[0]["charts/window_start"] == 0
+    bad = subprocess.run(["bash", "run.sh", "no-such-recipe"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown recipe" in bad.stderr
