@@ -351,13 +351,13 @@ def _eval_cli(args) -> None:
               "guidance_scale": args.guidance_scale, "seed": args.seed,
               **evaluate(images, prompts, load_reward_model()), "sampling_seconds": round(seconds, 2)}
     print(json.dumps(result, indent=1))
-    if args.grid:
+    if args.grid:  # the first sample of every prompt, so that all three shapes appear
         from common.viz import save_grid
 
-        v = verify(images, prompts)
-        save_grid(args.grid, images[: args.grid_n], [p.removeprefix("a ").removesuffix(" background")
-                                                     for p in prompts[: args.grid_n]],
-                  ok=v["all"][: args.grid_n].tolist(), ncol=args.samples_per_prompt * 2)
+        pick = list(range(0, len(prompts), args.samples_per_prompt))[: args.grid_n]
+        ok = verify(images[pick], [prompts[i] for i in pick])["all"].tolist()
+        save_grid(args.grid, images[pick], [prompts[i].removeprefix("a ").removesuffix(" background") for i in pick],
+                  ok=ok, ncol=8, title=f"{args.model_id}: held-out prompts, Euler {args.steps} steps, border = verifier verdict")
         print(f"grid written to {args.grid}")
 
 
@@ -374,7 +374,7 @@ if __name__ == "__main__":
     e.add_argument("--guidance-scale", type=float, default=1.0, help="classifier-free guidance (1 = off)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
-    e.add_argument("--grid", default="", help="also write a PNG grid of the first --grid-n samples with verdicts")
-    e.add_argument("--grid-n", type=int, default=64)
+    e.add_argument("--grid", default="", help="also write a PNG grid (first sample of each prompt) with the verifier's verdicts")
+    e.add_argument("--grid-n", type=int, default=48)
     args = p.parse_args()
     _eval_cli(args)

@@ -121,7 +121,8 @@ def test_end_to_end_shapesbench(tmp_path):
     train = [r for r in rows if "losses/policy" in r]
     assert [r["iteration"] for r in train] == [1, 2]
     assert all(r["losses/first_ratio_max_dev"] == 0 for r in train)  # ratio exactly 1 at the first update
-    assert all(r["perf/nfe_per_image"] == 4 + 2 * 3 for r in train)  # 4 rollout steps + 3 trained steps x (policy + KL ref)
+    # 4 rollout steps + int(3 SDE steps x 0.6) = 1 trained step x (policy + KL reference forward)
+    assert all(r["perf/nfe_per_image"] == 4 + 1 * 2 for r in train)
     evals = [r for r in rows if "eval/shape_acc" in r]
     assert [r["iteration"] for r in evals] == [0, 2]
     assert (run / "final" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
@@ -182,7 +183,8 @@ def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
 
 def test_run_sh_recipe_launches_the_script(tmp_path):
     """run.sh's CPU recipes are what the README points to: run one with tiny flags (later flags win)."""
-    out = subprocess.run(["bash", "run.sh", "mixgrpo-cpu", *TINY_RUN, "--eval-every", "0", "--output-dir", str(tmp_path)],
+    out = subprocess.run(["bash", "run.sh", "mixgrpo-cpu", *TINY_RUN, "--sde-window", "2", "--eval-every", "0",
+                          "--output-dir", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PY": sys.executable, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     train = [r for r in metrics(tmp_path / "mixgrpo") if "losses/policy" in r]

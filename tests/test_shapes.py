@@ -97,10 +97,10 @@ def test_reward_model_missing_names_the_flag(tmp_path):
 
 def test_eval_command_prints_json_for_the_shipped_model():
     """The README's eval command on a reduced setting; the full-setting figures are in the README."""
-    out = subprocess.run([sys.executable, "-m", "common.shapes", "eval", "--samples-per-prompt", "1", "--steps", "4"],
+    out = subprocess.run([sys.executable, "-m", "common.shapes", "eval", "--samples-per-prompt", "2", "--steps", "4"],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     result = json.loads(out)
-    assert result["n"] == 48
+    assert result["n"] == 96
     for key in ("bg_acc", "fg_acc", "colour_acc", "shape_acc", "clean_acc", "all_acc", "reward_mean", "diversity"):
         assert 0 <= result[key] <= 1 or key == "reward_mean", key
 
