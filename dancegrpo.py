@@ -128,7 +128,7 @@ class Args:
     """PPO clip epsilon on the ratio (log-probs are means over latent dimensions, hence small)"""
     adv_clip_max: float = 5.0
     """advantages are clipped to +-this"""
-    kl_beta: float = 0.004
+    kl_beta: float = 0.04
     """weight of the per-step Gaussian KL to the frozen base model (0 = off, as upstream DanceGRPO)"""
     sde_window: int = 0
     """MixGRPO: SDE (and training) only inside a window of W steps, ODE elsewhere; 0 = SDE everywhere"""
