@@ -12,7 +12,7 @@ Launch (run.sh has more):
     python dancegrpo.py --sde-window 4                               # MixGRPO on ShapesBench
     accelerate launch dancegrpo.py --model-id black-forest-labs/FLUX.1-dev --resolution 512 \
         --reward hpsv2.1 --lora --mixed-precision bf16 --samples-per-device 12 --group-size 12 \
-        --rollout-batch-size 1 --kl-beta 0 --clip-range 1e-4 --learning-rate 3e-4
+        --rollout-batch-size 1 --trajectories-per-update 4 --kl-beta 0 --clip-range 1e-4 --learning-rate 3e-4
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 dancegrpo.py   # 2 CPU processes
     python dancegrpo.py --resume-from latest                         # continue runs/dancegrpo
 
