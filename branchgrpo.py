@@ -535,7 +535,9 @@ def main(args: Args):
     latent_shape = model.latent_shape()
     forwards, edges = tree_counts(args.num_steps, splits, args.branch_factor)
     if accelerator.is_main_process:
-        accelerator.init_trackers(args.exp_name, config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(args).items()})
+        accelerator.init_trackers(args.wandb_project_name if args.track else args.exp_name,  # W&B project; run = exp_name
+                                  config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(args).items()},
+                                  init_kwargs={"wandb": {"name": args.exp_name}} if args.track else {})
         print("\n".join([
             f"***** BranchGRPO, pruning {args.pruning}" + (f" ({args.width_mode})" if args.pruning == "width" else "") + " *****",
             f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "

@@ -393,7 +393,9 @@ def main(args: Args):
     g = noise_g(sigmas, args.sde_type, args.noise_level)
     latent_shape = model.latent_shape()
     if accelerator.is_main_process:
-        accelerator.init_trackers(args.exp_name, config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(args).items()})
+        accelerator.init_trackers(args.wandb_project_name if args.track else args.exp_name,  # W&B project; run = exp_name
+                                  config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(args).items()},
+                                  init_kwargs={"wandb": {"name": args.exp_name}} if args.track else {})
         n_train = max(1, int(len(sde_steps(args.num_steps, args.sde_window, args.window_shift_every, 0)) * args.timestep_fraction))
         print("\n".join([
             "***** DanceGRPO" + (" (MixGRPO window)" if args.sde_window else "") + " *****",

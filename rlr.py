@@ -615,7 +615,9 @@ def main(args: Args):
     latent_shape = model.latent_shape()
     starts = window_starts(T, h, args.subchain_stage) if use_ho else [0]
     if accelerator.is_main_process:
-        accelerator.init_trackers(args.exp_name, config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(args).items()})
+        accelerator.init_trackers(args.wandb_project_name if args.track else args.exp_name,  # W&B project; run = exp_name
+                                  config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(args).items()},
+                                  init_kwargs={"wandb": {"name": args.exp_name}} if args.track else {})
         print("\n".join([
             "***** RLR (first-order + half-order sub-chain + zero-order) *****",
             f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "

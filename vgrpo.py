@@ -464,7 +464,9 @@ def main(args: Args):
     latent_shape = model.latent_shape()
     nfe = args.num_steps + 2 * args.n_mc  # rollout + behaviour pass + training pass, per image
     if accelerator.is_main_process:
-        accelerator.init_trackers(args.exp_name, config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(args).items()})
+        accelerator.init_trackers(args.wandb_project_name if args.track else args.exp_name,  # W&B project; run = exp_name
+                                  config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(args).items()},
+                                  init_kwargs={"wandb": {"name": args.exp_name}} if args.track else {})
         off = [n for n, on in (("stratified", args.stratified), ("shared pairs", args.shared_pairs), ("self-normalize", args.self_normalize)) if not on]
         print("\n".join([
             "***** V-GRPO *****",
