@@ -343,11 +343,24 @@ def _eval_cli(args) -> None:
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     model = load_model(args.model_id)
+    name = str(args.model_id)
+    if args.trained:  # a run's final/: transformer/ (full fine-tuning) or SD3-format LoRA weights
+        trained = Path(args.trained)
+        if (trained / "transformer").is_dir():
+            from diffusers import SD3Transformer2DModel
+
+            model.transformer = SD3Transformer2DModel.from_pretrained(trained / "transformer")
+        elif (trained / "pytorch_lora_weights.safetensors").is_file():
+            model.transformer.load_lora_adapter(str(trained), prefix="transformer", use_safetensors=True)
+        else:
+            raise SystemExit(f"--trained {trained}: expected a run's final/ folder with transformer/ or "
+                             "pytorch_lora_weights.safetensors")
+        name = f"{name} + {trained}"
     prompts = [p for p in split_prompts(args.split) for _ in range(args.samples_per_prompt)]
     t0 = time.perf_counter()
     images = sample_ode(model, prompts, args.seed, args.steps, args.guidance_scale)
     seconds = time.perf_counter() - t0
-    result = {"model_id": str(args.model_id), "split": args.split, "n": len(prompts), "steps": args.steps,
+    result = {"model_id": name, "split": args.split, "n": len(prompts), "steps": args.steps,
               "guidance_scale": args.guidance_scale, "seed": args.seed,
               **evaluate(images, prompts, load_reward_model()), "sampling_seconds": round(seconds, 2)}
     print(json.dumps(result, indent=1))
@@ -357,7 +370,7 @@ def _eval_cli(args) -> None:
         pick = list(range(0, len(prompts), args.samples_per_prompt))[: args.grid_n]
         ok = verify(images[pick], [prompts[i] for i in pick])["all"].tolist()
         save_grid(args.grid, images[pick], [prompts[i].removeprefix("a ").removesuffix(" background") for i in pick],
-                  ok=ok, ncol=8, title=f"{args.model_id}: held-out prompts, Euler {args.steps} steps, border = verifier verdict")
+                  ok=ok, ncol=8, title=f"{name}: held-out prompts, Euler {args.steps} steps, border = verifier verdict")
         print(f"grid written to {args.grid}")
 
 
@@ -368,6 +381,7 @@ if __name__ == "__main__":
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("eval", help="sample the model on held-out prompts; print verifier accuracies and the learned reward as JSON")
     e.add_argument("--model-id", default="shapesbench", help="flow model: 'shapesbench' (the shipped one) or a local folder")
+    e.add_argument("--trained", default="", help="a run's final/ folder (full or LoRA weights) to load on top of --model-id")
     e.add_argument("--split", default="eval", choices=["eval", "train"])
     e.add_argument("--samples-per-prompt", type=int, default=4)
     e.add_argument("--steps", type=int, default=20, help="Euler ODE steps (shifted schedule, shift 3)")

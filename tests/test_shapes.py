@@ -105,6 +105,23 @@ def test_eval_command_prints_json_for_the_shipped_model():
         assert 0 <= result[key] <= 1 or key == "reward_mean", key
 
 
+def test_eval_command_loads_a_runs_trained_weights(tmp_path):
+    """--trained FINAL loads a run's final/ (here: the shipped weights re-saved, so the figures must not change)."""
+    from diffusers import SD3Transformer2DModel
+
+    SD3Transformer2DModel.from_pretrained(ROOT / "common/assets/shapes-flow/transformer").save_pretrained(
+        tmp_path / "final" / "transformer")
+    cmd = [sys.executable, "-m", "common.shapes", "eval", "--samples-per-prompt", "1", "--steps", "2", "--threads", "1"]
+    base = json.loads(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    run = json.loads(subprocess.run(cmd + ["--trained", str(tmp_path / "final")], cwd=ROOT, capture_output=True,
+                                    text=True, check=True).stdout)
+    assert run["model_id"].endswith(str(tmp_path / "final"))
+    assert {k: v for k, v in run.items() if k != "model_id"} == {k: v for k, v in base.items() if k != "model_id"} | {
+        "sampling_seconds": run["sampling_seconds"]}
+    bad = subprocess.run(cmd + ["--trained", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode != 0 and "--trained" in bad.stderr
+
+
 def test_shipped_model_leaves_room_for_rl():
     """Issue #2's bar for the base model, at the README's eval setting (48 prompts x 4 samples, 20 steps)."""
     from common.models import load_model
