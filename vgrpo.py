@@ -494,8 +494,9 @@ def main(args: Args):
 
         tb.add_image(tag, np.asarray(Image.open(path)), it, dataformats="HWC")
 
-    # fixed prompts and seeds for the sample grid: the first 8 held-out prompts x 2 seeds
-    grid_prompts = [p for p in eval_prompts[:8] for _ in range(2)]
+    # fixed prompts and seeds for the sample grid: 8 held-out prompts spread over the list (on ShapesBench all
+    # three shapes) x 2 seeds
+    grid_prompts = [p for p in eval_prompts[:: max(1, len(eval_prompts) // 8)][:8] for _ in range(2)]
     grid_noise = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, "grid", j)) for j in range(len(grid_prompts))])
 
     def grid_and_eval(it: int, do_eval: bool, do_grid: bool):  # same as in dancegrpo.py
