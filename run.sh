@@ -3,6 +3,7 @@
 #   set up first with: bash scripts/setup.sh   (this file installs nothing)
 #
 #   dancegrpo-cpu          DanceGRPO on ShapesBench, 1 CPU process (~10 min on 2 cores)
+#   dancegrpo-verifier-cpu DanceGRPO on ShapesBench rewarded by the programmatic verifier (learns shapes in ~20 min)
 #   mixgrpo-cpu            MixGRPO (4-step sliding SDE window) on ShapesBench
 #   dancegrpo-cpu-2proc    the same, 2 CPU processes (gloo): groups span processes
 #   dancegrpo-flux-1gpu    FLUX.1-dev + HPSv2.1, LoRA, 1 GPU
@@ -10,12 +11,14 @@
 #   dancegrpo-flux-fsdp8   FLUX.1-dev + HPSv2.1, full fine-tuning, 8 GPUs (FSDP)
 #   dancegrpo-flux-multinode  LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES (MAIN_PORT=29500)
 #   branchgrpo-cpu         BranchGRPO on ShapesBench, 1 CPU process (~10 min on 2 cores); add --pruning depth|width|mix
+#   branchgrpo-verifier-cpu  BranchGRPO on ShapesBench rewarded by the programmatic verifier
 #   branchgrpo-cpu-2proc   the same, 2 CPU processes (gloo)
 #   branchgrpo-flux-1gpu   FLUX.1-dev + HPSv2.1, LoRA, depth pruning, 1 GPU
 #   branchgrpo-flux-8gpu   FLUX.1-dev + HPSv2.1, LoRA, depth pruning, 8 GPUs (DDP)
 #   branchgrpo-flux-fsdp8  FLUX.1-dev + HPSv2.1, full fine-tuning (the paper's setting), depth pruning, 8 GPUs (FSDP)
 #   branchgrpo-flux-multinode  LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
 #   vgrpo-cpu              V-GRPO on ShapesBench, 1 CPU process
+#   vgrpo-verifier-cpu     V-GRPO on ShapesBench rewarded by the programmatic verifier
 #   vgrpo-naive-cpu        the naive ELBO surrogate (no stratification, no shared pairs, no self-normalisation)
 #   vgrpo-cpu-2proc        the same as vgrpo-cpu, 2 CPU processes (gloo): groups span processes
 #   vgrpo-flux-1gpu        FLUX.1-dev + HPSv2.1, LoRA, 1 GPU
@@ -76,6 +79,7 @@ FLUX_VGRPO=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 
 
 case "$recipe" in
   dancegrpo-cpu) $PY dancegrpo.py "$@" ;;
+  dancegrpo-verifier-cpu) $PY dancegrpo.py --exp-name dancegrpo-verifier --reward verifier "$@" ;;
   mixgrpo-cpu) $PY dancegrpo.py --exp-name mixgrpo --sde-window 4 "$@" ;;
   dancegrpo-cpu-2proc) ACCELERATE_USE_CPU=1 $LAUNCH --multi_gpu --num_processes 2 dancegrpo.py --samples-per-device 32 "$@" ;;
   dancegrpo-flux-1gpu) $LAUNCH --num_processes 1 dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
@@ -87,6 +91,7 @@ case "$recipe" in
       --main_process_ip "$MAIN_IP" --main_process_port "${MAIN_PORT:-29500}" --num_processes $((8 * NUM_MACHINES)) \
       dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
   branchgrpo-cpu) $PY branchgrpo.py "$@" ;;
+  branchgrpo-verifier-cpu) $PY branchgrpo.py --exp-name branchgrpo-verifier --reward verifier "$@" ;;
   branchgrpo-cpu-2proc) ACCELERATE_USE_CPU=1 $LAUNCH --multi_gpu --num_processes 2 branchgrpo.py --trees-per-device 2 "$@" ;;
   branchgrpo-flux-1gpu) $LAUNCH --num_processes 1 branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
   branchgrpo-flux-8gpu) $LAUNCH --config_file configs/ddp_8gpu.yaml branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
@@ -97,6 +102,7 @@ case "$recipe" in
       --main_process_ip "$MAIN_IP" --main_process_port "${MAIN_PORT:-29500}" --num_processes $((8 * NUM_MACHINES)) \
       branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
   vgrpo-cpu) $PY vgrpo.py "$@" ;;
+  vgrpo-verifier-cpu) $PY vgrpo.py --exp-name vgrpo-verifier --reward verifier "$@" ;;
   vgrpo-naive-cpu) $PY vgrpo.py --exp-name vgrpo-naive --no-stratified --no-shared-pairs --no-self-normalize "$@" ;;
   vgrpo-cpu-2proc) ACCELERATE_USE_CPU=1 $LAUNCH --multi_gpu --num_processes 2 vgrpo.py --samples-per-device 32 --images-per-update 16 "$@" ;;
   vgrpo-flux-1gpu) $LAUNCH --num_processes 1 vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;

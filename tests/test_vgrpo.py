@@ -331,3 +331,16 @@ def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
     train = [r for r in metrics(tmp_path / "flux") if "losses/policy" in r]
     assert len(train) == 2 and all(r["losses/first_log_ratio_max_abs"] == 0 for r in train)
     assert (tmp_path / "flux" / "final" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_run_sh_verifier_recipe_trains_on_the_verifier(tmp_path):
+    """`bash run.sh vgrpo-verifier-cpu` (the README's quickest way to see learning) runs and scores with the verifier."""
+    out = subprocess.run(["bash", "run.sh", "vgrpo-verifier-cpu", *TINY_RUN, "--eval-every", "0", "--sample-every", "0",
+                          "--output-dir", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PY": sys.executable, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    train = [r for r in metrics(tmp_path / "vgrpo-verifier") if "losses/policy" in r]
+    assert len(train) == 2
+    # the verifier's score is the mean of four 0/1 verdicts, so every batch mean is a multiple of 1/(4 x 8 images)
+    assert all(0 <= r["rewards/verifier"] <= 1 and abs(r["rewards/verifier"] * 32 - round(r["rewards/verifier"] * 32)) < 1e-4
+               for r in train)
