@@ -1,37 +1,26 @@
 """branchgrpo.py: tree bookkeeping, branch noise, fusion, depth-wise advantages, pruning, and the script end to end."""
 import functools
-import json
 import math
-import os
-import subprocess
 import sys
 from contextlib import nullcontext
-from pathlib import Path
 
 import pytest
 import torch
 import tyro
-from safetensors.torch import load_file
 
 import branchgrpo as B
 from common.models import load_model
+from tests.helpers import assert_same_trained_weights, metrics
+from tests.helpers import run_script as run
 from tests.tiny import build_flux, build_shapes, build_tiny_hps
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = ["--iterations", "2", "--trees-per-device", "2", "--trees-per-update", "1", "--num-steps", "6",
             "--num-splits", "2", "--rollout-batch-size", "4", "--eval-every", "2", "--eval-samples-per-prompt", "1",
             "--eval-steps", "4", "--sample-every", "2"]
 
 
-def run_script(args, tmp_path, launcher=(sys.executable,), env=None):
-    cmd = [*launcher, str(ROOT / "branchgrpo.py"), "--output-dir", str(tmp_path), *args]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
-
-
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def run_script(args, tmp_path, *rest, **kw):
+    return run("branchgrpo.py", args, tmp_path, *rest, **kw)
 
 
 def args_for(**kw):
@@ -254,9 +243,7 @@ def test_resume_gives_the_same_weights(tmp_path):
     run_script(common + ["--exp-name", "straight", "--iterations", "4"], tmp_path)
     run_script(common + ["--exp-name", "resumed", "--iterations", "2"], tmp_path)
     run_script(common + ["--exp-name", "resumed", "--iterations", "4", "--resume-from", "latest"], tmp_path)
-    a = load_file(tmp_path / "straight" / "final" / "transformer" / "diffusion_pytorch_model.safetensors")
-    b = load_file(tmp_path / "resumed" / "final" / "transformer" / "diffusion_pytorch_model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_trained_weights(tmp_path / "straight", tmp_path / "resumed")
 
 
 def test_two_processes_keep_identical_weights(tmp_path):

@@ -1,34 +1,24 @@
 """dancegrpo.py: the SDE log-prob, advantages, the MixGRPO window, ratio == 1, and the real script end to end."""
-import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import tyro
-from safetensors.torch import load_file
 
 import dancegrpo as D
 from common.models import load_model
+from tests.helpers import ROOT, assert_same_trained_weights, metrics, run_recipe
+from tests.helpers import run_script as run
 from tests.tiny import build_flux, build_shapes, build_tiny_hps
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = ["--iterations", "2", "--samples-per-device", "8", "--group-size", "4", "--rollout-batch-size", "4",
             "--trajectories-per-update", "4", "--num-steps", "4", "--eval-every", "2", "--eval-samples-per-prompt", "1",
             "--eval-steps", "4", "--sample-every", "2"]
 
 
-def run_script(args, tmp_path, launcher=(sys.executable,), env=None):
-    cmd = [*launcher, str(ROOT / "dancegrpo.py"), "--output-dir", str(tmp_path), *args]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
-
-
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def run_script(args, tmp_path, *rest, **kw):
+    return run("dancegrpo.py", args, tmp_path, *rest, **kw)
 
 
 def test_sde_step_log_prob_is_the_gaussian_density():
@@ -145,11 +135,7 @@ def test_resume_gives_the_same_weights(tmp_path):
     run_script(common + ["--exp-name", "straight", "--iterations", "4"], tmp_path)
     run_script(common + ["--exp-name", "resumed", "--iterations", "2"], tmp_path)
     run_script(common + ["--exp-name", "resumed", "--iterations", "4", "--resume-from", "latest"], tmp_path)
-    a = load_file(tmp_path / "straight" / "final" / "transformer" / "diffusion_pytorch_model.safetensors")
-    b = load_file(tmp_path / "resumed" / "final" / "transformer" / "diffusion_pytorch_model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    base = load_file(ROOT / "common" / "assets" / "shapes-flow" / "transformer" / "diffusion_pytorch_model.safetensors")
-    assert any(not torch.equal(a[k], base[k]) for k in a)  # and training did change them
+    assert_same_trained_weights(tmp_path / "straight", tmp_path / "resumed")
 
 
 def test_two_processes_keep_identical_weights(tmp_path):
@@ -183,10 +169,7 @@ def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
 
 def test_run_sh_recipe_launches_the_script(tmp_path):
     """run.sh's CPU recipes are what the README points to: run one with tiny flags (later flags win)."""
-    out = subprocess.run(["bash", "run.sh", "mixgrpo-cpu", *TINY_RUN, "--sde-window", "2", "--eval-every", "0",
-                          "--output-dir", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PY": sys.executable, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_recipe("mixgrpo-cpu", [*TINY_RUN, "--sde-window", "2", "--eval-every", "0"], tmp_path)
     train = [r for r in metrics(tmp_path / "mixgrpo") if "losses/policy" in r]
     assert len(train) == 2 and train[0]["charts/window_start"] == 0
     bad = subprocess.run(["bash", "run.sh", "no-such-recipe"], cwd=ROOT, capture_output=True, text=True)

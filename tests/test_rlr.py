@@ -1,40 +1,28 @@
 """rlr.py: the estimator is unbiased on a linear-Gaussian chain (closed-form gradient), its variance falls with h,
 the DDIM / flow transitions, the h* rule, baselines, parameter perturbations, and the real script end to end."""
 import itertools
-import json
 import math
-import os
-import subprocess
 import sys
 from contextlib import nullcontext
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import tyro
-from safetensors.torch import load_file
 
 import rlr as R
 from common.models import load_model
+from tests.helpers import assert_same_trained_weights, metrics
+from tests.helpers import run_script as run
 from tests.tiny import build_sd1, build_shapes, build_tiny_hps
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = ["--iterations", "2", "--samples-per-device", "4", "--group-size", "2", "--rollout-batch-size", "2",
             "--num-steps", "4", "--eval-every", "2", "--eval-samples-per-prompt", "1", "--eval-steps", "4",
             "--sample-every", "2"]
 
 
-def run_script(args, tmp_path, launcher=(sys.executable,), env=None, check=True):
-    cmd = [*launcher, str(ROOT / "rlr.py"), "--output-dir", str(tmp_path), *args]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-    if check:
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
-
-
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def run_script(args, tmp_path, *rest, **kw):
+    return run("rlr.py", args, tmp_path, *rest, **kw)
 
 
 # ---------------------------------------------------------------- the estimator on an analytic chain
@@ -288,11 +276,7 @@ def test_resume_gives_the_same_weights(tmp_path):
     run_script(common + ["--exp-name", "resumed", "--iterations", "2"], tmp_path)
     run_script(common + ["--exp-name", "resumed", "--iterations", "4", "--resume-from", "latest"], tmp_path)
     assert all(r["rlr/subchain_len"] == 2 for r in metrics(tmp_path / "straight"))
-    a = load_file(tmp_path / "straight" / "final" / "transformer" / "diffusion_pytorch_model.safetensors")
-    b = load_file(tmp_path / "resumed" / "final" / "transformer" / "diffusion_pytorch_model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    base = load_file(ROOT / "common" / "assets" / "shapes-flow" / "transformer" / "diffusion_pytorch_model.safetensors")
-    assert any(not torch.equal(a[k], base[k]) for k in a)  # and training did change them
+    assert_same_trained_weights(tmp_path / "straight", tmp_path / "resumed")
 
 
 def test_two_processes_keep_identical_weights(tmp_path):

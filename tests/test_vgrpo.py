@@ -1,37 +1,27 @@
 """vgrpo.py: the solver, the (t, eps) pairs, the surrogate and its ablations, log ratio == 0, the script end to end."""
-import json
 import math
-import os
 import subprocess
 import sys
 from contextlib import nullcontext
-from pathlib import Path
 
 import pytest
 import torch
 import tyro
-from safetensors.torch import load_file
 
 import vgrpo as V
 from common.models import load_model
+from tests.helpers import ROOT, assert_same_trained_weights, metrics, run_recipe
+from tests.helpers import run_script as run
 from tests.tiny import build_flux, build_shapes, build_tiny_hps
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = ["--iterations", "2", "--samples-per-device", "8", "--group-size", "4", "--rollout-batch-size", "4",
             "--train-batch-size", "2", "--images-per-update", "4", "--num-steps", "4", "--n-mc", "3", "--eval-every", "2",
             "--eval-samples-per-prompt", "1", "--eval-steps", "4", "--sample-every", "2"]
 PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
 
 
-def run_script(args, tmp_path, launcher=(sys.executable,), env=None):
-    cmd = [*launcher, str(ROOT / "vgrpo.py"), "--output-dir", str(tmp_path), *args]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
-
-
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def run_script(args, tmp_path, *rest, **kw):
+    return run("vgrpo.py", args, tmp_path, *rest, **kw)
 
 
 class FakeModel:
@@ -290,11 +280,7 @@ def test_resume_gives_the_same_weights(tmp_path):
     run_script(common + ["--exp-name", "straight", "--iterations", "4"], tmp_path)
     run_script(common + ["--exp-name", "resumed", "--iterations", "2"], tmp_path)
     run_script(common + ["--exp-name", "resumed", "--iterations", "4", "--resume-from", "latest"], tmp_path)
-    a = load_file(tmp_path / "straight" / "final" / "transformer" / "diffusion_pytorch_model.safetensors")
-    b = load_file(tmp_path / "resumed" / "final" / "transformer" / "diffusion_pytorch_model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    base = load_file(ROOT / "common" / "assets" / "shapes-flow" / "transformer" / "diffusion_pytorch_model.safetensors")
-    assert any(not torch.equal(a[k], base[k]) for k in a)  # and training did change them
+    assert_same_trained_weights(tmp_path / "straight", tmp_path / "resumed")
     rows = [r for r in metrics(tmp_path / "straight") if "losses/kl" in r]
     assert len(rows) == 4 and rows[0]["losses/kl"] >= 0
 
@@ -335,10 +321,7 @@ def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
 
 def test_run_sh_verifier_recipe_trains_on_the_verifier(tmp_path):
     """`bash run.sh vgrpo-verifier-cpu` (the README's quickest way to see learning) runs and scores with the verifier."""
-    out = subprocess.run(["bash", "run.sh", "vgrpo-verifier-cpu", *TINY_RUN, "--eval-every", "0", "--sample-every", "0",
-                          "--output-dir", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PY": sys.executable, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_recipe("vgrpo-verifier-cpu", [*TINY_RUN, "--eval-every", "0", "--sample-every", "0"], tmp_path)
     train = [r for r in metrics(tmp_path / "vgrpo-verifier") if "losses/policy" in r]
     assert len(train) == 2
     # the verifier's score is the mean of four 0/1 verdicts, so every batch mean is a multiple of 1/(4 x 8 images)

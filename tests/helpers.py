@@ -1,0 +1,43 @@
+"""Helpers shared by the script tests: run a script or a run.sh recipe in a subprocess, read its metrics,
+compare the final weights of two runs."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "common" / "assets" / "shapes-flow"
+WEIGHTS = Path("transformer") / "diffusion_pytorch_model.safetensors"  # a full fine-tuning run's final weights
+
+
+def run_script(script, args, tmp_path, launcher=(sys.executable,), env=None, check=True):
+    """`python SCRIPT --output-dir TMP ARGS` (or under `launcher`) on one thread; asserts success unless check=False."""
+    cmd = [*launcher, str(ROOT / script), "--output-dir", str(tmp_path), *args]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    if check:
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def run_recipe(recipe, args, tmp_path):
+    """`bash run.sh RECIPE ARGS --output-dir TMP` with this interpreter; asserts success."""
+    out = subprocess.run(["bash", "run.sh", recipe, *args, "--output-dir", str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, env={**os.environ, "PY": sys.executable, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_trained_weights(run_a, run_b):
+    """The final weights of two runs are bitwise equal, and training moved them away from the shipped model."""
+    a, b = load_file(run_a / "final" / WEIGHTS), load_file(run_b / "final" / WEIGHTS)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    base = load_file(SHIPPED / WEIGHTS)
+    assert any(not torch.equal(a[k], base[k]) for k in a)
