@@ -8,7 +8,7 @@ the per-step likelihood ratio is optimised over a random fraction of the steps (
 --window-shift-every iterations and every other step is a deterministic ODE step (MixGRPO).
 
 Launch (run.sh has more):
-    python dancegrpo.py                                              # ShapesBench on CPU, ~10 min
+    python dancegrpo.py                                              # ShapesBench on CPU, ~20 min
     python dancegrpo.py --sde-window 4                               # MixGRPO on ShapesBench
     accelerate launch dancegrpo.py --model-id black-forest-labs/FLUX.1-dev --resolution 512 \
         --reward hpsv2.1 --lora --mixed-precision bf16 --samples-per-device 12 --group-size 12 \
