@@ -29,27 +29,28 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import math
-import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal, Optional
 
 import torch
-import tyro
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from tqdm import tqdm
+
+from common.models import add_lora, load_model
+from common.rewards import build_reward
+from common.runs import Evaluator, Run, check_run_args, cli, need, optimizer_step, sample_ode
 
 
 @dataclass
 class Args:
     # Shared experiment arguments (identical in every script)
-    exp_name: str = Path(__file__).stem
-    """run name: outputs go to {output_dir}/{exp_name}"""
+    exp_name: Optional[str] = None
+    """run name (default: the script's name, mixgrpo with --sde-window); the run folder is {output_dir}/{exp_name}__{seed}__{unix time}"""
     seed: int = 0
     """seed of every random draw (prompts, noise, trained steps, initial weights of LoRA)"""
     output_dir: str = "runs"
@@ -97,7 +98,7 @@ class Args:
     checkpoints_total_limit: int = 2
     """keep only the newest N checkpoints"""
     resume_from: Optional[str] = None
-    """'latest' or a checkpoint folder to resume from"""
+    """'latest' (the newest run of --exp-name in --output-dir), a run folder, or one of its checkpoints/iter_* folders"""
     track: bool = False
     """also log to Weights & Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "diffusion-rl"
@@ -227,13 +228,11 @@ def rollout(model, transformer, cond, x, step_noise, sigmas, g, sde_idx, guidanc
 
 
 # ---------------------------------------------------------------------------------------------------
-# BOILERPLATE: validation, evaluation, checkpoints
+# Flag checks (run plumbing: evaluation, grids, checkpoints, resume and logging live in common/runs.py)
 # ---------------------------------------------------------------------------------------------------
-def validate(args: Args, world: int) -> None:
-    """Every flag is checked here, before any model loads; messages name the flag to change."""
-    def need(ok, msg):
-        if not ok:
-            raise SystemExit(f"error: {msg}")
+def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
+    """This script's flags, then the shared ones and every input checkable before a model loads (common.runs).
+    Returns (training prompts, held-out prompts). Messages name the flag to change."""
     need(args.num_steps >= 2, "--num-steps must be at least 2 (the last step is a deterministic Euler step)")
     need(0 <= args.sde_window <= args.num_steps - 1, f"--sde-window must be in [0, {args.num_steps - 1}] (= --num-steps - 1)")
     need(args.window_shift_every >= 1, "--window-shift-every must be >= 1")
@@ -246,96 +245,22 @@ def validate(args: Args, world: int) -> None:
     need(args.trajectories_per_update % args.rollout_batch_size == 0 and args.samples_per_device % args.trajectories_per_update == 0,
          "--trajectories-per-update must be a multiple of --rollout-batch-size and divide --samples-per-device")
     need(args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0, "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0")
-    need(args.iterations >= 1 and args.learning_rate > 0, "--iterations >= 1 and --learning-rate > 0")
-    for name in ("eval_every", "sample_every", "save_every"):
-        need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
-    need(args.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1")
-    for item in args.reward_ckpt:
-        need("=" in item, f"--reward-ckpt {item!r}: expected NAME=PATH")
-    if args.track:
-        import importlib.util
-
-        need(importlib.util.find_spec("wandb") is not None, "--track needs wandb: pip install wandb")
-    from common.rewards import parse_reward_spec
-
-    try:
-        parse_reward_spec(args.reward)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-
-
-@torch.no_grad()
-def sample_ode(model, transformer, cond, noise, sigmas, guidance_scale, autocast):
-    """Deterministic Euler samples for evaluation and grids; noise (B, *L) -> images (B, 3, H, W)."""
-    x = noise
-    for i in range(len(sigmas) - 1):
-        with autocast():
-            v = model.velocity(transformer, x, sigmas[i].expand(len(x)).to(x.device), cond, guidance_scale)
-        x = x + (sigmas[i + 1] - sigmas[i]) * v.float()
-    return model.decode(x).float()
-
-
-@torch.no_grad()
-def evaluate(args, model, transformer, reward_fn, prompts, device, autocast, shapes_reward=None):
-    """Held-out evaluation: ODE samples with fixed seeds -> reward and, on ShapesBench, the verifier's accuracies,
-    the learned reward and diversity. Every process computes the same numbers. Returns (metrics, images, prompts)."""
-    from common import shapes
-
-    prompts = [p for p in prompts for _ in range(args.eval_samples_per_prompt)]
-    sigmas = sigma_schedule(args.eval_steps, args.shift)
-    images = []
-    for i in range(0, len(prompts), args.rollout_batch_size):
-        chunk = prompts[i : i + args.rollout_batch_size]
-        noise = torch.stack([torch.randn(model.latent_shape(), generator=rng(args.seed, "eval", i + j)) for j in range(len(chunk))])
-        images.append(sample_ode(model, transformer, model.encode_prompts(chunk), noise.to(device), sigmas, args.guidance_scale, autocast))
-    images = torch.cat(images)
-    total, parts = reward_fn(images, prompts)
-    metrics = {"eval/reward": total.mean().item(), **{f"eval/reward_{k}": v.mean().item() for k, v in parts.items()}}
-    if model.kind == "shapes":
-        metrics.update({f"eval/{k}": v for k, v in shapes.evaluate(images.cpu(), prompts, shapes_reward).items()})
-    return metrics, images, prompts
-
-
-def rotate_checkpoints(ckpt_dir: Path, limit: int) -> None:
-    done = sorted(ckpt_dir.glob("iter_*"))
-    for old in done[:-limit]:
-        for f in sorted(old.rglob("*"), reverse=True):
-            f.unlink() if f.is_file() else f.rmdir()
-        old.rmdir()
-
-
-class TrainState:
-    """The loop counter, saved inside accelerate checkpoints (register_for_checkpointing)."""
-
-    def __init__(self):
-        self.iteration = 0
-
-    def state_dict(self):
-        return {"iteration": self.iteration}
-
-    def load_state_dict(self, d):
-        self.iteration = d["iteration"]
+    return check_run_args(args)
 
 
 def main(args: Args):
     # ---------------------------------------------------------------- SETUP
-    accelerator = Accelerator(mixed_precision=args.mixed_precision, log_with=["tensorboard"] + (["wandb"] if args.track else []),
-                              project_dir=str(Path(args.output_dir) / args.exp_name))
+    accelerator = Accelerator(mixed_precision=args.mixed_precision)
     world, rank = accelerator.num_processes, accelerator.process_index
     if args.noise_level is None:
         args.noise_level = 0.3 if args.sde_type == "dance" else 0.7
     if args.timestep_fraction is None:
         args.timestep_fraction = 1.0 if args.sde_window else 0.6
-    validate(args, world)
-    if accelerator.distributed_type == DistributedType.FSDP and args.kl_beta > 0 and not args.lora:
-        raise SystemExit("error: --kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU; "
-                         "under FSDP pass --kl-beta 0 or use --lora")
-    run_dir = Path(args.output_dir) / args.exp_name
-    ckpt_dir = run_dir / "checkpoints"
-    if args.resume_from is None and any(ckpt_dir.glob("iter_*")):
-        raise SystemExit(f"error: {run_dir} already holds checkpoints: pass --resume-from latest, or another --exp-name")
-    if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    args.exp_name = args.exp_name or ("mixgrpo" if args.sde_window else "dancegrpo")
+    train_prompts, eval_prompts = validate(args, world)
+    need(not (accelerator.distributed_type == DistributedType.FSDP and args.kl_beta > 0 and not args.lora),
+         "--kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU; under FSDP pass --kl-beta 0 or use --lora")
+    run = Run(args, accelerator, "DanceGRPO" + (" (MixGRPO window)" if args.sde_window else ""))
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
     device = accelerator.device
     autocast = accelerator.autocast
@@ -345,8 +270,6 @@ def main(args: Args):
     updates_per_iter = args.samples_per_device // args.trajectories_per_update
 
     # ---------------------------------------------------------------- MODELS
-    from common.models import add_lora, load_model, save_trained_weights
-
     model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
     transformer = model.transformer.float()  # fp32 master weights; autocast handles bf16
     if args.lora:
@@ -360,102 +283,39 @@ def main(args: Args):
     transformer.train()
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
-    from common.prompts import load_prompts
-    from common.rewards import build_reward
-
-    train_prompts = load_prompts(args.prompts, "--prompts")
-    eval_prompts = load_prompts(args.eval_prompts, "--eval-prompts")
-    reward_ckpts = dict(item.split("=", 1) for item in args.reward_ckpt)
-    reward_fn = build_reward(args.reward, device, reward_ckpts)
-    shapes_reward = None
-    if model.kind == "shapes":
-        from common import shapes
-
-        shapes_reward = shapes.load_reward_model(reward_ckpts.get("shapes"), device=device)
+    reward_fn = build_reward(args.reward, device, dict(item.split("=", 1) for item in args.reward_ckpt))
 
     # ---------------------------------------------------------------- OPTIMIZER
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     transformer, optimizer = accelerator.prepare(transformer, optimizer)
     unwrapped = accelerator.unwrap_model(transformer)
-    state = TrainState()
-    accelerator.register_for_checkpointing(state)
 
     # ---------------------------------------------------------------- RESUME
-    if args.resume_from:
-        path = max(ckpt_dir.glob("iter_*"), default=None) if args.resume_from == "latest" else Path(args.resume_from)
-        if path is None or not path.is_dir():
-            raise SystemExit(f"error: --resume-from {args.resume_from}: no checkpoint found (looked in {ckpt_dir})")
-        accelerator.load_state(str(path))
-        accelerator.print(f"resumed from {path} at iteration {state.iteration}")
-
+    start = run.resume()
     sigmas = sigma_schedule(args.num_steps, args.shift)
     g = noise_g(sigmas, args.sde_type, args.noise_level)
     latent_shape = model.latent_shape()
-    if accelerator.is_main_process:
-        accelerator.init_trackers(args.wandb_project_name if args.track else args.exp_name,  # W&B project; run = exp_name
-                                  config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(args).items()},
-                                  init_kwargs={"wandb": {"name": args.exp_name}} if args.track else {})
-        n_train = max(1, int(len(sde_steps(args.num_steps, args.sde_window, args.window_shift_every, 0)) * args.timestep_fraction))
-        print("\n".join([
-            "***** DanceGRPO" + (" (MixGRPO window)" if args.sde_window else "") + " *****",
-            f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
-            f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
-            f"  processes {world} x samples per process {args.samples_per_device} = {world * args.samples_per_device} images / iteration",
-            f"  = {prompts_per_iter} prompts x group size {args.group_size} (prompts per process {args.samples_per_device / args.group_size:g})",
-            f"  steps {args.num_steps}, SDE steps {'window of %d' % args.sde_window if args.sde_window else args.num_steps - 1}, "
-            f"trained steps / trajectory {n_train}, {args.sde_type} noise {args.noise_level}",
-            f"  rollout / train micro-batch {args.rollout_batch_size}, optimizer steps / iteration {updates_per_iter} "
-            f"({args.trajectories_per_update} trajectories per process each)",
-            f"  reward {args.reward}, KL beta {args.kl_beta}, clip {args.clip_range}, lr {args.learning_rate}, iterations {args.iterations}",
-            f"  run folder {run_dir}",
-        ]))
-
-    def log_images(tag, images, captions, ok, it):
-        from common.viz import save_grid
-
-        path = save_grid(run_dir / "samples" / f"{tag}_{it:06d}.png", images, captions, ok, ncol=8)
-        tb = accelerator.get_tracker("tensorboard", unwrap=True)
-        import numpy as np
-        from PIL import Image
-
-        tb.add_image(tag, np.asarray(Image.open(path)), it, dataformats="HWC")
-
-    # fixed prompts and seeds for the sample grid: 8 held-out prompts spread over the list (on ShapesBench all
-    # three shapes) x 2 seeds
-    grid_prompts = [p for p in eval_prompts[:: max(1, len(eval_prompts) // 8)][:8] for _ in range(2)]
-    grid_noise = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, "grid", j)) for j in range(len(grid_prompts))])
-
-    def grid_and_eval(it: int, do_eval: bool, do_grid: bool):
-        """Runs on every process with the prepared module (FSDP needs all ranks in each forward; under DDP the
-        other ranks would only wait), so every process computes the same images; the main one logs them."""
-        if not (do_eval or do_grid):
-            return
-        transformer.eval()
-        if do_grid:
-            images = sample_ode(model, transformer, model.encode_prompts(grid_prompts), grid_noise.to(device),
-                                sigma_schedule(args.eval_steps, args.shift), args.guidance_scale, autocast)
-            r, _ = reward_fn(images, grid_prompts)
-            if accelerator.is_main_process:
-                ok = None
-                if model.kind == "shapes":
-                    from common import shapes
-
-                    ok = shapes.verify(images, grid_prompts)["all"].tolist()
-                log_images("samples", images, [f"{p}\nreward {x:.3f}" for p, x in zip(grid_prompts, r.tolist())], ok, it)
-        if do_eval:
-            metrics, _, _ = evaluate(args, model, transformer, reward_fn, eval_prompts, device, autocast, shapes_reward)
-            if accelerator.is_main_process:
-                accelerator.log(metrics, step=it)
-                with open(run_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps({"iteration": it, **metrics}) + "\n")
-                print(f"eval @ {it}: " + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
-        transformer.train()
-
-    start, t_start = state.iteration, time.perf_counter()
+    sampler = partial(sample_ode, model, transformer, sigmas=sigma_schedule(args.eval_steps, args.shift),
+                      guidance_scale=args.guidance_scale, autocast=autocast)
+    evaluate = Evaluator(args, model, transformer, sampler, reward_fn, eval_prompts, run, args.rollout_batch_size)
+    n_train = max(1, int(len(sde_steps(args.num_steps, args.sde_window, args.window_shift_every, 0)) * args.timestep_fraction))
+    accelerator.print("\n".join([
+        f"***** {run.title} *****",
+        f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
+        f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
+        f"  processes {world} x samples per process {args.samples_per_device} = {world * args.samples_per_device} images / iteration",
+        f"  = {prompts_per_iter} prompts x group size {args.group_size} (prompts per process {args.samples_per_device / args.group_size:g})",
+        f"  steps {args.num_steps}, SDE steps {'window of %d' % args.sde_window if args.sde_window else args.num_steps - 1}, "
+        f"trained steps / trajectory {n_train}, {args.sde_type} noise {args.noise_level}",
+        f"  rollout / train micro-batch {args.rollout_batch_size}, optimizer steps / iteration {updates_per_iter} "
+        f"({args.trajectories_per_update} trajectories per process each)",
+        f"  reward {args.reward}, KL beta {args.kl_beta}, clip {args.clip_range}, lr {args.learning_rate}, iterations {args.iterations}",
+        f"  run folder {run.dir}",
+    ]))
+    t_start = time.perf_counter()
     if start == 0:
-        grid_and_eval(0, args.eval_every > 0, args.sample_every > 0)
-    accelerator.wait_for_everyone()
+        evaluate(0)
     bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="iterations",
                disable=not accelerator.is_local_main_process)
     for it in bar:
@@ -532,17 +392,11 @@ def main(args: Args):
                     stats["ratio"].append(ratio.detach())
                     stats["clipfrac"].append(((ratio - 1).abs() > args.clip_range).float().mean().detach())
                     stats["approx_kl"].append((0.5 * (log_prob - ch["log_probs"][:, i]) ** 2).mean().detach())
-            grad_norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)
-            # NaN/Inf guard: every process agrees to skip, so the weights stay identical across ranks
-            bad = accelerator.reduce(torch.tensor(float(not torch.isfinite(grad_norm)), device=device), "sum")
-            if bad.item() > 0:
+            grad_norm = optimizer_step(accelerator, optimizer, params, args.max_grad_norm)  # None: non-finite, skipped
+            if grad_norm is None:
                 skipped += 1
-                optimizer.zero_grad(set_to_none=True)
-                continue
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            grad_norms.append(float(grad_norm))
-        state.iteration = it + 1
+            else:
+                grad_norms.append(grad_norm)
 
         # ------------------------------------------------------------ LOGGING
         ratios = torch.cat(stats["ratio"])
@@ -564,38 +418,22 @@ def main(args: Args):
         if stats["kl"]:
             log["losses/kl"] = torch.stack(stats["kl"]).mean().item()
         if (it + 1) % 10 == 0 or it + 1 == args.iterations:  # all processes must hold identical weights (DDP)
-            sums = accelerator.gather(torch.stack([p.detach().double().sum() for p in params]).to(device)).view(world, -1)
-            log["charts/rank_weight_spread"] = (sums.max(0).values - sums.min(0).values).max().item()
+            log["charts/rank_weight_spread"] = run.weight_spread(params)
         if skipped:
             accelerator.print(f"iteration {it}: skipped {skipped} update(s) with a non-finite gradient norm")
-        accelerator.log(log, step=it + 1)
-        if accelerator.is_main_process:  # plain-text copy of every logged scalar, one JSON line per iteration
-            with open(run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"iteration": it + 1, **log}) + "\n")
+        run.log(log, it + 1)
         bar.set_postfix(reward=f"{log['rewards/mean']:.4f}", s_it=f"{log['perf/iteration_s']:.1f}")
 
         # ------------------------------------------------------------ CHECKPOINT
-        final = it + 1 == args.iterations
-        if (args.save_every and (it + 1) % args.save_every == 0) or final:
-            accelerator.save_state(str(ckpt_dir / f"iter_{it + 1:06d}"))  # on every process (sharded states need it)
-            if accelerator.is_main_process:
-                rotate_checkpoints(ckpt_dir, args.checkpoints_total_limit)
+        run.checkpoint(it + 1, final=it + 1 == args.iterations)
 
         # ------------------------------------------------------------ EVAL
-        do_eval = args.eval_every > 0 and ((it + 1) % args.eval_every == 0 or final)
-        do_grid = args.sample_every > 0 and ((it + 1) % args.sample_every == 0 or final)
-        grid_and_eval(it + 1, do_eval, do_grid)
-        accelerator.wait_for_everyone()
+        evaluate(it + 1, final=it + 1 == args.iterations)
 
     # ---------------------------------------------------------------- FINAL SAVE
-    sharded = accelerator.distributed_type == DistributedType.FSDP
-    state_dict = accelerator.get_state_dict(transformer) if sharded else None  # collective under FSDP
-    if accelerator.is_main_process:
-        save_trained_weights(model, unwrapped, run_dir / "final", args.lora, state_dict)
-        print(f"trained weights in {run_dir / 'final'}")
-    accelerator.end_training()
+    run.save_final(model, transformer, args.lora)
+    run.close()
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main(tyro.cli(Args))
+    cli(main, Args)

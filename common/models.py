@@ -24,6 +24,8 @@ from huggingface_hub import hf_hub_download
 from peft import LoraConfig, get_peft_model_state_dict
 from transformers import AutoTokenizer, CLIPTextModel
 
+from common import InputError
+
 SHAPESBENCH_DIR = Path(__file__).parent / "assets" / "shapes-flow"
 # model_index.json `_class_name` -> kind
 KINDS = {
@@ -207,7 +209,7 @@ class FluxModel(FlowModel):
         if self.transformer.config.guidance_embeds:
             guidance = torch.full((x.shape[0],), guidance_scale, device=x.device)
         elif guidance_scale != 1.0:
-            raise ValueError(
+            raise InputError(
                 "this FLUX checkpoint has no guidance embedding (e.g. FLUX.1-schnell) and FluxPipeline does no CFG; "
                 "use --guidance-scale 1"
             )
@@ -246,7 +248,7 @@ class DDIMModel:
         self.alphas_cumprod = scheduler.alphas_cumprod  # (T,) float32
         self.prediction_type = scheduler.config.prediction_type  # SD2.x-768 models predict v
         if self.prediction_type not in ("epsilon", "v_prediction"):
-            raise ValueError(f"unsupported prediction_type {self.prediction_type!r} in --model-id's scheduler config")
+            raise InputError(f"unsupported prediction_type {self.prediction_type!r} in --model-id's scheduler config")
         self.frozen = [pipe.text_encoder, pipe.vae]
         for m in self.frozen:
             m.requires_grad_(False).eval()
@@ -289,14 +291,14 @@ class DDIMModel:
 
 def _check_multiple(size, multiple, kind):
     if size % multiple:
-        raise ValueError(f"--resolution {size} must be a multiple of {multiple} for {kind} models")
+        raise InputError(f"--resolution {size} must be a multiple of {multiple} for {kind} models")
 
 
 def _model_index(model_id: str) -> tuple[dict, str]:
-    """Read model_index.json from a local folder or the hub (the local HF cache when offline)."""
+    """Read model_index.json from a local folder or the hub (the local HF cache first; the hub only if reachable)."""
     if model_id == "shapesbench":
         if not (SHAPESBENCH_DIR / "model_index.json").is_file():
-            raise FileNotFoundError(
+            raise InputError(
                 f"the ShapesBench model is missing from {SHAPESBENCH_DIR} (it ships with the repo: restore it with "
                 "git, or train it again); or pass another model with --model-id"
             )
@@ -304,15 +306,33 @@ def _model_index(model_id: str) -> tuple[dict, str]:
     path = Path(model_id).expanduser()
     if path.is_dir():
         if not (path / "model_index.json").is_file():
-            raise FileNotFoundError(f"--model-id {model_id}: no model_index.json, so not a diffusers pipeline folder")
+            raise InputError(f"--model-id {model_id}: no model_index.json, so not a diffusers pipeline folder")
         return json.loads((path / "model_index.json").read_text()), str(path)
+    if model_id.startswith(("/", ".", "~")) or model_id.count("/") != 1:
+        raise InputError(f"--model-id {model_id}: no such folder, and not a hub id of the form owner/name")
+    try:  # the local cache first: no network, no retries
+        return json.loads(Path(hf_hub_download(model_id, "model_index.json", local_files_only=True)).read_text()), model_id
+    except Exception:
+        pass
+    from common.runs import hub_reachable
+
+    if not hub_reachable():
+        raise InputError(f"--model-id {model_id}: not in the local Hugging Face cache and the hub cannot be reached "
+                         f"(offline, or HF_HUB_OFFLINE=1). {HOW_TO_GET_WEIGHTS}")
     try:
         return json.loads(Path(hf_hub_download(model_id, "model_index.json")).read_text()), model_id
-    except Exception as e:  # bad id, offline and not cached, gated without login, no network
-        raise FileNotFoundError(
+    except Exception as e:  # bad id, gated without login
+        raise InputError(
             f"--model-id {model_id!r} is neither a local diffusers folder nor a hub model available here "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). {HOW_TO_GET_WEIGHTS}"
-        ) from e
+        ) from None
+
+
+def check_model_id(model_id: str) -> None:
+    """--model-id names a supported model that is here or downloadable; checked before anything loads."""
+    name = _model_index(model_id)[0].get("_class_name")
+    if name not in KINDS:
+        raise InputError(f"--model-id {model_id}: unsupported model class {name!r}; supported: {', '.join(KINDS)}")
 
 
 def load_model(
@@ -324,11 +344,9 @@ def load_model(
     side in pixels; None = the model's native size. Frozen parts are eval() with requires_grad False; the
     denoiser keeps requires_grad (the script decides: LoRA via add_lora, or full fine-tuning).
     """
+    check_model_id(model_id)
     index, where = _model_index(model_id)
-    name = index.get("_class_name")
-    if name not in KINDS:
-        raise ValueError(f"--model-id {model_id}: unsupported model class {name!r}; supported: {', '.join(KINDS)}")
-    kind = KINDS[name]
+    kind = KINDS[index["_class_name"]]
     try:
         if kind == "shapes":
             model = ShapesModel(Path(where), resolution, dtype)
@@ -341,7 +359,7 @@ def load_model(
             pipe_cls, model_cls = {"flux": (FluxPipeline, FluxModel), "sd3": (StableDiffusion3Pipeline, SD3Model)}[kind]
             model = model_cls(pipe_cls.from_pretrained(where, dtype=dtype), resolution)
     except OSError as e:  # model_index.json found but weights not (partial download / cache)
-        raise FileNotFoundError(f"--model-id {model_id}: could not load the weights ({e}). {HOW_TO_GET_WEIGHTS}") from e
+        raise InputError(f"--model-id {model_id}: could not load the weights ({e}). {HOW_TO_GET_WEIGHTS}") from None
     return model.to(device)
 
 

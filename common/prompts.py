@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common import InputError
+
 SOURCES = {"shapes-train": "train", "shapes-eval": "eval"}
 
 
@@ -17,10 +19,14 @@ def load_prompts(source: str, flag: str = "--prompts") -> list[str]:
         return split_prompts(SOURCES[source])
     path = Path(source).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(
+        raise InputError(
             f"{flag} {source!r}: no such file; give one of {sorted(SOURCES)} or a text file with one prompt per line")
-    prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{flag} {source!r}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+    prompts = [line.strip() for line in text.splitlines()]
     prompts = [p for p in prompts if p and not p.startswith("#")]
     if not prompts:
-        raise ValueError(f"{flag} {source!r}: the file holds no prompts (one prompt per line; '#' starts a comment)")
+        raise InputError(f"{flag} {source!r}: the file holds no prompts (one prompt per line; '#' starts a comment)")
     return prompts

@@ -16,6 +16,8 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from common import InputError
+
 
 class Reward(Protocol):
     differentiable: bool
@@ -43,9 +45,40 @@ def _missing_ckpt(name: str, path: str, how: str) -> str:
             "(or run once online so the Hugging Face cache holds it, then copy the cache over).")
 
 
+# rewards whose weights come from the hub unless --reward-ckpt is given: (hub repo, a file of it, example --reward-ckpt
+# path, how to fetch it on a connected machine)
+HUB_WEIGHTS = {
+    "hpsv2.1": ("xswu/HPSv2", "HPS_v2.1_compressed.pt", "/path/to/HPS_v2.1_compressed.pt",
+                "`hf download xswu/HPSv2 HPS_v2.1_compressed.pt`"),
+    "pickscore": ("yuvalkirstain/PickScore_v1", "config.json", "/path/to/folder",
+                  "python -c \"from transformers import CLIPModel, CLIPProcessor; "
+                  "CLIPModel.from_pretrained('yuvalkirstain/PickScore_v1').save_pretrained('pickscore'); "
+                  "CLIPProcessor.from_pretrained('laion/CLIP-ViT-H-14-laion2B-s32B-b79K').save_pretrained('pickscore')\""),
+    "clip": ("openai/clip-vit-large-patch14", "config.json", "/path/to/folder",
+             "`hf download openai/clip-vit-large-patch14 --local-dir clip-vit-large-patch14`"),
+}
+
+
+def _hub_file(name: str, download: bool = True) -> str | None:
+    """Path of reward `name`'s hub file: from the local cache, else downloaded if the hub is reachable (download=False:
+    None instead); InputError when neither works."""
+    import huggingface_hub
+
+    from common.runs import hub_reachable
+
+    repo, filename, example, how = HUB_WEIGHTS[name]
+    try:
+        return huggingface_hub.hf_hub_download(repo, filename, local_files_only=True)
+    except Exception:
+        pass
+    if not hub_reachable():
+        raise InputError(_missing_ckpt(name, example, how))
+    return huggingface_hub.hf_hub_download(repo, filename) if download else None
+
+
 def _no_ckpt(name: str, checkpoint: str | None):
     if checkpoint is not None:  # a silently ignored flag would hide a typo
-        raise ValueError(f"reward '{name}' takes no checkpoint, but --reward-ckpt {name}={checkpoint} was given")
+        raise InputError(f"reward '{name}' takes no checkpoint, but --reward-ckpt {name}={checkpoint} was given")
 
 
 # ---------------------------------------------------------------- ShapesBench (the offline world)
@@ -112,18 +145,16 @@ def hpsv2_1(device, checkpoint=None, arch="ViT-H-14") -> Reward:
     import open_clip
 
     if checkpoint is None:
-        import huggingface_hub
-
-        try:
-            checkpoint = huggingface_hub.hf_hub_download("xswu/HPSv2", "HPS_v2.1_compressed.pt")
-        except OSError as e:
-            raise ValueError(_missing_ckpt("hpsv2.1", "/path/to/HPS_v2.1_compressed.pt",
-                                           "`hf download xswu/HPSv2 HPS_v2.1_compressed.pt`")) from e
+        checkpoint = _hub_file("hpsv2.1")
     elif not os.path.isfile(checkpoint):
-        raise ValueError(f"--reward-ckpt hpsv2.1={checkpoint}: no such file (expected HPS_v2.1_compressed.pt)")
+        raise InputError(f"--reward-ckpt hpsv2.1={checkpoint}: no such file (expected HPS_v2.1_compressed.pt)")
     model = open_clip.create_model(arch, pretrained=None)
     # the state-dict keys of HPS's vendored open_clip and of open_clip_torch 3.x match one to one (strict load)
-    model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"])
+    try:
+        model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"])
+    except Exception as e:  # not a torch file, no "state_dict", other keys or shapes: not an HPSv2.1 checkpoint
+        raise InputError(f"--reward-ckpt hpsv2.1={checkpoint}: not an HPS_v2.1 checkpoint ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
     model.to(device).eval().requires_grad_(False)
     tokenizer = open_clip.get_tokenizer(arch)
     size = model.visual.image_size[0]  # (224, 224) for ViT-H-14
@@ -153,14 +184,17 @@ def clip_pixels(images: torch.Tensor, processor) -> torch.Tensor:
     return (x - mean) / std
 
 
-def _load_clip(name, device, checkpoint, model_id, processor_id, how):
+def _load_clip(name, device, checkpoint, model_id, processor_id):
     from transformers import CLIPModel, CLIPProcessor
 
+    if checkpoint is None:
+        _hub_file(name, download=False)  # fails at once, with how to get the weights, when offline and not cached
     try:  # a --reward-ckpt folder holds model, tokenizer and preprocessor config together
         processor = CLIPProcessor.from_pretrained(checkpoint or processor_id)
         model = CLIPModel.from_pretrained(checkpoint or model_id)
     except OSError as e:
-        raise ValueError(_missing_ckpt(name, "/path/to/folder", how)) from e
+        raise InputError(f"--reward-ckpt {name}={checkpoint}: not a CLIP model folder ({e})" if checkpoint else
+                         _missing_ckpt(name, *HUB_WEIGHTS[name][2:])) from None
     return model.to(device).eval().requires_grad_(False), processor
 
 
@@ -173,11 +207,8 @@ def _clip_cosine(model, processor, device, images, prompts):
 
 def pickscore(device, checkpoint=None) -> Reward:
     """PickScore: logit_scale.exp() * cosine, CLIP-H fine-tuned on Pick-a-Pic (scores around 20)."""
-    how = ("python -c \"from transformers import CLIPModel, CLIPProcessor; "
-           "CLIPModel.from_pretrained('yuvalkirstain/PickScore_v1').save_pretrained('pickscore'); "
-           "CLIPProcessor.from_pretrained('laion/CLIP-ViT-H-14-laion2B-s32B-b79K').save_pretrained('pickscore')\"")
     model, processor = _load_clip("pickscore", device, checkpoint, "yuvalkirstain/PickScore_v1",
-                                  "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", how)
+                                  "laion/CLIP-ViT-H-14-laion2B-s32B-b79K")
     return ScoreFn(lambda im, p: model.logit_scale.exp() * _clip_cosine(model, processor, device, im, p),
                    differentiable=True)
 
@@ -185,9 +216,8 @@ def pickscore(device, checkpoint=None) -> Reward:
 def clip_score(device, checkpoint=None) -> Reward:
     """CLIP score 100 * cosine with CLIP ViT-L/14. Unlike torchmetrics we do NOT clamp at 0: the clamp would
     zero both the reward differences between bad images and their gradient, which RL needs."""
-    how = "`hf download openai/clip-vit-large-patch14 --local-dir clip-vit-large-patch14`"
     model, processor = _load_clip("clip", device, checkpoint, "openai/clip-vit-large-patch14",
-                                  "openai/clip-vit-large-patch14", how)
+                                  "openai/clip-vit-large-patch14")
     return ScoreFn(lambda im, p: 100 * _clip_cosine(model, processor, device, im, p),
                    differentiable=True)
 
@@ -208,7 +238,7 @@ def _canonical(name: str, flag: str = "--reward") -> str:
     name = ALIASES.get(name, name)
     if name not in REWARDS:
         valid = ", ".join(sorted(REWARDS)) + "".join(f" ({a} = {n})" for a, n in ALIASES.items())
-        raise ValueError(f"{flag}: unknown reward '{name}'; valid names: {valid}")
+        raise InputError(f"{flag}: unknown reward '{name}'; valid names: {valid}")
     return name
 
 
@@ -222,12 +252,12 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
         try:
             w = float(weight)
         except ValueError:
-            raise ValueError(f"bad weight {weight!r} for '{name}': {fmt}") from None
+            raise InputError(f"bad weight {weight!r} for '{name}': {fmt}") from None
         if not name or not math.isfinite(w):
-            raise ValueError(f"bad entry {item!r}: {fmt}")
+            raise InputError(f"bad entry {item!r}: {fmt}")
         name = _canonical(name)
         if name in (n for n, _ in parsed):
-            raise ValueError(f"reward '{name}' given twice: {fmt}")
+            raise InputError(f"reward '{name}' given twice: {fmt}")
         parsed.append((name, w))
     return parsed
 
@@ -255,11 +285,29 @@ class CompositeReward:
         return total, scores
 
 
-def build_reward(spec: str, device, checkpoints: dict[str, str] | None = None) -> CompositeReward:
-    """Build the composite of `--reward spec`; `checkpoints` comes from `--reward-ckpt NAME=PATH` flags."""
-    parsed = parse_reward_spec(spec)
+def _checkpoints(parsed: list[tuple[str, float]], spec: str, checkpoints: dict[str, str] | None) -> dict[str, str]:
     checkpoints = {_canonical(k, "--reward-ckpt"): v for k, v in (checkpoints or {}).items()}
     unused = set(checkpoints) - {name for name, _ in parsed}
     if unused:
-        raise ValueError(f"--reward-ckpt given for {sorted(unused)}, which --reward {spec!r} does not use")
+        raise InputError(f"--reward-ckpt given for {sorted(unused)}, which --reward {spec!r} does not use")
+    return checkpoints
+
+
+def check_reward_weights(spec: str, checkpoints: dict[str, str] | None = None) -> None:
+    """--reward and --reward-ckpt before anything loads: names and weights, that each checkpoint path exists, and
+    that hub-hosted weights are cached or downloadable (one quick check, no retries)."""
+    parsed = parse_reward_spec(spec)
+    checkpoints = _checkpoints(parsed, spec, checkpoints)
+    for name, _ in parsed:
+        path = checkpoints.get(name)
+        if path is not None and not os.path.exists(path):
+            raise InputError(f"--reward-ckpt {name}={path}: no such file or folder")
+        if path is None and name in HUB_WEIGHTS:
+            _hub_file(name, download=False)
+
+
+def build_reward(spec: str, device, checkpoints: dict[str, str] | None = None) -> CompositeReward:
+    """Build the composite of `--reward spec`; `checkpoints` comes from `--reward-ckpt NAME=PATH` flags."""
+    parsed = parse_reward_spec(spec)
+    checkpoints = _checkpoints(parsed, spec, checkpoints)
     return CompositeReward([(name, w, REWARDS[name](device, checkpoints.get(name))) for name, w in parsed])

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from common import InputError
+
 ASSETS = Path(__file__).resolve().parent / "assets"
 FLOW_PATH = ASSETS / "shapes-flow"
 REWARD_PATH = ASSETS / "shapes-reward"
@@ -289,10 +291,15 @@ def load_reward_model(path: str | Path | None = None, device="cpu") -> ShapesRew
 
     path = Path(path or REWARD_PATH)
     if not (path / "model" / "config.json").exists():
-        raise FileNotFoundError(
-            f"no ShapesBench reward model at {path}: pass --reward-ckpt shapes=<folder> or retrain it with "
-            "`python scripts/train_shapes_reward.py`")
-    return ShapesReward(AutoTokenizer.from_pretrained(path / "tokenizer"), CLIPModel.from_pretrained(path / "model"), device)
+        raise InputError(
+            f"--reward-ckpt shapes={path}: no ShapesBench reward model there (expected model/ and tokenizer/); "
+            "retrain it with `python scripts/train_shapes_reward.py`")
+    try:
+        return ShapesReward(AutoTokenizer.from_pretrained(path / "tokenizer"), CLIPModel.from_pretrained(path / "model"),
+                            device)
+    except Exception as e:  # damaged or foreign files in a folder shaped like a checkpoint
+        raise InputError(f"--reward-ckpt shapes={path}: not a ShapesBench reward model ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -31,13 +31,22 @@ def run_recipe(recipe, args, tmp_path):
     return out
 
 
+def find_run(path: Path) -> Path:
+    """The run folder of `--output-dir DIR --exp-name NAME` given DIR / NAME: the newest DIR/NAME__{seed}__{time}."""
+    if "__" in path.name:  # already a run folder
+        return path
+    runs = sorted(path.parent.glob(f"{path.name}__*"), key=lambda d: int(d.name.rsplit("__", 1)[-1]))
+    assert runs, f"no run folder {path}__*"
+    return runs[-1]
+
+
 def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (find_run(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_same_trained_weights(run_a, run_b):
     """The final weights of two runs are bitwise equal, and training moved them away from the shipped model."""
-    a, b = load_file(run_a / "final" / WEIGHTS), load_file(run_b / "final" / WEIGHTS)
+    a, b = load_file(find_run(run_a) / "final" / WEIGHTS), load_file(find_run(run_b) / "final" / WEIGHTS)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     base = load_file(SHIPPED / WEIGHTS)
     assert any(not torch.equal(a[k], base[k]) for k in a)

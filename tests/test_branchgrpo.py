@@ -10,7 +10,7 @@ import tyro
 
 import branchgrpo as B
 from common.models import load_model
-from tests.helpers import assert_same_trained_weights, metrics
+from tests.helpers import assert_same_trained_weights, find_run, metrics
 from tests.helpers import run_script as run
 from tests.tiny import build_flux, build_shapes, build_tiny_hps
 
@@ -217,7 +217,7 @@ def test_mode_specific_flags_fail_at_start_up():
 # ---------------------------------------------------------------- the script
 def test_end_to_end_shapesbench(tmp_path):
     run_script(TINY_RUN + ["--exp-name", "e2e", "--save-every", "1"], tmp_path)
-    run = tmp_path / "e2e"
+    run = find_run(tmp_path / "e2e")
     train = [r for r in metrics(run) if "losses/policy" in r]
     assert [r["iteration"] for r in train] == [1, 2]
     assert all(r["losses/first_ratio_max_dev"] == 0 for r in train)  # ratio exactly 1 at the first update
@@ -269,4 +269,4 @@ def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
     B.main(tyro.cli(B.Args, args=argv))
     train = [r for r in metrics(tmp_path / "flux") if "losses/policy" in r]
     assert len(train) == 2 and all(math.isfinite(r["losses/policy"]) for r in train)
-    assert (tmp_path / "flux" / "final" / "pytorch_lora_weights.safetensors").is_file()
+    assert (find_run(tmp_path / "flux") / "final" / "pytorch_lora_weights.safetensors").is_file()

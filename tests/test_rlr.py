@@ -12,7 +12,7 @@ import tyro
 
 import rlr as R
 from common.models import load_model
-from tests.helpers import assert_same_trained_weights, metrics
+from tests.helpers import assert_same_trained_weights, find_run, metrics
 from tests.helpers import run_script as run
 from tests.tiny import build_sd1, build_shapes, build_tiny_hps
 
@@ -250,7 +250,7 @@ def test_end_to_end_shapesbench_with_dcot(tmp_path):
         f"\ta {c} circle on a white background\n" for c in ("red", "green", "yellow")))
     run_script(TINY_RUN + ["--exp-name", "e2e", "--save-every", "1", "--dcot-prompts", str(tmp_path / "dcot.tsv"),
                            "--subchain-stage", "coarse"], tmp_path)
-    run = tmp_path / "e2e"
+    run = find_run(tmp_path / "e2e")
     rows = metrics(run)
     train = [r for r in rows if "grad/fo_norm" in r]
     assert [r["iteration"] for r in train] == [1, 2]
@@ -312,4 +312,4 @@ def test_end_to_end_tiny_sd1_with_tiny_hps(tmp_path, monkeypatch, terms):
         assert all(r["grad/fo_ho_norm"] == r["grad/fo_norm"] for r in train)
     else:  # 4 steps: 1 in the window, 1 FO, 2 ZO
         assert all(r["rlr/zo_steps"] == 2 and r["grad/zo_norm"] > 0 and r["perf/nfe_per_image"] == 5 for r in train)
-    assert (tmp_path / "sd1" / "final" / "pytorch_lora_weights.safetensors").is_file()
+    assert (find_run(tmp_path / "sd1") / "final" / "pytorch_lora_weights.safetensors").is_file()

@@ -10,7 +10,7 @@ import tyro
 
 import vgrpo as V
 from common.models import load_model
-from tests.helpers import ROOT, assert_same_trained_weights, metrics, run_recipe
+from tests.helpers import ROOT, find_run, assert_same_trained_weights, metrics, run_recipe
 from tests.helpers import run_script as run
 from tests.tiny import build_flux, build_shapes, build_tiny_hps
 
@@ -254,7 +254,7 @@ def test_validation_names_the_flag():
 # ---------------------------------------------------------------- the script
 def test_end_to_end_shapesbench(tmp_path):
     run_script(TINY_RUN + ["--exp-name", "e2e", "--save-every", "1"], tmp_path)
-    run = tmp_path / "e2e"
+    run = find_run(tmp_path / "e2e")
     rows = metrics(run)
     train = [r for r in rows if "losses/policy" in r]
     assert [r["iteration"] for r in train] == [1, 2]
@@ -316,7 +316,7 @@ def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
     V.main(tyro.cli(V.Args, args=argv))
     train = [r for r in metrics(tmp_path / "flux") if "losses/policy" in r]
     assert len(train) == 2 and all(r["losses/first_log_ratio_max_abs"] == 0 for r in train)
-    assert (tmp_path / "flux" / "final" / "pytorch_lora_weights.safetensors").is_file()
+    assert (find_run(tmp_path / "flux") / "final" / "pytorch_lora_weights.safetensors").is_file()
 
 
 def test_run_sh_verifier_recipe_trains_on_the_verifier(tmp_path):

@@ -1,0 +1,371 @@
+"""Run plumbing shared by the four training scripts: everything around the algorithm, written once.
+
+    cli(main, Args)            parse the flags (tyro); an InputError becomes one line on stderr and exit status 2
+    check_run_args(args)       the flags every script shares, and every input that can be checked before a model
+                               loads: prompt files, --output-dir, --model-id, reward names and weights, --resume-from
+    Run(args, accelerator)     the run folder {output_dir}/{exp_name}__{seed}__{unix time} (CleanRL's naming), resume,
+                               metrics.jsonl + TensorBoard (+ W&B), checkpoints with rotation, the final weights
+    Evaluator                  held-out evaluation and the fixed-seed sample grid
+    sample_ode                 deterministic Euler sampler of a flow model, for evaluation and grids
+    optimizer_step             clip, skip non-finite gradients on every process at once, step
+
+What the scripts keep: the algorithm (rollout with log-probs, rewards to advantages, the loss, the update).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from common import InputError
+
+
+def need(ok: bool, message: str) -> None:
+    """Raise InputError(message) unless ok; the message names the flag to change."""
+    if not ok:
+        raise InputError(message)
+
+
+def cli(main, args_type) -> None:
+    """`main(tyro.cli(args_type))`. An InputError (bad flag, file, folder) prints `error: ...` and exits with status
+    2, with no traceback; every other exception is a bug and keeps its traceback."""
+    import tyro
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = tyro.cli(args_type)
+    try:
+        main(args)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checks of the shared flags, before any model loads
+# ---------------------------------------------------------------------------------------------------
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub can be reached: False at once under HF_HUB_OFFLINE=1, else one TCP connect."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def check_run_args(args) -> tuple[list[str], list[str]]:
+    """Check the flags every script shares. Returns (training prompts, held-out prompts), read here so that a bad
+    prompt file fails before a model loads."""
+    from common.models import check_model_id
+    from common.prompts import load_prompts
+    from common.rewards import check_reward_weights
+
+    need(args.iterations >= 1, f"--iterations must be >= 1 (got {args.iterations})")
+    need(args.learning_rate > 0, f"--learning-rate must be > 0 (got {args.learning_rate})")
+    for name in ("eval_every", "sample_every", "save_every"):
+        need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
+    need(args.eval_samples_per_prompt >= 1 and args.eval_steps >= 1, "--eval-samples-per-prompt and --eval-steps must be >= 1")
+    need(args.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1")
+    out = Path(args.output_dir).expanduser()
+    need(not out.exists() or out.is_dir(), f"--output-dir {args.output_dir}: exists and is not a folder")
+    if args.track:
+        import importlib.util
+
+        need(importlib.util.find_spec("wandb") is not None, "--track needs wandb: pip install wandb")
+    ckpts = {}
+    for item in args.reward_ckpt:
+        need("=" in item, f"--reward-ckpt {item!r}: expected NAME=PATH")
+        name, path = item.split("=", 1)
+        ckpts[name] = path
+    check_reward_weights(args.reward, ckpts)
+    if args.resume_from not in (None, "latest"):
+        need(Path(args.resume_from).is_dir(), f"--resume-from {args.resume_from}: no such folder (give 'latest', a run "
+             "folder or one of its checkpoints/iter_* folders)")
+    check_model_id(args.model_id)
+    return load_prompts(args.prompts, "--prompts"), load_prompts(args.eval_prompts, "--eval-prompts")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The run: folder, resume, logging, checkpoints, final weights
+# ---------------------------------------------------------------------------------------------------
+class TrainState:
+    """The loop counter, saved inside accelerate checkpoints (register_for_checkpointing)."""
+
+    def __init__(self):
+        self.iteration = 0
+
+    def state_dict(self):
+        return {"iteration": self.iteration}
+
+    def load_state_dict(self, d):
+        self.iteration = d["iteration"]
+
+
+def _newest_checkpoint(run_dir: Path) -> Path | None:
+    return max((run_dir / "checkpoints").glob("iter_*"), default=None)
+
+
+def resolve_resume(output_dir: str, exp_name: str, resume_from: str) -> tuple[Path, Path]:
+    """--resume-from -> (run folder, checkpoint folder). 'latest': the newest checkpoint of the newest run named
+    {exp_name}__* under output_dir; a run folder: its newest checkpoint; a checkpoints/iter_* folder: that one."""
+    if resume_from == "latest":
+        runs = [d for d in Path(output_dir).glob(f"{exp_name}__*") if _newest_checkpoint(d) is not None]
+        need(bool(runs), f"--resume-from latest: no run named {exp_name}__* with checkpoints in {output_dir} "
+             "(check --exp-name and --output-dir)")
+        run_dir = max(runs, key=lambda d: (d.name.rsplit("__", 1)[-1].zfill(12), d.name))
+        return run_dir, _newest_checkpoint(run_dir)
+    path = Path(resume_from)
+    if path.name.startswith("iter_") and path.parent.name == "checkpoints":
+        return path.parent.parent, path
+    ckpt = _newest_checkpoint(path)
+    need(ckpt is not None, f"--resume-from {resume_from}: neither a run folder with checkpoints/iter_* inside nor a "
+         "checkpoints/iter_* folder")
+    return path, ckpt
+
+
+class Run:
+    """One training run's folder and everything written into it, on the main process (other processes write
+    nothing but their share of sharded checkpoints). Nothing is created before the first write, so a run that fails
+    at start-up leaves no empty folder.
+
+        {output_dir}/{exp_name}__{seed}__{unix time}/
+            metrics.jsonl        one JSON line per iteration (training scalars) and per evaluation
+            events.out.tfevents* TensorBoard: the same scalars and the sample grids
+            samples/             fixed-seed sample grids (PNG)
+            checkpoints/iter_N/  accelerate save_state: weights, optimizer, RNG, the iteration (newest kept)
+            final/               the trained weights, loadable by diffusers
+    """
+
+    def __init__(self, args, accelerator, title: str):
+        from accelerate.utils import broadcast_object_list
+
+        self.args, self.accelerator, self.is_main = args, accelerator, accelerator.is_main_process
+        if args.resume_from:
+            self.dir, self.resume_path = resolve_resume(args.output_dir, args.exp_name, args.resume_from)
+        else:  # one name for all processes: the main process's clock
+            stamp = broadcast_object_list([int(time.time())])[0]
+            self.dir, self.resume_path = Path(args.output_dir) / f"{args.exp_name}__{args.seed}__{stamp}", None
+            need(not self.dir.exists(), f"{self.dir} exists already: pass another --exp-name or --resume-from {self.dir}")
+        self.ckpt_dir = self.dir / "checkpoints"
+        self.state = TrainState()
+        accelerator.register_for_checkpointing(self.state)
+        self.title, self._tb, self._wandb = title, None, None
+
+    def resume(self) -> int:
+        """Load the checkpoint chosen by --resume-from (if any); returns the iteration to start from."""
+        if self.resume_path is None:
+            return 0
+        try:
+            self.accelerator.load_state(str(self.resume_path))
+        except (OSError, KeyError, RuntimeError, ValueError, EOFError) as e:  # a foreign or damaged folder
+            msg = str(e).splitlines()[0] if str(e) else ""
+            raise InputError(f"--resume-from {self.args.resume_from}: {self.resume_path} is not a checkpoint of this "
+                             f"script and settings ({type(e).__name__}: {msg[:300]})") from None
+        self.accelerator.print(f"resumed from {self.resume_path} at iteration {self.state.iteration}")
+        return self.state.iteration
+
+    # ---------------------------------------------------------------- logging
+    def _writers(self):
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._tb = SummaryWriter(str(self.dir))
+            if self.args.track:
+                import wandb
+
+                config = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(self.args).items()}
+                self._wandb = wandb.init(project=self.args.wandb_project_name, name=self.dir.name, config=config,
+                                         dir=str(self.dir), resume="allow")
+        return self._tb
+
+    def log(self, scalars: dict, step: int, echo: bool = False) -> None:
+        """Scalars to metrics.jsonl (one line), TensorBoard and W&B; echo prints them above the progress bar."""
+        if not self.is_main:
+            return
+        tb = self._writers()
+        for k, v in scalars.items():
+            tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+        with open(self.dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"iteration": step, **scalars}) + "\n")
+        if echo:
+            tqdm.write(f"eval @ {step}: " + json.dumps({k: round(v, 4) for k, v in scalars.items()}))
+
+    def log_grid(self, images, captions, ok, step: int) -> None:
+        """A sample grid PNG into samples/ and TensorBoard; `ok` (verifier verdicts or None) is drawn as a badge."""
+        if not self.is_main:
+            return
+        import numpy as np
+        from PIL import Image
+
+        from common.viz import save_grid
+
+        tb = self._writers()
+        title = f"{self.title}, iteration {step}" + (": badge = verifier verdict (right colours, shape, clean "
+                                                      "background)" if ok is not None else "")
+        path = save_grid(self.dir / "samples" / f"samples_{step:06d}.png", images, captions, ok, ncol=8, title=title)
+        tb.add_image("samples", np.asarray(Image.open(path)), step, dataformats="HWC")
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({"samples": wandb.Image(str(path))}, step=step)
+
+    # ---------------------------------------------------------------- checkpoints and weights
+    def checkpoint(self, iteration: int, final: bool) -> None:
+        """save_state every --save-every iterations and at the end (on every process: sharded states need it);
+        keep the newest --checkpoints-total-limit."""
+        if not ((self.args.save_every and iteration % self.args.save_every == 0) or final):
+            return
+        self.state.iteration = iteration
+        self.accelerator.save_state(str(self.ckpt_dir / f"iter_{iteration:06d}"))
+        if self.is_main:
+            for old in sorted(self.ckpt_dir.glob("iter_*"))[: -self.args.checkpoints_total_limit]:
+                for f in sorted(old.rglob("*"), reverse=True):
+                    f.unlink() if f.is_file() else f.rmdir()
+                old.rmdir()
+
+    def save_final(self, model, prepared, lora: bool) -> None:
+        """The trained weights into final/ (LoRA adapter or the full denoiser), loadable by diffusers."""
+        from accelerate.utils import DistributedType
+
+        from common.models import save_trained_weights
+
+        sharded = self.accelerator.distributed_type == DistributedType.FSDP
+        state_dict = self.accelerator.get_state_dict(prepared) if sharded else None  # collective under FSDP
+        if self.is_main:
+            save_trained_weights(model, self.accelerator.unwrap_model(prepared), self.dir / "final", lora, state_dict)
+            print(f"trained weights in {self.dir / 'final'}")
+
+    def weight_spread(self, params) -> float:
+        """Largest difference of any parameter tensor's sum across processes (0 when DDP keeps them identical)."""
+        sums = torch.stack([p.detach().double().sum() for p in params]).to(self.accelerator.device)
+        sums = self.accelerator.gather(sums).view(self.accelerator.num_processes, -1)
+        return (sums.max(0).values - sums.min(0).values).max().item()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def optimizer_step(accelerator, optimizer, params, max_grad_norm: float) -> float | None:
+    """Clip the gradient norm and step; a non-finite norm on any process skips the step on every process (so the
+    weights stay identical across ranks) and returns None."""
+    grad_norm = accelerator.clip_grad_norm_(params, max_grad_norm)
+    bad = accelerator.reduce(torch.tensor(float(not torch.isfinite(grad_norm)), device=accelerator.device), "sum")
+    if bad.item() == 0:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm) if bad.item() == 0 else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Evaluation and sample grids
+# ---------------------------------------------------------------------------------------------------
+def keyed_generator(*keys) -> torch.Generator:
+    """A CPU generator seeded by a stable hash of `keys`: the same hash as the scripts' rng(), so evaluation noise
+    does not depend on the process count or the batch size."""
+    digest = hashlib.sha256(repr(keys).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+@torch.no_grad()
+def sample_ode(model, transformer, cond, noise, sigmas, guidance_scale, autocast):
+    """Deterministic Euler samples of a flow model along `sigmas`: noise (B, *L) -> images (B, 3, H, W)."""
+    x = noise
+    for i in range(len(sigmas) - 1):
+        with autocast():
+            v = model.velocity(transformer, x, sigmas[i].expand(len(x)).to(x.device), cond, guidance_scale)
+        x = x + (sigmas[i + 1] - sigmas[i]) * v.float()
+    return model.decode(x).float()
+
+
+@contextmanager
+def eval_mode(module):
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
+class Evaluator:
+    """Held-out evaluation (--eval-every) and the fixed-seed sample grid (--sample-every).
+
+    `sampler(cond, noise) -> images (B, 3, H, W)` is the script's deterministic sampler. Every process computes the
+    same images with the prepared module (FSDP needs all ranks in each forward; under DDP the others would only
+    wait); the main process logs them. On ShapesBench the verifier's accuracies, the learned reward and diversity
+    are added to the reward (common.shapes.evaluate).
+    """
+
+    def __init__(self, args, model, module, sampler, reward_fn, eval_prompts, run: Run, batch_size: int):
+        self.args, self.model, self.module, self.sampler, self.reward_fn, self.run = args, model, module, sampler, reward_fn, run
+        self.batch_size = batch_size
+        self.prompts = [p for p in eval_prompts for _ in range(args.eval_samples_per_prompt)]
+        # 8 held-out prompts spread over the list (on ShapesBench all three shapes) x 2 seeds
+        self.grid_prompts = [p for p in eval_prompts[:: max(1, len(eval_prompts) // 8)][:8] for _ in range(2)]
+        self.shapes_reward = None
+        if model.kind == "shapes":
+            from common.shapes import load_reward_model
+
+            ckpts = dict(item.split("=", 1) for item in args.reward_ckpt)
+            self.shapes_reward = load_reward_model(ckpts.get("shapes"), device=run.accelerator.device)
+
+    def _noise(self, tag: str, n: int, offset: int = 0) -> torch.Tensor:
+        shape = self.model.latent_shape()
+        return torch.stack([torch.randn(shape, generator=keyed_generator(self.args.seed, tag, offset + j)) for j in range(n)])
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> dict:
+        """ODE samples of the held-out prompts with fixed seeds -> metrics (also logged)."""
+        from common import shapes
+
+        device, images = self.run.accelerator.device, []
+        chunks = range(0, len(self.prompts), self.batch_size)
+        for i in tqdm(chunks, desc=f"eval @ {step}", leave=False, disable=not self.run.accelerator.is_local_main_process):
+            chunk = self.prompts[i : i + self.batch_size]
+            images.append(self.sampler(self.model.encode_prompts(chunk), self._noise("eval", len(chunk), i).to(device)))
+        images = torch.cat(images)
+        total, parts = self.reward_fn(images, self.prompts)
+        metrics = {"eval/reward": total.mean().item(), **{f"eval/reward_{k}": v.mean().item() for k, v in parts.items()}}
+        if self.model.kind == "shapes":
+            metrics.update({f"eval/{k}": v for k, v in shapes.evaluate(images.cpu(), self.prompts, self.shapes_reward).items()})
+        self.run.log(metrics, step, echo=True)
+        return metrics
+
+    @torch.no_grad()
+    def grid(self, step: int) -> None:
+        device, prompts = self.run.accelerator.device, self.grid_prompts
+        images = self.sampler(self.model.encode_prompts(prompts), self._noise("grid", len(prompts)).to(device))
+        r, _ = self.reward_fn(images, prompts)
+        ok = None
+        if self.model.kind == "shapes":
+            from common import shapes
+
+            ok = shapes.verify(images, prompts)["all"].tolist()
+        self.run.log_grid(images, [f"{p}\nreward {x:.3f}" for p, x in zip(prompts, r.tolist())], ok, step)
+
+    def __call__(self, step: int, final: bool = False) -> None:
+        """Evaluate and/or draw the grid if step is due (every N iterations, at the start and at the end)."""
+        due = lambda every: every > 0 and (step % every == 0 or final)  # noqa: E731
+        with eval_mode(self.module):
+            if due(self.args.sample_every):
+                self.grid(step)
+            if due(self.args.eval_every):
+                self.evaluate(step)
+        self.run.accelerator.wait_for_everyone()
