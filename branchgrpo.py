@@ -35,27 +35,30 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import math
-import os
+import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal, Optional
 
 import torch
-import tyro
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from tqdm import tqdm
+
+from common import InputError
+from common.models import add_lora, load_model
+from common.rewards import build_reward
+from common.runs import Evaluator, Run, check_run_args, cli, need, optimizer_step, sample_ode
 
 
 @dataclass
 class Args:
     # Shared experiment arguments (identical in every script)
-    exp_name: str = Path(__file__).stem
-    """run name: outputs go to {output_dir}/{exp_name}"""
+    exp_name: Optional[str] = None
+    """run name (default: branchgrpo, or branchgrpo_{pruning}); the run folder is {output_dir}/{exp_name}__{seed}__{unix time}"""
     seed: int = 0
     """seed of every random draw (prompts, noise, trained steps, initial weights of LoRA)"""
     output_dir: str = "runs"
@@ -103,15 +106,15 @@ class Args:
     checkpoints_total_limit: int = 2
     """keep only the newest N checkpoints"""
     resume_from: Optional[str] = None
-    """'latest' or a checkpoint folder to resume from"""
+    """'latest' (the newest run of --exp-name in --output-dir), a run folder, or one of its checkpoints/iter_* folders"""
     track: bool = False
     """also log to Weights & Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "diffusion-rl"
     """W&B project (with --track)"""
 
     # Algorithm specific arguments
-    num_steps: int = 12
-    """sampling steps T of a rollout (shifted sigma schedule; the paper uses 20)"""
+    num_steps: int = 20
+    """sampling steps T of a rollout (shifted sigma schedule), as the paper"""
     shift: float = 3.0
     """SD3 time shift k of the sigma schedule: s' = k s / (1 + (k - 1) s)"""
     sde_type: Literal["dance", "flow"] = "flow"
@@ -128,9 +131,9 @@ class Args:
     """'correlated': siblings share part of their noise, each child is an exact SDE step (paper); 'scaled': independent noise times s (release)"""
     branch_s: float = 4.0
     """correlated: ratio of branch-specific to shared noise variance, rho = 1 / (1 + s); scaled: the noise multiplier"""
-    trees_per_device: int = 4
+    trees_per_device: int = 2
     """prompts (trees) per process per iteration"""
-    trees_per_update: int = 2
+    trees_per_update: int = 1
     """trees whose edges are accumulated into one optimizer step"""
     rollout_batch_size: int = 16
     """nodes per transformer forward (batched per depth); also the training micro-batch of parents"""
@@ -243,15 +246,29 @@ def branch_noise(gen, n_parents: int, k: int, shape, rho: float) -> torch.Tensor
     return (math.sqrt(rho) * shared + math.sqrt(1 - rho) * own).flatten(0, 1)
 
 
+def tree_noise(args, iteration: int, tree_ids: list[int], splits: list[int], latent_shape, rho: float, i: int,
+               n_parents: int) -> torch.Tensor:
+    """Unscaled step-i noise of the trees `tree_ids`, (P * n_parents * kk, *L), children of a parent consecutive;
+    keyed on (seed, iteration, tree, step), so it does not depend on chunking or on the process count."""
+    kk, per_tree = children(i, splits, args.branch_factor), []
+    for t in tree_ids:
+        gen = rng(args.seed, iteration, "tree", t, i)
+        if kk > 1 and args.branch_noise == "correlated":
+            per_tree.append(branch_noise(gen, n_parents, kk, latent_shape, rho))
+        else:
+            per_tree.append(torch.randn((n_parents * kk, *latent_shape), generator=gen))
+    return torch.cat(per_tree)
+
+
 @torch.no_grad()
-def tree_rollout(model, transformer, cond, roots, sigmas, g, splits, k, sde_set, noise_fn, batch_size, guidance_scale, autocast):
-    """Grow T trees at once. roots: (T, *L), one per tree; cond: dict of (T, ...) tensors.
+def tree_rollout(model, transformer, cond, roots, sigmas, g, splits, sde_set, noise_fn, args, autocast):
+    """Grow P trees at once. roots: (P, *L), one per tree; cond: dict of (P, ...) tensors.
 
     Depth by depth, all nodes (tree-major, children of a parent consecutive) go through the transformer in chunks of
-    `batch_size`. noise_fn(step, n_parents_per_tree, k) -> (T * n_parents * k, *L) step noise (already scaled for
-    'scaled' branch noise) and the std multiplier used. Returns states: list of T + 1 tensors (T * n_d, *L) fp32,
-    and log_probs: list of T tensors (T * n_{i+1},), the old log-prob of every edge (0 at ODE steps)."""
-    states, log_probs = [roots], []
+    --rollout-batch-size. noise_fn(step, n_parents_per_tree) -> (P * n_parents * kk, *L) unscaled step noise; its std
+    is the step's std times noise_scale(). Returns states: list of T + 1 tensors (P * n_d, *L) fp32, and log_probs:
+    list of T tensors (P * n_{i+1},), the old log-prob of every edge (0 at ODE steps)."""
+    states, log_probs, batch_size = [roots], [], args.rollout_batch_size
     tree_of = torch.arange(len(roots))  # (nodes,) tree index of each node
     for i in range(len(sigmas) - 1):
         x = states[-1]
@@ -260,16 +277,16 @@ def tree_rollout(model, transformer, cond, roots, sigmas, g, splits, k, sde_set,
             idx = tree_of[c : c + batch_size]
             with autocast():
                 out = model.velocity(transformer, x[c : c + batch_size], sigmas[i].expand(len(idx)).to(x.device),
-                                     {key: val[idx] for key, val in cond.items()}, guidance_scale)
+                                     {key: val[idx] for key, val in cond.items()}, args.guidance_scale)
             v.append(out.float())
         v = torch.cat(v)
-        kk = k if i in splits else 1
+        kk = children(i, splits, args.branch_factor)
         if i in sde_set:
             mean, std = step_mean_std(x, v, sigmas[i], sigmas[i + 1], g[i])
-            noise, scale = noise_fn(i, len(x) // len(roots), kk)
+            std = std * noise_scale(i, splits, args)
             mean = mean.repeat_interleave(kk, 0)
-            x_next = mean + std * scale * noise.to(x.device)
-            log_probs.append(gaussian_log_prob(x_next, mean, std * scale))
+            x_next = mean + std * noise_fn(i, len(x) // len(roots)).to(x.device)
+            log_probs.append(gaussian_log_prob(x_next, mean, std))
         else:  # ODE (Euler) step; splits are always SDE
             x_next = x + (sigmas[i + 1] - sigmas[i]) * v
             log_probs.append(torch.zeros(len(x), device=x.device))
@@ -314,10 +331,31 @@ def depth_advantages(values: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def window_steps(start: int, last: int, size: int, shift_every: int, iteration: int) -> list[int]:
-    """Sliding window [c, c + size) with c = start + iteration // shift_every, stopping once it ends at `last`."""
-    c = min(start + iteration // shift_every, last - size + 1)
-    return list(range(max(c, 0), c + size))
+def children(i: int, splits: list[int], k: int) -> int:
+    """Children per node at step i: K at a split, else 1. The rollout and the training must agree on it."""
+    return k if i in splits else 1
+
+
+def noise_scale(i: int, splits: list[int], args) -> float:
+    """Multiplier of the step-i noise std: s at the splits with the release's 'scaled' branch noise, else 1 (the
+    correlated noise is exactly N(0, I) per child). Rollout and training score an edge under the same std."""
+    return args.branch_s if children(i, splits, args.branch_factor) > 1 and args.branch_noise == "scaled" else 1.0
+
+
+def depth_window(num_steps: int, last_split: int, size: int, shift_every: int, iteration: int) -> list[int]:
+    """Steps whose edges depth pruning leaves out of the loss: `size` steps starting right after the last split,
+    one step deeper every `shift_every` iterations, stopping once the window ends at the last trainable step T - 2.
+    If fewer than `size` steps follow the last split, the window is what fits (validate warns at start-up)."""
+    first, last = last_split + 1, num_steps - 2
+    size = min(size, last - first + 1)
+    start = min(first + iteration // shift_every, last - size + 1)
+    return list(range(start, start + size))
+
+
+def mix_window(num_steps: int, size: int, shift_every: int, iteration: int) -> list[int]:
+    """Mix: the SDE window [c, c + size) with c = iteration // shift_every, stopping once it ends at step T - 2."""
+    start = min(iteration // shift_every, num_steps - 1 - size)
+    return list(range(start, start + size))
 
 
 def trained_edges(args, splits, sizes, sde_set, adv, iteration) -> list[torch.Tensor]:
@@ -326,8 +364,8 @@ def trained_edges(args, splits, sizes, sde_set, adv, iteration) -> list[torch.Te
     edges and the last (deterministic) step are never trained."""
     n_trees, last, s_last = adv[0].shape[0], args.num_steps - 1, max(splits)
     keep = [torch.full((n_trees, sizes[i + 1]), i in sde_set and i < last) for i in range(args.num_steps)]
-    if args.pruning == "depth":  # paper appendix A: a 4-step window after the last split, one step deeper every 30 it.
-        for i in window_steps(s_last + 1, last - 1, args.window, args.window_shift_every, iteration):
+    if args.pruning == "depth":  # paper §3.4 / appendix A: a 4-step window, one step deeper every 30 iterations
+        for i in depth_window(args.num_steps, s_last, args.window, args.window_shift_every, iteration):
             keep[i][:] = False
     elif args.pruning == "width":  # only the post-split chains (steps after the last split) are pruned
         a = adv[s_last]  # (T, L): the children of the last split, one per leaf; each chain below carries this advantage
@@ -345,36 +383,37 @@ def trained_edges(args, splits, sizes, sde_set, adv, iteration) -> list[torch.Te
 
 
 # ---------------------------------------------------------------------------------------------------
-# BOILERPLATE: validation, evaluation, checkpoints
+# Flag checks (run plumbing: evaluation, grids, checkpoints, resume and logging live in common/runs.py)
 # ---------------------------------------------------------------------------------------------------
 def resolve_defaults(args: Args) -> None:
     """Fill the mode-dependent defaults; a mode-specific flag given for another mode is an error (no dead flags)."""
+
     def only(flag, value, ok, mode):
-        if value is not None and not ok:
-            raise SystemExit(f"error: --{flag} only applies with {mode}")
+        need(value is None or ok, f"--{flag} only applies with {mode}")
+
     only("fusion-beta", args.fusion_beta, args.fusion == "path", "--fusion path")
     only("fusion-temperature", args.fusion_temperature, args.fusion == "path", "--fusion path")
     only("width-mode", args.width_mode, args.pruning == "width", "--pruning width")
-    only("width-keep-ratio", args.width_keep_ratio, args.pruning == "width" and args.width_mode == "extreme", "--pruning width --width-mode extreme")
+    only("width-keep-ratio", args.width_keep_ratio, args.pruning == "width" and args.width_mode == "extreme",
+         "--pruning width --width-mode extreme")
     only("window", args.window, args.pruning in ("depth", "mix"), "--pruning depth or mix")
     only("window-shift-every", args.window_shift_every, args.pruning in ("depth", "mix"), "--pruning depth or mix")
     defaults = {"noise_level": 0.3 if args.sde_type == "dance" else 0.7, "fusion_beta": 1.0, "fusion_temperature": 1.0,
-                "width_mode": "parent-top1", "width_keep_ratio": 0.5, "window": 4, "window_shift_every": 30}
+                "width_mode": "parent-top1", "width_keep_ratio": 0.5, "window": 4, "window_shift_every": 30,
+                "exp_name": "branchgrpo" if args.pruning == "none" else f"branchgrpo_{args.pruning}"}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
 
 
-def validate(args: Args, world: int) -> None:
-    """Every flag is checked here, before any model loads; messages name the flag to change."""
-    def need(ok, msg):
-        if not ok:
-            raise SystemExit(f"error: {msg}")
+def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
+    """This script's flags, then the shared ones and every input checkable before a model loads (common.runs).
+    Returns (training prompts, held-out prompts). Messages name the flag to change."""
     need(args.num_steps >= 2, "--num-steps must be at least 2 (the last step is a deterministic Euler step)")
     try:
         splits = split_steps(args.split_schedule, args.num_steps, args.num_splits)
     except ValueError:
-        raise SystemExit(f"error: --split-schedule {args.split_schedule!r}: use dense, sparse, late or a list like 0,3,6,9") from None
+        raise InputError(f"--split-schedule {args.split_schedule!r}: use dense, sparse, late or a list like 0,3,6,9") from None
     need(len(splits) >= 1 and all(0 <= s <= args.num_steps - 2 for s in splits),
          f"--split-schedule gives splits {splits}: they must lie in [0, {args.num_steps - 2}] (the last step is deterministic); "
          "change --num-splits, --num-steps or --split-schedule")
@@ -385,109 +424,40 @@ def validate(args: Args, world: int) -> None:
     need(0 < args.width_keep_ratio <= 1, "--width-keep-ratio must be in (0, 1]")
     need(args.window_shift_every >= 1 and 1 <= args.window <= args.num_steps - 1,
          f"--window must be in [1, {args.num_steps - 1}] and --window-shift-every >= 1")
+    after = args.num_steps - 2 - max(splits)  # trainable steps after the last split (T - 1 is deterministic)
+    need(args.pruning not in ("depth", "width") or after >= 1,
+         f"--pruning {args.pruning}: the last split is step {max(splits)} = --num-steps - 2, so no trainable step follows "
+         "it; move the splits earlier (--split-schedule) or raise --num-steps")
     need(args.trees_per_device >= 1 and args.trees_per_device % args.trees_per_update == 0,
          "--trees-per-update must divide --trees-per-device")
     need(args.rollout_batch_size >= 1, "--rollout-batch-size must be >= 1")
     need(args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0, "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0")
-    need(args.iterations >= 1 and args.learning_rate > 0, "--iterations >= 1 and --learning-rate > 0")
-    for name in ("eval_every", "sample_every", "save_every"):
-        need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
-    need(args.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1")
-    for item in args.reward_ckpt:
-        need("=" in item, f"--reward-ckpt {item!r}: expected NAME=PATH")
-    if args.track:
-        import importlib.util
-
-        need(importlib.util.find_spec("wandb") is not None, "--track needs wandb: pip install wandb")
-    from common.rewards import parse_reward_spec
-
-    try:
-        parse_reward_spec(args.reward)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-
-
-@torch.no_grad()
-def sample_ode(model, transformer, cond, noise, sigmas, guidance_scale, autocast):  # same as in dancegrpo.py
-    """Deterministic Euler samples for evaluation and grids; noise (B, *L) -> images (B, 3, H, W)."""
-    x = noise
-    for i in range(len(sigmas) - 1):
-        with autocast():
-            v = model.velocity(transformer, x, sigmas[i].expand(len(x)).to(x.device), cond, guidance_scale)
-        x = x + (sigmas[i + 1] - sigmas[i]) * v.float()
-    return model.decode(x).float()
-
-
-@torch.no_grad()
-def evaluate(args, model, transformer, reward_fn, prompts, device, autocast, shapes_reward=None):  # same as in dancegrpo.py
-    """Held-out evaluation: ODE samples with fixed seeds -> reward and, on ShapesBench, the verifier's accuracies,
-    the learned reward and diversity. Every process computes the same numbers. Returns (metrics, images, prompts)."""
-    from common import shapes
-
-    prompts = [p for p in prompts for _ in range(args.eval_samples_per_prompt)]
-    sigmas = sigma_schedule(args.eval_steps, args.shift)
-    images = []
-    for i in range(0, len(prompts), args.rollout_batch_size):
-        chunk = prompts[i : i + args.rollout_batch_size]
-        noise = torch.stack([torch.randn(model.latent_shape(), generator=rng(args.seed, "eval", i + j)) for j in range(len(chunk))])
-        images.append(sample_ode(model, transformer, model.encode_prompts(chunk), noise.to(device), sigmas, args.guidance_scale, autocast))
-    images = torch.cat(images)
-    total, parts = reward_fn(images, prompts)
-    metrics = {"eval/reward": total.mean().item(), **{f"eval/reward_{k}": v.mean().item() for k, v in parts.items()}}
-    if model.kind == "shapes":
-        metrics.update({f"eval/{k}": v for k, v in shapes.evaluate(images.cpu(), prompts, shapes_reward).items()})
-    return metrics, images, prompts
-
-
-def rotate_checkpoints(ckpt_dir: Path, limit: int) -> None:  # same as in dancegrpo.py
-    done = sorted(ckpt_dir.glob("iter_*"))
-    for old in done[:-limit]:
-        for f in sorted(old.rglob("*"), reverse=True):
-            f.unlink() if f.is_file() else f.rmdir()
-        old.rmdir()
-
-
-class TrainState:  # same as in dancegrpo.py
-    """The loop counter, saved inside accelerate checkpoints (register_for_checkpointing)."""
-
-    def __init__(self):
-        self.iteration = 0
-
-    def state_dict(self):
-        return {"iteration": self.iteration}
-
-    def load_state_dict(self, d):
-        self.iteration = d["iteration"]
+    if args.pruning == "depth" and after < args.window + 1:
+        print(f"warning: --pruning depth: {after} trainable step(s) follow the last split {max(splits)}, so the {args.window}-step "
+              f"window {'shrinks to ' + str(after) + ' step(s) and ' if after < args.window else ''}cannot slide; "
+              "raise --num-steps or split earlier for a sliding window", file=sys.stderr)
+    return check_run_args(args)
 
 
 def main(args: Args):
     # ---------------------------------------------------------------- SETUP
-    accelerator = Accelerator(mixed_precision=args.mixed_precision, log_with=["tensorboard"] + (["wandb"] if args.track else []),
-                              project_dir=str(Path(args.output_dir) / args.exp_name))
+    accelerator = Accelerator(mixed_precision=args.mixed_precision)
     world, rank = accelerator.num_processes, accelerator.process_index
     resolve_defaults(args)
-    validate(args, world)
-    if accelerator.distributed_type == DistributedType.FSDP and args.kl_beta > 0 and not args.lora:
-        raise SystemExit("error: --kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU; "
-                         "under FSDP pass --kl-beta 0 or use --lora")
-    run_dir = Path(args.output_dir) / args.exp_name
-    ckpt_dir = run_dir / "checkpoints"
-    if args.resume_from is None and any(ckpt_dir.glob("iter_*")):
-        raise SystemExit(f"error: {run_dir} already holds checkpoints: pass --resume-from latest, or another --exp-name")
-    if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    train_prompts, eval_prompts = validate(args, world)
+    need(not (accelerator.distributed_type == DistributedType.FSDP and args.kl_beta > 0 and not args.lora),
+         "--kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU; under FSDP pass --kl-beta 0 or use --lora")
+    run = Run(args, accelerator, f"BranchGRPO, pruning {args.pruning}" + (f" ({args.width_mode})" if args.pruning == "width" else ""))
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
     device = accelerator.device
     autocast = accelerator.autocast
     frozen_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
     splits = split_steps(args.split_schedule, args.num_steps, args.num_splits)
-    sizes = tree_sizes(args.num_steps, splits, args.branch_factor)
-    n_leaves = sizes[-1]
+    sizes = tree_sizes(args.num_steps, splits, args.branch_factor)  # nodes per depth, (T + 1,)
+    n_leaves = sizes[-1]  # M
     rho = 1 / (1 + args.branch_s)  # correlated branch noise: Var(branch-specific) / Var(shared) = s
 
     # ---------------------------------------------------------------- MODELS
-    from common.models import add_lora, load_model, save_trained_weights
-
     model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
     transformer = model.transformer.float()  # fp32 master weights; autocast handles bf16
     if args.lora:
@@ -501,108 +471,48 @@ def main(args: Args):
     transformer.train()
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
-    from common.prompts import load_prompts
-    from common.rewards import build_reward
-
-    train_prompts = load_prompts(args.prompts, "--prompts")
-    eval_prompts = load_prompts(args.eval_prompts, "--eval-prompts")
-    reward_ckpts = dict(item.split("=", 1) for item in args.reward_ckpt)
-    reward_fn = build_reward(args.reward, device, reward_ckpts)
-    shapes_reward = None
-    if model.kind == "shapes":
-        from common import shapes
-
-        shapes_reward = shapes.load_reward_model(reward_ckpts.get("shapes"), device=device)
+    reward_fn = build_reward(args.reward, device, dict(item.split("=", 1) for item in args.reward_ckpt))
 
     # ---------------------------------------------------------------- OPTIMIZER
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     transformer, optimizer = accelerator.prepare(transformer, optimizer)
     unwrapped = accelerator.unwrap_model(transformer)
-    state = TrainState()
-    accelerator.register_for_checkpointing(state)
 
     # ---------------------------------------------------------------- RESUME
-    if args.resume_from:
-        path = max(ckpt_dir.glob("iter_*"), default=None) if args.resume_from == "latest" else Path(args.resume_from)
-        if path is None or not path.is_dir():
-            raise SystemExit(f"error: --resume-from {args.resume_from}: no checkpoint found (looked in {ckpt_dir})")
-        accelerator.load_state(str(path))
-        accelerator.print(f"resumed from {path} at iteration {state.iteration}")
-
+    start = run.resume()
     sigmas = sigma_schedule(args.num_steps, args.shift)
     g = noise_g(sigmas, args.sde_type, args.noise_level)
     latent_shape = model.latent_shape()
+    sampler = partial(sample_ode, model, transformer, sigmas=sigma_schedule(args.eval_steps, args.shift),
+                      guidance_scale=args.guidance_scale, autocast=autocast)
+    evaluate = Evaluator(args, model, transformer, sampler, reward_fn, eval_prompts, run, args.rollout_batch_size)
     forwards, edges = tree_counts(args.num_steps, splits, args.branch_factor)
-    if accelerator.is_main_process:
-        accelerator.init_trackers(args.wandb_project_name if args.track else args.exp_name,  # W&B project; run = exp_name
-                                  config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(args).items()},
-                                  init_kwargs={"wandb": {"name": args.exp_name}} if args.track else {})
-        print("\n".join([
-            f"***** BranchGRPO, pruning {args.pruning}" + (f" ({args.width_mode})" if args.pruning == "width" else "") + " *****",
-            f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
-            f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
-            f"  tree: {args.num_steps} steps, splits {splits}, K {args.branch_factor} -> {n_leaves} leaves, "
-            f"{forwards} node forwards ({forwards / n_leaves:.2f} / leaf), {edges} edges ({edges / n_leaves:.3f} / leaf)",
-            f"  branch noise {args.branch_noise} s={args.branch_s}" + (f" (sibling correlation {rho:.3f})" if args.branch_noise == "correlated" else "")
-            + f", {args.sde_type} noise {args.noise_level}, fusion {args.fusion}",
-            f"  processes {world} x trees per process {args.trees_per_device} = {world * args.trees_per_device} prompts, "
-            f"{world * args.trees_per_device * n_leaves} images / iteration",
-            f"  rollout / train micro-batch {args.rollout_batch_size} nodes, optimizer steps / iteration "
-            f"{args.trees_per_device // args.trees_per_update} ({args.trees_per_update} trees per process each)",
-            f"  reward {args.reward}, KL beta {args.kl_beta}, clip {args.clip_range}, lr {args.learning_rate}, iterations {args.iterations}",
-            f"  run folder {run_dir}",
-        ]))
-
-    def log_images(tag, images, captions, ok, it):  # same as in dancegrpo.py
-        from common.viz import save_grid
-
-        path = save_grid(run_dir / "samples" / f"{tag}_{it:06d}.png", images, captions, ok, ncol=8)
-        tb = accelerator.get_tracker("tensorboard", unwrap=True)
-        import numpy as np
-        from PIL import Image
-
-        tb.add_image(tag, np.asarray(Image.open(path)), it, dataformats="HWC")
-
-    # fixed prompts and seeds for the sample grid: 8 held-out prompts spread over the list (on ShapesBench all
-    # three shapes) x 2 seeds
-    grid_prompts = [p for p in eval_prompts[:: max(1, len(eval_prompts) // 8)][:8] for _ in range(2)]
-    grid_noise = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, "grid", j)) for j in range(len(grid_prompts))])
-
-    def grid_and_eval(it: int, do_eval: bool, do_grid: bool):  # same as in dancegrpo.py
-        """Runs on every process with the prepared module (FSDP needs all ranks in each forward; under DDP the
-        other ranks would only wait), so every process computes the same images; the main one logs them."""
-        if not (do_eval or do_grid):
-            return
-        transformer.eval()
-        if do_grid:
-            images = sample_ode(model, transformer, model.encode_prompts(grid_prompts), grid_noise.to(device),
-                                sigma_schedule(args.eval_steps, args.shift), args.guidance_scale, autocast)
-            r, _ = reward_fn(images, grid_prompts)
-            if accelerator.is_main_process:
-                ok = None
-                if model.kind == "shapes":
-                    from common import shapes
-
-                    ok = shapes.verify(images, grid_prompts)["all"].tolist()
-                log_images("samples", images, [f"{p}\nreward {x:.3f}" for p, x in zip(grid_prompts, r.tolist())], ok, it)
-        if do_eval:
-            metrics, _, _ = evaluate(args, model, transformer, reward_fn, eval_prompts, device, autocast, shapes_reward)
-            if accelerator.is_main_process:
-                accelerator.log(metrics, step=it)
-                with open(run_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps({"iteration": it, **metrics}) + "\n")
-                print(f"eval @ {it}: " + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
-        transformer.train()
-
-    start, t_start = state.iteration, time.perf_counter()
+    last = args.num_steps - 1
+    sde_set0 = set(mix_window(args.num_steps, args.window, args.window_shift_every, 0)) | set(splits) if args.pruning == "mix" else set(range(last))
+    keep0 = trained_edges(args, splits, sizes, sde_set0, [torch.zeros(1, n) for n in sizes[1:]], 0)
+    accelerator.print("\n".join([
+        f"***** {run.title} *****",
+        f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
+        f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
+        f"  tree: {args.num_steps} steps, splits {splits}, K {args.branch_factor} -> {n_leaves} leaves, "
+        f"{forwards} node forwards ({forwards / n_leaves:.2f} / leaf), {edges} edges, of which trained at iteration 0: "
+        f"{sum(int(k.sum()) for k in keep0)} ({sum(int(k.sum()) for k in keep0) / n_leaves:.3f} / leaf)",
+        f"  branch noise {args.branch_noise} s={args.branch_s}" + (f" (sibling correlation {rho:.3f})" if args.branch_noise == "correlated" else "")
+        + f", {args.sde_type} noise {args.noise_level}, fusion {args.fusion}",
+        f"  processes {world} x trees per process {args.trees_per_device} = {world * args.trees_per_device} prompts, "
+        f"{world * args.trees_per_device * n_leaves} images / iteration",
+        f"  rollout / train micro-batch {args.rollout_batch_size} nodes, optimizer steps / iteration "
+        f"{args.trees_per_device // args.trees_per_update} ({args.trees_per_update} trees per process each)",
+        f"  reward {args.reward}, KL beta {args.kl_beta}, clip {args.clip_range}, lr {args.learning_rate}, iterations {args.iterations}",
+        f"  run folder {run.dir}",
+    ]))
+    t_start = time.perf_counter()
     if start == 0:
-        grid_and_eval(0, args.eval_every > 0, args.sample_every > 0)
-    accelerator.wait_for_everyone()
+        evaluate(0)
     bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="iterations",
                disable=not accelerator.is_local_main_process)
     n_groups = args.trees_per_device // args.trees_per_update
-    last = args.num_steps - 1
     for it in bar:
         t_iter = time.perf_counter()
         # ------------------------------------------------------------ SAMPLING
@@ -616,7 +526,7 @@ def main(args: Args):
         tree_ids = list(range(rank * args.trees_per_device, (rank + 1) * args.trees_per_device))
         my_prompts = [train_prompts[pick[t]] for t in tree_ids]
         if args.pruning == "mix":  # SDE only inside the sliding window (from step 0) and at the splits; ODE elsewhere
-            sde_set = set(window_steps(0, last - 1, args.window, args.window_shift_every, it)) | set(splits)
+            sde_set = set(mix_window(args.num_steps, args.window, args.window_shift_every, it)) | set(splits)
         else:
             sde_set = set(range(last))  # the last step is a deterministic Euler step onto x0_hat
         groups = []  # one dict per update group of trees: prompts, cond, states, log_probs
@@ -624,23 +534,11 @@ def main(args: Args):
         for u in range(n_groups):
             ids = tree_ids[u * args.trees_per_update : (u + 1) * args.trees_per_update]
 
-            def noise_fn(i, n_parents, kk, ids=ids):
-                """Step noise of every tree, keyed on (tree, step): independent of chunking and process count."""
-                per_tree = []
-                for t in ids:
-                    gen_t = rng(args.seed, it, "tree", t, i)
-                    if kk > 1 and args.branch_noise == "correlated":
-                        per_tree.append(branch_noise(gen_t, n_parents, kk, latent_shape, rho))
-                    else:
-                        per_tree.append(torch.randn((n_parents * kk, *latent_shape), generator=gen_t))
-                scale = args.branch_s if kk > 1 and args.branch_noise == "scaled" else 1.0
-                return torch.cat(per_tree), scale
-
             prompts_u = [my_prompts[t - tree_ids[0]] for t in ids]
             cond = model.encode_prompts(prompts_u)
             roots = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, it, "root", t)) for t in ids]).to(device)
-            states, log_probs = tree_rollout(model, transformer, cond, roots, sigmas, g, splits, args.branch_factor, sde_set,
-                                             noise_fn, args.rollout_batch_size, args.guidance_scale, autocast)
+            noise_fn = partial(tree_noise, args, it, ids, splits, latent_shape, rho)
+            states, log_probs = tree_rollout(model, transformer, cond, roots, sigmas, g, splits, sde_set, noise_fn, args, autocast)
             groups.append({"prompts": prompts_u, "cond": cond, "states": states, "log_probs": log_probs})
         t_sample = time.perf_counter() - t_iter
 
@@ -666,7 +564,7 @@ def main(args: Args):
             # rollout order, so that without pruning a micro-batch is exactly a rollout chunk (ratio == 1 bitwise)
             work, n_edges = [], 0
             for i in range(args.num_steps):
-                kk = args.branch_factor if i in splits else 1
+                kk = children(i, splits, args.branch_factor)
                 keep = grp["keep"][i].flatten().to(device)  # (T_u * n_{i+1},)
                 parents = torch.nonzero(keep.view(-1, kk).any(1)).flatten()
                 n_edges += int(keep.sum())
@@ -674,17 +572,17 @@ def main(args: Args):
             n_trained_edges += n_edges
             n_train_forwards += sum(len(p) for _, p in work)
             for w, (i, parents) in enumerate(work):
-                kk = args.branch_factor if i in splits else 1
+                kk = children(i, splits, args.branch_factor)
                 n_per_tree = sizes[i]
                 x = grp["states"][i][parents]
                 tree_idx = parents // n_per_tree
                 cond = {key: val[tree_idx] for key, val in grp["cond"].items()}
-                children = (parents[:, None] * kk + torch.arange(kk, device=device)).flatten()  # (P * kk,)
-                mask = grp["keep"][i].flatten().to(device)[children]
-                adv = grp["adv"][i + 1].flatten().to(device)[children][mask]
-                old_lp = grp["log_probs"][i][children][mask]
-                x_child = grp["states"][i + 1][children][mask]
-                scale = args.branch_s if kk > 1 and args.branch_noise == "scaled" else 1.0
+                child_idx = (parents[:, None] * kk + torch.arange(kk, device=device)).flatten()  # (n_parents * kk,)
+                mask = grp["keep"][i].flatten().to(device)[child_idx]
+                adv = grp["adv"][i + 1].flatten().to(device)[child_idx][mask]
+                old_lp = grp["log_probs"][i][child_idx][mask]
+                x_child = grp["states"][i + 1][child_idx][mask]
+                scale = noise_scale(i, splits, args)
                 sig = sigmas[i].expand(len(x)).to(device)
                 with accelerator.no_sync(transformer) if w < len(work) - 1 else nullcontext():
                     with autocast():
@@ -712,17 +610,11 @@ def main(args: Args):
                 stats["ratio"].append(ratio.detach())
                 stats["clipfrac"].append(((ratio - 1).abs() > args.clip_range).float().mean().detach())
                 stats["approx_kl"].append((0.5 * (log_prob - old_lp) ** 2).mean().detach())
-            grad_norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)
-            # NaN/Inf guard: every process agrees to skip, so the weights stay identical across ranks
-            bad = accelerator.reduce(torch.tensor(float(not torch.isfinite(grad_norm)), device=device), "sum")
-            if bad.item() > 0:
+            grad_norm = optimizer_step(accelerator, optimizer, params, args.max_grad_norm)  # None: non-finite, skipped
+            if grad_norm is None:
                 skipped += 1
-                optimizer.zero_grad(set_to_none=True)
-                continue
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            grad_norms.append(float(grad_norm))
-        state.iteration = it + 1
+            else:
+                grad_norms.append(grad_norm)
 
         # ------------------------------------------------------------ LOGGING
         ratios = torch.cat(stats["ratio"])
@@ -744,44 +636,29 @@ def main(args: Args):
             "perf/sampling_s": t_sample, "perf/iteration_s": time.perf_counter() - t_iter,
             "perf/wall_s": time.perf_counter() - t_start,
         }
-        if args.pruning in ("depth", "mix"):
-            start_step = 0 if args.pruning == "mix" else max(splits) + 1
-            log["charts/window_start"] = window_steps(start_step, last - 1, args.window, args.window_shift_every, it)[0]
+        if args.pruning == "depth":
+            log["charts/window_start"] = depth_window(args.num_steps, max(splits), args.window, args.window_shift_every, it)[0]
+        elif args.pruning == "mix":
+            log["charts/window_start"] = mix_window(args.num_steps, args.window, args.window_shift_every, it)[0]
         if stats["kl"]:
             log["losses/kl"] = torch.stack(stats["kl"]).mean().item()
         if (it + 1) % 10 == 0 or it + 1 == args.iterations:  # all processes must hold identical weights (DDP)
-            sums = accelerator.gather(torch.stack([p.detach().double().sum() for p in params]).to(device)).view(world, -1)
-            log["charts/rank_weight_spread"] = (sums.max(0).values - sums.min(0).values).max().item()
+            log["charts/rank_weight_spread"] = run.weight_spread(params)
         if skipped:
             accelerator.print(f"iteration {it}: skipped {skipped} update(s) with a non-finite gradient norm")
-        accelerator.log(log, step=it + 1)
-        if accelerator.is_main_process:  # plain-text copy of every logged scalar, one JSON line per iteration
-            with open(run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"iteration": it + 1, **log}) + "\n")
+        run.log(log, it + 1)
         bar.set_postfix(reward=f"{log['rewards/mean']:.4f}", s_it=f"{log['perf/iteration_s']:.1f}")
 
         # ------------------------------------------------------------ CHECKPOINT
-        final = it + 1 == args.iterations
-        if (args.save_every and (it + 1) % args.save_every == 0) or final:
-            accelerator.save_state(str(ckpt_dir / f"iter_{it + 1:06d}"))  # on every process (sharded states need it)
-            if accelerator.is_main_process:
-                rotate_checkpoints(ckpt_dir, args.checkpoints_total_limit)
+        run.checkpoint(it + 1, final=it + 1 == args.iterations)
 
         # ------------------------------------------------------------ EVAL
-        do_eval = args.eval_every > 0 and ((it + 1) % args.eval_every == 0 or final)
-        do_grid = args.sample_every > 0 and ((it + 1) % args.sample_every == 0 or final)
-        grid_and_eval(it + 1, do_eval, do_grid)
-        accelerator.wait_for_everyone()
+        evaluate(it + 1, final=it + 1 == args.iterations)
 
     # ---------------------------------------------------------------- FINAL SAVE
-    sharded = accelerator.distributed_type == DistributedType.FSDP
-    state_dict = accelerator.get_state_dict(transformer) if sharded else None  # collective under FSDP
-    if accelerator.is_main_process:
-        save_trained_weights(model, unwrapped, run_dir / "final", args.lora, state_dict)
-        print(f"trained weights in {run_dir / 'final'}")
-    accelerator.end_training()
+    run.save_final(model, transformer, args.lora)
+    run.close()
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main(tyro.cli(Args))
+    cli(main, Args)

@@ -3,12 +3,14 @@ import functools
 import math
 import sys
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import pytest
 import torch
 import tyro
 
 import branchgrpo as B
+from common import InputError
 from common.models import load_model
 from tests.helpers import assert_same_trained_weights, find_run, metrics
 from tests.helpers import run_script as run
@@ -52,9 +54,9 @@ def test_named_split_schedules():
     assert B.split_steps("sparse", 20, 4) == [0, 5, 10, 15]
     assert B.split_steps("late", 20, 4) == [10, 12, 14, 16]
     assert B.split_steps("9,0,3,6", 20, 4) == [0, 3, 6, 9]
-    with pytest.raises(SystemExit, match="--split-schedule"):
+    with pytest.raises(InputError, match="--split-schedule"):
         B.validate(args_for(split_schedule="0,3,19", num_steps=20), world=1)  # 19 is the deterministic last step
-    with pytest.raises(SystemExit, match="--split-schedule"):
+    with pytest.raises(InputError, match="--split-schedule"):
         B.validate(args_for(split_schedule="a,b"), world=1)
 
 
@@ -85,15 +87,17 @@ def grow(model, splits, k, steps=4, batch_size=64, noise="correlated", trees=2):
     g = B.noise_g(sigmas, "flow", 0.7)
     shape = model.latent_shape()
 
-    def noise_fn(i, n_parents, kk):
-        gens = [B.rng(0, "t", t, i) for t in range(trees)]
+    args = SimpleNamespace(branch_factor=k, rollout_batch_size=batch_size, guidance_scale=1.0, branch_noise=noise, branch_s=4.0)
+
+    def noise_fn(i, n_parents):
+        kk, gens = B.children(i, splits, k), [B.rng(0, "t", t, i) for t in range(trees)]
         if kk > 1 and noise == "correlated":
-            return torch.cat([B.branch_noise(gg, n_parents, kk, shape, 0.2) for gg in gens]), 1.0
-        return torch.cat([torch.randn((n_parents * kk, *shape), generator=gg) for gg in gens]), (4.0 if kk > 1 else 1.0)
+            return torch.cat([B.branch_noise(gg, n_parents, kk, shape, 0.2) for gg in gens])
+        return torch.cat([torch.randn((n_parents * kk, *shape), generator=gg) for gg in gens])
 
     roots = torch.randn((trees, *shape), generator=torch.Generator().manual_seed(0))
-    states, lps = B.tree_rollout(model, model.transformer, cond, roots, sigmas, g, splits, k, set(range(steps - 1)),
-                                 noise_fn, batch_size, 1.0, nullcontext)
+    states, lps = B.tree_rollout(model, model.transformer, cond, roots, sigmas, g, splits, set(range(steps - 1)), noise_fn,
+                                 args, nullcontext)
     return states, lps, sigmas, g, cond
 
 
@@ -153,7 +157,7 @@ def masks(pruning, iteration=0, **kw):
     torch.manual_seed(0)
     adv = [torch.randn(1, n) for n in sizes[1:]]
     if pruning == "mix":
-        sde = set(B.window_steps(0, 18, args.window, args.window_shift_every, iteration)) | set(splits)
+        sde = set(B.mix_window(20, args.window, args.window_shift_every, iteration)) | set(splits)
     else:
         sde = set(range(19))
     return B.trained_edges(args, splits, sizes, sde, adv, iteration), adv
@@ -174,6 +178,35 @@ def test_depth_pruning_skips_a_sliding_four_step_window():
         keep, _ = masks("depth", it)
         assert [i for i in range(19) if not keep[i].any()] == window, it
         assert count(keep) == 218 - 16 - 4 * 16
+
+
+@pytest.mark.parametrize("steps", [6, 8, 10, 12, 14, 16, 20, 24, 30])
+@pytest.mark.parametrize("schedule", ["dense", "sparse", "late", "0,1", "2"])
+@pytest.mark.parametrize("window,every", [(1, 1), (2, 5), (4, 30), (6, 7)])
+def test_depth_window_property(steps, schedule, window, every):
+    """Over step counts, split schedules and window sizes: the depth window never holds a split step or a step before
+    the last split, never moves backwards, moves one step every `every` iterations until it ends at step T - 2."""
+    n_splits = 2 if schedule in ("dense", "sparse", "late") else 1
+    splits = B.split_steps(schedule, steps, n_splits)
+    last_split, last_trainable = max(splits), steps - 2
+    if not all(0 <= s <= steps - 2 for s in splits) or last_split >= last_trainable:
+        return  # validate refuses these (tested below)
+    size = min(window, last_trainable - last_split)
+    prev = None
+    for it in range(0, every * (steps + 2)):
+        w = B.depth_window(steps, last_split, window, every, it)
+        assert len(w) == size and w == list(range(w[0], w[0] + size))
+        assert w[0] > last_split and w[-1] <= last_trainable and not set(w) & set(splits)
+        if prev is not None:
+            assert w[0] - prev[0] == (1 if it % every == 0 and prev[-1] < last_trainable else 0), (it, prev, w)
+        prev = w
+    assert prev[-1] == last_trainable  # it ends at the last trainable step
+
+
+def test_depth_and_width_need_a_step_after_the_last_split():
+    for mode in ("depth", "width"):
+        with pytest.raises(InputError, match=f"--pruning {mode}: the last split is step 10"):
+            B.validate(args_for(pruning=mode, num_steps=12, split_schedule="0,10"), world=1)
 
 
 def test_width_parent_top1_keeps_the_best_child_chain_of_each_parent():
@@ -204,13 +237,13 @@ def test_mix_trains_only_the_sliding_window_and_the_splits():
 
 
 def test_mode_specific_flags_fail_at_start_up():
-    with pytest.raises(SystemExit, match="--width-mode only applies"):
+    with pytest.raises(InputError, match="--width-mode only applies"):
         args_for(width_mode="extreme")
-    with pytest.raises(SystemExit, match="--fusion-beta only applies"):
+    with pytest.raises(InputError, match="--fusion-beta only applies"):
         args_for(fusion_beta=0.5)
-    with pytest.raises(SystemExit, match="--window only applies"):
+    with pytest.raises(InputError, match="--window only applies"):
         args_for(pruning="width", window=3)
-    with pytest.raises(SystemExit, match="--trees-per-update"):
+    with pytest.raises(InputError, match="--trees-per-update"):
         B.validate(args_for(trees_per_device=3, trees_per_update=2), world=1)
 
 
