@@ -1,4 +1,4 @@
-# V-GRPO: docs/vgrpo.md; paper: arXiv 2604.23380 (no official code was readable: ../shared/reference/vgrpo.md)
+# V-GRPO: docs/vgrpo.md; paper: arXiv 2604.23380 (no official code is public; docs/vgrpo.md lists the open choices)
 """GRPO with an ELBO likelihood surrogate for a flow-matching text-to-image model, one file (V-GRPO).
 
 Sampling is decoupled from training: a group of images per prompt is generated with a deterministic ODE solver
@@ -27,8 +27,9 @@ Choices where the paper is silent, and deviations (docs/vgrpo.md explains each):
   * the pairs come from keyed randomness, (seed, iteration) only, so every process draws the same ones without a
     broadcast (logged: charts/rank_pairs_spread); --no-shared-pairs keys them by global sample index;
   * timesteps are drawn from the rollout schedule sigma_0 .. sigma_{T-1} (0 excluded), cut into N_MC chunks with
-    tensor_split semantics, one uniform pick per chunk; --no-stratified draws N_MC i.i.d. uniform picks from the
-    same grid (only the stratification changes, not the support);
+    tensor_split semantics, one uniform pick per chunk, so training sees the noise levels the rollout visits (the
+    shift concentrates them at high noise; t below sigma_{T-1} is never drawn); --pair-times uniform is the paper's
+    description, N_MC equal intervals of (0, 1); --no-stratified draws N_MC i.i.d. times from the same support;
   * the behaviour values S_old are computed once per iteration with the same micro-batches (train_batch_size x
     N_MC rows) as the training forwards, so the first log ratio is exactly 0; S_old serves every optimizer step
     of the iteration (one rollout = one behaviour policy);
@@ -44,27 +45,28 @@ Choices where the paper is silent, and deviations (docs/vgrpo.md explains each):
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal, Optional
 
 import torch
-import tyro
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import set_seed
 from tqdm import tqdm
+
+from common.models import add_lora, load_model
+from common.rewards import build_reward, parse_reward_spec
+from common.runs import Evaluator, Run, check_run_args, cli, need, optimizer_step, sample_ode
 
 
 @dataclass
 class Args:
     # Shared experiment arguments (identical in every script)
-    exp_name: str = Path(__file__).stem
-    """run name: outputs go to {output_dir}/{exp_name}"""
+    exp_name: str = "vgrpo"
+    """run name; the run folder is {output_dir}/{exp_name}__{seed}__{unix time}"""
     seed: int = 0
     """seed of every random draw (prompts, noise, trained steps, initial weights of LoRA)"""
     output_dir: str = "runs"
@@ -112,7 +114,7 @@ class Args:
     checkpoints_total_limit: int = 2
     """keep only the newest N checkpoints"""
     resume_from: Optional[str] = None
-    """'latest' or a checkpoint folder to resume from"""
+    """'latest' (the newest run of --exp-name in --output-dir), a run folder, or one of its checkpoints/iter_* folders"""
     track: bool = False
     """also log to Weights & Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "diffusion-rl"
@@ -137,8 +139,10 @@ class Args:
     """images (per process) whose gradients are accumulated into one optimizer step"""
     n_mc: int = 4
     """(t, eps) pairs per image in the surrogate (N_MC)"""
+    pair_times: Literal["grid", "uniform"] = "grid"
+    """where the surrogate's timesteps live: 'grid' = the rollout schedule sigma_0 .. sigma_{T-1}; 'uniform' = (0, 1) (paper)"""
     stratified: bool = True
-    """one timestep per contiguous chunk of the rollout schedule; --no-stratified: i.i.d. uniform over the schedule"""
+    """one timestep per one of N_MC equal parts of --pair-times (grid: contiguous chunks); --no-stratified: i.i.d. draws"""
     shared_pairs: bool = True
     """the same pairs for every image of an iteration (so of a group, on every process); --no-shared-pairs: per image"""
     self_normalize: bool = True
@@ -217,15 +221,22 @@ def stratified_indices(grid_size: int, n_mc: int, gen: torch.Generator) -> torch
 def draw_pairs(grid, n_mc, latent_shape, key, sample_ids, stratified=True, shared=True):
     """The (t, eps) pairs of the surrogate for the images `sample_ids` (global indices) of one iteration.
 
-    grid: (K,) timesteps to draw from (the rollout schedule without 0); key: e.g. (seed, iteration).
+    grid: (K,) timesteps to draw from (the rollout schedule without 0), or None for the continuous range (0, 1),
+    cut into n_mc equal intervals when stratified (the paper's description); key: e.g. (seed, iteration).
     Returns t (S, N) and eps (S, N, *L). Timesteps and noise come from separate keyed generators, so switching
     `stratified` leaves eps unchanged. shared: one draw keyed on `key` alone, expanded to all images (a view),
     hence identical for every image of the group, the batch and every process.
     """
+
     def one(*k):
         g_t, g_eps = rng(*key, "pairs_t", *k), rng(*key, "pairs_eps", *k)
-        idx = stratified_indices(len(grid), n_mc, g_t) if stratified else torch.randint(len(grid), (n_mc,), generator=g_t)
-        return grid[idx], torch.randn((n_mc, *latent_shape), generator=g_eps)
+        if grid is None:
+            u = torch.rand(n_mc, generator=g_t)
+            t = (torch.arange(n_mc) + u) / n_mc if stratified else u
+        else:
+            idx = stratified_indices(len(grid), n_mc, g_t) if stratified else torch.randint(len(grid), (n_mc,), generator=g_t)
+            t = grid[idx]
+        return t, torch.randn((n_mc, *latent_shape), generator=g_eps)
 
     if shared:
         t, eps = one()
@@ -301,17 +312,16 @@ def coefficient_of_variation(s: torch.Tensor, group_size: int) -> tuple[float, f
 
 
 # ---------------------------------------------------------------------------------------------------
-# BOILERPLATE: validation, evaluation, checkpoints
+# Flag checks (run plumbing: evaluation, grids, checkpoints, resume and logging live in common/runs.py)
 # ---------------------------------------------------------------------------------------------------
-def validate(args: Args, world: int) -> None:  # same as in dancegrpo.py, with this script's checks
-    """Every flag is checked here, before any model loads; messages name the flag to change."""
-    def need(ok, msg):
-        if not ok:
-            raise SystemExit(f"error: {msg}")
+def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
+    """This script's flags, then the shared ones and every input checkable before a model loads (common.runs).
+    Returns (training prompts, held-out prompts). Messages name the flag to change."""
     need(args.num_steps >= 1 and args.shift > 0, "--num-steps must be >= 1 and --shift > 0")
     need(args.n_mc >= 1, "--n-mc must be >= 1")
-    need(not args.stratified or args.n_mc <= args.num_steps,
-         f"--n-mc {args.n_mc} must be <= --num-steps {args.num_steps} with stratified timesteps (one per chunk of the schedule), or pass --no-stratified")
+    need(not args.stratified or args.pair_times == "uniform" or args.n_mc <= args.num_steps,
+         f"--n-mc {args.n_mc} must be <= --num-steps {args.num_steps} with stratified timesteps on the rollout grid "
+         "(one per chunk of the schedule); pass --pair-times uniform or --no-stratified")
     need(args.group_size >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
     need(args.samples_per_device * world % args.group_size == 0,
          f"--samples-per-device {args.samples_per_device} x {world} processes must be a multiple of --group-size {args.group_size}")
@@ -320,90 +330,17 @@ def validate(args: Args, world: int) -> None:  # same as in dancegrpo.py, with t
          "--images-per-update must be a multiple of --train-batch-size and divide --samples-per-device")
     need(args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0 and args.adv_soft_clip >= 0,
          "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0, --adv-soft-clip >= 0")
-    need(args.iterations >= 1 and args.learning_rate > 0, "--iterations >= 1 and --learning-rate > 0")
-    for name in ("eval_every", "sample_every", "save_every"):
-        need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
-    need(args.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1")
-    for item in args.reward_ckpt:
-        need("=" in item, f"--reward-ckpt {item!r}: expected NAME=PATH")
-    if args.track:
-        import importlib.util
-
-        need(importlib.util.find_spec("wandb") is not None, "--track needs wandb: pip install wandb")
-    from common.rewards import parse_reward_spec
-
-    try:
-        weights = parse_reward_spec(args.reward)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    need(any(w != 0 for _, w in weights), "--reward needs at least one component with a non-zero weight")
-
-
-@torch.no_grad()
-def sample_ode(model, transformer, cond, noise, sigmas, guidance_scale, autocast):  # same as in dancegrpo.py
-    """Deterministic Euler samples for evaluation and grids; noise (B, *L) -> images (B, 3, H, W)."""
-    x = noise
-    for i in range(len(sigmas) - 1):
-        with autocast():
-            v = model.velocity(transformer, x, sigmas[i].expand(len(x)).to(x.device), cond, guidance_scale)
-        x = x + (sigmas[i + 1] - sigmas[i]) * v.float()
-    return model.decode(x).float()
-
-
-@torch.no_grad()
-def evaluate(args, model, transformer, reward_fn, prompts, device, autocast, shapes_reward=None):  # same as in dancegrpo.py
-    """Held-out evaluation: ODE samples with fixed seeds -> reward and, on ShapesBench, the verifier's accuracies,
-    the learned reward and diversity. Every process computes the same numbers. Returns (metrics, images, prompts)."""
-    from common import shapes
-
-    prompts = [p for p in prompts for _ in range(args.eval_samples_per_prompt)]
-    sigmas = sigma_schedule(args.eval_steps, args.shift)
-    images = []
-    for i in range(0, len(prompts), args.rollout_batch_size):
-        chunk = prompts[i : i + args.rollout_batch_size]
-        noise = torch.stack([torch.randn(model.latent_shape(), generator=rng(args.seed, "eval", i + j)) for j in range(len(chunk))])
-        images.append(sample_ode(model, transformer, model.encode_prompts(chunk), noise.to(device), sigmas, args.guidance_scale, autocast))
-    images = torch.cat(images)
-    total, parts = reward_fn(images, prompts)
-    metrics = {"eval/reward": total.mean().item(), **{f"eval/reward_{k}": v.mean().item() for k, v in parts.items()}}
-    if model.kind == "shapes":
-        metrics.update({f"eval/{k}": v for k, v in shapes.evaluate(images.cpu(), prompts, shapes_reward).items()})
-    return metrics, images, prompts
-
-
-def rotate_checkpoints(ckpt_dir: Path, limit: int) -> None:  # same as in dancegrpo.py
-    done = sorted(ckpt_dir.glob("iter_*"))
-    for old in done[:-limit]:
-        for f in sorted(old.rglob("*"), reverse=True):
-            f.unlink() if f.is_file() else f.rmdir()
-        old.rmdir()
-
-
-class TrainState:  # same as in dancegrpo.py
-    """The loop counter, saved inside accelerate checkpoints (register_for_checkpointing)."""
-
-    def __init__(self):
-        self.iteration = 0
-
-    def state_dict(self):
-        return {"iteration": self.iteration}
-
-    def load_state_dict(self, d):
-        self.iteration = d["iteration"]
+    prompts = check_run_args(args)
+    need(any(w != 0 for _, w in parse_reward_spec(args.reward)), "--reward needs at least one component with a non-zero weight")
+    return prompts
 
 
 def main(args: Args):
     # ---------------------------------------------------------------- SETUP
-    accelerator = Accelerator(mixed_precision=args.mixed_precision, log_with=["tensorboard"] + (["wandb"] if args.track else []),
-                              project_dir=str(Path(args.output_dir) / args.exp_name))
+    accelerator = Accelerator(mixed_precision=args.mixed_precision)
     world, rank = accelerator.num_processes, accelerator.process_index
-    validate(args, world)
-    run_dir = Path(args.output_dir) / args.exp_name
-    ckpt_dir = run_dir / "checkpoints"
-    if args.resume_from is None and any(ckpt_dir.glob("iter_*")):
-        raise SystemExit(f"error: {run_dir} already holds checkpoints: pass --resume-from latest, or another --exp-name")
-    if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    train_prompts, eval_prompts = validate(args, world)
+    run = Run(args, accelerator, "V-GRPO")
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
     device = accelerator.device
     autocast = accelerator.autocast
@@ -414,8 +351,6 @@ def main(args: Args):
     updates_per_iter = args.samples_per_device // args.images_per_update
 
     # ---------------------------------------------------------------- MODELS
-    from common.models import add_lora, load_model, save_trained_weights
-
     model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
     transformer = model.transformer.float()  # fp32 master weights; autocast handles bf16
     if args.lora:
@@ -426,109 +361,42 @@ def main(args: Args):
     transformer.train()  # no frozen reference model: the KL term is to the behaviour policy, whose outputs are stored
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
-    # same as in dancegrpo.py, plus the reward weights for the per-reward advantages
-    from common.prompts import load_prompts
-    from common.rewards import build_reward, parse_reward_spec
-
-    train_prompts = load_prompts(args.prompts, "--prompts")
-    eval_prompts = load_prompts(args.eval_prompts, "--eval-prompts")
-    reward_ckpts = dict(item.split("=", 1) for item in args.reward_ckpt)
-    reward_fn = build_reward(args.reward, device, reward_ckpts)
+    reward_fn = build_reward(args.reward, device, dict(item.split("=", 1) for item in args.reward_ckpt))
     reward_weights = dict(parse_reward_spec(args.reward))  # canonical name -> weight, the keys of reward_fn's parts
-    shapes_reward = None
-    if model.kind == "shapes":
-        from common import shapes
-
-        shapes_reward = shapes.load_reward_model(reward_ckpts.get("shapes"), device=device)
 
     # ---------------------------------------------------------------- OPTIMIZER
-    # same as in dancegrpo.py
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     transformer, optimizer = accelerator.prepare(transformer, optimizer)
-    unwrapped = accelerator.unwrap_model(transformer)
-    state = TrainState()
-    accelerator.register_for_checkpointing(state)
 
     # ---------------------------------------------------------------- RESUME
-    # same as in dancegrpo.py
-    if args.resume_from:
-        path = max(ckpt_dir.glob("iter_*"), default=None) if args.resume_from == "latest" else Path(args.resume_from)
-        if path is None or not path.is_dir():
-            raise SystemExit(f"error: --resume-from {args.resume_from}: no checkpoint found (looked in {ckpt_dir})")
-        accelerator.load_state(str(path))
-        accelerator.print(f"resumed from {path} at iteration {state.iteration}")
-
+    start = run.resume()
     sigmas = sigma_schedule(args.num_steps, args.shift)
-    grid = sigmas[:-1]  # the surrogate's timesteps: the rollout schedule without t = 0 (x0_hat = x there)
+    grid = sigmas[:-1] if args.pair_times == "grid" else None  # the rollout schedule without t = 0 (x0_hat = x there)
     latent_shape = model.latent_shape()
-    nfe = args.num_steps + 2 * args.n_mc  # rollout + behaviour pass + training pass, per image
-    if accelerator.is_main_process:
-        accelerator.init_trackers(args.wandb_project_name if args.track else args.exp_name,  # W&B project; run = exp_name
-                                  config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(args).items()},
-                                  init_kwargs={"wandb": {"name": args.exp_name}} if args.track else {})
-        off = [n for n, on in (("stratified", args.stratified), ("shared pairs", args.shared_pairs), ("self-normalize", args.self_normalize)) if not on]
-        print("\n".join([
-            "***** V-GRPO *****",
-            f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
-            f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
-            f"  processes {world} x samples per process {args.samples_per_device} = {world * args.samples_per_device} images / iteration",
-            f"  = {prompts_per_iter} prompts x group size {args.group_size} (prompts per process {args.samples_per_device / args.group_size:g})",
-            f"  rollouts: {args.solver} ODE, {args.num_steps} steps, shift {args.shift}, batch {args.rollout_batch_size}",
-            f"  surrogate: {args.n_mc} (t, eps) pairs per image, {args.prediction}-prediction, "
-            f"variance reduction {'all on' if not off else 'off: ' + ', '.join(off)}; micro-batch {mb} images x {args.n_mc} pairs",
-            f"  optimizer steps / iteration {updates_per_iter} ({args.images_per_update} images per process each), "
-            f"transformer forwards per image {nfe}",
-            f"  reward {args.reward}, clip {args.clip_range}, KL beta {args.kl_beta}, adv soft clip {args.adv_soft_clip or 'off'}, "
-            f"lr {args.learning_rate}, iterations {args.iterations}",
-            f"  run folder {run_dir}",
-        ]))
-
-    def log_images(tag, images, captions, ok, it):  # same as in dancegrpo.py
-        from common.viz import save_grid
-
-        path = save_grid(run_dir / "samples" / f"{tag}_{it:06d}.png", images, captions, ok, ncol=8)
-        tb = accelerator.get_tracker("tensorboard", unwrap=True)
-        import numpy as np
-        from PIL import Image
-
-        tb.add_image(tag, np.asarray(Image.open(path)), it, dataformats="HWC")
-
-    # fixed prompts and seeds for the sample grid: 8 held-out prompts spread over the list (on ShapesBench all
-    # three shapes) x 2 seeds
-    grid_prompts = [p for p in eval_prompts[:: max(1, len(eval_prompts) // 8)][:8] for _ in range(2)]
-    grid_noise = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, "grid", j)) for j in range(len(grid_prompts))])
-
-    def grid_and_eval(it: int, do_eval: bool, do_grid: bool):  # same as in dancegrpo.py
-        """Runs on every process with the prepared module (FSDP needs all ranks in each forward; under DDP the
-        other ranks would only wait), so every process computes the same images; the main one logs them."""
-        if not (do_eval or do_grid):
-            return
-        transformer.eval()
-        if do_grid:
-            images = sample_ode(model, transformer, model.encode_prompts(grid_prompts), grid_noise.to(device),
-                                sigma_schedule(args.eval_steps, args.shift), args.guidance_scale, autocast)
-            r, _ = reward_fn(images, grid_prompts)
-            if accelerator.is_main_process:
-                ok = None
-                if model.kind == "shapes":
-                    from common import shapes
-
-                    ok = shapes.verify(images, grid_prompts)["all"].tolist()
-                log_images("samples", images, [f"{p}\nreward {x:.3f}" for p, x in zip(grid_prompts, r.tolist())], ok, it)
-        if do_eval:
-            metrics, _, _ = evaluate(args, model, transformer, reward_fn, eval_prompts, device, autocast, shapes_reward)
-            if accelerator.is_main_process:
-                accelerator.log(metrics, step=it)
-                with open(run_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps({"iteration": it, **metrics}) + "\n")
-                print(f"eval @ {it}: " + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
-        transformer.train()
-
-    start, t_start = state.iteration, time.perf_counter()
+    sampler = partial(sample_ode, model, transformer, sigmas=sigma_schedule(args.eval_steps, args.shift),
+                      guidance_scale=args.guidance_scale, autocast=autocast)
+    evaluate = Evaluator(args, model, transformer, sampler, reward_fn, eval_prompts, run, args.rollout_batch_size)
+    nfe = args.num_steps + 2 * args.n_mc  # NFE (transformer forwards) per image: rollout + behaviour pass + training pass
+    off = [n for n, on in (("stratified", args.stratified), ("shared pairs", args.shared_pairs), ("self-normalize", args.self_normalize)) if not on]
+    accelerator.print("\n".join([
+        f"***** {run.title} *****",
+        f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
+        f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
+        f"  processes {world} x samples per process {args.samples_per_device} = {world * args.samples_per_device} images / iteration",
+        f"  = {prompts_per_iter} prompts x group size {args.group_size} (prompts per process {args.samples_per_device / args.group_size:g})",
+        f"  rollouts: {args.solver} ODE, {args.num_steps} steps, shift {args.shift}, batch {args.rollout_batch_size}",
+        f"  surrogate: {args.n_mc} (t, eps) pairs per image, t on the {args.pair_times} support, {args.prediction}-prediction, "
+        f"variance reduction {'all on' if not off else 'off: ' + ', '.join(off)}; micro-batch {mb} images x {args.n_mc} pairs",
+        f"  optimizer steps / iteration {updates_per_iter} ({args.images_per_update} images per process each), "
+        f"transformer forwards per image {nfe}",
+        f"  reward {args.reward}, clip {args.clip_range}, KL beta {args.kl_beta}, adv soft clip {args.adv_soft_clip or 'off'}, "
+        f"lr {args.learning_rate}, iterations {args.iterations}",
+        f"  run folder {run.dir}",
+    ]))
+    t_start = time.perf_counter()
     if start == 0:
-        grid_and_eval(0, args.eval_every > 0, args.sample_every > 0)
-    accelerator.wait_for_everyone()
+        evaluate(0)
     bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="iterations",
                disable=not accelerator.is_local_main_process)
     for it in bar:
@@ -598,17 +466,11 @@ def main(args: Args):
                 stats["ratio"].append(ratio.detach())
                 stats["log_ratio"].append(log_ratio.detach())
                 stats["clipfrac"].append(((ratio - 1).abs() > args.clip_range).float().mean().detach())
-            grad_norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)
-            # NaN/Inf guard: every process agrees to skip, so the weights stay identical across ranks
-            bad = accelerator.reduce(torch.tensor(float(not torch.isfinite(grad_norm)), device=device), "sum")
-            if bad.item() > 0:
+            grad_norm = optimizer_step(accelerator, optimizer, params, args.max_grad_norm)  # None: non-finite, skipped
+            if grad_norm is None:
                 skipped += 1
-                optimizer.zero_grad(set_to_none=True)
-                continue
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            grad_norms.append(float(grad_norm))
-        state.iteration = it + 1
+            else:
+                grad_norms.append(grad_norm)
 
         # ------------------------------------------------------------ LOGGING
         ratios, log_ratios = torch.cat(stats["ratio"]), torch.cat(stats["log_ratio"])
@@ -638,40 +500,22 @@ def main(args: Args):
         if stats["kl"]:
             log["losses/kl"] = torch.stack(stats["kl"]).mean().item()
         if (it + 1) % 10 == 0 or it + 1 == args.iterations:  # all processes must hold identical weights (DDP)
-            sums = accelerator.gather(torch.stack([p.detach().double().sum() for p in params]).to(device)).view(world, -1)
-            log["charts/rank_weight_spread"] = (sums.max(0).values - sums.min(0).values).max().item()
+            log["charts/rank_weight_spread"] = run.weight_spread(params)
         if skipped:
             accelerator.print(f"iteration {it}: skipped {skipped} update(s) with a non-finite gradient norm")
-        accelerator.log(log, step=it + 1)
-        if accelerator.is_main_process:  # plain-text copy of every logged scalar, one JSON line per iteration
-            with open(run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"iteration": it + 1, **log}) + "\n")
+        run.log(log, it + 1)
         bar.set_postfix(reward=f"{log['rewards/mean']:.4f}", s_it=f"{log['perf/iteration_s']:.1f}")
 
         # ------------------------------------------------------------ CHECKPOINT
-        # same as in dancegrpo.py
-        final = it + 1 == args.iterations
-        if (args.save_every and (it + 1) % args.save_every == 0) or final:
-            accelerator.save_state(str(ckpt_dir / f"iter_{it + 1:06d}"))  # on every process (sharded states need it)
-            if accelerator.is_main_process:
-                rotate_checkpoints(ckpt_dir, args.checkpoints_total_limit)
+        run.checkpoint(it + 1, final=it + 1 == args.iterations)
 
         # ------------------------------------------------------------ EVAL
-        do_eval = args.eval_every > 0 and ((it + 1) % args.eval_every == 0 or final)
-        do_grid = args.sample_every > 0 and ((it + 1) % args.sample_every == 0 or final)
-        grid_and_eval(it + 1, do_eval, do_grid)
-        accelerator.wait_for_everyone()
+        evaluate(it + 1, final=it + 1 == args.iterations)
 
     # ---------------------------------------------------------------- FINAL SAVE
-    # same as in dancegrpo.py
-    sharded = accelerator.distributed_type == DistributedType.FSDP
-    state_dict = accelerator.get_state_dict(transformer) if sharded else None  # collective under FSDP
-    if accelerator.is_main_process:
-        save_trained_weights(model, unwrapped, run_dir / "final", args.lora, state_dict)
-        print(f"trained weights in {run_dir / 'final'}")
-    accelerator.end_training()
+    run.save_final(model, transformer, args.lora)
+    run.close()
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main(tyro.cli(Args))
+    cli(main, Args)

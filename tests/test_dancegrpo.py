@@ -9,7 +9,7 @@ import tyro
 import dancegrpo as D
 from common import InputError
 from common.models import load_model
-from tests.helpers import ROOT, find_run, assert_same_trained_weights, metrics, run_recipe
+from tests.helpers import ROOT, assert_same_trained_weights, find_run, metrics, run_recipe
 from tests.helpers import run_script as run
 from tests.tiny import build_flux, build_shapes, build_tiny_hps
 

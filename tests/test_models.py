@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-
 from diffusers import FluxPipeline, SD3Transformer2DModel, StableDiffusion3Pipeline, StableDiffusionPipeline
 
 from common import models

@@ -1,6 +1,5 @@
 """vgrpo.py: the solver, the (t, eps) pairs, the surrogate and its ablations, log ratio == 0, the script end to end."""
 import math
-import subprocess
 import sys
 from contextlib import nullcontext
 
@@ -9,8 +8,9 @@ import torch
 import tyro
 
 import vgrpo as V
+from common import InputError
 from common.models import load_model
-from tests.helpers import ROOT, find_run, assert_same_trained_weights, metrics, run_recipe
+from tests.helpers import assert_same_trained_weights, find_run, metrics, run_recipe
 from tests.helpers import run_script as run
 from tests.tiny import build_flux, build_shapes, build_tiny_hps
 
@@ -111,6 +111,20 @@ def test_no_shared_pairs_draws_per_image_and_changes_nothing_else():
     # keyed by global sample index: a sample's pairs do not depend on which process holds it
     t_b, eps_b = V.draw_pairs(grid, 4, (2, 4, 4), (0, 0), range(4, 8), shared=False)
     assert torch.equal(t[4:], t_b) and torch.equal(eps[4:], eps_b)
+
+
+def test_uniform_pair_times_fall_one_per_equal_interval_of_0_1():
+    """--pair-times uniform (the paper's description): one t in each of the N_MC equal intervals of (0, 1), so t below
+    the last rollout sigma is drawn too; --no-stratified draws i.i.d. uniform times."""
+    lows = []
+    for it in range(200):
+        t, _ = V.draw_pairs(None, 4, (2, 4, 4), (0, it), range(2))
+        assert torch.equal(t[0], t[1])
+        assert torch.all((t[0] >= torch.arange(4) / 4) & (t[0] < (torch.arange(4) + 1) / 4))
+        lows.append(float(t[0, 0]))
+    assert min(lows) < V.sigma_schedule(10, 3.0)[-2]  # below sigma_{T-1} = 0.25: unreachable on the grid
+    t, _ = V.draw_pairs(None, 4, (2, 4, 4), (0, 0), range(2), stratified=False)
+    assert t.shape == (2, 4) and torch.all((t >= 0) & (t < 1))
 
 
 def test_no_stratified_changes_only_the_timesteps():
@@ -240,14 +254,14 @@ def test_coefficient_of_variation():
 
 
 def test_validation_names_the_flag():
-    with pytest.raises(SystemExit, match="--group-size"):
+    with pytest.raises(InputError, match="--group-size"):
         V.validate(V.Args(samples_per_device=10, group_size=4, rollout_batch_size=2, train_batch_size=2, images_per_update=10), world=1)
-    with pytest.raises(SystemExit, match="--n-mc"):
+    with pytest.raises(InputError, match="--n-mc"):
         V.validate(V.Args(num_steps=3, n_mc=4), world=1)
     V.validate(V.Args(num_steps=3, n_mc=4, stratified=False), world=1)  # i.i.d. draws need no chunks
-    with pytest.raises(SystemExit, match="--images-per-update"):
+    with pytest.raises(InputError, match="--images-per-update"):
         V.validate(V.Args(images_per_update=12), world=1)
-    with pytest.raises(SystemExit, match="unknown reward"):
+    with pytest.raises(InputError, match="unknown reward"):
         V.validate(V.Args(reward="nope"), world=1)
 
 
@@ -268,10 +282,6 @@ def test_end_to_end_shapesbench(tmp_path):
     assert (run / "final" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001", "iter_000002"]
     assert (run / "samples" / "samples_000002.png").is_file()
-    # a second run into the same folder without --resume-from is refused rather than mixing two runs
-    out = subprocess.run([sys.executable, "vgrpo.py", "--output-dir", str(tmp_path), "--exp-name", "e2e"],
-                         cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode != 0 and "--resume-from latest" in out.stderr + out.stdout
 
 
 def test_resume_gives_the_same_weights(tmp_path):
