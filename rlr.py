@@ -48,28 +48,31 @@ Deviations from the public code (which implements neither the sub-chain nor the 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
 import resource
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
 import torch
-import tyro
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from tqdm import tqdm
+
+from common import InputError
+from common.models import add_lora, load_model
+from common.rewards import build_reward, parse_reward_spec
+from common.runs import Evaluator, Run, check_run_args, cli, need, optimizer_step
 
 
 @dataclass
 class Args:
     # Shared experiment arguments (identical in every script)
-    exp_name: str = Path(__file__).stem
-    """run name: outputs go to {output_dir}/{exp_name}"""
+    exp_name: str = "rlr"
+    """run name; the run folder is {output_dir}/{exp_name}__{seed}__{unix time}"""
     seed: int = 0
     """seed of every random draw (prompts, noise, trained steps, initial weights of LoRA)"""
     output_dir: str = "runs"
@@ -117,7 +120,7 @@ class Args:
     checkpoints_total_limit: int = 2
     """keep only the newest N checkpoints"""
     resume_from: Optional[str] = None
-    """'latest' or a checkpoint folder to resume from"""
+    """'latest' (the newest run of --exp-name in --output-dir), a run folder, or one of its checkpoints/iter_* folders"""
     track: bool = False
     """also log to Weights & Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "diffusion-rl"
@@ -389,7 +392,8 @@ def rng(*keys) -> torch.Generator:  # same as in dancegrpo.py
 
 
 # ---------------------------------------------------------------------------------------------------
-# BOILERPLATE: validation, evaluation, checkpoints
+# Flag checks and the deterministic sampler (run plumbing: evaluation, grids, checkpoints, resume and logging live in
+# common/runs.py)
 # ---------------------------------------------------------------------------------------------------
 NON_DIFFERENTIABLE_REWARDS = {"verifier", "jpeg"}  # common/rewards.py builds these with differentiable=False
 
@@ -400,26 +404,27 @@ def load_dcot(path: str) -> dict[str, tuple[str, str, str]]:
     The reward scores the first column; steps in the first / middle / last third are conditioned on the others."""
     file = Path(path).expanduser()
     if not file.is_file():
-        raise SystemExit(f"error: --dcot-prompts {path}: no such file")
+        raise InputError(f"--dcot-prompts {path}: no such file")
     out = {}
-    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"--dcot-prompts {path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.startswith("#"):
             continue
         fields = [f.strip() for f in line.split("\t")]
         if len(fields) != 4 or not all(fields):
-            raise SystemExit(f"error: --dcot-prompts {path}, line {n}: expected 4 TAB-separated fields "
-                             "(prompt, coarse, medium, fine)")
+            raise InputError(f"--dcot-prompts {path}, line {n}: expected 4 TAB-separated fields (prompt, coarse, medium, fine)")
         out[fields[0]] = tuple(fields[1:])
     if not out:
-        raise SystemExit(f"error: --dcot-prompts {path}: the file holds no prompts")
+        raise InputError(f"--dcot-prompts {path}: the file holds no prompts")
     return out
 
 
-def validate(args: Args, world: int) -> None:  # same as in dancegrpo.py, with this script's checks
-    """Every flag is checked here, before any model loads; messages name the flag to change."""
-    def need(ok, msg):
-        if not ok:
-            raise SystemExit(f"error: {msg}")
+def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
+    """This script's flags, then the shared ones and every input checkable before a model loads (common.runs).
+    Returns (training prompts, held-out prompts); the training prompts are the DCoT file's with --dcot-prompts."""
     T, h = args.num_steps, args.subchain_len
     need(T >= 2, "--num-steps must be at least 2 (one stochastic step and the deterministic last step)")
     if "ho" in args.terms:
@@ -439,29 +444,16 @@ def validate(args: Args, world: int) -> None:  # same as in dancegrpo.py, with t
     need(K > 0 and args.samples_per_device % K == 0 and args.samples_per_device // K % args.rollout_batch_size == 0,
          "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size")
     need(args.zo_scale > 0, "--zo-scale must be > 0")
-    need(args.iterations >= 1 and args.learning_rate > 0, "--iterations >= 1 and --learning-rate > 0")
-    for name in ("eval_every", "sample_every", "save_every"):
-        need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
-    need(args.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1")
-    for item in args.reward_ckpt:
-        need("=" in item, f"--reward-ckpt {item!r}: expected NAME=PATH")
-    if args.track:
-        import importlib.util
-
-        need(importlib.util.find_spec("wandb") is not None, "--track needs wandb: pip install wandb")
-    from common.rewards import parse_reward_spec
-
-    try:
-        spec = parse_reward_spec(args.reward)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    spec = parse_reward_spec(args.reward)
     bad = [name for name, w in spec if w != 0 and name in NON_DIFFERENTIABLE_REWARDS]
     need(not bad, f"--reward {args.reward}: {', '.join(bad)} is not differentiable, and RLR's first-order term "
                   "backpropagates through the reward; use a differentiable one (shapes, hpsv2.1, pickscore, clip), or "
                   f"give {bad[0] if bad else ''} weight 0 to only log it")
+    train_prompts, eval_prompts = check_run_args(args)
     if args.dcot_prompts is not None:
         need(args.prompts == "shapes-train", "--dcot-prompts replaces --prompts: give one of them")
-        load_dcot(args.dcot_prompts)
+        train_prompts = list(load_dcot(args.dcot_prompts))
+    return train_prompts, eval_prompts
 
 
 @torch.no_grad()
@@ -474,47 +466,21 @@ def sample_images(model, module, sched, cond, noise, guidance_scale, autocast):
     return model.decode(x).float()
 
 
-@torch.no_grad()
-def evaluate(args, model, transformer, reward_fn, prompts, device, autocast, shapes_reward=None):
-    """Held-out evaluation: deterministic samples with fixed seeds -> reward and, on ShapesBench, the verifier's
-    accuracies, the learned reward and diversity. Every process computes the same numbers. Returns (metrics, images,
-    prompts). Adapted from dancegrpo.py (any sampler of this file; CPU ShapesBench evaluates in batches of 16)."""
-    from common import shapes
-
-    prompts = [p for p in prompts for _ in range(args.eval_samples_per_prompt)]
-    sched = make_schedule(model, args.eval_steps, args, stochastic=False)
-    images, bs = [], max(args.rollout_batch_size, 16) if model.kind == "shapes" else args.rollout_batch_size  # (CPU: batch up)
-    for i in range(0, len(prompts), bs):
-        chunk = prompts[i : i + bs]
-        noise = torch.stack([torch.randn(model.latent_shape(), generator=rng(args.seed, "eval", i + j)) for j in range(len(chunk))])
-        images.append(sample_images(model, transformer, sched, model.encode_prompts(chunk), noise.to(device), args.guidance_scale, autocast))
-    images = torch.cat(images)
-    total, parts = reward_fn(images, prompts)
-    metrics = {"eval/reward": total.mean().item(), **{f"eval/reward_{k}": v.mean().item() for k, v in parts.items()}}
-    if model.kind == "shapes":
-        metrics.update({f"eval/{k}": v for k, v in shapes.evaluate(images.cpu(), prompts, shapes_reward).items()})
-    return metrics, images, prompts
+def staged_transition(model, module, sched: dict, conds: list[dict], num_steps: int, guidance_scale: float, autocast,
+                      i: int, x):
+    """mean_std(i, x) of the rollout: the step-i transition conditioned on the stage's prompt (DCoT: coarse, medium,
+    fine thirds of the chain; else the prompt three times)."""
+    return transition(model, module, sched, i, x, conds[stage_of(i, num_steps)], guidance_scale, autocast)
 
 
-def rotate_checkpoints(ckpt_dir: Path, limit: int) -> None:  # same as in dancegrpo.py
-    done = sorted(ckpt_dir.glob("iter_*"))
-    for old in done[:-limit]:
-        for f in sorted(old.rglob("*"), reverse=True):
-            f.unlink() if f.is_file() else f.rmdir()
-        old.rmdir()
+def zo_perturbed(params, key: tuple, scale: float, i: int):
+    """perturb(i): a context with theta + zeta_{q, i}, the ZO perturbation of block q (in key) at step i."""
+    return perturbed(params, zo_noise(params, key_seed(*key, i), scale))
 
 
-class TrainState:  # same as in dancegrpo.py
-    """The loop counter, saved inside accelerate checkpoints (register_for_checkpointing)."""
-
-    def __init__(self):
-        self.iteration = 0
-
-    def state_dict(self):
-        return {"iteration": self.iteration}
-
-    def load_state_dict(self, d):
-        self.iteration = d["iteration"]
+def grad_norm(params) -> float:
+    """The L2 norm of the accumulated gradients of this process (unclipped, fp64)."""
+    return math.sqrt(sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None))
 
 
 def peak_memory_gb(device) -> float:
@@ -526,28 +492,21 @@ def peak_memory_gb(device) -> float:
 
 def main(args: Args):
     # ---------------------------------------------------------------- SETUP
-    accelerator = Accelerator(mixed_precision=args.mixed_precision, log_with=["tensorboard"] + (["wandb"] if args.track else []),
-                              project_dir=str(Path(args.output_dir) / args.exp_name))
+    accelerator = Accelerator(mixed_precision=args.mixed_precision)
     world, rank = accelerator.num_processes, accelerator.process_index
     if args.memory_budget_gb is not None:
-        if args.subchain_len is not None:
-            raise SystemExit("error: give --subchain-len or --memory-budget-gb, not both")
+        need(args.subchain_len is None, "give --subchain-len or --memory-budget-gb, not both")
         args.subchain_len = optimal_subchain_len(args.memory_budget_gb, args.num_steps, args.ho_step_gb, args.zo_step_gb,
                                                  args.variance_ratio)
     elif args.subchain_len is None:
         args.subchain_len = min(2, args.num_steps - 1)
     if args.zo_perturbations is None:
         args.zo_perturbations = args.samples_per_device // max(1, args.rollout_batch_size)  # one per rollout chunk
-    validate(args, world)
-    if accelerator.distributed_type == DistributedType.FSDP and "zo" in args.terms:
-        raise SystemExit("error: the ZO term perturbs whole parameter tensors in place, which FSDP shards; "
-                         "use DDP (e.g. --lora and configs/ddp_8gpu.yaml) or --terms fo+ho")
-    run_dir = Path(args.output_dir) / args.exp_name
-    ckpt_dir = run_dir / "checkpoints"
-    if args.resume_from is None and any(ckpt_dir.glob("iter_*")):
-        raise SystemExit(f"error: {run_dir} already holds checkpoints: pass --resume-from latest, or another --exp-name")
-    if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    train_prompts, eval_prompts = validate(args, world)
+    need(not (accelerator.distributed_type == DistributedType.FSDP and "zo" in args.terms),
+         "the ZO term perturbs whole parameter tensors in place, which FSDP shards; use DDP (e.g. --lora and "
+         "configs/ddp_8gpu.yaml) or --terms fo+ho")
+    run = Run(args, accelerator, f"RLR, terms {args.terms}")
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
     device = accelerator.device
     autocast = accelerator.autocast
@@ -561,127 +520,56 @@ def main(args: Args):
     chunks_per_block = S // K // B  # chunks sharing one parameter perturbation
 
     # ---------------------------------------------------------------- MODELS
-    from common.models import add_lora, load_model, save_trained_weights
-
     model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
     if args.noise_level is None:
         args.noise_level = 1.0 if model.kind == "sd1" else 0.3 if args.sde_type == "dance" else 0.7
-    transformer = (model.unet if model.kind == "sd1" else model.transformer).float()  # fp32 master weights
+    denoiser = (model.unet if model.kind == "sd1" else model.transformer).float()  # fp32 master weights (UNet or DiT)
     if args.lora:
-        add_lora(transformer, args.lora_rank, args.lora_alpha)
-        for p in transformer.parameters():
+        add_lora(denoiser, args.lora_rank, args.lora_alpha)
+        for p in denoiser.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
     if args.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
+        denoiser.enable_gradient_checkpointing()
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
-    from common.prompts import load_prompts
-    from common.rewards import build_reward
-
     dcot = load_dcot(args.dcot_prompts) if args.dcot_prompts else None
-    train_prompts = list(dcot) if dcot else load_prompts(args.prompts, "--prompts")
-    eval_prompts = load_prompts(args.eval_prompts, "--eval-prompts")
-    reward_ckpts = dict(item.split("=", 1) for item in args.reward_ckpt)
-    reward_fn = build_reward(args.reward, device, reward_ckpts)
-    if not reward_fn.differentiable:  # a reward registered after NON_DIFFERENTIABLE_REWARDS was written
-        raise SystemExit(f"error: --reward {args.reward} is not differentiable; RLR's first-order term needs gradients")
-    shapes_reward = None
-    if model.kind == "shapes":
-        from common import shapes
-
-        shapes_reward = shapes.load_reward_model(reward_ckpts.get("shapes"), device=device)
+    reward_fn = build_reward(args.reward, device, dict(item.split("=", 1) for item in args.reward_ckpt))
+    need(reward_fn.differentiable, f"--reward {args.reward} is not differentiable; RLR's first-order term needs gradients")
 
     # ---------------------------------------------------------------- OPTIMIZER
-    params = [p for p in transformer.parameters() if p.requires_grad]
+    params = [p for p in denoiser.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
-    transformer, optimizer = accelerator.prepare(transformer, optimizer)
-    unwrapped = accelerator.unwrap_model(transformer)
-    transformer.eval()  # no dropout anywhere: the sampled and the differentiated policy must be the same function
-    state = TrainState()
-    accelerator.register_for_checkpointing(state)
+    denoiser, optimizer = accelerator.prepare(denoiser, optimizer)
+    denoiser.eval()  # no dropout anywhere: the sampled and the differentiated policy must be the same function
 
     # ---------------------------------------------------------------- RESUME
-    # same as in dancegrpo.py
-    if args.resume_from:
-        path = max(ckpt_dir.glob("iter_*"), default=None) if args.resume_from == "latest" else Path(args.resume_from)
-        if path is None or not path.is_dir():
-            raise SystemExit(f"error: --resume-from {args.resume_from}: no checkpoint found (looked in {ckpt_dir})")
-        accelerator.load_state(str(path))
-        accelerator.print(f"resumed from {path} at iteration {state.iteration}")
-
+    start = run.resume()
     sched = make_schedule(model, T, args)
-    eval_sched = make_schedule(model, args.eval_steps, args, stochastic=False)
     latent_shape = model.latent_shape()
     starts = window_starts(T, h, args.subchain_stage) if use_ho else [0]
-    if accelerator.is_main_process:
-        accelerator.init_trackers(args.wandb_project_name if args.track else args.exp_name,  # W&B project; run = exp_name
-                                  config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(args).items()},
-                                  init_kwargs={"wandb": {"name": args.exp_name}} if args.track else {})
-        print("\n".join([
-            "***** RLR (first-order + half-order sub-chain + zero-order) *****",
-            f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
-            f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
-            f"  processes {world} x samples per process {S} = {N} images / iteration = {prompts_per_iter} prompts x group size {G}",
-            f"  steps {T} ({'DDIM eta' if model.kind == 'sd1' else args.sde_type + ' SDE noise'} {args.noise_level}), "
-            f"estimator terms {args.terms}" + ("" if args.terms in ("fo+ho+zo", "fo+zo") else " (biased ablation)")
-            + (f", sub-chain h = {h}" + (f" (h* for {args.memory_budget_gb} GB)" if args.memory_budget_gb is not None else "")
-               + f", window starts {starts[0]}..{starts[-1]} ({args.subchain_stage})" if use_ho else "")
-            + (", DCoT prompts" if dcot else ""),
-            (f"  ZO: {K} perturbation block(s) per process, scale {args.zo_scale:g}; " if use_zo else "  ")
-            + f"rollout batch {B}, one optimizer step per iteration",
-            f"  reward {args.reward}, lr {args.learning_rate}, iterations {args.iterations}",
-            f"  run folder {run_dir}",
-        ]))
-
-    def log_images(tag, images, captions, ok, it):  # same as in dancegrpo.py
-        from common.viz import save_grid
-
-        path = save_grid(run_dir / "samples" / f"{tag}_{it:06d}.png", images, captions, ok, ncol=8)
-        tb = accelerator.get_tracker("tensorboard", unwrap=True)
-        import numpy as np
-        from PIL import Image
-
-        tb.add_image(tag, np.asarray(Image.open(path)), it, dataformats="HWC")
-
-    # fixed prompts and seeds for the sample grid: 8 held-out prompts spread over the list (on ShapesBench all
-    # three shapes) x 2 seeds
-    grid_prompts = [p for p in eval_prompts[:: max(1, len(eval_prompts) // 8)][:8] for _ in range(2)]
-    grid_noise = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, "grid", j)) for j in range(len(grid_prompts))])
-
-    def grid_and_eval(it: int, do_eval: bool, do_grid: bool):
-        """Runs on every process with the prepared module (FSDP needs all ranks in each forward; under DDP the
-        other ranks would only wait), so every process computes the same images; the main one logs them.
-        Same as in dancegrpo.py, with this file's deterministic sampler (ODE or DDIM eta 0)."""
-        if not (do_eval or do_grid):
-            return
-        if do_grid:
-            images = sample_images(model, transformer, eval_sched, model.encode_prompts(grid_prompts), grid_noise.to(device),
-                                   args.guidance_scale, autocast)
-            with torch.no_grad():
-                r, _ = reward_fn(images, grid_prompts)
-            if accelerator.is_main_process:
-                ok = None
-                if model.kind == "shapes":
-                    from common import shapes
-
-                    ok = shapes.verify(images, grid_prompts)["all"].tolist()
-                log_images("samples", images, [f"{p}\nreward {x:.3f}" for p, x in zip(grid_prompts, r.tolist())], ok, it)
-        if do_eval:
-            metrics, _, _ = evaluate(args, model, transformer, reward_fn, eval_prompts, device, autocast, shapes_reward)
-            if accelerator.is_main_process:
-                accelerator.log(metrics, step=it)
-                with open(run_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps({"iteration": it, **metrics}) + "\n")
-                print(f"eval @ {it}: " + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
-
-    def grad_norm_now() -> float:
-        return math.sqrt(sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None))
-
-    start, t_start = state.iteration, time.perf_counter()
+    sampler = partial(sample_images, model, denoiser, make_schedule(model, args.eval_steps, args, stochastic=False),
+                      guidance_scale=args.guidance_scale, autocast=autocast)
+    evaluate = Evaluator(args, model, denoiser, sampler, reward_fn, eval_prompts, run,
+                         max(B, 16) if model.kind == "shapes" else B)  # (CPU ShapesBench: batch up)
+    accelerator.print("\n".join([
+        "***** RLR (first-order + half-order sub-chain + zero-order) *****",
+        f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
+        f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
+        f"  processes {world} x samples per process {S} = {N} images / iteration = {prompts_per_iter} prompts x group size {G}",
+        f"  steps {T} ({'DDIM eta' if model.kind == 'sd1' else args.sde_type + ' SDE noise'} {args.noise_level}), "
+        f"estimator terms {args.terms}" + ("" if args.terms in ("fo+ho+zo", "fo+zo") else " (biased ablation)")
+        + (f", sub-chain h = {h}" + (f" (h* for {args.memory_budget_gb} GB)" if args.memory_budget_gb is not None else "")
+           + f", window starts {starts[0]}..{starts[-1]} ({args.subchain_stage})" if use_ho else "")
+        + (", DCoT prompts" if dcot else ""),
+        (f"  ZO: {K} perturbation block(s) per process, scale {args.zo_scale:g}; " if use_zo else "  ")
+        + f"rollout batch {B}, one optimizer step per iteration",
+        f"  reward {args.reward}, lr {args.learning_rate}, iterations {args.iterations}",
+        f"  run folder {run.dir}",
+    ]))
+    t_start = time.perf_counter()
     if start == 0:
-        grid_and_eval(0, args.eval_every > 0, args.sample_every > 0)
-    accelerator.wait_for_everyone()
+        evaluate(0)
     bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="iterations",
                disable=not accelerator.is_local_main_process)
     for it in bar:
@@ -689,6 +577,8 @@ def main(args: Args):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         # ------------------------------------------------------------ SAMPLING
+        # (with the first-order term: its backward runs per chunk right after the rollout, while the chunk's graph
+        # through the last step, the decoder and the reward exists; see TRAINING for the HO and ZO terms)
         # The same prompt draw on every process; process r owns global samples [r S, (r + 1) S) (same as in dancegrpo.py).
         gen = rng(args.seed, it, "prompts")
         if prompts_per_iter <= len(train_prompts):
@@ -710,24 +600,21 @@ def main(args: Args):
             gc, sl = rank * n_chunks + c, slice(c * B, (c + 1) * B)
             conds_c = [{k: v[sl] for k, v in cd.items()} for cd in conds]
 
-            def mean_std(i, x, conds_c=conds_c):
-                return transition(model, transformer, sched, i, x, conds_c[stage_of(i, T)], args.guidance_scale, autocast)
-
-            def perturb(i, q=int(block_of[gc]), it=it):  # theta + zeta_{q, i} for ZO step i of block q
-                return perturbed(params, zo_noise(params, key_seed(args.seed, it, "zo", q, i), args.zo_scale))
+            mean_std = partial(staged_transition, model, denoiser, sched, conds_c, T, args.guidance_scale, autocast)  # (i, x)
+            perturb = partial(zo_perturbed, params, (args.seed, it, "zo", int(block_of[gc])), args.zo_scale)  # (i)
 
             noise_c = step_noise[sl].to(device)
             latents = rollout(mean_std, init[sl].to(device), noise_c, zo_steps_of(T, j_of[gc], h) if use_zo else (), perturb)
             # FO term: the last (deterministic) step with a graph, the decoder and the reward; x_{T-1} is a constant.
             # All backwards but the iteration's last skip the DDP all-reduce; the last one reduces the sum.
-            with accelerator.no_sync(transformer) if use_ho or c < n_chunks - 1 else nullcontext():
+            with accelerator.no_sync(denoiser) if use_ho or c < n_chunks - 1 else nullcontext():
                 x_last, _ = mean_std(T - 1, latents[:, -1])
                 r, comp = reward_fn(model.decode(x_last).float(), my_prompts[sl])
                 accelerator.backward(-r.sum() / S)
             chunks.append({"mean_std": mean_std, "latents": latents, "noise": noise_c, "j": j_of[gc]})
             rewards.append(r.detach())
             parts.append(comp)
-        fo_norm = grad_norm_now()  # process-local: the FO term of this process's samples
+        fo_norm = grad_norm(params)  # process-local: the FO term of this process's samples
         t_sample = time.perf_counter() - t_iter
 
         # ------------------------------------------------------------ REWARDS & ADVANTAGES
@@ -745,11 +632,11 @@ def main(args: Args):
         # HO term: -(R - b) log N(x_{j+h}; m(theta), s^2) per sample; the last backward all-reduces FO + HO (DDP)
         deviations = [torch.zeros((), device=device)]
         for c, ch in enumerate(chunks if use_ho else []):
-            with accelerator.no_sync(transformer) if c < n_chunks - 1 else nullcontext():
+            with accelerator.no_sync(denoiser) if c < n_chunks - 1 else nullcontext():
                 log_prob, dev = subchain_log_prob(ch["mean_std"], ch["latents"], ch["noise"], ch["j"], h)
                 accelerator.backward(-(adv_ho[c * B : (c + 1) * B] * log_prob).sum() / S)
             deviations.append(dev)
-        fo_ho_norm = grad_norm_now()
+        fo_ho_norm = grad_norm(params)
         # ZO term: identical on every process (all blocks' zetas are regenerated from their seeds), added after the all-reduce
         zo_norm = 0.0
         if use_zo:
@@ -759,14 +646,8 @@ def main(args: Args):
                 add_zo_grad(params, zo_noise(params, key_seed(args.seed, it, "zo", q, i), args.zo_scale), coef[q, i], args.zo_scale)
             zo_norm = math.sqrt(sum(float((p.grad - g).double().square().sum()) for p, g in zip(params, before)))
             del before
-        grad_norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)
-        # NaN/Inf guard: every process agrees to skip, so the weights stay identical across ranks (same as in dancegrpo.py)
-        bad = accelerator.reduce(torch.tensor(float(not torch.isfinite(grad_norm)), device=device), "sum")
-        skipped = int(bad.item() > 0)
-        if not skipped:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        state.iteration = it + 1
+        clipped_norm = optimizer_step(accelerator, optimizer, params, args.max_grad_norm)  # None: non-finite, skipped
+        skipped = int(clipped_norm is None)
 
         # ------------------------------------------------------------ LOGGING
         log = {
@@ -778,46 +659,28 @@ def main(args: Args):
             "rlr/zo_adv_abs": adv_zo.abs().mean().item() if use_zo else 0.0,
             "rlr/recompute_max_dev": accelerator.gather(torch.stack(deviations).max().reshape(1)).max().item(),
             "grad/fo_norm": fo_norm, "grad/fo_ho_norm": fo_ho_norm, "grad/zo_norm": zo_norm,
-            "charts/grad_norm": float(grad_norm), "charts/skipped_updates": skipped, "charts/lr": args.learning_rate,
+            "charts/grad_norm": float("nan") if skipped else clipped_norm, "charts/skipped_updates": skipped, "charts/lr": args.learning_rate,
             "perf/nfe_per_image": T + h, "perf/peak_mem_gb": peak_memory_gb(device),
             "perf/sampling_s": t_sample, "perf/iteration_s": time.perf_counter() - t_iter,
             "perf/wall_s": time.perf_counter() - t_start,
         }
-        if (it + 1) % 10 == 0 or it + 1 == args.iterations:  # all processes must hold identical weights (same as in dancegrpo.py)
-            sums = accelerator.gather(torch.stack([p.detach().double().sum() for p in params]).to(device)).view(world, -1)
-            log["charts/rank_weight_spread"] = (sums.max(0).values - sums.min(0).values).max().item()
+        if (it + 1) % 10 == 0 or it + 1 == args.iterations:  # all processes must hold identical weights (DDP)
+            log["charts/rank_weight_spread"] = run.weight_spread(params)
         if skipped:
             accelerator.print(f"iteration {it}: skipped the update: non-finite gradient norm")
-        accelerator.log(log, step=it + 1)
-        if accelerator.is_main_process:  # plain-text copy of every logged scalar, one JSON line per iteration
-            with open(run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"iteration": it + 1, **log}) + "\n")
+        run.log(log, it + 1)
         bar.set_postfix(reward=f"{log['rewards/mean']:.4f}", s_it=f"{log['perf/iteration_s']:.1f}")
 
         # ------------------------------------------------------------ CHECKPOINT
-        # same as in dancegrpo.py
-        final = it + 1 == args.iterations
-        if (args.save_every and (it + 1) % args.save_every == 0) or final:
-            accelerator.save_state(str(ckpt_dir / f"iter_{it + 1:06d}"))  # on every process (sharded states need it)
-            if accelerator.is_main_process:
-                rotate_checkpoints(ckpt_dir, args.checkpoints_total_limit)
+        run.checkpoint(it + 1, final=it + 1 == args.iterations)
 
         # ------------------------------------------------------------ EVAL
-        do_eval = args.eval_every > 0 and ((it + 1) % args.eval_every == 0 or final)
-        do_grid = args.sample_every > 0 and ((it + 1) % args.sample_every == 0 or final)
-        grid_and_eval(it + 1, do_eval, do_grid)
-        accelerator.wait_for_everyone()
+        evaluate(it + 1, final=it + 1 == args.iterations)
 
     # ---------------------------------------------------------------- FINAL SAVE
-    # same as in dancegrpo.py
-    sharded = accelerator.distributed_type == DistributedType.FSDP
-    state_dict = accelerator.get_state_dict(transformer) if sharded else None  # collective under FSDP
-    if accelerator.is_main_process:
-        save_trained_weights(model, unwrapped, run_dir / "final", args.lora, state_dict)
-        print(f"trained weights in {run_dir / 'final'}")
-    accelerator.end_training()
+    run.save_final(model, denoiser, args.lora)
+    run.close()
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main(tyro.cli(Args))
+    cli(main, Args)
