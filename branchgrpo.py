@@ -9,13 +9,19 @@ PPO-clipped ratio of its SDE step. Width pruning, depth pruning or a sliding ODE
 edges are trained, never the rollout or the rewards.
 
 Launch (run.sh has more):
-    python branchgrpo.py                                            # ShapesBench on CPU, ~14 min
+    python branchgrpo.py                                            # ShapesBench on CPU
     python branchgrpo.py --pruning depth                            # depth pruning (4-step window, slides every 30 it.)
     accelerate launch branchgrpo.py --pruning depth --model-id black-forest-labs/FLUX.1-dev --resolution 720 \
         --reward hpsv2.1 --mixed-precision bf16 --num-steps 20 --sde-type dance --trees-per-device 2 \
-        --trees-per-update 1 --rollout-batch-size 8 --kl-beta 0 --learning-rate 1e-5 --guidance-scale 3.5
+        --trees-per-update 1 --rollout-batch-size 8 --kl-beta 0 --clip-range 1e-4 --learning-rate 1e-5 \
+        --guidance-scale 3.5
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 branchgrpo.py   # 2 CPU processes
-    python branchgrpo.py --resume-from latest                       # continue runs/branchgrpo
+    python branchgrpo.py --resume-from latest                       # continue the newest runs/branchgrpo__*
+
+Defaults tuned for ShapesBench that differ from the paper (the FLUX line above uses the paper's values):
+--sde-type flow (a = 0.7) instead of DanceGRPO's constant eta 0.3, and --clip-range 1e-3 instead of 1e-4 (the
+log-prob is a mean over latent dimensions, so ratios move ~4.6x more on 3072 ShapesBench dimensions than on FLUX's
+65536; docs/branchgrpo.md).
 
 Deviations from the official release (docs/branchgrpo.md explains each):
   * branch noise is the paper's correlated, marginal-preserving construction (z_k = sqrt(rho) xi + sqrt(1 - rho) xi_k,
@@ -25,8 +31,9 @@ Deviations from the official release (docs/branchgrpo.md explains each):
   * path fusion is a softmax over descendant leaves of beta * (path log-prob) / temperature (the release: a
     sibling softmax with beta fixed to 1 and a broadcasting bug at the last split);
   * parent-top1 keeps, for each parent of the last split, the post-split chain of its best child (the release
-    keeps the first 5 edges of every chain); extreme is per tree; depth pruning slides one step deeper every
-    30 iterations (the release slides earlier and ships it off); the Mix window slides with training iterations
+    keeps the first 5 edges of every chain); extreme is per tree; depth pruning's window starts right after the
+    last split and slides one step deeper every 30 iterations (the paper: a 4-step window sliding deeper every 30
+    iterations, start not stated; the release slides earlier and ships it off); the Mix window slides with training iterations
     (the release's never moves);
   * the last step is a deterministic Euler step onto x0_hat, the image the release rewards, so it is not trained;
   * optimizer steps are counted in trees (samples), not in edges (the release: every 12 edges, 37 per iteration).
@@ -181,7 +188,7 @@ def noise_g(sigmas: torch.Tensor, sde_type: str, level: float) -> torch.Tensor: 
 
 
 def step_mean_std(x, v, sigma, sigma_next, g):
-    """Mean and std of one reverse-SDE step (SPEC §2; the body of dancegrpo.py's sde_step). x, v: (B, *L) fp32.
+    """Mean and std of one reverse-SDE step (docs/math.md; the body of dancegrpo.py's sde_step). x, v: (B, *L) fp32.
     x0_hat = x - sigma v, score = -(x - (1 - sigma) x0_hat) / sigma^2, mean = x + d (v - g^2/2 score), std = g sqrt(-d)."""
     d = float(sigma_next - sigma)
     x0_hat = x - float(sigma) * v
@@ -209,8 +216,8 @@ def rng(*keys) -> torch.Generator:  # same as in dancegrpo.py
 
 
 def split_steps(schedule: str, num_steps: int, num_splits: int) -> list[int]:
-    """Split steps of the tree. 'dense': every 3rd step from 0 (the release's 0,3,6,9 for 4 splits, the paper's
-    default); 'sparse': spread evenly over the trajectory (0,5,10,15 for 20 steps); 'late': spread evenly over the
+    """Split steps of the tree. 'dense': every 3rd step from 0 (0,3,6,9 for 4 splits: the release's launcher schedule,
+    taken as the paper's Dense, whose steps §4.2 does not list); 'sparse': spread evenly over the trajectory (0,5,10,15 for 20 steps); 'late': spread evenly over the
     second half (10,12,14,16 for 20 steps); or an explicit comma-separated list. Splits must precede the last step."""
     if schedule == "dense":
         return [3 * k for k in range(num_splits)]
@@ -467,7 +474,8 @@ def main(args: Args):
                 p.data = p.data.float()
     ref = None
     if args.kl_beta > 0 and not args.lora:  # with LoRA the reference is the same module with the adapter disabled
-        ref = copy.deepcopy(transformer).requires_grad_(False).eval().to(frozen_dtype)
+        ref = copy.deepcopy(transformer).requires_grad_(False).eval()
+        ref = ref.bfloat16() if frozen_dtype == torch.bfloat16 else ref  # (not .to(dtype): diffusers warns on it)
     transformer.train()
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS

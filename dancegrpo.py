@@ -11,11 +11,17 @@ Launch (run.sh has more):
     python dancegrpo.py                                              # ShapesBench on CPU, ~20 min
     python dancegrpo.py --sde-window 4                               # MixGRPO on ShapesBench
     accelerate launch dancegrpo.py --model-id black-forest-labs/FLUX.1-dev --resolution 512 \
-        --reward hpsv2.1 --lora --mixed-precision bf16 --samples-per-device 12 --group-size 12 \
-        --rollout-batch-size 1 --trajectories-per-update 4 --kl-beta 0 --clip-range 1e-4 --learning-rate 3e-4
+        --reward hpsv2.1 --lora --mixed-precision bf16 --samples-per-device 12 --group-size 12 --same-noise \
+        --sde-type dance --rollout-batch-size 1 --trajectories-per-update 4 --kl-beta 0 --clip-range 1e-4 \
+        --learning-rate 3e-4
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 dancegrpo.py   # 2 CPU processes
-    python dancegrpo.py --resume-from latest                         # continue runs/dancegrpo
+    python dancegrpo.py --resume-from latest                         # continue the newest runs/dancegrpo__*
 
+Defaults tuned for ShapesBench that differ from the DanceGRPO paper (the FLUX line above uses the paper's values):
+  * --sde-type flow (a = 0.7, Flow-GRPO's schedule) instead of constant eta 0.3;
+  * --clip-range 1e-3 instead of 1e-4: the log-prob is a mean over the D latent dimensions, so a ratio moves like
+    1/sqrt(D); ShapesBench has D = 3072, FLUX at 512 px 65536 (sqrt of the ratio: 4.6);
+  * independent initial noise within a group (Flow-GRPO) instead of shared (--same-noise).
 Deviations from the official code (docs/dancegrpo.md explains each):
   * rollout chunks are also the training micro-batches, and the trained steps are drawn per chunk (per
     sample when --rollout-batch-size 1, as upstream), so the first ratio of an iteration is exactly 1;
@@ -157,7 +163,7 @@ def noise_g(sigmas: torch.Tensor, sde_type: str, level: float) -> torch.Tensor:
 
 
 def sde_step(x, v, sigma, sigma_next, g, prev_sample=None, noise=None):
-    """One Euler-Maruyama step of the reverse SDE dx = [v - g^2/2 score] ds + g dw (SPEC §2).
+    """One Euler-Maruyama step of the reverse SDE dx = [v - g^2/2 score] ds + g dw (docs/math.md).
 
     x, v: (B, *L) fp32; sigma, sigma_next, g: floats or (B,) tensors. Returns (x_next, log_prob (B,), mean, std).
     x0_hat = x - sigma v, score = -(x - (1 - sigma) x0_hat) / sigma^2, mean = x + d (v - g^2/2 score),
@@ -279,7 +285,8 @@ def main(args: Args):
                 p.data = p.data.float()
     ref = None
     if args.kl_beta > 0 and not args.lora:  # with LoRA the reference is the same module with the adapter disabled
-        ref = copy.deepcopy(transformer).requires_grad_(False).eval().to(frozen_dtype)
+        ref = copy.deepcopy(transformer).requires_grad_(False).eval()
+        ref = ref.bfloat16() if frozen_dtype == torch.bfloat16 else ref  # (not .to(dtype): diffusers warns on it)
     transformer.train()
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS

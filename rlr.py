@@ -30,7 +30,7 @@ Launch (run.sh has more):
         --reward-ckpt hpsv2.1=/ckpt/HPS_v2.1_compressed.pt --prompts prompts.txt --lora --lora-rank 4 \
         --lora-alpha 4 --mixed-precision bf16 --num-steps 50 --guidance-scale 5 --gradient-checkpointing
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 rlr.py --samples-per-device 4  # 2 CPU processes
-    python rlr.py --resume-from latest                               # continue runs/rlr
+    python rlr.py --resume-from latest                               # continue the newest runs/rlr__*
 
 Deviations from the public code (which implements neither the sub-chain nor the ZO term; docs/rlr.md):
   * the estimator is the paper's eq. 6: one h-step back-propagated sub-chain with a likelihood ratio at its end,
@@ -188,7 +188,7 @@ def noise_g(sigmas: torch.Tensor, sde_type: str, level: float) -> torch.Tensor: 
 
 
 def sde_step(x, v, sigma, sigma_next, g, prev_sample=None, noise=None):  # same as in dancegrpo.py
-    """One Euler-Maruyama step of the reverse SDE dx = [v - g^2/2 score] ds + g dw (SPEC §2).
+    """One Euler-Maruyama step of the reverse SDE dx = [v - g^2/2 score] ds + g dw (docs/math.md).
 
     x, v: (B, *L) fp32; sigma, sigma_next, g: floats or (B,) tensors. Returns (x_next, log_prob (B,), mean, std).
     x0_hat = x - sigma v, score = -(x - (1 - sigma) x0_hat) / sigma^2, mean = x + d (v - g^2/2 score),

@@ -42,25 +42,27 @@ LAUNCH="$PY -m accelerate.commands.launch"  # = `accelerate launch`, minus the c
 recipe=${1:-dancegrpo-cpu}
 shift || true
 
-# DanceGRPO's FLUX setting (reference/dancegrpo_flowgrpo_mixgrpo.md §1.9), LoRA variant: 720 px, 16 steps,
-# constant eta 0.3, 12 images per prompt, rollout batch 1, clip 1e-4, no KL, embedded guidance 3.5.
+# DanceGRPO's FLUX setting (https://github.com/XueZeyue/DanceGRPO, scripts/finetune/finetune_flux_grpo*.sh), LoRA
+# variant: 720 px, 16 steps, constant eta 0.3, 12 images per prompt sharing their initial noise, rollout batch 1,
+# clip 1e-4, no KL, embedded guidance 3.5.
 FLUX_DANCE=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 --mixed-precision bf16
   --reward hpsv2.1 --reward-ckpt "hpsv2.1=${HPS:-/path/to/HPS_v2.1_compressed.pt}"
   --prompts "${PROMPTS:-/path/to/hpdv2_prompts.txt}" --eval-prompts "${EVAL_PROMPTS:-${PROMPTS:-/path/to/hpdv2_prompts.txt}}"
   --num-steps 16 --sde-type dance --noise-level 0.3 --guidance-scale 3.5 --group-size 12 --samples-per-device 12
-  --rollout-batch-size 1 --trajectories-per-update 4 --clip-range 1e-4 --kl-beta 0 --iterations 300
+  --rollout-batch-size 1 --trajectories-per-update 4 --same-noise --clip-range 1e-4 --kl-beta 0 --iterations 300
   --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
 FLUX_LORA=(--lora --lora-rank 128 --lora-alpha 256 --learning-rate 3e-4)
-# BranchGRPO's FLUX setting (reference/branchgrpo.md §6): 20 steps, dense splits 0,3,6,9, K = 2 (16 leaves),
-# constant eta 0.3, 2 prompts per GPU, clip 1e-3, no KL, lr 1e-5 (full fine-tuning).
+# BranchGRPO's FLUX setting (https://github.com/Fredreic1849/BranchGRPO, scripts/finetune/finetune_flux_branchgrpo_8gpus.sh):
+# 20 steps, dense splits 0,3,6,9, K = 2 (16 leaves), constant eta 0.3, 2 prompts per GPU, no KL, lr 1e-5 (full
+# fine-tuning); clip 1e-4, DanceGRPO's, which the paper's appendix A says all methods share (the release's launcher: 1e-3).
 FLUX_BRANCH=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 --mixed-precision bf16
   --reward hpsv2.1 --reward-ckpt "hpsv2.1=${HPS:-/path/to/HPS_v2.1_compressed.pt}"
   --prompts "${PROMPTS:-/path/to/hpdv2_prompts.txt}" --eval-prompts "${EVAL_PROMPTS:-${PROMPTS:-/path/to/hpdv2_prompts.txt}}"
   --num-steps 20 --split-schedule dense --num-splits 4 --branch-factor 2 --sde-type dance --noise-level 0.3
-  --guidance-scale 3.5 --trees-per-device 2 --trees-per-update 1 --rollout-batch-size 8 --clip-range 1e-3
+  --guidance-scale 3.5 --trees-per-device 2 --trees-per-update 1 --rollout-batch-size 8 --clip-range 1e-4
   --kl-beta 0 --iterations 300 --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10
   --save-every 20 --pruning depth)
-# RLR's SD setting (reference/rlr.md §4-5, HPS scripts): SD1.5 (paper: SD1.4), 50 DDIM steps eta 1, CFG 5,
+# RLR's SD setting (arXiv 2502.00639 §5; https://github.com/RTkenny/RLR-Optimizer, scripts/hps_RLR.sh): SD1.5 (paper: SD1.4), 50 DDIM steps eta 1, CFG 5,
 # LoRA r = 4, lr 1e-4, h = 2 (the paper's 30-40 GB choice), 4 images per prompt.
 SD15_RLR=(--model-id "${MODEL_ID:-stable-diffusion-v1-5/stable-diffusion-v1-5}" --mixed-precision bf16
   --reward hpsv2.1 --reward-ckpt "hpsv2.1=${HPS:-/path/to/HPS_v2.1_compressed.pt}"
@@ -68,7 +70,7 @@ SD15_RLR=(--model-id "${MODEL_ID:-stable-diffusion-v1-5/stable-diffusion-v1-5}" 
   --num-steps 50 --noise-level 1.0 --guidance-scale 5 --group-size 4 --samples-per-device 4 --rollout-batch-size 2
   --subchain-len 2 --gradient-checkpointing --lora --lora-rank 4 --lora-alpha 4 --learning-rate 1e-4
   --iterations 100 --eval-every 10 --eval-samples-per-prompt 1 --eval-steps 50 --sample-every 5 --save-every 10)
-# V-GRPO's FLUX setting (reference/vgrpo.md §3-4): 720 px, 16-step DPM-Solver++ ODE, N_MC 4, 12 images per prompt
+# V-GRPO's FLUX setting (arXiv 2604.23380, experiments and appendix): 720 px, 16-step DPM-Solver++ ODE, N_MC 4, 12 images per prompt
 # (one prompt per GPU), clip 6e-3, no KL, embedded guidance 3.5, 3 optimizer steps per iteration.
 FLUX_VGRPO=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 --mixed-precision bf16
   --reward hpsv2.1 --reward-ckpt "hpsv2.1=${HPS:-/path/to/HPS_v2.1_compressed.pt}"

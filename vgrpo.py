@@ -17,7 +17,7 @@ Launch (run.sh has more):
         --lora --mixed-precision bf16 --num-steps 16 --samples-per-device 12 --group-size 12 \
         --rollout-batch-size 1 --train-batch-size 1 --images-per-update 4 --guidance-scale 3.5 --learning-rate 3e-4
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 vgrpo.py   # 2 CPU processes
-    python vgrpo.py --resume-from latest                             # continue runs/vgrpo
+    python vgrpo.py --resume-from latest                             # continue the newest runs/vgrpo__*
 
 Choices where the paper is silent, and deviations (docs/vgrpo.md explains each):
   * DPM-Solver++(2M) is written out (dpm_solver_2m_step, 8 lines) rather than taken from diffusers'

@@ -1,8 +1,8 @@
-"""BranchGRPO speed benchmarks (issue #4), on the shipped ShapesBench model, CPU.
+"""BranchGRPO speed benchmarks, on the shipped ShapesBench model, CPU.
 
     python benchmarks/branchgrpo_speed.py rollout      # one 16-leaf tree: batched per depth vs one node at a time
     python benchmarks/branchgrpo_speed.py iteration    # s/iteration vs dancegrpo.py at 16 samples per prompt, 20 steps
-    python benchmarks/branchgrpo_speed.py mixgrpo      # dancegrpo.py defaults: full SDE vs --sde-window 4 (issue #3)
+    python benchmarks/branchgrpo_speed.py mixgrpo      # dancegrpo.py defaults: full SDE vs --sde-window 4
 
 `iteration` runs the real scripts back to back (subprocesses, no evaluation, KL off as in both papers) and
 reports the median seconds per iteration over the iterations after the first; it prints a JSON table.

@@ -60,10 +60,14 @@ def _vae_decode(vae, latents):
 
 def _move(modules, device, dtype):
     # only pass what is set: diffusers' ModelMixin.to() warns whenever a `dtype` kwarg is present, even None
-    kwargs = {k: v for k, v in {"device": device, "dtype": dtype}.items() if v is not None}
+    # (and no dtype when a module has it already: the warning is noise then)
     for m in modules:
         if m is not None:
-            m.to(**kwargs)
+            kwargs = {"device": device} if device is not None else {}
+            if dtype is not None and any(p.dtype != dtype for p in m.parameters()):
+                kwargs["dtype"] = dtype
+            if kwargs:
+                m.to(**kwargs)
 
 
 class FlowModel:

@@ -42,6 +42,11 @@ def cli(main, args_type) -> None:
     import tyro
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import diffusers
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars of every tiny part: noise
+    diffusers.utils.logging.disable_progress_bar()
     args = tyro.cli(args_type)
     try:
         main(args)
@@ -168,7 +173,7 @@ class Run:
             return 0
         try:
             self.accelerator.load_state(str(self.resume_path))
-        except (OSError, KeyError, RuntimeError, ValueError, EOFError) as e:  # a foreign or damaged folder
+        except Exception as e:  # loading the folder the user named failed: a foreign or damaged checkpoint
             msg = str(e).splitlines()[0] if str(e) else ""
             raise InputError(f"--resume-from {self.args.resume_from}: {self.resume_path} is not a checkpoint of this "
                              f"script and settings ({type(e).__name__}: {msg[:300]})") from None

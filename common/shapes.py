@@ -13,7 +13,7 @@ This file holds the world itself:
     and that are shipped in `common/assets/`;
   * the learned reward (the HPS of ShapesBench): cosine similarity of a tiny CLIP trained
     contrastively on clean images only, so that a texture painted over the background is out of its
-    distribution rather than a shortcut (see ../shared/reference/rl_derisk.md);
+    distribution rather than a shortcut (a reward trained otherwise scored a periodic texture highly);
   * `python -m common.shapes eval`: samples the shipped model on the held-out prompts and prints JSON.
 """
 from __future__ import annotations
@@ -231,7 +231,7 @@ def build_flow_components(seed: int = 0):
     """Randomly initialised (tokenizer, CLIPTextModel, SD3Transformer2DModel) for the ShapesBench flow model.
 
     The transformer is the class SD3 uses, in pixel space: 3 channels, patch 4 -> 8x8 = 64 tokens,
-    width 128 (2 heads x 64), 4 joint blocks; about 2.3M parameters (../shared/reference/feasibility.md §3).
+    width 128 (2 heads x 64), 4 joint blocks; about 2.3M parameters.
     """
     from diffusers import SD3Transformer2DModel
     from transformers import CLIPTextModel
@@ -306,7 +306,7 @@ def load_reward_model(path: str | Path | None = None, device="cpu") -> ShapesRew
 # `python -m common.shapes eval`
 # ---------------------------------------------------------------------------------------------------
 def sigma_schedule(steps: int, shift: float = 3.0) -> torch.Tensor:
-    """linspace(1, 0, steps + 1) shifted by s' = k s / (1 + (k - 1) s) (SPEC §2); shape (steps + 1,)."""
+    """linspace(1, 0, steps + 1) shifted by s' = k s / (1 + (k - 1) s) (docs/math.md); shape (steps + 1,)."""
     s = torch.linspace(1, 0, steps + 1)
     return shift * s / (1 + (shift - 1) * s)
 
@@ -377,7 +377,7 @@ def _eval_cli(args) -> None:
         pick = list(range(0, len(prompts), args.samples_per_prompt))[: args.grid_n]
         ok = verify(images[pick], [prompts[i] for i in pick])["all"].tolist()
         save_grid(args.grid, images[pick], [prompts[i].removeprefix("a ").removesuffix(" background") for i in pick],
-                  ok=ok, ncol=8, title=f"{name}: held-out prompts, Euler {args.steps} steps, border = verifier verdict")
+                  ok=ok, ncol=8, title=f"{name}: held-out prompts, Euler {args.steps} steps, badge = verifier verdict (right colours, shape, clean background)")
         print(f"grid written to {args.grid}")
 
 

@@ -1,4 +1,4 @@
-"""Picture helpers: a captioned PNG grid of samples, with an optional green / red verdict border."""
+"""Picture helpers: a captioned PNG grid of samples, with an optional pass / fail badge under each image."""
 from __future__ import annotations
 
 import textwrap
@@ -13,8 +13,9 @@ def save_grid(path: str | Path, images: torch.Tensor, captions: list[str], ok: l
               ncol: int = 8, cell: int = 128, title: str = "") -> Path:
     """Write images (N, 3, H, W) in [0, 1] as a grid PNG, each cell `cell` px wide with its caption below.
 
-    `ok` draws a green (True) or red (False) border, e.g. the verifier's verdict. Captions may hold
-    several lines (prompt, reward); long lines are wrapped to the cell width.
+    `ok` draws a badge between each image and its caption, "pass" on green or "fail" on red (e.g. the verifier's
+    verdict), apart from the image so that it stays visible on any background colour; say what it means in `title`.
+    Captions may hold several lines (prompt, reward); long lines are wrapped to the cell width.
     """
     n = len(images)
     ncol = max(1, min(ncol, n))
@@ -22,7 +23,8 @@ def save_grid(path: str | Path, images: torch.Tensor, captions: list[str], ok: l
     font = ImageFont.load_default(size=11)
     chars = max(8, cell // 6)
     wrapped = ["\n".join(textwrap.fill(line, chars) for line in c.split("\n")) for c in captions]
-    text_h = 13 * max(c.count("\n") + 1 for c in wrapped) + 4
+    badge = 14 if ok is not None else 0
+    text_h = 13 * max(c.count("\n") + 1 for c in wrapped) + 4 + badge
     pad, top = 4, (18 if title else 0)
     grid = Image.new("RGB", (ncol * (cell + pad) + pad, top + nrow * (cell + text_h + pad) + pad), "white")
     draw = ImageDraw.Draw(grid)
@@ -34,8 +36,9 @@ def save_grid(path: str | Path, images: torch.Tensor, captions: list[str], ok: l
         x0, y0 = pad + c * (cell + pad), top + pad + r * (cell + text_h + pad)
         grid.paste(Image.fromarray(pixels[i]).resize((cell, cell), Image.NEAREST), (x0, y0))
         if ok is not None:
-            draw.rectangle([x0, y0, x0 + cell - 1, y0 + cell - 1], outline=(30, 170, 60) if ok[i] else (210, 30, 30), width=4)
-        draw.multiline_text((x0, y0 + cell + 2), wrapped[i], fill="black", font=font, spacing=1)
+            draw.rectangle([x0, y0 + cell + 1, x0 + cell - 1, y0 + cell + badge - 1], fill=(30, 150, 60) if ok[i] else (200, 30, 30))
+            draw.text((x0 + 3, y0 + cell + 1), "pass" if ok[i] else "fail", fill="white", font=font)
+        draw.multiline_text((x0, y0 + cell + 2 + badge), wrapped[i], fill="black", font=font, spacing=1)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)

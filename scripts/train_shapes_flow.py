@@ -6,8 +6,8 @@
 Rectified flow (x_s = (1 - s) x0 + s eps, target v = eps - x0) with logit-normal s, as SD3 trains;
 the CLIP text encoder is trained jointly; 10% of captions are dropped to "" so that classifier-free
 guidance works. Ground truth comes from the ShapesBench renderer over all 168 captions. The model is
-deliberately under-trained: colours right, shapes often wrong, leaving room for RL (issue #2 asks for
-colour accuracy >= 0.9 and shape accuracy between 0.3 and 0.75 on the held-out prompts).
+deliberately under-trained: colours right, shapes often wrong, leaving room for RL (colour accuracy
+>= 0.9 and shape accuracy between 0.3 and 0.75 on the held-out prompts, `python -m common.shapes eval`).
 """
 from __future__ import annotations
 

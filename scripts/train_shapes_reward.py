@@ -6,7 +6,7 @@ Contrastive, CLIP-style, on clean ground-truth renders only: each image is class
 embeddings of all 168 captions (cross-entropy over cosine similarities times CLIP's learned scale),
 so the caption set itself supplies the hard negatives (same colours, other shape; swapped colours).
 Clean images only: a texture painted over the background is then out of distribution for the reward,
-not a learned shortcut (../shared/reference/rl_derisk.md). The reward is the cosine similarity.
+not a learned shortcut. The reward is the cosine similarity.
 """
 from __future__ import annotations
 

@@ -176,7 +176,7 @@ def test_flow_transition_and_exact_recompute(tmp_path):
 
 
 def test_h_star_matches_the_papers_worked_values():
-    # SD1.4, T = 50, B_h = 8 GB, B_z = 0.24 GB (reference/rlr.md §2.4): 24 GB -> 1, 30 -> 2, 35 -> 2, 35.04 -> 3
+    # SD1.4, T = 50, B_h = 8 GB, B_z = 0.24 GB (RLR paper, arXiv 2502.00639, eq. 8, Table 9): 24 GB -> 1, 30 -> 2, 35 -> 2, 35.04 -> 3
     assert [R.optimal_subchain_len(b, 50, 8.0, 0.24) for b in (24, 30, 35, 35.04)] == [1, 2, 2, 3]
     assert R.optimal_subchain_len(1000, 50, 8.0, 0.24) == 24  # the variance term: floor(T / 2 - 1)
     assert R.optimal_subchain_len(1000, 50, 8.0, 0.24, variance_ratio=0.5) == 49  # capped at T - 1
