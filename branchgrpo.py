@@ -38,6 +38,7 @@ Deviations from the official release (docs/branchgrpo.md explains each):
   * the last step is a deterministic Euler step onto x0_hat, the image the release rewards, so it is not trained;
   * optimizer steps are counted in trees (samples), not in edges (the release: every 12 edges, 37 per iteration).
 """
+
 from __future__ import annotations
 
 import copy
@@ -253,8 +254,9 @@ def branch_noise(gen, n_parents: int, k: int, shape, rho: float) -> torch.Tensor
     return (math.sqrt(rho) * shared + math.sqrt(1 - rho) * own).flatten(0, 1)
 
 
-def tree_noise(args, iteration: int, tree_ids: list[int], splits: list[int], latent_shape, rho: float, i: int,
-               n_parents: int) -> torch.Tensor:
+def tree_noise(
+    args, iteration: int, tree_ids: list[int], splits: list[int], latent_shape, rho: float, i: int, n_parents: int
+) -> torch.Tensor:
     """Unscaled step-i noise of the trees `tree_ids`, (P * n_parents * kk, *L), children of a parent consecutive;
     keyed on (seed, iteration, tree, step), so it does not depend on chunking or on the process count."""
     kk, per_tree = children(i, splits, args.branch_factor), []
@@ -283,8 +285,13 @@ def tree_rollout(model, transformer, cond, roots, sigmas, g, splits, sde_set, no
         for c in range(0, len(x), batch_size):
             idx = tree_of[c : c + batch_size]
             with autocast():
-                out = model.velocity(transformer, x[c : c + batch_size], sigmas[i].expand(len(idx)).to(x.device),
-                                     {key: val[idx] for key, val in cond.items()}, args.guidance_scale)
+                out = model.velocity(
+                    transformer,
+                    x[c : c + batch_size],
+                    sigmas[i].expand(len(idx)).to(x.device),
+                    {key: val[idx] for key, val in cond.items()},
+                    args.guidance_scale,
+                )
             v.append(out.float())
         v = torch.cat(v)
         kk = children(i, splits, args.branch_factor)
@@ -311,7 +318,10 @@ def node_values(leaf_rewards, log_probs, sizes, fusion: str, beta: float, temper
     n_trees, n_leaves = leaf_rewards.shape
     if fusion == "path":
         # per-leaf log-prob of its edge at each step: (T, L, steps), then suffix sums from each depth
-        per_step = [lp.view(n_trees, sizes[i + 1]).repeat_interleave(n_leaves // sizes[i + 1], 1) for i, lp in enumerate(log_probs)]
+        per_step = [
+            lp.view(n_trees, sizes[i + 1]).repeat_interleave(n_leaves // sizes[i + 1], 1)
+            for i, lp in enumerate(log_probs)
+        ]
         suffix = torch.flip(torch.cumsum(torch.flip(torch.stack(per_step, -1).double(), [-1]), -1), [-1])
     values = []
     for d, n in enumerate(sizes):
@@ -383,7 +393,9 @@ def trained_edges(args, splits, sizes, sde_set, adv, iteration) -> list[torch.Te
             n_keep = max(2, int(a.shape[1] * args.width_keep_ratio))
             order = a.argsort(1)
             chain = torch.zeros_like(a, dtype=torch.bool)
-            chain.scatter_(1, torch.cat([order[:, : n_keep // 2], order[:, a.shape[1] - (n_keep - n_keep // 2):]], 1), True)
+            chain.scatter_(
+                1, torch.cat([order[:, : n_keep // 2], order[:, a.shape[1] - (n_keep - n_keep // 2) :]], 1), True
+            )
         for i in range(s_last + 1, last):
             keep[i] &= chain
     return keep
@@ -401,13 +413,24 @@ def resolve_defaults(args: Args) -> None:
     only("fusion-beta", args.fusion_beta, args.fusion == "path", "--fusion path")
     only("fusion-temperature", args.fusion_temperature, args.fusion == "path", "--fusion path")
     only("width-mode", args.width_mode, args.pruning == "width", "--pruning width")
-    only("width-keep-ratio", args.width_keep_ratio, args.pruning == "width" and args.width_mode == "extreme",
-         "--pruning width --width-mode extreme")
+    only(
+        "width-keep-ratio",
+        args.width_keep_ratio,
+        args.pruning == "width" and args.width_mode == "extreme",
+        "--pruning width --width-mode extreme",
+    )
     only("window", args.window, args.pruning in ("depth", "mix"), "--pruning depth or mix")
     only("window-shift-every", args.window_shift_every, args.pruning in ("depth", "mix"), "--pruning depth or mix")
-    defaults = {"noise_level": 0.3 if args.sde_type == "dance" else 0.7, "fusion_beta": 1.0, "fusion_temperature": 1.0,
-                "width_mode": "parent-top1", "width_keep_ratio": 0.5, "window": 4, "window_shift_every": 30,
-                "exp_name": "branchgrpo" if args.pruning == "none" else f"branchgrpo_{args.pruning}"}
+    defaults = {
+        "noise_level": 0.3 if args.sde_type == "dance" else 0.7,
+        "fusion_beta": 1.0,
+        "fusion_temperature": 1.0,
+        "width_mode": "parent-top1",
+        "width_keep_ratio": 0.5,
+        "window": 4,
+        "window_shift_every": 30,
+        "exp_name": "branchgrpo" if args.pruning == "none" else f"branchgrpo_{args.pruning}",
+    }
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -420,29 +443,45 @@ def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
     try:
         splits = split_steps(args.split_schedule, args.num_steps, args.num_splits)
     except ValueError:
-        raise InputError(f"--split-schedule {args.split_schedule!r}: use dense, sparse, late or a list like 0,3,6,9") from None
-    need(len(splits) >= 1 and all(0 <= s <= args.num_steps - 2 for s in splits),
-         f"--split-schedule gives splits {splits}: they must lie in [0, {args.num_steps - 2}] (the last step is deterministic); "
-         "change --num-splits, --num-steps or --split-schedule")
+        raise InputError(
+            f"--split-schedule {args.split_schedule!r}: use dense, sparse, late or a list like 0,3,6,9"
+        ) from None
+    need(
+        len(splits) >= 1 and all(0 <= s <= args.num_steps - 2 for s in splits),
+        f"--split-schedule gives splits {splits}: they must lie in [0, {args.num_steps - 2}] (the last step is deterministic); "
+        "change --num-splits, --num-steps or --split-schedule",
+    )
     need(args.num_splits >= 1 and args.branch_factor >= 2, "--num-splits >= 1 and --branch-factor >= 2")
     need(args.branch_s > 0, "--branch-s must be > 0")
     need(args.noise_level > 0, "--noise-level must be > 0")
     need(args.fusion_temperature > 0, "--fusion-temperature must be > 0")
     need(0 < args.width_keep_ratio <= 1, "--width-keep-ratio must be in (0, 1]")
-    need(args.window_shift_every >= 1 and 1 <= args.window <= args.num_steps - 1,
-         f"--window must be in [1, {args.num_steps - 1}] and --window-shift-every >= 1")
+    need(
+        args.window_shift_every >= 1 and 1 <= args.window <= args.num_steps - 1,
+        f"--window must be in [1, {args.num_steps - 1}] and --window-shift-every >= 1",
+    )
     after = args.num_steps - 2 - max(splits)  # trainable steps after the last split (T - 1 is deterministic)
-    need(args.pruning not in ("depth", "width") or after >= 1,
-         f"--pruning {args.pruning}: the last split is step {max(splits)} = --num-steps - 2, so no trainable step follows "
-         "it; move the splits earlier (--split-schedule) or raise --num-steps")
-    need(args.trees_per_device >= 1 and args.trees_per_device % args.trees_per_update == 0,
-         "--trees-per-update must divide --trees-per-device")
+    need(
+        args.pruning not in ("depth", "width") or after >= 1,
+        f"--pruning {args.pruning}: the last split is step {max(splits)} = --num-steps - 2, so no trainable step follows "
+        "it; move the splits earlier (--split-schedule) or raise --num-steps",
+    )
+    need(
+        args.trees_per_device >= 1 and args.trees_per_device % args.trees_per_update == 0,
+        "--trees-per-update must divide --trees-per-device",
+    )
     need(args.rollout_batch_size >= 1, "--rollout-batch-size must be >= 1")
-    need(args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0, "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0")
+    need(
+        args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0,
+        "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0",
+    )
     if args.pruning == "depth" and after < args.window + 1:
-        print(f"warning: --pruning depth: {after} trainable step(s) follow the last split {max(splits)}, so the {args.window}-step "
-              f"window {'shrinks to ' + str(after) + ' step(s) and ' if after < args.window else ''}cannot slide; "
-              "raise --num-steps or split earlier for a sliding window", file=sys.stderr)
+        print(
+            f"warning: --pruning depth: {after} trainable step(s) follow the last split {max(splits)}, so the {args.window}-step "
+            f"window {'shrinks to ' + str(after) + ' step(s) and ' if after < args.window else ''}cannot slide; "
+            "raise --num-steps or split earlier for a sliding window",
+            file=sys.stderr,
+        )
     return check_run_args(args)
 
 
@@ -452,9 +491,15 @@ def main(args: Args):
     world, rank = accelerator.num_processes, accelerator.process_index
     resolve_defaults(args)
     train_prompts, eval_prompts = validate(args, world)
-    need(not (accelerator.distributed_type == DistributedType.FSDP and args.kl_beta > 0 and not args.lora),
-         "--kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU; under FSDP pass --kl-beta 0 or use --lora")
-    run = Run(args, accelerator, f"BranchGRPO, pruning {args.pruning}" + (f" ({args.width_mode})" if args.pruning == "width" else ""))
+    need(
+        not (accelerator.distributed_type == DistributedType.FSDP and args.kl_beta > 0 and not args.lora),
+        "--kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU; under FSDP pass --kl-beta 0 or use --lora",
+    )
+    run = Run(
+        args,
+        accelerator,
+        f"BranchGRPO, pruning {args.pruning}" + (f" ({args.width_mode})" if args.pruning == "width" else ""),
+    )
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
     device = accelerator.device
     autocast = accelerator.autocast
@@ -492,34 +537,54 @@ def main(args: Args):
     sigmas = sigma_schedule(args.num_steps, args.shift)
     g = noise_g(sigmas, args.sde_type, args.noise_level)
     latent_shape = model.latent_shape()
-    sampler = partial(sample_ode, model, transformer, sigmas=sigma_schedule(args.eval_steps, args.shift),
-                      guidance_scale=args.guidance_scale, autocast=autocast)
+    sampler = partial(
+        sample_ode,
+        model,
+        transformer,
+        sigmas=sigma_schedule(args.eval_steps, args.shift),
+        guidance_scale=args.guidance_scale,
+        autocast=autocast,
+    )
     evaluate = Evaluator(args, model, transformer, sampler, reward_fn, eval_prompts, run, args.rollout_batch_size)
     forwards, edges = tree_counts(args.num_steps, splits, args.branch_factor)
     last = args.num_steps - 1
-    sde_set0 = set(mix_window(args.num_steps, args.window, args.window_shift_every, 0)) | set(splits) if args.pruning == "mix" else set(range(last))
+    sde_set0 = (
+        set(mix_window(args.num_steps, args.window, args.window_shift_every, 0)) | set(splits)
+        if args.pruning == "mix"
+        else set(range(last))
+    )
     keep0 = trained_edges(args, splits, sizes, sde_set0, [torch.zeros(1, n) for n in sizes[1:]], 0)
-    accelerator.print("\n".join([
-        f"***** {run.title} *****",
-        f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
-        f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
-        f"  tree: {args.num_steps} steps, splits {splits}, K {args.branch_factor} -> {n_leaves} leaves, "
-        f"{forwards} node forwards ({forwards / n_leaves:.2f} / leaf), {edges} edges, of which trained at iteration 0: "
-        f"{sum(int(k.sum()) for k in keep0)} ({sum(int(k.sum()) for k in keep0) / n_leaves:.3f} / leaf)",
-        f"  branch noise {args.branch_noise} s={args.branch_s}" + (f" (sibling correlation {rho:.3f})" if args.branch_noise == "correlated" else "")
-        + f", {args.sde_type} noise {args.noise_level}, fusion {args.fusion}",
-        f"  processes {world} x trees per process {args.trees_per_device} = {world * args.trees_per_device} prompts, "
-        f"{world * args.trees_per_device * n_leaves} images / iteration",
-        f"  rollout / train micro-batch {args.rollout_batch_size} nodes, optimizer steps / iteration "
-        f"{args.trees_per_device // args.trees_per_update} ({args.trees_per_update} trees per process each)",
-        f"  reward {args.reward}, KL beta {args.kl_beta}, clip {args.clip_range}, lr {args.learning_rate}, iterations {args.iterations}",
-        f"  run folder {run.dir}",
-    ]))
+    accelerator.print(
+        "\n".join(
+            [
+                f"***** {run.title} *****",
+                f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
+                f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
+                f"  tree: {args.num_steps} steps, splits {splits}, K {args.branch_factor} -> {n_leaves} leaves, "
+                f"{forwards} node forwards ({forwards / n_leaves:.2f} / leaf), {edges} edges, of which trained at iteration 0: "
+                f"{sum(int(k.sum()) for k in keep0)} ({sum(int(k.sum()) for k in keep0) / n_leaves:.3f} / leaf)",
+                f"  branch noise {args.branch_noise} s={args.branch_s}"
+                + (f" (sibling correlation {rho:.3f})" if args.branch_noise == "correlated" else "")
+                + f", {args.sde_type} noise {args.noise_level}, fusion {args.fusion}",
+                f"  processes {world} x trees per process {args.trees_per_device} = {world * args.trees_per_device} prompts, "
+                f"{world * args.trees_per_device * n_leaves} images / iteration",
+                f"  rollout / train micro-batch {args.rollout_batch_size} nodes, optimizer steps / iteration "
+                f"{args.trees_per_device // args.trees_per_update} ({args.trees_per_update} trees per process each)",
+                f"  reward {args.reward}, KL beta {args.kl_beta}, clip {args.clip_range}, lr {args.learning_rate}, iterations {args.iterations}",
+                f"  run folder {run.dir}",
+            ]
+        )
+    )
     t_start = time.perf_counter()
     if start == 0:
         evaluate(0)
-    bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="iterations",
-               disable=not accelerator.is_local_main_process)
+    bar = tqdm(
+        range(start, args.iterations),
+        initial=start,
+        total=args.iterations,
+        desc="iterations",
+        disable=not accelerator.is_local_main_process,
+    )
     n_groups = args.trees_per_device // args.trees_per_update
     for it in bar:
         t_iter = time.perf_counter()
@@ -544,9 +609,13 @@ def main(args: Args):
 
             prompts_u = [my_prompts[t - tree_ids[0]] for t in ids]
             cond = model.encode_prompts(prompts_u)
-            roots = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, it, "root", t)) for t in ids]).to(device)
+            roots = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, it, "root", t)) for t in ids]).to(
+                device
+            )
             noise_fn = partial(tree_noise, args, it, ids, splits, latent_shape, rho)
-            states, log_probs = tree_rollout(model, transformer, cond, roots, sigmas, g, splits, sde_set, noise_fn, args, autocast)
+            states, log_probs = tree_rollout(
+                model, transformer, cond, roots, sigmas, g, splits, sde_set, noise_fn, args, autocast
+            )
             groups.append({"prompts": prompts_u, "cond": cond, "states": states, "log_probs": log_probs})
         t_sample = time.perf_counter() - t_iter
 
@@ -556,10 +625,18 @@ def main(args: Args):
             images = torch.cat([model.decode(grp["states"][-1]).float() for grp in groups])
             rewards, parts = reward_fn(images, leaf_prompts)  # (trees * leaves,)
         for u, grp in enumerate(groups):
-            r = rewards[u * args.trees_per_update * n_leaves : (u + 1) * args.trees_per_update * n_leaves].view(-1, n_leaves).to(device)
+            r = (
+                rewards[u * args.trees_per_update * n_leaves : (u + 1) * args.trees_per_update * n_leaves]
+                .view(-1, n_leaves)
+                .to(device)
+            )
             values = node_values(r, grp["log_probs"], sizes, args.fusion, args.fusion_beta, args.fusion_temperature)
-            grp["adv"] = [a.clamp(-args.adv_clip_max, args.adv_clip_max) for a in depth_advantages(values)]  # (T_u, n_d) per depth
-            grp["keep"] = trained_edges(args, splits, sizes, sde_set, grp["adv"][1:], it)  # edge of step i -> child at depth i + 1
+            grp["adv"] = [
+                a.clamp(-args.adv_clip_max, args.adv_clip_max) for a in depth_advantages(values)
+            ]  # (T_u, n_d) per depth
+            grp["keep"] = trained_edges(
+                args, splits, sizes, sde_set, grp["adv"][1:], it
+            )  # edge of step i -> child at depth i + 1
         all_rewards = accelerator.gather(rewards.float().to(device))
         parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
 
@@ -576,7 +653,10 @@ def main(args: Args):
                 keep = grp["keep"][i].flatten().to(device)  # (T_u * n_{i+1},)
                 parents = torch.nonzero(keep.view(-1, kk).any(1)).flatten()
                 n_edges += int(keep.sum())
-                work += [(i, parents[c : c + args.rollout_batch_size]) for c in range(0, len(parents), args.rollout_batch_size)]
+                work += [
+                    (i, parents[c : c + args.rollout_batch_size])
+                    for c in range(0, len(parents), args.rollout_batch_size)
+                ]
             n_trained_edges += n_edges
             n_train_forwards += sum(len(p) for _, p in work)
             for w, (i, parents) in enumerate(work):
@@ -610,7 +690,9 @@ def main(args: Args):
                                 v_ref = model.velocity(ref, x, sig, cond, args.guidance_scale)
                         mean_ref, _ = step_mean_std(x, v_ref.float(), sigmas[i], sigmas[i + 1], g[i])
                         # exact KL between the two Gaussian steps, per edge, averaged over dimensions (as dancegrpo.py)
-                        kl = ((mean - mean_ref.repeat_interleave(kk, 0)[mask]) ** 2).flatten(1).mean(1) / (2 * (std * scale) ** 2)
+                        kl = ((mean - mean_ref.repeat_interleave(kk, 0)[mask]) ** 2).flatten(1).mean(1) / (
+                            2 * (std * scale) ** 2
+                        )
                         loss = loss + args.kl_beta * kl.sum()
                         stats["kl"].append(kl.mean().detach())
                     accelerator.backward(loss / max(1, n_edges))  # the mean over this update's trained edges
@@ -628,24 +710,30 @@ def main(args: Args):
         ratios = torch.cat(stats["ratio"])
         leaves_here = args.trees_per_device * n_leaves
         log = {
-            "rewards/mean": all_rewards.mean().item(), "rewards/std": all_rewards.std().item(),
+            "rewards/mean": all_rewards.mean().item(),
+            "rewards/std": all_rewards.std().item(),
             **{f"rewards/{k}": v.mean().item() for k, v in parts.items()},
             "rewards/tree_std": all_rewards.view(-1, n_leaves).std(1).mean().item(),
             "losses/policy": torch.stack(stats["policy_loss"]).mean().item(),
-            "losses/ratio_mean": ratios.mean().item(), "losses/ratio_max_dev": (ratios - 1).abs().max().item(),
+            "losses/ratio_mean": ratios.mean().item(),
+            "losses/ratio_max_dev": (ratios - 1).abs().max().item(),
             "losses/first_ratio_max_dev": (stats["ratio"][0] - 1).abs().max().item(),
             "losses/clipfrac": torch.stack(stats["clipfrac"]).mean().item(),
             "losses/approx_kl": torch.stack(stats["approx_kl"]).mean().item(),
-            "charts/grad_norm": sum(grad_norms) / max(1, len(grad_norms)), "charts/skipped_updates": skipped,
+            "charts/grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
+            "charts/skipped_updates": skipped,
             "charts/lr": args.learning_rate,
             "tree/rollout_forwards_per_leaf": forwards / n_leaves,
             "tree/trained_edges_per_leaf": n_trained_edges / leaves_here,
             "tree/train_forwards_per_leaf": n_train_forwards * (2 if args.kl_beta > 0 else 1) / leaves_here,
-            "perf/sampling_s": t_sample, "perf/iteration_s": time.perf_counter() - t_iter,
+            "perf/sampling_s": t_sample,
+            "perf/iteration_s": time.perf_counter() - t_iter,
             "perf/wall_s": time.perf_counter() - t_start,
         }
         if args.pruning == "depth":
-            log["charts/window_start"] = depth_window(args.num_steps, max(splits), args.window, args.window_shift_every, it)[0]
+            log["charts/window_start"] = depth_window(
+                args.num_steps, max(splits), args.window, args.window_shift_every, it
+            )[0]
         elif args.pruning == "mix":
             log["charts/window_start"] = mix_window(args.num_steps, args.window, args.window_shift_every, it)[0]
         if stats["kl"]:

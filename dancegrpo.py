@@ -31,6 +31,7 @@ Deviations from the official code (docs/dancegrpo.md explains each):
   * all randomness (prompts, noise, trained steps) is keyed on (seed, iteration, global sample index),
     so a resumed or a multi-process run draws the same numbers as an uninterrupted single-process one.
 """
+
 from __future__ import annotations
 
 import copy
@@ -171,7 +172,9 @@ def sde_step(x, v, sigma, sigma_next, g, prev_sample=None, noise=None):
     averaged (not summed) over the latent dimensions as the official code does.
     """
     view = (-1,) + (1,) * (x.dim() - 1)
-    sigma, sigma_next, g = (torch.as_tensor(t, dtype=x.dtype, device=x.device).reshape(view) for t in (sigma, sigma_next, g))
+    sigma, sigma_next, g = (
+        torch.as_tensor(t, dtype=x.dtype, device=x.device).reshape(view) for t in (sigma, sigma_next, g)
+    )
     d = sigma_next - sigma
     x0_hat = x - sigma * v
     score = -(x - (1 - sigma) * x0_hat) / sigma**2
@@ -226,7 +229,9 @@ def rollout(model, transformer, cond, x, step_noise, sigmas, g, sde_idx, guidanc
             v = model.velocity(transformer, x, sigmas[i].expand(len(x)).to(x.device), cond, guidance_scale)
         v = v.float()
         if i in sde_idx:
-            x, log_probs[:, i], _, _ = sde_step(x, v, sigmas[i], sigmas[i + 1], g[i], noise=step_noise[:, i].to(x.device))
+            x, log_probs[:, i], _, _ = sde_step(
+                x, v, sigmas[i], sigmas[i + 1], g[i], noise=step_noise[:, i].to(x.device)
+            )
         else:
             x = x + (sigmas[i + 1] - sigmas[i]) * v
         latents.append(x)
@@ -240,17 +245,31 @@ def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
     """This script's flags, then the shared ones and every input checkable before a model loads (common.runs).
     Returns (training prompts, held-out prompts). Messages name the flag to change."""
     need(args.num_steps >= 2, "--num-steps must be at least 2 (the last step is a deterministic Euler step)")
-    need(0 <= args.sde_window <= args.num_steps - 1, f"--sde-window must be in [0, {args.num_steps - 1}] (= --num-steps - 1)")
+    need(
+        0 <= args.sde_window <= args.num_steps - 1,
+        f"--sde-window must be in [0, {args.num_steps - 1}] (= --num-steps - 1)",
+    )
     need(args.window_shift_every >= 1, "--window-shift-every must be >= 1")
     need(0 < args.timestep_fraction <= 1, "--timestep-fraction must be in (0, 1]")
     need(args.noise_level > 0, "--noise-level must be > 0")
     need(args.group_size >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
-    need(args.samples_per_device * world % args.group_size == 0,
-         f"--samples-per-device {args.samples_per_device} x {world} processes must be a multiple of --group-size {args.group_size}")
-    need(args.samples_per_device % args.rollout_batch_size == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
-    need(args.trajectories_per_update % args.rollout_batch_size == 0 and args.samples_per_device % args.trajectories_per_update == 0,
-         "--trajectories-per-update must be a multiple of --rollout-batch-size and divide --samples-per-device")
-    need(args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0, "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0")
+    need(
+        args.samples_per_device * world % args.group_size == 0,
+        f"--samples-per-device {args.samples_per_device} x {world} processes must be a multiple of --group-size {args.group_size}",
+    )
+    need(
+        args.samples_per_device % args.rollout_batch_size == 0,
+        "--samples-per-device must be a multiple of --rollout-batch-size",
+    )
+    need(
+        args.trajectories_per_update % args.rollout_batch_size == 0
+        and args.samples_per_device % args.trajectories_per_update == 0,
+        "--trajectories-per-update must be a multiple of --rollout-batch-size and divide --samples-per-device",
+    )
+    need(
+        args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0,
+        "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0",
+    )
     return check_run_args(args)
 
 
@@ -264,8 +283,10 @@ def main(args: Args):
         args.timestep_fraction = 1.0 if args.sde_window else 0.6
     args.exp_name = args.exp_name or ("mixgrpo" if args.sde_window else "dancegrpo")
     train_prompts, eval_prompts = validate(args, world)
-    need(not (accelerator.distributed_type == DistributedType.FSDP and args.kl_beta > 0 and not args.lora),
-         "--kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU; under FSDP pass --kl-beta 0 or use --lora")
+    need(
+        not (accelerator.distributed_type == DistributedType.FSDP and args.kl_beta > 0 and not args.lora),
+        "--kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU; under FSDP pass --kl-beta 0 or use --lora",
+    )
     run = Run(args, accelerator, "DanceGRPO" + (" (MixGRPO window)" if args.sde_window else ""))
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
     device = accelerator.device
@@ -303,28 +324,45 @@ def main(args: Args):
     sigmas = sigma_schedule(args.num_steps, args.shift)
     g = noise_g(sigmas, args.sde_type, args.noise_level)
     latent_shape = model.latent_shape()
-    sampler = partial(sample_ode, model, transformer, sigmas=sigma_schedule(args.eval_steps, args.shift),
-                      guidance_scale=args.guidance_scale, autocast=autocast)
+    sampler = partial(
+        sample_ode,
+        model,
+        transformer,
+        sigmas=sigma_schedule(args.eval_steps, args.shift),
+        guidance_scale=args.guidance_scale,
+        autocast=autocast,
+    )
     evaluate = Evaluator(args, model, transformer, sampler, reward_fn, eval_prompts, run, args.rollout_batch_size)
-    n_train = max(1, int(len(sde_steps(args.num_steps, args.sde_window, args.window_shift_every, 0)) * args.timestep_fraction))
-    accelerator.print("\n".join([
-        f"***** {run.title} *****",
-        f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
-        f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
-        f"  processes {world} x samples per process {args.samples_per_device} = {world * args.samples_per_device} images / iteration",
-        f"  = {prompts_per_iter} prompts x group size {args.group_size} (prompts per process {args.samples_per_device / args.group_size:g})",
-        f"  steps {args.num_steps}, SDE steps {'window of %d' % args.sde_window if args.sde_window else args.num_steps - 1}, "
-        f"trained steps / trajectory {n_train}, {args.sde_type} noise {args.noise_level}",
-        f"  rollout / train micro-batch {args.rollout_batch_size}, optimizer steps / iteration {updates_per_iter} "
-        f"({args.trajectories_per_update} trajectories per process each)",
-        f"  reward {args.reward}, KL beta {args.kl_beta}, clip {args.clip_range}, lr {args.learning_rate}, iterations {args.iterations}",
-        f"  run folder {run.dir}",
-    ]))
+    n_train = max(
+        1, int(len(sde_steps(args.num_steps, args.sde_window, args.window_shift_every, 0)) * args.timestep_fraction)
+    )
+    accelerator.print(
+        "\n".join(
+            [
+                f"***** {run.title} *****",
+                f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
+                f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
+                f"  processes {world} x samples per process {args.samples_per_device} = {world * args.samples_per_device} images / iteration",
+                f"  = {prompts_per_iter} prompts x group size {args.group_size} (prompts per process {args.samples_per_device / args.group_size:g})",
+                f"  steps {args.num_steps}, SDE steps {'window of %d' % args.sde_window if args.sde_window else args.num_steps - 1}, "
+                f"trained steps / trajectory {n_train}, {args.sde_type} noise {args.noise_level}",
+                f"  rollout / train micro-batch {args.rollout_batch_size}, optimizer steps / iteration {updates_per_iter} "
+                f"({args.trajectories_per_update} trajectories per process each)",
+                f"  reward {args.reward}, KL beta {args.kl_beta}, clip {args.clip_range}, lr {args.learning_rate}, iterations {args.iterations}",
+                f"  run folder {run.dir}",
+            ]
+        )
+    )
     t_start = time.perf_counter()
     if start == 0:
         evaluate(0)
-    bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="iterations",
-               disable=not accelerator.is_local_main_process)
+    bar = tqdm(
+        range(start, args.iterations),
+        initial=start,
+        total=args.iterations,
+        desc="iterations",
+        disable=not accelerator.is_local_main_process,
+    )
     for it in bar:
         t_iter = time.perf_counter()
         # ------------------------------------------------------------ SAMPLING
@@ -336,9 +374,17 @@ def main(args: Args):
             pick = torch.randint(len(train_prompts), (prompts_per_iter,), generator=gen)
         global_idx = range(rank * args.samples_per_device, (rank + 1) * args.samples_per_device)
         my_prompts = [train_prompts[pick[k // args.group_size]] for k in global_idx]
-        init = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, it, "init", k // args.group_size if args.same_noise else k))
-                            for k in global_idx])
-        step_noise = torch.stack([torch.randn((args.num_steps, *latent_shape), generator=rng(args.seed, it, "sde", k)) for k in global_idx])
+        init = torch.stack(
+            [
+                torch.randn(
+                    latent_shape, generator=rng(args.seed, it, "init", k // args.group_size if args.same_noise else k)
+                )
+                for k in global_idx
+            ]
+        )
+        step_noise = torch.stack(
+            [torch.randn((args.num_steps, *latent_shape), generator=rng(args.seed, it, "sde", k)) for k in global_idx]
+        )
         sde_idx = sde_steps(args.num_steps, args.sde_window, args.window_shift_every, it)
         cond = model.encode_prompts(my_prompts)
         chunks = []  # one dict per rollout chunk: cond, latents (B, T + 1, *L), log_probs (B, T)
@@ -346,8 +392,18 @@ def main(args: Args):
         for c in range(0, args.samples_per_device, args.rollout_batch_size):
             sl = slice(c, c + args.rollout_batch_size)
             cond_c = {k: v[sl] for k, v in cond.items()}
-            latents, log_probs = rollout(model, transformer, cond_c, init[sl].to(device), step_noise[sl], sigmas, g, sde_idx,
-                                         args.guidance_scale, autocast)
+            latents, log_probs = rollout(
+                model,
+                transformer,
+                cond_c,
+                init[sl].to(device),
+                step_noise[sl],
+                sigmas,
+                g,
+                sde_idx,
+                args.guidance_scale,
+                autocast,
+            )
             chunks.append({"cond": cond_c, "latents": latents, "log_probs": log_probs})
         t_sample = time.perf_counter() - t_iter
 
@@ -357,7 +413,9 @@ def main(args: Args):
             rewards, parts = reward_fn(images, my_prompts)
         all_rewards = accelerator.gather(rewards.float().to(device))  # (world * S,) in global sample order
         all_adv = group_advantages(all_rewards, args.group_size)
-        adv = all_adv[rank * args.samples_per_device : (rank + 1) * args.samples_per_device].clamp(-args.adv_clip_max, args.adv_clip_max)
+        adv = all_adv[rank * args.samples_per_device : (rank + 1) * args.samples_per_device].clamp(
+            -args.adv_clip_max, args.adv_clip_max
+        )
         parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
 
         # ------------------------------------------------------------ TRAINING
@@ -370,7 +428,10 @@ def main(args: Args):
                 ch, sl = chunks[ci], slice(ci * args.rollout_batch_size, (ci + 1) * args.rollout_batch_size)
                 # trained steps of this chunk: a random subset of its SDE steps (DanceGRPO: per sample, here per chunk)
                 first_k = ci * args.rollout_batch_size + rank * args.samples_per_device
-                steps = [sde_idx[j] for j in torch.randperm(len(sde_idx), generator=rng(args.seed, it, "steps", first_k))[:n_train]]
+                steps = [
+                    sde_idx[j]
+                    for j in torch.randperm(len(sde_idx), generator=rng(args.seed, it, "steps", first_k))[:n_train]
+                ]
                 for j, i in enumerate(steps):
                     last = ci == (u + 1) * chunks_per_update - 1 and j == len(steps) - 1
                     x, x_next = ch["latents"][:, i], ch["latents"][:, i + 1]
@@ -378,7 +439,9 @@ def main(args: Args):
                     with accelerator.no_sync(transformer) if not last else nullcontext():
                         with autocast():
                             v = model.velocity(transformer, x, sig, ch["cond"], args.guidance_scale)
-                        _, log_prob, mean, std = sde_step(x, v.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=x_next)
+                        _, log_prob, mean, std = sde_step(
+                            x, v.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=x_next
+                        )
                         loss_vec, ratio = grpo_loss(log_prob, ch["log_probs"][:, i], adv[sl], args.clip_range)
                         loss = loss_vec.mean()
                         if args.kl_beta > 0:
@@ -389,7 +452,9 @@ def main(args: Args):
                                     unwrapped.enable_adapters()
                                 else:
                                     v_ref = model.velocity(ref, x, sig, ch["cond"], args.guidance_scale)
-                            _, _, mean_ref, _ = sde_step(x, v_ref.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=x_next)
+                            _, _, mean_ref, _ = sde_step(
+                                x, v_ref.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=x_next
+                            )
                             # exact KL(N(mean, std^2) || N(mean_ref, std^2)) per dimension, averaged like the log-prob
                             kl = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * std.flatten() ** 2)
                             loss = loss + args.kl_beta * kl.mean()
@@ -408,18 +473,23 @@ def main(args: Args):
         # ------------------------------------------------------------ LOGGING
         ratios = torch.cat(stats["ratio"])
         log = {
-            "rewards/mean": all_rewards.mean().item(), "rewards/std": all_rewards.std().item(),
+            "rewards/mean": all_rewards.mean().item(),
+            "rewards/std": all_rewards.std().item(),
             **{f"rewards/{k}": v.mean().item() for k, v in parts.items()},
             "advantages/zero_std_groups": (all_rewards.view(-1, args.group_size).std(1) == 0).float().mean().item(),
             "losses/policy": torch.stack(stats["policy_loss"]).mean().item(),
-            "losses/ratio_mean": ratios.mean().item(), "losses/ratio_max_dev": (ratios - 1).abs().max().item(),
+            "losses/ratio_mean": ratios.mean().item(),
+            "losses/ratio_max_dev": (ratios - 1).abs().max().item(),
             "losses/first_ratio_max_dev": (stats["ratio"][0] - 1).abs().max().item(),
             "losses/clipfrac": torch.stack(stats["clipfrac"]).mean().item(),
             "losses/approx_kl": torch.stack(stats["approx_kl"]).mean().item(),
-            "charts/grad_norm": sum(grad_norms) / max(1, len(grad_norms)), "charts/skipped_updates": skipped,
-            "charts/window_start": sde_idx[0], "charts/lr": args.learning_rate,
+            "charts/grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
+            "charts/skipped_updates": skipped,
+            "charts/window_start": sde_idx[0],
+            "charts/lr": args.learning_rate,
             "perf/nfe_per_image": args.num_steps + n_train * (2 if args.kl_beta > 0 else 1),
-            "perf/sampling_s": t_sample, "perf/iteration_s": time.perf_counter() - t_iter,
+            "perf/sampling_s": t_sample,
+            "perf/iteration_s": time.perf_counter() - t_iter,
             "perf/wall_s": time.perf_counter() - t_start,
         }
         if stats["kl"]:

@@ -45,6 +45,7 @@ Deviations from the public code (which implements neither the sub-chain nor the 
   * all randomness (prompts, noise, windows, parameter perturbations) is keyed on (seed, iteration, global
     sample / chunk / block index), so resumed and multi-process runs draw the same numbers.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -126,7 +127,6 @@ class Args:
     wandb_project_name: str = "diffusion-rl"
     """W&B project (with --track)"""
 
-
     # Algorithm specific arguments
     num_steps: int = 10
     """sampling steps T of a rollout (shifted sigma schedule for flow models, DDIM timesteps for SD1.x)"""
@@ -196,7 +196,9 @@ def sde_step(x, v, sigma, sigma_next, g, prev_sample=None, noise=None):  # same 
     averaged (not summed) over the latent dimensions as the official code does.
     """
     view = (-1,) + (1,) * (x.dim() - 1)
-    sigma, sigma_next, g = (torch.as_tensor(t, dtype=x.dtype, device=x.device).reshape(view) for t in (sigma, sigma_next, g))
+    sigma, sigma_next, g = (
+        torch.as_tensor(t, dtype=x.dtype, device=x.device).reshape(view) for t in (sigma, sigma_next, g)
+    )
     d = sigma_next - sigma
     x0_hat = x - sigma * v
     score = -(x - (1 - sigma) * x0_hat) / sigma**2
@@ -338,8 +340,11 @@ def zo_baseline(rewards, group_size: int, block):
     gb_cnt = torch.zeros_like(gb_sum).index_put_((group, block), torch.ones_like(r), accumulate=True)
     same_sum, same_cnt = gb_sum.sum(1)[group] - gb_sum[group, block], gb_cnt.sum(1)[group] - gb_cnt[group, block]
     all_sum, all_cnt = r.sum() - gb_sum.sum(0)[block], n - gb_cnt.sum(0)[block]
-    out = torch.where(same_cnt > 0, same_sum / same_cnt.clamp(min=1),
-                      torch.where(all_cnt > 0, all_sum / all_cnt.clamp(min=1), torch.zeros_like(r)))
+    out = torch.where(
+        same_cnt > 0,
+        same_sum / same_cnt.clamp(min=1),
+        torch.where(all_cnt > 0, all_sum / all_cnt.clamp(min=1), torch.zeros_like(r)),
+    )
     return out.to(rewards.dtype)
 
 
@@ -347,7 +352,8 @@ def zo_coefficients(weights, block, zo_mask, n_blocks: int):
     """coef[q, i] = sum of weights[b] over the samples b of block q whose step i was a ZO step. weights (N,),
     block (N,), zo_mask (N, T) bool -> (n_blocks, T); the ZO term of (block q, step i) is coef[q, i] zeta_qi / sigma^2."""
     return torch.zeros(n_blocks, zo_mask.shape[1], dtype=weights.dtype, device=weights.device).index_add_(
-        0, block, weights[:, None] * zo_mask.to(weights.dtype))
+        0, block, weights[:, None] * zo_mask.to(weights.dtype)
+    )
 
 
 def zo_noise(params, seed: int, scale: float) -> list[torch.Tensor]:
@@ -409,13 +415,17 @@ def load_dcot(path: str) -> dict[str, tuple[str, str, str]]:
     try:
         text = file.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise InputError(f"--dcot-prompts {path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+        raise InputError(
+            f"--dcot-prompts {path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8"
+        ) from None
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.startswith("#"):
             continue
         fields = [f.strip() for f in line.split("\t")]
         if len(fields) != 4 or not all(fields):
-            raise InputError(f"--dcot-prompts {path}, line {n}: expected 4 TAB-separated fields (prompt, coarse, medium, fine)")
+            raise InputError(
+                f"--dcot-prompts {path}, line {n}: expected 4 TAB-separated fields (prompt, coarse, medium, fine)"
+            )
         out[fields[0]] = tuple(fields[1:])
     if not out:
         raise InputError(f"--dcot-prompts {path}: the file holds no prompts")
@@ -430,25 +440,39 @@ def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
     if "ho" in args.terms:
         budget = f" (h* of --memory-budget-gb {args.memory_budget_gb})" if args.memory_budget_gb is not None else ""
         need(1 <= h <= T - 1, f"h = {h}{budget}: --subchain-len must be in [1, {T - 1}] (= --num-steps - 1)")
-        need(window_starts(T, h, args.subchain_stage),
-             f"--subchain-stage {args.subchain_stage}: no window of {h} steps (--subchain-len) starts in that third of "
-             f"--num-steps {T} and ends before the last step")
-    need(args.ho_step_gb > args.zo_step_gb > 0 and 0 <= args.variance_ratio < 1,
-         "--ho-step-gb > --zo-step-gb > 0 and --variance-ratio in [0, 1) are needed by the h* rule")
+        need(
+            window_starts(T, h, args.subchain_stage),
+            f"--subchain-stage {args.subchain_stage}: no window of {h} steps (--subchain-len) starts in that third of "
+            f"--num-steps {T} and ends before the last step",
+        )
+    need(
+        args.ho_step_gb > args.zo_step_gb > 0 and 0 <= args.variance_ratio < 1,
+        "--ho-step-gb > --zo-step-gb > 0 and --variance-ratio in [0, 1) are needed by the h* rule",
+    )
     need(args.noise_level is None or args.noise_level > 0, "--noise-level must be > 0 (the HO term needs noise)")
     need(args.group_size >= 2, "--group-size must be >= 2 (the baseline is the mean of the other samples of a prompt)")
-    need(args.samples_per_device * world % args.group_size == 0,
-         f"--samples-per-device {args.samples_per_device} x {world} processes must be a multiple of --group-size {args.group_size}")
-    need(args.samples_per_device % args.rollout_batch_size == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
+    need(
+        args.samples_per_device * world % args.group_size == 0,
+        f"--samples-per-device {args.samples_per_device} x {world} processes must be a multiple of --group-size {args.group_size}",
+    )
+    need(
+        args.samples_per_device % args.rollout_batch_size == 0,
+        "--samples-per-device must be a multiple of --rollout-batch-size",
+    )
     K = args.zo_perturbations
-    need(K > 0 and args.samples_per_device % K == 0 and args.samples_per_device // K % args.rollout_batch_size == 0,
-         "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size")
+    need(
+        K > 0 and args.samples_per_device % K == 0 and args.samples_per_device // K % args.rollout_batch_size == 0,
+        "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size",
+    )
     need(args.zo_scale > 0, "--zo-scale must be > 0")
     spec = parse_reward_spec(args.reward)
     bad = [name for name, w in spec if w != 0 and name in NON_DIFFERENTIABLE_REWARDS]
-    need(not bad, f"--reward {args.reward}: {', '.join(bad)} is not differentiable, and RLR's first-order term "
-                  "backpropagates through the reward; use a differentiable one (shapes, hpsv2.1, pickscore, clip), or "
-                  f"give {bad[0] if bad else ''} weight 0 to only log it")
+    need(
+        not bad,
+        f"--reward {args.reward}: {', '.join(bad)} is not differentiable, and RLR's first-order term "
+        "backpropagates through the reward; use a differentiable one (shapes, hpsv2.1, pickscore, clip), or "
+        f"give {bad[0] if bad else ''} weight 0 to only log it",
+    )
     train_prompts, eval_prompts = check_run_args(args)
     if args.dcot_prompts is not None:
         need(args.prompts == "shapes-train", "--dcot-prompts replaces --prompts: give one of them")
@@ -466,8 +490,9 @@ def sample_images(model, module, sched, cond, noise, guidance_scale, autocast):
     return model.decode(x).float()
 
 
-def staged_transition(model, module, sched: dict, conds: list[dict], num_steps: int, guidance_scale: float, autocast,
-                      i: int, x):
+def staged_transition(
+    model, module, sched: dict, conds: list[dict], num_steps: int, guidance_scale: float, autocast, i: int, x
+):
     """mean_std(i, x) of the rollout: the step-i transition conditioned on the stage's prompt (DCoT: coarse, medium,
     fine thirds of the chain; else the prompt three times)."""
     return transition(model, module, sched, i, x, conds[stage_of(i, num_steps)], guidance_scale, autocast)
@@ -496,27 +521,38 @@ def main(args: Args):
     world, rank = accelerator.num_processes, accelerator.process_index
     if args.memory_budget_gb is not None:
         need(args.subchain_len is None, "give --subchain-len or --memory-budget-gb, not both")
-        args.subchain_len = optimal_subchain_len(args.memory_budget_gb, args.num_steps, args.ho_step_gb, args.zo_step_gb,
-                                                 args.variance_ratio)
+        args.subchain_len = optimal_subchain_len(
+            args.memory_budget_gb, args.num_steps, args.ho_step_gb, args.zo_step_gb, args.variance_ratio
+        )
     elif args.subchain_len is None:
         args.subchain_len = min(2, args.num_steps - 1)
     if args.zo_perturbations is None:
         args.zo_perturbations = args.samples_per_device // max(1, args.rollout_batch_size)  # one per rollout chunk
     train_prompts, eval_prompts = validate(args, world)
-    need(not (accelerator.distributed_type == DistributedType.FSDP and "zo" in args.terms),
-         "the ZO term perturbs whole parameter tensors in place, which FSDP shards; use DDP (e.g. --lora and "
-         "configs/ddp_8gpu.yaml) or --terms fo+ho")
+    need(
+        not (accelerator.distributed_type == DistributedType.FSDP and "zo" in args.terms),
+        "the ZO term perturbs whole parameter tensors in place, which FSDP shards; use DDP (e.g. --lora and "
+        "configs/ddp_8gpu.yaml) or --terms fo+ho",
+    )
     run = Run(args, accelerator, f"RLR, terms {args.terms}")
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
     device = accelerator.device
     autocast = accelerator.autocast
     frozen_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
-    T, S, B, G, K = args.num_steps, args.samples_per_device, args.rollout_batch_size, args.group_size, args.zo_perturbations
+    T, S, B, G, K = (
+        args.num_steps,
+        args.samples_per_device,
+        args.rollout_batch_size,
+        args.group_size,
+        args.zo_perturbations,
+    )
     use_ho, use_zo = "ho" in args.terms, "zo" in args.terms
     h = args.subchain_len if use_ho else 0  # h = 0: no window (ablations V1, V3)
     N = world * S  # samples per iteration, all processes
     prompts_per_iter = N // G
-    n_chunks = S // B  # rollout chunks per process; global chunk gc = rank * n_chunks + c holds global samples [gc B, (gc + 1) B)
+    n_chunks = (
+        S // B
+    )  # rollout chunks per process; global chunk gc = rank * n_chunks + c holds global samples [gc B, (gc + 1) B)
     chunks_per_block = S // K // B  # chunks sharing one parameter perturbation
 
     # ---------------------------------------------------------------- MODELS
@@ -535,7 +571,10 @@ def main(args: Args):
     # ---------------------------------------------------------------- PROMPTS & REWARDS
     dcot = load_dcot(args.dcot_prompts) if args.dcot_prompts else None
     reward_fn = build_reward(args.reward, device, dict(item.split("=", 1) for item in args.reward_ckpt))
-    need(reward_fn.differentiable, f"--reward {args.reward} is not differentiable; RLR's first-order term needs gradients")
+    need(
+        reward_fn.differentiable,
+        f"--reward {args.reward} is not differentiable; RLR's first-order term needs gradients",
+    )
 
     # ---------------------------------------------------------------- OPTIMIZER
     params = [p for p in denoiser.parameters() if p.requires_grad]
@@ -548,30 +587,52 @@ def main(args: Args):
     sched = make_schedule(model, T, args)
     latent_shape = model.latent_shape()
     starts = window_starts(T, h, args.subchain_stage) if use_ho else [0]
-    sampler = partial(sample_images, model, denoiser, make_schedule(model, args.eval_steps, args, stochastic=False),
-                      guidance_scale=args.guidance_scale, autocast=autocast)
-    evaluate = Evaluator(args, model, denoiser, sampler, reward_fn, eval_prompts, run,
-                         max(B, 16) if model.kind == "shapes" else B)  # (CPU ShapesBench: batch up)
-    accelerator.print("\n".join([
-        "***** RLR (first-order + half-order sub-chain + zero-order) *****",
-        f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
-        f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
-        f"  processes {world} x samples per process {S} = {N} images / iteration = {prompts_per_iter} prompts x group size {G}",
-        f"  steps {T} ({'DDIM eta' if model.kind == 'sd1' else args.sde_type + ' SDE noise'} {args.noise_level}), "
-        f"estimator terms {args.terms}" + ("" if args.terms in ("fo+ho+zo", "fo+zo") else " (biased ablation)")
-        + (f", sub-chain h = {h}" + (f" (h* for {args.memory_budget_gb} GB)" if args.memory_budget_gb is not None else "")
-           + f", window starts {starts[0]}..{starts[-1]} ({args.subchain_stage})" if use_ho else "")
-        + (", DCoT prompts" if dcot else ""),
-        (f"  ZO: {K} perturbation block(s) per process, scale {args.zo_scale:g}; " if use_zo else "  ")
-        + f"rollout batch {B}, one optimizer step per iteration",
-        f"  reward {args.reward}, lr {args.learning_rate}, iterations {args.iterations}",
-        f"  run folder {run.dir}",
-    ]))
+    sampler = partial(
+        sample_images,
+        model,
+        denoiser,
+        make_schedule(model, args.eval_steps, args, stochastic=False),
+        guidance_scale=args.guidance_scale,
+        autocast=autocast,
+    )
+    evaluate = Evaluator(
+        args, model, denoiser, sampler, reward_fn, eval_prompts, run, max(B, 16) if model.kind == "shapes" else B
+    )  # (CPU ShapesBench: batch up)
+    accelerator.print(
+        "\n".join(
+            [
+                "***** RLR (first-order + half-order sub-chain + zero-order) *****",
+                f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
+                f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
+                f"  processes {world} x samples per process {S} = {N} images / iteration = {prompts_per_iter} prompts x group size {G}",
+                f"  steps {T} ({'DDIM eta' if model.kind == 'sd1' else args.sde_type + ' SDE noise'} {args.noise_level}), "
+                f"estimator terms {args.terms}"
+                + ("" if args.terms in ("fo+ho+zo", "fo+zo") else " (biased ablation)")
+                + (
+                    f", sub-chain h = {h}"
+                    + (f" (h* for {args.memory_budget_gb} GB)" if args.memory_budget_gb is not None else "")
+                    + f", window starts {starts[0]}..{starts[-1]} ({args.subchain_stage})"
+                    if use_ho
+                    else ""
+                )
+                + (", DCoT prompts" if dcot else ""),
+                (f"  ZO: {K} perturbation block(s) per process, scale {args.zo_scale:g}; " if use_zo else "  ")
+                + f"rollout batch {B}, one optimizer step per iteration",
+                f"  reward {args.reward}, lr {args.learning_rate}, iterations {args.iterations}",
+                f"  run folder {run.dir}",
+            ]
+        )
+    )
     t_start = time.perf_counter()
     if start == 0:
         evaluate(0)
-    bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="iterations",
-               disable=not accelerator.is_local_main_process)
+    bar = tqdm(
+        range(start, args.iterations),
+        initial=start,
+        total=args.iterations,
+        desc="iterations",
+        disable=not accelerator.is_local_main_process,
+    )
     for it in bar:
         t_iter = time.perf_counter()
         if device.type == "cuda":
@@ -588,23 +649,32 @@ def main(args: Args):
         global_idx = range(rank * S, (rank + 1) * S)
         my_prompts = [train_prompts[pick[k // G]] for k in global_idx]
         init = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, it, "init", k)) for k in global_idx])
-        step_noise = torch.stack([torch.randn((T - 1, *latent_shape), generator=rng(args.seed, it, "sde", k)) for k in global_idx])
+        step_noise = torch.stack(
+            [torch.randn((T - 1, *latent_shape), generator=rng(args.seed, it, "sde", k)) for k in global_idx]
+        )
         cond = model.encode_prompts(my_prompts)
         # conditioning per stage (coarse, medium, fine): the DCoT prompts, else the prompt itself three times
         conds = [model.encode_prompts([dcot[p][s] for p in my_prompts]) for s in range(3)] if dcot else [cond] * 3
         # every global chunk's window start j and perturbation block, drawn identically on every process
-        j_of = [starts[int(torch.randint(len(starts), (1,), generator=rng(args.seed, it, "window", gc)))] for gc in range(world * n_chunks)]
+        j_of = [
+            starts[int(torch.randint(len(starts), (1,), generator=rng(args.seed, it, "window", gc)))]
+            for gc in range(world * n_chunks)
+        ]
         block_of = torch.arange(world * n_chunks) // chunks_per_block  # (global chunks,)
         chunks, rewards, parts = [], [], []
         for c in range(n_chunks):
             gc, sl = rank * n_chunks + c, slice(c * B, (c + 1) * B)
             conds_c = [{k: v[sl] for k, v in cd.items()} for cd in conds]
 
-            mean_std = partial(staged_transition, model, denoiser, sched, conds_c, T, args.guidance_scale, autocast)  # (i, x)
+            mean_std = partial(
+                staged_transition, model, denoiser, sched, conds_c, T, args.guidance_scale, autocast
+            )  # (i, x)
             perturb = partial(zo_perturbed, params, (args.seed, it, "zo", int(block_of[gc])), args.zo_scale)  # (i)
 
             noise_c = step_noise[sl].to(device)
-            latents = rollout(mean_std, init[sl].to(device), noise_c, zo_steps_of(T, j_of[gc], h) if use_zo else (), perturb)
+            latents = rollout(
+                mean_std, init[sl].to(device), noise_c, zo_steps_of(T, j_of[gc], h) if use_zo else (), perturb
+            )
             # FO term: the last (deterministic) step with a graph, the decoder and the reward; x_{T-1} is a constant.
             # All backwards but the iteration's last skip the DDP all-reduce; the last one reduces the sum.
             with accelerator.no_sync(denoiser) if use_ho or c < n_chunks - 1 else nullcontext():
@@ -621,7 +691,9 @@ def main(args: Args):
         all_rewards = accelerator.gather(torch.cat(rewards).float().to(device))  # (N,) in global sample order
         parts = {k: accelerator.gather(torch.cat([p[k] for p in parts]).float().to(device)) for k in parts[0]}
         sample_block = block_of.to(device)[torch.arange(N, device=device) // B]  # (N,)
-        adv_ho = (all_rewards - loo_baseline(all_rewards, G))[rank * S : (rank + 1) * S]  # R - b, this process's samples
+        adv_ho = (all_rewards - loo_baseline(all_rewards, G))[
+            rank * S : (rank + 1) * S
+        ]  # R - b, this process's samples
         adv_zo = all_rewards - zo_baseline(all_rewards, G, sample_block)  # R - b', all samples
         zo_mask = torch.zeros(N, T, dtype=torch.bool, device=device)  # (N, T): which steps of each sample were ZO steps
         if use_zo:
@@ -643,7 +715,12 @@ def main(args: Args):
             before = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
             coef = zo_coefficients(adv_zo / N, sample_block, zo_mask, world * K)  # (blocks, T)
             for q, i in coef.nonzero().tolist():
-                add_zo_grad(params, zo_noise(params, key_seed(args.seed, it, "zo", q, i), args.zo_scale), coef[q, i], args.zo_scale)
+                add_zo_grad(
+                    params,
+                    zo_noise(params, key_seed(args.seed, it, "zo", q, i), args.zo_scale),
+                    coef[q, i],
+                    args.zo_scale,
+                )
             zo_norm = math.sqrt(sum(float((p.grad - g).double().square().sum()) for p, g in zip(params, before)))
             del before
         clipped_norm = optimizer_step(accelerator, optimizer, params, args.max_grad_norm)  # None: non-finite, skipped
@@ -651,17 +728,25 @@ def main(args: Args):
 
         # ------------------------------------------------------------ LOGGING
         log = {
-            "rewards/mean": all_rewards.mean().item(), "rewards/std": all_rewards.std().item(),
+            "rewards/mean": all_rewards.mean().item(),
+            "rewards/std": all_rewards.std().item(),
             **{f"rewards/{k}": v.mean().item() for k, v in parts.items()},
-            "rlr/subchain_len": h, "rlr/window_start": sum(j_of) / len(j_of),
+            "rlr/subchain_len": h,
+            "rlr/window_start": sum(j_of) / len(j_of),
             "rlr/zo_steps": zo_mask.sum(1).float().mean().item(),
             "rlr/ho_adv_abs": (all_rewards - loo_baseline(all_rewards, G)).abs().mean().item(),
             "rlr/zo_adv_abs": adv_zo.abs().mean().item() if use_zo else 0.0,
             "rlr/recompute_max_dev": accelerator.gather(torch.stack(deviations).max().reshape(1)).max().item(),
-            "grad/fo_norm": fo_norm, "grad/fo_ho_norm": fo_ho_norm, "grad/zo_norm": zo_norm,
-            "charts/grad_norm": float("nan") if skipped else clipped_norm, "charts/skipped_updates": skipped, "charts/lr": args.learning_rate,
-            "perf/nfe_per_image": T + h, "perf/peak_mem_gb": peak_memory_gb(device),
-            "perf/sampling_s": t_sample, "perf/iteration_s": time.perf_counter() - t_iter,
+            "grad/fo_norm": fo_norm,
+            "grad/fo_ho_norm": fo_ho_norm,
+            "grad/zo_norm": zo_norm,
+            "charts/grad_norm": float("nan") if skipped else clipped_norm,
+            "charts/skipped_updates": skipped,
+            "charts/lr": args.learning_rate,
+            "perf/nfe_per_image": T + h,
+            "perf/peak_mem_gb": peak_memory_gb(device),
+            "perf/sampling_s": t_sample,
+            "perf/iteration_s": time.perf_counter() - t_iter,
             "perf/wall_s": time.perf_counter() - t_start,
         }
         if (it + 1) % 10 == 0 or it + 1 == args.iterations:  # all processes must hold identical weights (DDP)

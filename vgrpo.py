@@ -42,6 +42,7 @@ Choices where the paper is silent, and deviations (docs/vgrpo.md explains each):
   * all randomness (prompts, noise, pairs) is keyed on (seed, iteration, ...), as in dancegrpo.py, so a resumed or
     a multi-process run draws the same numbers as an uninterrupted single-process one.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -215,7 +216,9 @@ def rollout(model, transformer, cond, x, sigmas, solver, guidance_scale, autocas
 def stratified_indices(grid_size: int, n_mc: int, gen: torch.Generator) -> torch.Tensor:
     """One index drawn uniformly inside each of the n_mc contiguous chunks of range(grid_size) (tensor_split
     semantics: the first grid_size % n_mc chunks hold one more element). (n_mc,) int64, increasing."""
-    return torch.stack([c[torch.randint(len(c), (1,), generator=gen)[0]] for c in torch.arange(grid_size).tensor_split(n_mc)])
+    return torch.stack(
+        [c[torch.randint(len(c), (1,), generator=gen)[0]] for c in torch.arange(grid_size).tensor_split(n_mc)]
+    )
 
 
 def draw_pairs(grid, n_mc, latent_shape, key, sample_ids, stratified=True, shared=True):
@@ -234,7 +237,11 @@ def draw_pairs(grid, n_mc, latent_shape, key, sample_ids, stratified=True, share
             u = torch.rand(n_mc, generator=g_t)
             t = (torch.arange(n_mc) + u) / n_mc if stratified else u
         else:
-            idx = stratified_indices(len(grid), n_mc, g_t) if stratified else torch.randint(len(grid), (n_mc,), generator=g_t)
+            idx = (
+                stratified_indices(len(grid), n_mc, g_t)
+                if stratified
+                else torch.randint(len(grid), (n_mc,), generator=g_t)
+            )
             t = grid[idx]
         return t, torch.randn((n_mc, *latent_shape), generator=g_eps)
 
@@ -290,7 +297,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:  #
 def combined_advantages(parts: dict, weights: dict, group_size: int, clip_max: float, soft_clip: float) -> torch.Tensor:
     """Per-reward group advantages summed with the reward weights: A = sum_k w_k A_k, clipped to +-clip_max,
     then A -> eta tanh(A / eta) when soft_clip = eta > 0. parts: name -> (N,) raw scores in global order."""
-    adv = sum(w * group_advantages(parts[name], group_size) for name, w in weights.items() if w != 0).clamp(-clip_max, clip_max)
+    adv = sum(w * group_advantages(parts[name], group_size) for name, w in weights.items() if w != 0).clamp(
+        -clip_max, clip_max
+    )
     return soft_clip * torch.tanh(adv / soft_clip) if soft_clip > 0 else adv
 
 
@@ -319,19 +328,33 @@ def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
     Returns (training prompts, held-out prompts). Messages name the flag to change."""
     need(args.num_steps >= 1 and args.shift > 0, "--num-steps must be >= 1 and --shift > 0")
     need(args.n_mc >= 1, "--n-mc must be >= 1")
-    need(not args.stratified or args.pair_times == "uniform" or args.n_mc <= args.num_steps,
-         f"--n-mc {args.n_mc} must be <= --num-steps {args.num_steps} with stratified timesteps on the rollout grid "
-         "(one per chunk of the schedule); pass --pair-times uniform or --no-stratified")
+    need(
+        not args.stratified or args.pair_times == "uniform" or args.n_mc <= args.num_steps,
+        f"--n-mc {args.n_mc} must be <= --num-steps {args.num_steps} with stratified timesteps on the rollout grid "
+        "(one per chunk of the schedule); pass --pair-times uniform or --no-stratified",
+    )
     need(args.group_size >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
-    need(args.samples_per_device * world % args.group_size == 0,
-         f"--samples-per-device {args.samples_per_device} x {world} processes must be a multiple of --group-size {args.group_size}")
-    need(args.samples_per_device % args.rollout_batch_size == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
-    need(args.images_per_update % args.train_batch_size == 0 and args.samples_per_device % args.images_per_update == 0,
-         "--images-per-update must be a multiple of --train-batch-size and divide --samples-per-device")
-    need(args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0 and args.adv_soft_clip >= 0,
-         "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0, --adv-soft-clip >= 0")
+    need(
+        args.samples_per_device * world % args.group_size == 0,
+        f"--samples-per-device {args.samples_per_device} x {world} processes must be a multiple of --group-size {args.group_size}",
+    )
+    need(
+        args.samples_per_device % args.rollout_batch_size == 0,
+        "--samples-per-device must be a multiple of --rollout-batch-size",
+    )
+    need(
+        args.images_per_update % args.train_batch_size == 0 and args.samples_per_device % args.images_per_update == 0,
+        "--images-per-update must be a multiple of --train-batch-size and divide --samples-per-device",
+    )
+    need(
+        args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0 and args.adv_soft_clip >= 0,
+        "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0, --adv-soft-clip >= 0",
+    )
     prompts = check_run_args(args)
-    need(any(w != 0 for _, w in parse_reward_spec(args.reward)), "--reward needs at least one component with a non-zero weight")
+    need(
+        any(w != 0 for _, w in parse_reward_spec(args.reward)),
+        "--reward needs at least one component with a non-zero weight",
+    )
     return prompts
 
 
@@ -374,31 +397,56 @@ def main(args: Args):
     sigmas = sigma_schedule(args.num_steps, args.shift)
     grid = sigmas[:-1] if args.pair_times == "grid" else None  # the rollout schedule without t = 0 (x0_hat = x there)
     latent_shape = model.latent_shape()
-    sampler = partial(sample_ode, model, transformer, sigmas=sigma_schedule(args.eval_steps, args.shift),
-                      guidance_scale=args.guidance_scale, autocast=autocast)
+    sampler = partial(
+        sample_ode,
+        model,
+        transformer,
+        sigmas=sigma_schedule(args.eval_steps, args.shift),
+        guidance_scale=args.guidance_scale,
+        autocast=autocast,
+    )
     evaluate = Evaluator(args, model, transformer, sampler, reward_fn, eval_prompts, run, args.rollout_batch_size)
-    nfe = args.num_steps + 2 * args.n_mc  # NFE (transformer forwards) per image: rollout + behaviour pass + training pass
-    off = [n for n, on in (("stratified", args.stratified), ("shared pairs", args.shared_pairs), ("self-normalize", args.self_normalize)) if not on]
-    accelerator.print("\n".join([
-        f"***** {run.title} *****",
-        f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
-        f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
-        f"  processes {world} x samples per process {args.samples_per_device} = {world * args.samples_per_device} images / iteration",
-        f"  = {prompts_per_iter} prompts x group size {args.group_size} (prompts per process {args.samples_per_device / args.group_size:g})",
-        f"  rollouts: {args.solver} ODE, {args.num_steps} steps, shift {args.shift}, batch {args.rollout_batch_size}",
-        f"  surrogate: {args.n_mc} (t, eps) pairs per image, t on the {args.pair_times} support, {args.prediction}-prediction, "
-        f"variance reduction {'all on' if not off else 'off: ' + ', '.join(off)}; micro-batch {mb} images x {args.n_mc} pairs",
-        f"  optimizer steps / iteration {updates_per_iter} ({args.images_per_update} images per process each), "
-        f"transformer forwards per image {nfe}",
-        f"  reward {args.reward}, clip {args.clip_range}, KL beta {args.kl_beta}, adv soft clip {args.adv_soft_clip or 'off'}, "
-        f"lr {args.learning_rate}, iterations {args.iterations}",
-        f"  run folder {run.dir}",
-    ]))
+    nfe = (
+        args.num_steps + 2 * args.n_mc
+    )  # NFE (transformer forwards) per image: rollout + behaviour pass + training pass
+    off = [
+        n
+        for n, on in (
+            ("stratified", args.stratified),
+            ("shared pairs", args.shared_pairs),
+            ("self-normalize", args.self_normalize),
+        )
+        if not on
+    ]
+    accelerator.print(
+        "\n".join(
+            [
+                f"***** {run.title} *****",
+                f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
+                f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
+                f"  processes {world} x samples per process {args.samples_per_device} = {world * args.samples_per_device} images / iteration",
+                f"  = {prompts_per_iter} prompts x group size {args.group_size} (prompts per process {args.samples_per_device / args.group_size:g})",
+                f"  rollouts: {args.solver} ODE, {args.num_steps} steps, shift {args.shift}, batch {args.rollout_batch_size}",
+                f"  surrogate: {args.n_mc} (t, eps) pairs per image, t on the {args.pair_times} support, {args.prediction}-prediction, "
+                f"variance reduction {'all on' if not off else 'off: ' + ', '.join(off)}; micro-batch {mb} images x {args.n_mc} pairs",
+                f"  optimizer steps / iteration {updates_per_iter} ({args.images_per_update} images per process each), "
+                f"transformer forwards per image {nfe}",
+                f"  reward {args.reward}, clip {args.clip_range}, KL beta {args.kl_beta}, adv soft clip {args.adv_soft_clip or 'off'}, "
+                f"lr {args.learning_rate}, iterations {args.iterations}",
+                f"  run folder {run.dir}",
+            ]
+        )
+    )
     t_start = time.perf_counter()
     if start == 0:
         evaluate(0)
-    bar = tqdm(range(start, args.iterations), initial=start, total=args.iterations, desc="iterations",
-               disable=not accelerator.is_local_main_process)
+    bar = tqdm(
+        range(start, args.iterations),
+        initial=start,
+        total=args.iterations,
+        desc="iterations",
+        disable=not accelerator.is_local_main_process,
+    )
     for it in bar:
         t_iter = time.perf_counter()
         # ------------------------------------------------------------ SAMPLING
@@ -414,20 +462,46 @@ def main(args: Args):
         init = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, it, "init", k)) for k in global_idx])
         cond = model.encode_prompts(my_prompts)
         transformer.eval()
-        x = torch.cat([rollout(model, transformer, {k: v[c : c + args.rollout_batch_size] for k, v in cond.items()},
-                               init[c : c + args.rollout_batch_size].to(device), sigmas, args.solver, args.guidance_scale, autocast)
-                       for c in range(0, args.samples_per_device, args.rollout_batch_size)])  # (S, *L) fp32 final latents
+        x = torch.cat(
+            [
+                rollout(
+                    model,
+                    transformer,
+                    {k: v[c : c + args.rollout_batch_size] for k, v in cond.items()},
+                    init[c : c + args.rollout_batch_size].to(device),
+                    sigmas,
+                    args.solver,
+                    args.guidance_scale,
+                    autocast,
+                )
+                for c in range(0, args.samples_per_device, args.rollout_batch_size)
+            ]
+        )  # (S, *L) fp32 final latents
         t_sample = time.perf_counter() - t_iter
 
         # behaviour values S_old, right after the rollout, on the micro-batches the training pass will use
-        t_pairs, eps = draw_pairs(grid, args.n_mc, latent_shape, (args.seed, it), global_idx, args.stratified, args.shared_pairs)
+        t_pairs, eps = draw_pairs(
+            grid, args.n_mc, latent_shape, (args.seed, it), global_idx, args.stratified, args.shared_pairs
+        )
         old_values = torch.empty(args.samples_per_device, args.n_mc, device=device)  # (S, N)
-        old_x0 = torch.empty(args.samples_per_device, args.n_mc, *latent_shape, device=device) if args.kl_beta > 0 else None
+        old_x0 = (
+            torch.empty(args.samples_per_device, args.n_mc, *latent_shape, device=device) if args.kl_beta > 0 else None
+        )
         with torch.no_grad():
             for m in range(args.samples_per_device // mb):
                 sl = slice(m * mb, (m + 1) * mb)
-                values, x0_hat = surrogate(model, transformer, x[sl], {k: v[sl] for k, v in cond.items()}, t_pairs[sl], eps[sl],
-                                           args.guidance_scale, autocast, args.prediction, args.self_normalize)
+                values, x0_hat = surrogate(
+                    model,
+                    transformer,
+                    x[sl],
+                    {k: v[sl] for k, v in cond.items()},
+                    t_pairs[sl],
+                    eps[sl],
+                    args.guidance_scale,
+                    autocast,
+                    args.prediction,
+                    args.self_normalize,
+                )
                 old_values[sl] = values
                 if old_x0 is not None:
                     old_x0[sl] = x0_hat
@@ -435,8 +509,12 @@ def main(args: Args):
 
         # ------------------------------------------------------------ REWARDS & ADVANTAGES
         with torch.no_grad():
-            images = torch.cat([model.decode(x[c : c + args.rollout_batch_size]).float()
-                                for c in range(0, args.samples_per_device, args.rollout_batch_size)])
+            images = torch.cat(
+                [
+                    model.decode(x[c : c + args.rollout_batch_size]).float()
+                    for c in range(0, args.samples_per_device, args.rollout_batch_size)
+                ]
+            )
             rewards, parts = reward_fn(images, my_prompts)
         all_rewards = accelerator.gather(rewards.float().to(device))  # (world * S,) in global sample order
         parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
@@ -453,8 +531,18 @@ def main(args: Args):
                 sl = slice(m * mb, (m + 1) * mb)
                 last = m == (u + 1) * micro_per_update - 1
                 with accelerator.no_sync(transformer) if not last else nullcontext():
-                    values, x0_hat = surrogate(model, transformer, x[sl], {k: v[sl] for k, v in cond.items()}, t_pairs[sl], eps[sl],
-                                               args.guidance_scale, autocast, args.prediction, args.self_normalize)
+                    values, x0_hat = surrogate(
+                        model,
+                        transformer,
+                        x[sl],
+                        {k: v[sl] for k, v in cond.items()},
+                        t_pairs[sl],
+                        eps[sl],
+                        args.guidance_scale,
+                        autocast,
+                        args.prediction,
+                        args.self_normalize,
+                    )
                     loss_vec, ratio, log_ratio = vgrpo_loss(values, old_values[sl], adv[sl], args.clip_range)
                     loss = loss_vec.mean()
                     if args.kl_beta > 0:  # D_simple to the behaviour policy on the same pairs (x0 space)
@@ -479,21 +567,29 @@ def main(args: Args):
         checksum = (t_pairs[0].double().sum() + eps[0].double().sum()).reshape(1).to(device)
         checksums = accelerator.gather(checksum)
         log = {
-            "rewards/mean": all_rewards.mean().item(), "rewards/std": all_rewards.std().item(),
+            "rewards/mean": all_rewards.mean().item(),
+            "rewards/std": all_rewards.std().item(),
             **{f"rewards/{k}": v.mean().item() for k, v in parts.items()},
             "advantages/zero_std_groups": (all_adv.view(-1, args.group_size) == 0).all(1).float().mean().item(),
             "advantages/abs_mean": all_adv.abs().mean().item(),
-            "surrogate/mean": all_old.mean().item(), "surrogate/cv": cv, "surrogate/group_cv": group_cv,
+            "surrogate/mean": all_old.mean().item(),
+            "surrogate/cv": cv,
+            "surrogate/group_cv": group_cv,
             "surrogate/t_mean": t_pairs.float().mean().item(),
             "losses/policy": torch.stack(stats["policy_loss"]).mean().item(),
-            "losses/ratio_mean": ratios.mean().item(), "losses/ratio_max_dev": (ratios - 1).abs().max().item(),
+            "losses/ratio_mean": ratios.mean().item(),
+            "losses/ratio_max_dev": (ratios - 1).abs().max().item(),
             "losses/first_log_ratio_max_abs": stats["log_ratio"][0].abs().max().item(),
             "losses/clipfrac": torch.stack(stats["clipfrac"]).mean().item(),
             "losses/approx_kl": (0.5 * log_ratios**2).mean().item(),
-            "charts/grad_norm": sum(grad_norms) / max(1, len(grad_norms)), "charts/skipped_updates": skipped,
+            "charts/grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
+            "charts/skipped_updates": skipped,
             "charts/lr": args.learning_rate,
-            "charts/pairs_checksum": checksums[0].item(), "charts/rank_pairs_spread": (checksums.max() - checksums.min()).item(),
-            "perf/nfe_per_image": nfe, "perf/sampling_s": t_sample, "perf/behaviour_s": t_old,
+            "charts/pairs_checksum": checksums[0].item(),
+            "charts/rank_pairs_spread": (checksums.max() - checksums.min()).item(),
+            "perf/nfe_per_image": nfe,
+            "perf/sampling_s": t_sample,
+            "perf/behaviour_s": t_old,
             "perf/iteration_s": time.perf_counter() - t_iter,
             "perf/wall_s": time.perf_counter() - t_start,
         }

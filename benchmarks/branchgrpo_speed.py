@@ -7,6 +7,7 @@
 `iteration` runs the real scripts back to back (subprocesses, no evaluation, KL off as in both papers) and
 reports the median seconds per iteration over the iterations after the first; it prints a JSON table.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,15 +37,32 @@ def rollout(repeats: int = 3) -> dict:
 
     def noise_fn(i, n_parents, kk):
         gen = B.rng(0, "bench", i)
-        return (B.branch_noise(gen, n_parents, kk, shape, 0.2) if kk > 1 else torch.randn((n_parents, *shape), generator=gen)), 1.0
+        return (
+            B.branch_noise(gen, n_parents, kk, shape, 0.2)
+            if kk > 1
+            else torch.randn((n_parents, *shape), generator=gen)
+        ), 1.0
 
     out = {}
     for name, bs in [("batched_per_depth", 16), ("one_node_at_a_time", 1)]:
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            B.tree_rollout(model, model.transformer, cond, torch.randn((1, *shape)), sigmas, g, splits, 2, set(range(19)),
-                           noise_fn, bs, 1.0, nullcontext)
+            B.tree_rollout(
+                model,
+                model.transformer,
+                cond,
+                torch.randn((1, *shape)),
+                sigmas,
+                g,
+                splits,
+                2,
+                set(range(19)),
+                noise_fn,
+                bs,
+                1.0,
+                nullcontext,
+            )
             times.append(time.perf_counter() - t0)
         out[name + "_s"] = round(min(times), 3)
     out["speedup"] = round(out["one_node_at_a_time_s"] / out["batched_per_depth_s"], 2)
@@ -77,14 +95,52 @@ def mixgrpo(iterations: int = 6) -> dict:
 
 
 def iteration(iterations: int = 4) -> dict:
-    common = ["--num-steps", "20", "--iterations", str(iterations), "--eval-every", "0", "--sample-every", "0",
-              "--save-every", "0", "--kl-beta", "0"]
-    return timed_runs({
-        "dancegrpo": ["dancegrpo.py", "--group-size", "16", "--samples-per-device", "16", "--rollout-batch-size", "16",
-                      "--trajectories-per-update", "16", "--timestep-fraction", "1.0"],
-        **{f"branchgrpo_{p}": ["branchgrpo.py", "--trees-per-device", "1", "--trees-per-update", "1",
-                               "--rollout-batch-size", "16", "--pruning", p] for p in ("none", "width", "depth", "mix")},
-    }, common)
+    common = [
+        "--num-steps",
+        "20",
+        "--iterations",
+        str(iterations),
+        "--eval-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--save-every",
+        "0",
+        "--kl-beta",
+        "0",
+    ]
+    return timed_runs(
+        {
+            "dancegrpo": [
+                "dancegrpo.py",
+                "--group-size",
+                "16",
+                "--samples-per-device",
+                "16",
+                "--rollout-batch-size",
+                "16",
+                "--trajectories-per-update",
+                "16",
+                "--timestep-fraction",
+                "1.0",
+            ],
+            **{
+                f"branchgrpo_{p}": [
+                    "branchgrpo.py",
+                    "--trees-per-device",
+                    "1",
+                    "--trees-per-update",
+                    "1",
+                    "--rollout-batch-size",
+                    "16",
+                    "--pruning",
+                    p,
+                ]
+                for p in ("none", "width", "depth", "mix")
+            },
+        },
+        common,
+    )
 
 
 if __name__ == "__main__":

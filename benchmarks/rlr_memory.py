@@ -12,6 +12,7 @@ step, decoder and reward, the HO recompute and backward through h steps, and the
 rollout with a graph through every step, the decoder and the reward, and one backward. The slope of memory in h
 is B_h of the paper's h* rule (rlr.py --ho-step-gb).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,7 +64,10 @@ def worker(a) -> dict:
         return R.transition(model, module, sched, i, x, cond, 1.0, nullcontext)
 
     def draw():
-        return (torch.randn(a.batch, *shape, generator=gen).to(device), torch.randn(a.batch, T - 1, *shape, generator=gen).to(device))
+        return (
+            torch.randn(a.batch, *shape, generator=gen).to(device),
+            torch.randn(a.batch, T - 1, *shape, generator=gen).to(device),
+        )
 
     x0, noise = draw()
     R.rollout(mean_std, x0, noise)  # warm-up without a graph: the baseline level
@@ -76,7 +80,9 @@ def worker(a) -> dict:
         x0, noise = draw()
         j = R.window_starts(T, a.h)[it % len(R.window_starts(T, a.h))]
         zo = R.zo_steps_of(T, j, a.h)
-        latents = R.rollout(mean_std, x0, noise, zo, lambda i: R.perturbed(params, R.zo_noise(params, R.key_seed(it, i), 1e-3)))
+        latents = R.rollout(
+            mean_std, x0, noise, zo, lambda i: R.perturbed(params, R.zo_noise(params, R.key_seed(it, i), 1e-3))
+        )
         x_last, _ = mean_std(T - 1, latents[:, -1])
         r, _ = reward_fn(model.decode(x_last).float(), prompts)
         (-r.mean()).backward()
@@ -106,8 +112,17 @@ def worker(a) -> dict:
         if it >= a.warmup:
             times.append(time.perf_counter() - t)
     peak = peak_gb(device)
-    return {"mode": a.mode, "h": a.h if a.mode == "rlr" else T, "num_steps": T, "batch": a.batch, "device": a.device,
-            "s_per_step": sum(times) / len(times), "peak_gb": peak, "peak_above_base_gb": peak - base, "base_gb": base}
+    return {
+        "mode": a.mode,
+        "h": a.h if a.mode == "rlr" else T,
+        "num_steps": T,
+        "batch": a.batch,
+        "device": a.device,
+        "s_per_step": sum(times) / len(times),
+        "peak_gb": peak,
+        "peak_above_base_gb": peak - base,
+        "base_gb": base,
+    }
 
 
 def main():
@@ -132,21 +147,32 @@ def main():
         print("RESULT " + json.dumps(worker(a)))
         return
     configs = [("rlr", int(h)) for h in a.hs.split(",")] + ([] if a.no_full else [("full", 0)])
-    passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-                   if k in ("model_id", "reward", "prompts", "num_steps", "batch", "reps", "warmup", "device") and v is not None]
+    passthrough = [
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in vars(a).items()
+        if k in ("model_id", "reward", "prompts", "num_steps", "batch", "reps", "warmup", "device") and v is not None
+    ]
     if a.noise_level is not None:
         passthrough.append(f"--noise-level={a.noise_level}")
     rows = []
     for mode, h in configs:
-        out = subprocess.run([sys.executable, __file__, "--worker", "--mode", mode, "--h", str(h), *passthrough], cwd=ROOT,
-                             capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        out = subprocess.run(
+            [sys.executable, __file__, "--worker", "--mode", mode, "--h", str(h), *passthrough],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
         line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
         if out.returncode or not line:
             sys.exit(f"{mode} h={h} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
         rows.append(json.loads(line[0][7:]))
         r = rows[-1]
-        print(f"{'full BP' if mode == 'full' else f'RLR h={h}':>9}  {r['s_per_step']:7.2f} s/step  peak {r['peak_gb']:.3f} GB  "
-              f"(+{r['peak_above_base_gb']:.3f} GB over sampling alone)", flush=True)
+        print(
+            f"{'full BP' if mode == 'full' else f'RLR h={h}':>9}  {r['s_per_step']:7.2f} s/step  peak {r['peak_gb']:.3f} GB  "
+            f"(+{r['peak_above_base_gb']:.3f} GB over sampling alone)",
+            flush=True,
+        )
     hs = [r for r in rows if r["mode"] == "rlr"]
     if len(hs) >= 2:
         slope = (hs[-1]["peak_above_base_gb"] - hs[0]["peak_above_base_gb"]) / (hs[-1]["h"] - hs[0]["h"])

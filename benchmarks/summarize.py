@@ -3,6 +3,7 @@ held-out evaluation (ShapesBench verifier shape accuracy, learned reward, ...) a
 
     python benchmarks/summarize.py runs/dancegrpo runs/branchgrpo [...]
 """
+
 import json
 import statistics
 import sys
@@ -15,12 +16,18 @@ def summarize(run: Path) -> dict:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "perf/iteration_s" in r]
     evals = [r for r in rows if "eval/reward" in r]
-    out = {"run": str(run), "iterations": train[-1]["iteration"] if train else 0,
-           "median_s_per_iteration": round(statistics.median(r["perf/iteration_s"] for r in train), 2) if train else None,
-           "train_minutes": round(sum(r["perf/iteration_s"] for r in train) / 60, 1),  # without evaluations
-           "wall_minutes": round(train[-1].get("perf/wall_s", float("nan")) / 60, 1) if train else None}  # with them
+    out = {
+        "run": str(run),
+        "iterations": train[-1]["iteration"] if train else 0,
+        "median_s_per_iteration": round(statistics.median(r["perf/iteration_s"] for r in train), 2) if train else None,
+        "train_minutes": round(sum(r["perf/iteration_s"] for r in train) / 60, 1),  # without evaluations
+        "wall_minutes": round(train[-1].get("perf/wall_s", float("nan")) / 60, 1) if train else None,
+    }  # with them
     for tag, row in (("before", evals[0] if evals else {}), ("after", evals[-1] if evals else {})):
-        out[tag] = {"iteration": row.get("iteration"), **{k.removeprefix("eval/"): round(row[k], 4) for k in KEYS if k in row}}
+        out[tag] = {
+            "iteration": row.get("iteration"),
+            **{k.removeprefix("eval/"): round(row[k], 4) for k in KEYS if k in row},
+        }
     return out
 
 

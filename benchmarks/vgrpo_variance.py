@@ -13,6 +13,7 @@ The paper does not define its population precisely; docs/vgrpo.md says what we t
     python benchmarks/vgrpo_variance.py                                   # 16 prompts x 8 images, 8 draws (minutes)
     python benchmarks/vgrpo_variance.py --prompts 4 --group-size 4 --draws 3   # a quick look
 """
+
 from __future__ import annotations
 
 import json
@@ -71,24 +72,42 @@ def main(args: Args) -> dict:
     t0 = time.perf_counter()
     model = load_model(args.model_id)
     tr = model.transformer.eval()
-    pick = torch.randperm(len(load_prompts("shapes-train")), generator=V.rng(args.seed, "bench-prompts"))[: args.prompts]
+    pick = torch.randperm(len(load_prompts("shapes-train")), generator=V.rng(args.seed, "bench-prompts"))[
+        : args.prompts
+    ]
     prompts = [load_prompts("shapes-train")[i] for i in pick for _ in range(args.group_size)]
     n, shape = len(prompts), model.latent_shape()
     sigmas = V.sigma_schedule(args.num_steps, args.shift)
     cond = model.encode_prompts(prompts)
     noise = torch.stack([torch.randn(shape, generator=V.rng(args.seed, "bench-init", k)) for k in range(n)])
     chunks = [slice(c, c + args.batch_size) for c in range(0, n, args.batch_size)]
-    x = torch.cat([V.rollout(model, tr, {k: v[sl] for k, v in cond.items()}, noise[sl], sigmas, "dpm++2m", 1.0, nullcontext)
-                   for sl in chunks])
+    x = torch.cat(
+        [
+            V.rollout(model, tr, {k: v[sl] for k, v in cond.items()}, noise[sl], sigmas, "dpm++2m", 1.0, nullcontext)
+            for sl in chunks
+        ]
+    )
     results = {}
     with torch.no_grad():
         for name, (stratified, shared, self_norm) in CONFIGS.items():
             S = torch.empty(args.draws, n)  # (draws, images) per-image surrogates
             for d in range(args.draws):
-                t, eps = V.draw_pairs(sigmas[:-1], args.n_mc, shape, (args.seed, "bench", d), range(n), stratified, shared)
+                t, eps = V.draw_pairs(
+                    sigmas[:-1], args.n_mc, shape, (args.seed, "bench", d), range(n), stratified, shared
+                )
                 for sl in chunks:
-                    values, _ = V.surrogate(model, tr, x[sl], {k: v[sl] for k, v in cond.items()}, t[sl], eps[sl], 1.0,
-                                            nullcontext, args.prediction, self_norm)
+                    values, _ = V.surrogate(
+                        model,
+                        tr,
+                        x[sl],
+                        {k: v[sl] for k, v in cond.items()},
+                        t[sl],
+                        eps[sl],
+                        1.0,
+                        nullcontext,
+                        args.prediction,
+                        self_norm,
+                    )
                     S[d, sl] = values.mean(1)
             cvs = [V.coefficient_of_variation(S[d], args.group_size) for d in range(args.draws)]
             S64 = S.double()
@@ -98,9 +117,13 @@ def main(args: Args) -> dict:
                 "mc_cv": (S64.std(0) / S64.mean(0).abs()).mean().item() if args.draws > 1 else float("nan"),
                 "mean": S64.mean().item(),
             }
-    print(f"{n} images ({args.prompts} prompts x {args.group_size}), {args.draws} draws of {args.n_mc} pairs, "
-          f"{args.prediction}-prediction, {args.num_steps}-step grid, {time.perf_counter() - t0:.0f} s")
-    print("| config | stratified | shared | self-norm | cv | group_cv | mc_cv | mean S |\n|---|---|---|---|---|---|---|---|")
+    print(
+        f"{n} images ({args.prompts} prompts x {args.group_size}), {args.draws} draws of {args.n_mc} pairs, "
+        f"{args.prediction}-prediction, {args.num_steps}-step grid, {time.perf_counter() - t0:.0f} s"
+    )
+    print(
+        "| config | stratified | shared | self-norm | cv | group_cv | mc_cv | mean S |\n|---|---|---|---|---|---|---|---|"
+    )
     for name, r in results.items():
         flags = " | ".join("yes" if f else "no" for f in CONFIGS[name])
         print(f"| {name} | {flags} | {r['cv']:.3f} | {r['group_cv']:.3f} | {r['mc_cv']:.3f} | {r['mean']:.4f} |")

@@ -315,14 +315,18 @@ def _model_index(model_id: str) -> tuple[dict, str]:
     if model_id.startswith(("/", ".", "~")) or model_id.count("/") != 1:
         raise InputError(f"--model-id {model_id}: no such folder, and not a hub id of the form owner/name")
     try:  # the local cache first: no network, no retries
-        return json.loads(Path(hf_hub_download(model_id, "model_index.json", local_files_only=True)).read_text()), model_id
+        return json.loads(
+            Path(hf_hub_download(model_id, "model_index.json", local_files_only=True)).read_text()
+        ), model_id
     except Exception:
         pass
     from common.runs import hub_reachable
 
     if not hub_reachable():
-        raise InputError(f"--model-id {model_id}: not in the local Hugging Face cache and the hub cannot be reached "
-                         f"(offline, or HF_HUB_OFFLINE=1). {HOW_TO_GET_WEIGHTS}")
+        raise InputError(
+            f"--model-id {model_id}: not in the local Hugging Face cache and the hub cannot be reached "
+            f"(offline, or HF_HUB_OFFLINE=1). {HOW_TO_GET_WEIGHTS}"
+        )
     try:
         return json.loads(Path(hf_hub_download(model_id, "model_index.json")).read_text()), model_id
     except Exception as e:  # bad id, gated without login

@@ -1,4 +1,5 @@
 """Prompt sources: the ShapesBench splits, or a text file with one prompt per line (e.g. HPDv2 prompts)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,7 +21,8 @@ def load_prompts(source: str, flag: str = "--prompts") -> list[str]:
     path = Path(source).expanduser()
     if not path.is_file():
         raise InputError(
-            f"{flag} {source!r}: no such file; give one of {sorted(SOURCES)} or a text file with one prompt per line")
+            f"{flag} {source!r}: no such file; give one of {sorted(SOURCES)} or a text file with one prompt per line"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

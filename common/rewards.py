@@ -40,22 +40,36 @@ class ScoreFn:
 
 
 def _missing_ckpt(name: str, path: str, how: str) -> str:
-    return (f"reward '{name}': weights not found locally and the hub is unreachable (offline or HF_HUB_OFFLINE=1). "
-            f"Pass --reward-ckpt {name}={path}. To get it on a connected machine: {how} "
-            "(or run once online so the Hugging Face cache holds it, then copy the cache over).")
+    return (
+        f"reward '{name}': weights not found locally and the hub is unreachable (offline or HF_HUB_OFFLINE=1). "
+        f"Pass --reward-ckpt {name}={path}. To get it on a connected machine: {how} "
+        "(or run once online so the Hugging Face cache holds it, then copy the cache over)."
+    )
 
 
 # rewards whose weights come from the hub unless --reward-ckpt is given: (hub repo, a file of it, example --reward-ckpt
 # path, how to fetch it on a connected machine)
 HUB_WEIGHTS = {
-    "hpsv2.1": ("xswu/HPSv2", "HPS_v2.1_compressed.pt", "/path/to/HPS_v2.1_compressed.pt",
-                "`hf download xswu/HPSv2 HPS_v2.1_compressed.pt`"),
-    "pickscore": ("yuvalkirstain/PickScore_v1", "config.json", "/path/to/folder",
-                  "python -c \"from transformers import CLIPModel, CLIPProcessor; "
-                  "CLIPModel.from_pretrained('yuvalkirstain/PickScore_v1').save_pretrained('pickscore'); "
-                  "CLIPProcessor.from_pretrained('laion/CLIP-ViT-H-14-laion2B-s32B-b79K').save_pretrained('pickscore')\""),
-    "clip": ("openai/clip-vit-large-patch14", "config.json", "/path/to/folder",
-             "`hf download openai/clip-vit-large-patch14 --local-dir clip-vit-large-patch14`"),
+    "hpsv2.1": (
+        "xswu/HPSv2",
+        "HPS_v2.1_compressed.pt",
+        "/path/to/HPS_v2.1_compressed.pt",
+        "`hf download xswu/HPSv2 HPS_v2.1_compressed.pt`",
+    ),
+    "pickscore": (
+        "yuvalkirstain/PickScore_v1",
+        "config.json",
+        "/path/to/folder",
+        'python -c "from transformers import CLIPModel, CLIPProcessor; '
+        "CLIPModel.from_pretrained('yuvalkirstain/PickScore_v1').save_pretrained('pickscore'); "
+        "CLIPProcessor.from_pretrained('laion/CLIP-ViT-H-14-laion2B-s32B-b79K').save_pretrained('pickscore')\"",
+    ),
+    "clip": (
+        "openai/clip-vit-large-patch14",
+        "config.json",
+        "/path/to/folder",
+        "`hf download openai/clip-vit-large-patch14 --local-dir clip-vit-large-patch14`",
+    ),
 }
 
 
@@ -153,8 +167,10 @@ def hpsv2_1(device, checkpoint=None, arch="ViT-H-14") -> Reward:
     try:
         model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"])
     except Exception as e:  # not a torch file, no "state_dict", other keys or shapes: not an HPSv2.1 checkpoint
-        raise InputError(f"--reward-ckpt hpsv2.1={checkpoint}: not an HPS_v2.1 checkpoint ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+        raise InputError(
+            f"--reward-ckpt hpsv2.1={checkpoint}: not an HPS_v2.1 checkpoint ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''})"
+        ) from None
     model.to(device).eval().requires_grad_(False)
     tokenizer = open_clip.get_tokenizer(arch)
     size = model.visual.image_size[0]  # (224, 224) for ViT-H-14
@@ -178,7 +194,7 @@ def clip_pixels(images: torch.Tensor, processor) -> torch.Tensor:
     x = F.interpolate(images, size=(nh, nw), mode="bicubic", antialias=True, align_corners=False)
     x = x.clamp(0, 1)  # the processor resizes uint8 images, which clips bicubic overshoot
     top, left = (nh - ch) // 2, (nw - cw) // 2
-    x = x[..., top:top + ch, left:left + cw]
+    x = x[..., top : top + ch, left : left + cw]
     mean = torch.tensor(ip.image_mean, device=x.device).view(3, 1, 1)
     std = torch.tensor(ip.image_std, device=x.device).view(3, 1, 1)
     return (x - mean) / std
@@ -193,8 +209,11 @@ def _load_clip(name, device, checkpoint, model_id, processor_id):
         processor = CLIPProcessor.from_pretrained(checkpoint or processor_id)
         model = CLIPModel.from_pretrained(checkpoint or model_id)
     except OSError as e:
-        raise InputError(f"--reward-ckpt {name}={checkpoint}: not a CLIP model folder ({e})" if checkpoint else
-                         _missing_ckpt(name, *HUB_WEIGHTS[name][2:])) from None
+        raise InputError(
+            f"--reward-ckpt {name}={checkpoint}: not a CLIP model folder ({e})"
+            if checkpoint
+            else _missing_ckpt(name, *HUB_WEIGHTS[name][2:])
+        ) from None
     return model.to(device).eval().requires_grad_(False), processor
 
 
@@ -207,19 +226,21 @@ def _clip_cosine(model, processor, device, images, prompts):
 
 def pickscore(device, checkpoint=None) -> Reward:
     """PickScore: logit_scale.exp() * cosine, CLIP-H fine-tuned on Pick-a-Pic (scores around 20)."""
-    model, processor = _load_clip("pickscore", device, checkpoint, "yuvalkirstain/PickScore_v1",
-                                  "laion/CLIP-ViT-H-14-laion2B-s32B-b79K")
-    return ScoreFn(lambda im, p: model.logit_scale.exp() * _clip_cosine(model, processor, device, im, p),
-                   differentiable=True)
+    model, processor = _load_clip(
+        "pickscore", device, checkpoint, "yuvalkirstain/PickScore_v1", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+    )
+    return ScoreFn(
+        lambda im, p: model.logit_scale.exp() * _clip_cosine(model, processor, device, im, p), differentiable=True
+    )
 
 
 def clip_score(device, checkpoint=None) -> Reward:
     """CLIP score 100 * cosine with CLIP ViT-L/14. Unlike torchmetrics we do NOT clamp at 0: the clamp would
     zero both the reward differences between bad images and their gradient, which RL needs."""
-    model, processor = _load_clip("clip", device, checkpoint, "openai/clip-vit-large-patch14",
-                                  "openai/clip-vit-large-patch14")
-    return ScoreFn(lambda im, p: 100 * _clip_cosine(model, processor, device, im, p),
-                   differentiable=True)
+    model, processor = _load_clip(
+        "clip", device, checkpoint, "openai/clip-vit-large-patch14", "openai/clip-vit-large-patch14"
+    )
+    return ScoreFn(lambda im, p: 100 * _clip_cosine(model, processor, device, im, p), differentiable=True)
 
 
 # ---------------------------------------------------------------- registry, spec parsing, composite

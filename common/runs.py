@@ -80,7 +80,10 @@ def check_run_args(args) -> tuple[list[str], list[str]]:
     need(args.learning_rate > 0, f"--learning-rate must be > 0 (got {args.learning_rate})")
     for name in ("eval_every", "sample_every", "save_every"):
         need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
-    need(args.eval_samples_per_prompt >= 1 and args.eval_steps >= 1, "--eval-samples-per-prompt and --eval-steps must be >= 1")
+    need(
+        args.eval_samples_per_prompt >= 1 and args.eval_steps >= 1,
+        "--eval-samples-per-prompt and --eval-steps must be >= 1",
+    )
     need(args.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1")
     out = Path(args.output_dir).expanduser()
     need(not out.exists() or out.is_dir(), f"--output-dir {args.output_dir}: exists and is not a folder")
@@ -95,8 +98,11 @@ def check_run_args(args) -> tuple[list[str], list[str]]:
         ckpts[name] = path
     check_reward_weights(args.reward, ckpts)
     if args.resume_from not in (None, "latest"):
-        need(Path(args.resume_from).is_dir(), f"--resume-from {args.resume_from}: no such folder (give 'latest', a run "
-             "folder or one of its checkpoints/iter_* folders)")
+        need(
+            Path(args.resume_from).is_dir(),
+            f"--resume-from {args.resume_from}: no such folder (give 'latest', a run "
+            "folder or one of its checkpoints/iter_* folders)",
+        )
     check_model_id(args.model_id)
     return load_prompts(args.prompts, "--prompts"), load_prompts(args.eval_prompts, "--eval-prompts")
 
@@ -126,16 +132,22 @@ def resolve_resume(output_dir: str, exp_name: str, resume_from: str) -> tuple[Pa
     {exp_name}__* under output_dir; a run folder: its newest checkpoint; a checkpoints/iter_* folder: that one."""
     if resume_from == "latest":
         runs = [d for d in Path(output_dir).glob(f"{exp_name}__*") if _newest_checkpoint(d) is not None]
-        need(bool(runs), f"--resume-from latest: no run named {exp_name}__* with checkpoints in {output_dir} "
-             "(check --exp-name and --output-dir)")
+        need(
+            bool(runs),
+            f"--resume-from latest: no run named {exp_name}__* with checkpoints in {output_dir} "
+            "(check --exp-name and --output-dir)",
+        )
         run_dir = max(runs, key=lambda d: (d.name.rsplit("__", 1)[-1].zfill(12), d.name))
         return run_dir, _newest_checkpoint(run_dir)
     path = Path(resume_from)
     if path.name.startswith("iter_") and path.parent.name == "checkpoints":
         return path.parent.parent, path
     ckpt = _newest_checkpoint(path)
-    need(ckpt is not None, f"--resume-from {resume_from}: neither a run folder with checkpoints/iter_* inside nor a "
-         "checkpoints/iter_* folder")
+    need(
+        ckpt is not None,
+        f"--resume-from {resume_from}: neither a run folder with checkpoints/iter_* inside nor a "
+        "checkpoints/iter_* folder",
+    )
     return path, ckpt
 
 
@@ -161,7 +173,9 @@ class Run:
         else:  # one name for all processes: the main process's clock
             stamp = broadcast_object_list([int(time.time())])[0]
             self.dir, self.resume_path = Path(args.output_dir) / f"{args.exp_name}__{args.seed}__{stamp}", None
-            need(not self.dir.exists(), f"{self.dir} exists already: pass another --exp-name or --resume-from {self.dir}")
+            need(
+                not self.dir.exists(), f"{self.dir} exists already: pass another --exp-name or --resume-from {self.dir}"
+            )
         self.ckpt_dir = self.dir / "checkpoints"
         self.state = TrainState()
         accelerator.register_for_checkpointing(self.state)
@@ -175,8 +189,10 @@ class Run:
             self.accelerator.load_state(str(self.resume_path))
         except Exception as e:  # loading the folder the user named failed: a foreign or damaged checkpoint
             msg = str(e).splitlines()[0] if str(e) else ""
-            raise InputError(f"--resume-from {self.args.resume_from}: {self.resume_path} is not a checkpoint of this "
-                             f"script and settings ({type(e).__name__}: {msg[:300]})") from None
+            raise InputError(
+                f"--resume-from {self.args.resume_from}: {self.resume_path} is not a checkpoint of this "
+                f"script and settings ({type(e).__name__}: {msg[:300]})"
+            ) from None
         self.accelerator.print(f"resumed from {self.resume_path} at iteration {self.state.iteration}")
         return self.state.iteration
 
@@ -190,9 +206,16 @@ class Run:
             if self.args.track:
                 import wandb
 
-                config = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(self.args).items()}
-                self._wandb = wandb.init(project=self.args.wandb_project_name, name=self.dir.name, config=config,
-                                         dir=str(self.dir), resume="allow")
+                config = {
+                    k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(self.args).items()
+                }
+                self._wandb = wandb.init(
+                    project=self.args.wandb_project_name,
+                    name=self.dir.name,
+                    config=config,
+                    dir=str(self.dir),
+                    resume="allow",
+                )
         return self._tb
 
     def log(self, scalars: dict, step: int, echo: bool = False) -> None:
@@ -219,8 +242,9 @@ class Run:
         from common.viz import save_grid
 
         tb = self._writers()
-        title = f"{self.title}, iteration {step}" + (": badge = verifier verdict (right colours, shape, clean "
-                                                      "background)" if ok is not None else "")
+        title = f"{self.title}, iteration {step}" + (
+            ": badge = verifier verdict (right colours, shape, clean background)" if ok is not None else ""
+        )
         path = save_grid(self.dir / "samples" / f"samples_{step:06d}.png", images, captions, ok, ncol=8, title=title)
         tb.add_image("samples", np.asarray(Image.open(path)), step, dataformats="HWC")
         if self._wandb is not None:
@@ -319,7 +343,14 @@ class Evaluator:
     """
 
     def __init__(self, args, model, module, sampler, reward_fn, eval_prompts, run: Run, batch_size: int):
-        self.args, self.model, self.module, self.sampler, self.reward_fn, self.run = args, model, module, sampler, reward_fn, run
+        self.args, self.model, self.module, self.sampler, self.reward_fn, self.run = (
+            args,
+            model,
+            module,
+            sampler,
+            reward_fn,
+            run,
+        )
         self.batch_size = batch_size
         self.prompts = [p for p in eval_prompts for _ in range(args.eval_samples_per_prompt)]
         # 8 held-out prompts spread over the list (on ShapesBench all three shapes) x 2 seeds
@@ -333,7 +364,9 @@ class Evaluator:
 
     def _noise(self, tag: str, n: int, offset: int = 0) -> torch.Tensor:
         shape = self.model.latent_shape()
-        return torch.stack([torch.randn(shape, generator=keyed_generator(self.args.seed, tag, offset + j)) for j in range(n)])
+        return torch.stack(
+            [torch.randn(shape, generator=keyed_generator(self.args.seed, tag, offset + j)) for j in range(n)]
+        )
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict:
@@ -342,14 +375,21 @@ class Evaluator:
 
         device, images = self.run.accelerator.device, []
         chunks = range(0, len(self.prompts), self.batch_size)
-        for i in tqdm(chunks, desc=f"eval @ {step}", leave=False, disable=not self.run.accelerator.is_local_main_process):
+        for i in tqdm(
+            chunks, desc=f"eval @ {step}", leave=False, disable=not self.run.accelerator.is_local_main_process
+        ):
             chunk = self.prompts[i : i + self.batch_size]
             images.append(self.sampler(self.model.encode_prompts(chunk), self._noise("eval", len(chunk), i).to(device)))
         images = torch.cat(images)
         total, parts = self.reward_fn(images, self.prompts)
-        metrics = {"eval/reward": total.mean().item(), **{f"eval/reward_{k}": v.mean().item() for k, v in parts.items()}}
+        metrics = {
+            "eval/reward": total.mean().item(),
+            **{f"eval/reward_{k}": v.mean().item() for k, v in parts.items()},
+        }
         if self.model.kind == "shapes":
-            metrics.update({f"eval/{k}": v for k, v in shapes.evaluate(images.cpu(), self.prompts, self.shapes_reward).items()})
+            metrics.update(
+                {f"eval/{k}": v for k, v in shapes.evaluate(images.cpu(), self.prompts, self.shapes_reward).items()}
+            )
         self.run.log(metrics, step, echo=True)
         return metrics
 

@@ -16,6 +16,7 @@ This file holds the world itself:
     distribution rather than a shortcut (a reward trained otherwise scored a periodic texture highly);
   * `python -m common.shapes eval`: samples the shipped model on the held-out prompts and prints JSON.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,8 +37,14 @@ REWARD_PATH = ASSETS / "shapes-reward"
 SIZE = 32
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {  # RGB in [0, 255]; far apart so that nearest-palette labelling is unambiguous
-    "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 215, 40),
-    "purple": (140, 60, 190), "orange": (245, 140, 30), "white": (245, 245, 245), "black": (25, 25, 25),
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 220),
+    "yellow": (235, 215, 40),
+    "purple": (140, 60, 190),
+    "orange": (245, 140, 30),
+    "white": (245, 245, 245),
+    "black": (25, 25, 25),
 }
 COLOUR_NAMES = tuple(COLOURS)
 PALETTE = torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255.0  # (8, 3) in [0, 1]
@@ -64,7 +71,8 @@ def parse_prompt(prompt: str) -> tuple[int, int, int]:
         raise ValueError(
             f"not a ShapesBench prompt: {prompt!r} (expected 'a <colour> <shape> on a <colour> background' "
             f"with shapes {SHAPES} and colours {COLOUR_NAMES}); the verifier and the learned ShapesBench "
-            "reward only score ShapesBench prompts: choose another --reward or --prompts")
+            "reward only score ShapesBench prompts: choose another --reward or --prompts"
+        )
     return SHAPES.index(m[2]), COLOUR_NAMES.index(m[1]), COLOUR_NAMES.index(m[3])
 
 
@@ -171,8 +179,15 @@ def verify(images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
     bg_dev = (dev * is_bg).sum(1) / is_bg.sum(1).clamp_min(1)
     stray = 1 - (is_bg | (labels == target[:, 1:2])).float().mean(1)
     clean = (bg_dev <= CLEAN_MAX_DEV) & (stray <= CLEAN_MAX_STRAY)
-    return {"bg": bg_ok, "fg": fg_ok, "shape": shape_ok, "clean": clean,
-            "all": bg_ok & fg_ok & shape_ok & clean, "shape_pred": shape_pred, "shape_iou": shape_iou}
+    return {
+        "bg": bg_ok,
+        "fg": fg_ok,
+        "shape": shape_ok,
+        "clean": clean,
+        "all": bg_ok & fg_ok & shape_ok & clean,
+        "shape_pred": shape_pred,
+        "shape_iou": shape_iou,
+    }
 
 
 def verifier_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
@@ -214,17 +229,27 @@ def build_tokenizer():
     tk.normalizer = normalizers.Lowercase()
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     tk.post_processor = processors.TemplateProcessing(single=f"{BOS} $A {EOS}", special_tokens=[(BOS, 0), (EOS, 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=BOS, eos_token=EOS, pad_token=EOS,
-                                   unk_token=UNK, model_max_length=MAX_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token=BOS, eos_token=EOS, pad_token=EOS, unk_token=UNK, model_max_length=MAX_TOKENS
+    )
 
 
 def _text_config(vocab_size: int, hidden: int):
     from transformers import CLIPTextConfig
 
     # eos_token_id != 2 makes CLIP pool at the first EOS (pad == EOS, so that is the real end of the prompt)
-    return CLIPTextConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                          num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=MAX_TOKENS,
-                          bos_token_id=0, eos_token_id=1, pad_token_id=1, projection_dim=hidden)
+    return CLIPTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=MAX_TOKENS,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        projection_dim=hidden,
+    )
 
 
 def build_flow_components(seed: int = 0):
@@ -240,9 +265,18 @@ def build_flow_components(seed: int = 0):
     tok = build_tokenizer()
     text_encoder = CLIPTextModel(_text_config(len(tok), 64))
     transformer = SD3Transformer2DModel(
-        sample_size=SIZE, patch_size=4, in_channels=3, out_channels=3, num_layers=4, attention_head_dim=64,
-        num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=128, pooled_projection_dim=64,
-        pos_embed_max_size=SIZE // 4)
+        sample_size=SIZE,
+        patch_size=4,
+        in_channels=3,
+        out_channels=3,
+        num_layers=4,
+        attention_head_dim=64,
+        num_attention_heads=2,
+        joint_attention_dim=64,
+        caption_projection_dim=128,
+        pooled_projection_dim=64,
+        pos_embed_max_size=SIZE // 4,
+    )
     return tok, text_encoder, transformer
 
 
@@ -253,8 +287,15 @@ def build_reward_components(seed: int = 0):
     torch.manual_seed(seed)
     tok = build_tokenizer()
     text = _text_config(len(tok), 64)
-    vision = CLIPVisionConfig(image_size=SIZE, patch_size=4, hidden_size=64, intermediate_size=128,
-                              num_hidden_layers=3, num_attention_heads=2, projection_dim=64)
+    vision = CLIPVisionConfig(
+        image_size=SIZE,
+        patch_size=4,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        projection_dim=64,
+    )
     config = CLIPConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=64)
     return tok, CLIPModel(config)
 
@@ -293,13 +334,17 @@ def load_reward_model(path: str | Path | None = None, device="cpu") -> ShapesRew
     if not (path / "model" / "config.json").exists():
         raise InputError(
             f"--reward-ckpt shapes={path}: no ShapesBench reward model there (expected model/ and tokenizer/); "
-            "retrain it with `python scripts/train_shapes_reward.py`")
+            "retrain it with `python scripts/train_shapes_reward.py`"
+        )
     try:
-        return ShapesReward(AutoTokenizer.from_pretrained(path / "tokenizer"), CLIPModel.from_pretrained(path / "model"),
-                            device)
+        return ShapesReward(
+            AutoTokenizer.from_pretrained(path / "tokenizer"), CLIPModel.from_pretrained(path / "model"), device
+        )
     except Exception as e:  # damaged or foreign files in a folder shaped like a checkpoint
-        raise InputError(f"--reward-ckpt shapes={path}: not a ShapesBench reward model ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+        raise InputError(
+            f"--reward-ckpt shapes={path}: not a ShapesBench reward model ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''})"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -312,8 +357,15 @@ def sigma_schedule(steps: int, shift: float = 3.0) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_ode(model, prompts: list[str], seed: int, steps: int = 20, guidance_scale: float = 1.0,
-               batch_size: int = 64, transformer=None) -> torch.Tensor:
+def sample_ode(
+    model,
+    prompts: list[str],
+    seed: int,
+    steps: int = 20,
+    guidance_scale: float = 1.0,
+    batch_size: int = 64,
+    transformer=None,
+) -> torch.Tensor:
     """Euler ODE samples of `model` (a common.models.FlowModel), one initial noise per prompt from `seed`."""
     transformer = transformer or model.transformer
     g = torch.Generator().manual_seed(seed)
@@ -339,8 +391,11 @@ def evaluate(images: torch.Tensor, prompts: list[str], reward: ShapesReward | No
     for s, name in enumerate(SHAPES):
         out[f"shape_acc_{name}"] = v["shape"][shape_idx == s].float().mean().item()
     if reward is not None:
-        out["reward_mean"] = torch.cat([reward(images[i : i + 256], prompts[i : i + 256])
-                                        for i in range(0, len(prompts), 256)]).mean().item()
+        out["reward_mean"] = (
+            torch.cat([reward(images[i : i + 256], prompts[i : i + 256]) for i in range(0, len(prompts), 256)])
+            .mean()
+            .item()
+        )
     out["diversity"] = diversity(images, prompts)
     return out
 
@@ -360,24 +415,39 @@ def _eval_cli(args) -> None:
         elif (trained / "pytorch_lora_weights.safetensors").is_file():
             model.transformer.load_lora_adapter(str(trained), prefix="transformer", use_safetensors=True)
         else:
-            raise SystemExit(f"--trained {trained}: expected a run's final/ folder with transformer/ or "
-                             "pytorch_lora_weights.safetensors")
+            raise SystemExit(
+                f"--trained {trained}: expected a run's final/ folder with transformer/ or "
+                "pytorch_lora_weights.safetensors"
+            )
         name = f"{name} + {trained}"
     prompts = [p for p in split_prompts(args.split) for _ in range(args.samples_per_prompt)]
     t0 = time.perf_counter()
     images = sample_ode(model, prompts, args.seed, args.steps, args.guidance_scale)
     seconds = time.perf_counter() - t0
-    result = {"model_id": name, "split": args.split, "n": len(prompts), "steps": args.steps,
-              "guidance_scale": args.guidance_scale, "seed": args.seed,
-              **evaluate(images, prompts, load_reward_model()), "sampling_seconds": round(seconds, 2)}
+    result = {
+        "model_id": name,
+        "split": args.split,
+        "n": len(prompts),
+        "steps": args.steps,
+        "guidance_scale": args.guidance_scale,
+        "seed": args.seed,
+        **evaluate(images, prompts, load_reward_model()),
+        "sampling_seconds": round(seconds, 2),
+    }
     print(json.dumps(result, indent=1))
     if args.grid:  # the first sample of every prompt, so that all three shapes appear
         from common.viz import save_grid
 
         pick = list(range(0, len(prompts), args.samples_per_prompt))[: args.grid_n]
         ok = verify(images[pick], [prompts[i] for i in pick])["all"].tolist()
-        save_grid(args.grid, images[pick], [prompts[i].removeprefix("a ").removesuffix(" background") for i in pick],
-                  ok=ok, ncol=8, title=f"{name}: held-out prompts, Euler {args.steps} steps, badge = verifier verdict (right colours, shape, clean background)")
+        save_grid(
+            args.grid,
+            images[pick],
+            [prompts[i].removeprefix("a ").removesuffix(" background") for i in pick],
+            ok=ok,
+            ncol=8,
+            title=f"{name}: held-out prompts, Euler {args.steps} steps, badge = verifier verdict (right colours, shape, clean background)",
+        )
         print(f"grid written to {args.grid}")
 
 
@@ -386,16 +456,24 @@ if __name__ == "__main__":
 
     p = argparse.ArgumentParser(prog="python -m common.shapes", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("eval", help="sample the model on held-out prompts; print verifier accuracies and the learned reward as JSON")
-    e.add_argument("--model-id", default="shapesbench", help="flow model: 'shapesbench' (the shipped one) or a local folder")
-    e.add_argument("--trained", default="", help="a run's final/ folder (full or LoRA weights) to load on top of --model-id")
+    e = sub.add_parser(
+        "eval", help="sample the model on held-out prompts; print verifier accuracies and the learned reward as JSON"
+    )
+    e.add_argument(
+        "--model-id", default="shapesbench", help="flow model: 'shapesbench' (the shipped one) or a local folder"
+    )
+    e.add_argument(
+        "--trained", default="", help="a run's final/ folder (full or LoRA weights) to load on top of --model-id"
+    )
     e.add_argument("--split", default="eval", choices=["eval", "train"])
     e.add_argument("--samples-per-prompt", type=int, default=4)
     e.add_argument("--steps", type=int, default=20, help="Euler ODE steps (shifted schedule, shift 3)")
     e.add_argument("--guidance-scale", type=float, default=1.0, help="classifier-free guidance (1 = off)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
-    e.add_argument("--grid", default="", help="also write a PNG grid (first sample of each prompt) with the verifier's verdicts")
+    e.add_argument(
+        "--grid", default="", help="also write a PNG grid (first sample of each prompt) with the verifier's verdicts"
+    )
     e.add_argument("--grid-n", type=int, default=48)
     args = p.parse_args()
     _eval_cli(args)

@@ -1,4 +1,5 @@
 """Picture helpers: a captioned PNG grid of samples, with an optional pass / fail badge under each image."""
+
 from __future__ import annotations
 
 import textwrap
@@ -9,8 +10,15 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 
-def save_grid(path: str | Path, images: torch.Tensor, captions: list[str], ok: list[bool] | None = None,
-              ncol: int = 8, cell: int = 128, title: str = "") -> Path:
+def save_grid(
+    path: str | Path,
+    images: torch.Tensor,
+    captions: list[str],
+    ok: list[bool] | None = None,
+    ncol: int = 8,
+    cell: int = 128,
+    title: str = "",
+) -> Path:
     """Write images (N, 3, H, W) in [0, 1] as a grid PNG, each cell `cell` px wide with its caption below.
 
     `ok` draws a badge between each image and its caption, "pass" on green or "fail" on red (e.g. the verifier's
@@ -36,7 +44,10 @@ def save_grid(path: str | Path, images: torch.Tensor, captions: list[str], ok: l
         x0, y0 = pad + c * (cell + pad), top + pad + r * (cell + text_h + pad)
         grid.paste(Image.fromarray(pixels[i]).resize((cell, cell), Image.NEAREST), (x0, y0))
         if ok is not None:
-            draw.rectangle([x0, y0 + cell + 1, x0 + cell - 1, y0 + cell + badge - 1], fill=(30, 150, 60) if ok[i] else (200, 30, 30))
+            draw.rectangle(
+                [x0, y0 + cell + 1, x0 + cell - 1, y0 + cell + badge - 1],
+                fill=(30, 150, 60) if ok[i] else (200, 30, 30),
+            )
             draw.text((x0 + 3, y0 + cell + 1), "pass" if ok[i] else "fail", fill="white", font=font)
         draw.multiline_text((x0, y0 + cell + 2 + badge), wrapped[i], fill="black", font=font, spacing=1)
     path = Path(path)

@@ -9,6 +9,7 @@ guidance works. Ground truth comes from the ShapesBench renderer over all 168 ca
 deliberately under-trained: colours right, shapes often wrong, leaving room for RL (colour accuracy
 >= 0.9 and shape accuracy between 0.3 and 0.75 on the held-out prompts, `python -m common.shapes eval`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,14 +36,18 @@ def main():
     p.add_argument("--caption-dropout", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(shapes.FLOW_PATH))
-    p.add_argument("--snapshots", type=int, nargs="*", default=[], help="also save the model after these steps to OUT_stepN")
+    p.add_argument(
+        "--snapshots", type=int, nargs="*", default=[], help="also save the model after these steps to OUT_stepN"
+    )
     args = p.parse_args()
 
     tokenizer, text_encoder, transformer = shapes.build_flow_components(args.seed)
     params = [*text_encoder.parameters(), *transformer.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     # linear warmup, then cosine decay to 0: a decayed model samples visibly cleaner than a constant-lr one
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min((i + 1) / args.warmup, 0.5 * (1 + math.cos(math.pi * i / args.steps))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min((i + 1) / args.warmup, 0.5 * (1 + math.cos(math.pi * i / args.steps)))
+    )
     g = torch.Generator().manual_seed(args.seed)
     t0, ema_loss = time.perf_counter(), None
     bar = tqdm(range(args.steps), desc="pretrain flow", mininterval=2)
@@ -56,8 +61,13 @@ def main():
         xs = (1 - s.view(-1, 1, 1, 1)) * x0 + s.view(-1, 1, 1, 1) * eps
         ids = tokenizer(captions, padding="max_length", truncation=True, return_tensors="pt").input_ids
         text = text_encoder(ids)
-        v = transformer(hidden_states=xs, timestep=s * 1000, encoder_hidden_states=text.last_hidden_state,
-                        pooled_projections=text.pooler_output, return_dict=False)[0]
+        v = transformer(
+            hidden_states=xs,
+            timestep=s * 1000,
+            encoder_hidden_states=text.last_hidden_state,
+            pooled_projections=text.pooler_output,
+            return_dict=False,
+        )[0]
         loss = torch.nn.functional.mse_loss(v, eps - x0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -71,8 +81,13 @@ def main():
 
     out = Path(args.out)
     save_shapesbench(out, transformer, text_encoder, tokenizer)
-    log = {"command": "python " + " ".join(sys.argv), **vars(args), "final_loss_ema": round(ema_loss, 5),
-           "wall_seconds": round(time.perf_counter() - t0, 1), "threads": torch.get_num_threads()}
+    log = {
+        "command": "python " + " ".join(sys.argv),
+        **vars(args),
+        "final_loss_ema": round(ema_loss, 5),
+        "wall_seconds": round(time.perf_counter() - t0, 1),
+        "threads": torch.get_num_threads(),
+    }
     (out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
     print(json.dumps(log))
 

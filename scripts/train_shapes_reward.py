@@ -8,6 +8,7 @@ so the caption set itself supplies the hard negatives (same colours, other shape
 Clean images only: a texture painted over the background is then out of distribution for the reward,
 not a learned shortcut. The reward is the cosine similarity.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,10 @@ def ranking_accuracy(reward, n: int, seed: int) -> dict:
     sims = reward.image_features(images) @ reward.text_features(prompts).T  # (n, 168)
     true = torch.tensor([prompts.index(c) for c in captions])
     other = (true + torch.randint(1, len(prompts), (n,), generator=g)) % len(prompts)
-    return {"pairwise_rank_acc": (sims[torch.arange(n), true] > sims[torch.arange(n), other]).float().mean().item(),
-            "top1_acc": (sims.argmax(1) == true).float().mean().item()}
+    return {
+        "pairwise_rank_acc": (sims[torch.arange(n), true] > sims[torch.arange(n), other]).float().mean().item(),
+        "top1_acc": (sims.argmax(1) == true).float().mean().item(),
+    }
 
 
 def main():
@@ -68,8 +71,13 @@ def main():
     tokenizer.save_pretrained(out / "tokenizer")
     model.save_pretrained(out / "model")
     reward = shapes.ShapesReward(tokenizer, model.eval())
-    log = {"command": "python " + " ".join(sys.argv), **vars(args), "final_loss": round(loss.item(), 5),
-           "wall_seconds": round(time.perf_counter() - t0, 1), **ranking_accuracy(reward, 2048, args.seed + 1)}
+    log = {
+        "command": "python " + " ".join(sys.argv),
+        **vars(args),
+        "final_loss": round(loss.item(), 5),
+        "wall_seconds": round(time.perf_counter() - t0, 1),
+        **ranking_accuracy(reward, 2048, args.seed + 1),
+    }
     (out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
     print(json.dumps(log))
 

@@ -1,5 +1,6 @@
 """Helpers shared by the script tests: run a script or a run.sh recipe in a subprocess, read its metrics,
 compare the final weights of two runs."""
+
 import json
 import os
 import subprocess
@@ -17,7 +18,9 @@ WEIGHTS = Path("transformer") / "diffusion_pytorch_model.safetensors"  # a full 
 def run_script(script, args, tmp_path, launcher=(sys.executable,), env=None, check=True):
     """`python SCRIPT --output-dir TMP ARGS` (or under `launcher`) on one thread; asserts success unless check=False."""
     cmd = [*launcher, str(ROOT / script), "--output-dir", str(tmp_path), *args]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    out = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    )
     if check:
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
@@ -25,8 +28,13 @@ def run_script(script, args, tmp_path, launcher=(sys.executable,), env=None, che
 
 def run_recipe(recipe, args, tmp_path):
     """`bash run.sh RECIPE ARGS --output-dir TMP` with this interpreter; asserts success."""
-    out = subprocess.run(["bash", "run.sh", recipe, *args, "--output-dir", str(tmp_path)], cwd=ROOT, capture_output=True,
-                         text=True, env={**os.environ, "PY": sys.executable, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        ["bash", "run.sh", recipe, *args, "--output-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PY": sys.executable, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 

@@ -1,4 +1,5 @@
 """branchgrpo.py: tree bookkeeping, branch noise, fusion, depth-wise advantages, pruning, and the script end to end."""
+
 import functools
 import math
 import sys
@@ -16,9 +17,28 @@ from tests.helpers import assert_same_trained_weights, find_run, metrics
 from tests.helpers import run_script as run
 from tests.tiny import build_flux, build_shapes, build_tiny_hps
 
-TINY_RUN = ["--iterations", "2", "--trees-per-device", "2", "--trees-per-update", "1", "--num-steps", "6",
-            "--num-splits", "2", "--rollout-batch-size", "4", "--eval-every", "2", "--eval-samples-per-prompt", "1",
-            "--eval-steps", "4", "--sample-every", "2"]
+TINY_RUN = [
+    "--iterations",
+    "2",
+    "--trees-per-device",
+    "2",
+    "--trees-per-update",
+    "1",
+    "--num-steps",
+    "6",
+    "--num-splits",
+    "2",
+    "--rollout-batch-size",
+    "4",
+    "--eval-every",
+    "2",
+    "--eval-samples-per-prompt",
+    "1",
+    "--eval-steps",
+    "4",
+    "--sample-every",
+    "2",
+]
 
 
 def run_script(args, tmp_path, *rest, **kw):
@@ -39,8 +59,17 @@ def test_dense_tree_counts_match_the_paper():
     assert B.tree_sizes(20, [0, 3, 6, 9], 2)[:11] == [1, 2, 2, 2, 4, 4, 4, 8, 8, 8, 16]
 
 
-@pytest.mark.parametrize("steps,splits,k", [(20, [0, 5, 10, 15], 2), (12, [0, 3, 6, 9], 2), (10, [2, 5], 3),
-                                            (20, [10, 12, 14, 16], 2), (8, [0], 4), (6, [4], 2)])
+@pytest.mark.parametrize(
+    "steps,splits,k",
+    [
+        (20, [0, 5, 10, 15], 2),
+        (12, [0, 3, 6, 9], 2),
+        (10, [2, 5], 3),
+        (20, [10, 12, 14, 16], 2),
+        (8, [0], 4),
+        (6, [4], 2),
+    ],
+)
 def test_tree_counts_closed_form(steps, splits, k):
     """edges = sum_j K^j (s_{j+1} - s_j) with s_0 = 0, s_{m+1} = T (K^j edges at each step after the j-th split),
     and every split adds K - 1 edges per parent without a forward: forwards = edges - (K^m - 1)."""
@@ -87,7 +116,9 @@ def grow(model, splits, k, steps=4, batch_size=64, noise="correlated", trees=2):
     g = B.noise_g(sigmas, "flow", 0.7)
     shape = model.latent_shape()
 
-    args = SimpleNamespace(branch_factor=k, rollout_batch_size=batch_size, guidance_scale=1.0, branch_noise=noise, branch_s=4.0)
+    args = SimpleNamespace(
+        branch_factor=k, rollout_batch_size=batch_size, guidance_scale=1.0, branch_noise=noise, branch_s=4.0
+    )
 
     def noise_fn(i, n_parents):
         kk, gens = B.children(i, splits, k), [B.rng(0, "t", t, i) for t in range(trees)]
@@ -96,8 +127,9 @@ def grow(model, splits, k, steps=4, batch_size=64, noise="correlated", trees=2):
         return torch.cat([torch.randn((n_parents * kk, *shape), generator=gg) for gg in gens])
 
     roots = torch.randn((trees, *shape), generator=torch.Generator().manual_seed(0))
-    states, lps = B.tree_rollout(model, model.transformer, cond, roots, sigmas, g, splits, set(range(steps - 1)), noise_fn,
-                                 args, nullcontext)
+    states, lps = B.tree_rollout(
+        model, model.transformer, cond, roots, sigmas, g, splits, set(range(steps - 1)), noise_fn, args, nullcontext
+    )
     return states, lps, sigmas, g, cond
 
 
@@ -107,7 +139,9 @@ def test_child_edge_log_prob_is_the_sde_transition(tiny_shapes, noise, scale):
     assert [len(s) for s in states] == [2, 4, 8, 8, 8]
     x = states[1]  # parents of the split at step 1, tree-major
     with torch.no_grad():
-        v = tiny_shapes.velocity(tiny_shapes.transformer, x, sigmas[1].expand(4), {k: v.repeat_interleave(2, 0) for k, v in cond.items()})
+        v = tiny_shapes.velocity(
+            tiny_shapes.transformer, x, sigmas[1].expand(4), {k: v.repeat_interleave(2, 0) for k, v in cond.items()}
+        )
     mean, std = B.step_mean_std(x, v, sigmas[1], sigmas[2], g[1])
     normal = torch.distributions.Normal(mean.repeat_interleave(2, 0), std * scale)  # scored under the std actually used
     torch.testing.assert_close(lps[1], normal.log_prob(states[2]).flatten(1).mean(1), rtol=1e-5, atol=1e-5)
@@ -173,8 +207,13 @@ def test_no_pruning_trains_every_edge_but_the_last_step():
 
 
 def test_depth_pruning_skips_a_sliding_four_step_window():
-    for it, window in [(0, [10, 11, 12, 13]), (29, [10, 11, 12, 13]), (30, [11, 12, 13, 14]), (150, [15, 16, 17, 18]),
-                       (10_000, [15, 16, 17, 18])]:
+    for it, window in [
+        (0, [10, 11, 12, 13]),
+        (29, [10, 11, 12, 13]),
+        (30, [11, 12, 13, 14]),
+        (150, [15, 16, 17, 18]),
+        (10_000, [15, 16, 17, 18]),
+    ]:
         keep, _ = masks("depth", it)
         assert [i for i in range(19) if not keep[i].any()] == window, it
         assert count(keep) == 218 - 16 - 4 * 16
@@ -261,14 +300,28 @@ def test_end_to_end_shapesbench(tmp_path):
     assert (run / "samples" / "samples_000002.png").is_file()
 
 
-@pytest.mark.parametrize("extra", [["--pruning", "depth", "--window", "2"], ["--pruning", "width"],
-                                   ["--pruning", "width", "--width-mode", "extreme"], ["--pruning", "mix", "--window", "1"],
-                                   ["--branch-noise", "scaled", "--fusion", "path"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--pruning", "depth", "--window", "2"],
+        ["--pruning", "width"],
+        ["--pruning", "width", "--width-mode", "extreme"],
+        ["--pruning", "mix", "--window", "1"],
+        ["--branch-noise", "scaled", "--fusion", "path"],
+    ],
+)
 def test_pruning_modes_end_to_end(tmp_path, extra):
-    run_script(TINY_RUN + ["--exp-name", "p", "--eval-every", "0", "--sample-every", "0", "--iterations", "1"] + extra, tmp_path)
+    run_script(
+        TINY_RUN + ["--exp-name", "p", "--eval-every", "0", "--sample-every", "0", "--iterations", "1"] + extra,
+        tmp_path,
+    )
     train = [r for r in metrics(tmp_path / "p") if "losses/policy" in r]
-    assert train[0]["tree/trained_edges_per_leaf"] < (B.tree_counts(6, [0, 3], 2)[1] - 4) / 4 or "--branch-noise" in extra
-    assert train[0]["losses/first_ratio_max_dev"] < 1e-5  # pruned micro-batches differ from rollout chunks only in batch size
+    assert (
+        train[0]["tree/trained_edges_per_leaf"] < (B.tree_counts(6, [0, 3], 2)[1] - 4) / 4 or "--branch-noise" in extra
+    )
+    assert (
+        train[0]["losses/first_ratio_max_dev"] < 1e-5
+    )  # pruned micro-batches differ from rollout chunks only in batch size
 
 
 def test_resume_gives_the_same_weights(tmp_path):
@@ -294,11 +347,33 @@ def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
     monkeypatch.setitem(rewards.REWARDS, "hpsv2.1", functools.partial(rewards.REWARDS["hpsv2.1"], arch="tiny-hps"))
     build_flux(tmp_path / "flux")
     (tmp_path / "prompts.txt").write_text("a cat\na dog\n")
-    argv = TINY_RUN + ["--output-dir", str(tmp_path), "--exp-name", "flux", "--model-id", str(tmp_path / "flux"),
-                       "--resolution", "32", "--prompts", str(tmp_path / "prompts.txt"),
-                       "--eval-prompts", str(tmp_path / "prompts.txt"), "--reward", "hpsv2.1",
-                       "--reward-ckpt", f"hpsv2.1={ckpt}", "--lora", "--lora-rank", "4", "--guidance-scale", "3.5",
-                       "--pruning", "depth", "--window", "2"]
+    argv = TINY_RUN + [
+        "--output-dir",
+        str(tmp_path),
+        "--exp-name",
+        "flux",
+        "--model-id",
+        str(tmp_path / "flux"),
+        "--resolution",
+        "32",
+        "--prompts",
+        str(tmp_path / "prompts.txt"),
+        "--eval-prompts",
+        str(tmp_path / "prompts.txt"),
+        "--reward",
+        "hpsv2.1",
+        "--reward-ckpt",
+        f"hpsv2.1={ckpt}",
+        "--lora",
+        "--lora-rank",
+        "4",
+        "--guidance-scale",
+        "3.5",
+        "--pruning",
+        "depth",
+        "--window",
+        "2",
+    ]
     B.main(tyro.cli(B.Args, args=argv))
     train = [r for r in metrics(tmp_path / "flux") if "losses/policy" in r]
     assert len(train) == 2 and all(math.isfinite(r["losses/policy"]) for r in train)

@@ -1,4 +1,5 @@
 """dancegrpo.py: the SDE log-prob, advantages, the MixGRPO window, ratio == 1, and the real script end to end."""
+
 import subprocess
 import sys
 
@@ -13,9 +14,28 @@ from tests.helpers import ROOT, assert_same_trained_weights, find_run, metrics, 
 from tests.helpers import run_script as run
 from tests.tiny import build_flux, build_shapes, build_tiny_hps
 
-TINY_RUN = ["--iterations", "2", "--samples-per-device", "8", "--group-size", "4", "--rollout-batch-size", "4",
-            "--trajectories-per-update", "4", "--num-steps", "4", "--eval-every", "2", "--eval-samples-per-prompt", "1",
-            "--eval-steps", "4", "--sample-every", "2"]
+TINY_RUN = [
+    "--iterations",
+    "2",
+    "--samples-per-device",
+    "8",
+    "--group-size",
+    "4",
+    "--rollout-batch-size",
+    "4",
+    "--trajectories-per-update",
+    "4",
+    "--num-steps",
+    "4",
+    "--eval-every",
+    "2",
+    "--eval-samples-per-prompt",
+    "1",
+    "--eval-steps",
+    "4",
+    "--sample-every",
+    "2",
+]
 
 
 def run_script(args, tmp_path, *rest, **kw):
@@ -91,7 +111,9 @@ def test_ratio_is_exactly_one_before_the_first_update(tmp_path):
     assert latents.shape == (4, 7, 3, 32, 32) and torch.all(log_probs[:, -1] == 0)
     for i in range(5):  # the training forward (with grad) on the same micro-batch
         v = model.velocity(model.transformer, latents[:, i], sigmas[i].expand(4), cond)
-        _, logp, _, _ = D.sde_step(latents[:, i], v.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=latents[:, i + 1])
+        _, logp, _, _ = D.sde_step(
+            latents[:, i], v.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=latents[:, i + 1]
+        )
         assert torch.equal(torch.exp(logp - log_probs[:, i]), torch.ones(4))
 
 
@@ -138,8 +160,24 @@ def test_resume_gives_the_same_weights(tmp_path):
 def test_two_processes_keep_identical_weights(tmp_path):
     launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2")
     # groups of 4 over 2 processes x 2 samples: every group spans both processes
-    run_script(TINY_RUN + ["--exp-name", "ddp", "--samples-per-device", "2", "--rollout-batch-size", "2",
-                           "--trajectories-per-update", "2", "--eval-every", "0"], tmp_path, launcher, {"ACCELERATE_USE_CPU": "1"})
+    run_script(
+        TINY_RUN
+        + [
+            "--exp-name",
+            "ddp",
+            "--samples-per-device",
+            "2",
+            "--rollout-batch-size",
+            "2",
+            "--trajectories-per-update",
+            "2",
+            "--eval-every",
+            "0",
+        ],
+        tmp_path,
+        launcher,
+        {"ACCELERATE_USE_CPU": "1"},
+    )
     last = [r for r in metrics(tmp_path / "ddp") if "charts/rank_weight_spread" in r][-1]
     assert last["iteration"] == 2 and last["charts/rank_weight_spread"] == 0
 
@@ -154,10 +192,29 @@ def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
     monkeypatch.setitem(rewards.REWARDS, "hpsv2.1", functools.partial(rewards.REWARDS["hpsv2.1"], arch="tiny-hps"))
     build_flux(tmp_path / "flux")
     (tmp_path / "prompts.txt").write_text("a cat\na dog\n")
-    argv = TINY_RUN + ["--output-dir", str(tmp_path), "--exp-name", "flux", "--model-id", str(tmp_path / "flux"),
-                       "--resolution", "32", "--prompts", str(tmp_path / "prompts.txt"),
-                       "--eval-prompts", str(tmp_path / "prompts.txt"), "--reward", "hpsv2.1",
-                       "--reward-ckpt", f"hpsv2.1={ckpt}", "--lora", "--lora-rank", "4", "--guidance-scale", "3.5"]
+    argv = TINY_RUN + [
+        "--output-dir",
+        str(tmp_path),
+        "--exp-name",
+        "flux",
+        "--model-id",
+        str(tmp_path / "flux"),
+        "--resolution",
+        "32",
+        "--prompts",
+        str(tmp_path / "prompts.txt"),
+        "--eval-prompts",
+        str(tmp_path / "prompts.txt"),
+        "--reward",
+        "hpsv2.1",
+        "--reward-ckpt",
+        f"hpsv2.1={ckpt}",
+        "--lora",
+        "--lora-rank",
+        "4",
+        "--guidance-scale",
+        "3.5",
+    ]
     D.main(tyro.cli(D.Args, args=argv))
     train = [r for r in metrics(tmp_path / "flux") if "losses/policy" in r]
     assert len(train) == 2 and all(r["losses/first_ratio_max_dev"] == 0 for r in train)

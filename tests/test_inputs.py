@@ -1,4 +1,5 @@
 """Bad input to the four scripts: one line naming the flag, exit status 2, no traceback, no run folder left behind."""
+
 import subprocess
 import sys
 
@@ -33,8 +34,17 @@ def bad_inputs(tmp):
     }
 
 
-ALL = ["model-dir", "prompts", "reward-ckpt", "output-dir", "not-utf8", "reward-not-a-checkpoint", "resume-foreign",
-       "hub-offline", "reward-offline"]
+ALL = [
+    "model-dir",
+    "prompts",
+    "reward-ckpt",
+    "output-dir",
+    "not-utf8",
+    "reward-not-a-checkpoint",
+    "resume-foreign",
+    "hub-offline",
+    "reward-offline",
+]
 # every case on dancegrpo.py; the four the review found on each of the others
 CASES = [("dancegrpo.py", c) for c in ALL] + [(s, c) for s in SCRIPTS[1:] for c in ALL[:4]]
 

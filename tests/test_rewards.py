@@ -47,8 +47,9 @@ def test_parse_reward_spec_valid():
     assert parse_reward_spec("hpsv2.1:0") == [("hpsv2.1", 0.0)]  # the dot in the name is not a separator
 
 
-@pytest.mark.parametrize("spec", ["shapes:abc", "shapes:", "", ",", "shapes,,jpeg", ":1", "shapes:nan",
-                                  "shapes:1,shapes:2", "hps,hpsv2.1"])
+@pytest.mark.parametrize(
+    "spec", ["shapes:abc", "shapes:", "", ",", "shapes,,jpeg", ":1", "shapes:nan", "shapes:1,shapes:2", "hps,hpsv2.1"]
+)
 def test_parse_reward_spec_malformed(spec):
     with pytest.raises(ValueError, match="--reward name:weight,name:weight"):
         parse_reward_spec(spec)
@@ -179,7 +180,7 @@ def tiny_clip(tmp_path_factory):
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
 
     bpe = Path(open_clip.tokenizer.__file__).parent / "bpe_simple_vocab_16e6.txt.gz"
-    merges = [tuple(line.split()) for line in gzip.open(bpe).read().decode().split("\n")[1:49152 - 256 - 2 + 1]]
+    merges = [tuple(line.split()) for line in gzip.open(bpe).read().decode().split("\n")[1 : 49152 - 256 - 2 + 1]]
     vocab = list(open_clip.tokenizer.bytes_to_unicode().values())
     vocab += [v + "</w>" for v in vocab] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
     tokenizer = CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=merges, model_max_length=77)
@@ -187,12 +188,27 @@ def tiny_clip(tmp_path_factory):
     image_processor = CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64})
     torch.manual_seed(0)
     config = CLIPConfig(
-        text_config=dict(vocab_size=49408, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=77,
-                         bos_token_id=49406, eos_token_id=49407, pad_token_id=49407),
-        vision_config=dict(image_size=64, patch_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2),
-        projection_dim=32)
+        text_config=dict(
+            vocab_size=49408,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            bos_token_id=49406,
+            eos_token_id=49407,
+            pad_token_id=49407,
+        ),
+        vision_config=dict(
+            image_size=64,
+            patch_size=16,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+        ),
+        projection_dim=32,
+    )
     d = tmp_path_factory.mktemp("clip")
     CLIPModel(config).save_pretrained(d)
     CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(d)

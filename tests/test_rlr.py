@@ -1,5 +1,6 @@
 """rlr.py: the estimator is unbiased on a linear-Gaussian chain (closed-form gradient), its variance falls with h,
 the DDIM / flow transitions, the h* rule, baselines, parameter perturbations, and the real script end to end."""
+
 import itertools
 import math
 import sys
@@ -17,9 +18,26 @@ from tests.helpers import assert_same_trained_weights, find_run, metrics
 from tests.helpers import run_script as run
 from tests.tiny import build_sd1, build_shapes, build_tiny_hps
 
-TINY_RUN = ["--iterations", "2", "--samples-per-device", "4", "--group-size", "2", "--rollout-batch-size", "2",
-            "--num-steps", "4", "--eval-every", "2", "--eval-samples-per-prompt", "1", "--eval-steps", "4",
-            "--sample-every", "2"]
+TINY_RUN = [
+    "--iterations",
+    "2",
+    "--samples-per-device",
+    "4",
+    "--group-size",
+    "2",
+    "--rollout-batch-size",
+    "2",
+    "--num-steps",
+    "4",
+    "--eval-every",
+    "2",
+    "--eval-samples-per-prompt",
+    "1",
+    "--eval-steps",
+    "4",
+    "--sample-every",
+    "2",
+]
 
 
 def run_script(args, tmp_path, *rest, **kw):
@@ -33,8 +51,16 @@ T, D = 5, 2
 ALPHA = torch.tensor([0.9, 0.8, 0.85, 0.7, 0.9], dtype=torch.float64)
 BETA = torch.tensor([[0.2, -0.1], [0.1, 0.3], [-0.2, 0.1], [0.15, 0.2], [0.1, -0.2]], dtype=torch.float64)
 GAMMA = torch.tensor([[0.1, -0.2], [0.0, 0.3], [0.2, 0.1], [-0.1, 0.0], [0.3, -0.1]], dtype=torch.float64)
-DELTA = torch.tensor([[[0.5, 0.1], [0.0, 0.4]], [[0.3, -0.2], [0.1, 0.2]], [[0.2, 0.0], [-0.3, 0.5]],
-                      [[0.4, 0.2], [0.1, -0.1]], [[0.6, -0.3], [0.2, 0.3]]], dtype=torch.float64)
+DELTA = torch.tensor(
+    [
+        [[0.5, 0.1], [0.0, 0.4]],
+        [[0.3, -0.2], [0.1, 0.2]],
+        [[0.2, 0.0], [-0.3, 0.5]],
+        [[0.4, 0.2], [0.1, -0.1]],
+        [[0.6, -0.3], [0.2, 0.3]],
+    ],
+    dtype=torch.float64,
+)
 STD = torch.tensor([0.6, 0.5, 0.4, 0.3, 0.0], dtype=torch.float64)
 M0, V0, Y = torch.tensor([0.5, -0.5], dtype=torch.float64), 1.0, torch.tensor([1.0, 2.0], dtype=torch.float64)
 THETA = torch.tensor([0.3, -0.2], dtype=torch.float64)
@@ -49,9 +75,11 @@ def step_params(theta, i):
 
 def chain(theta_rep):
     """The chain as rlr.py sees any sampler: mean_std(i, x) -> (mean, std), one parameter row per chain."""
+
     def mean_std(i, x):
         a, b = step_params(theta_rep, i)
         return a[:, None] * x + b, STD[i]
+
     return mean_std
 
 
@@ -162,12 +190,16 @@ def test_flow_transition_and_exact_recompute(tmp_path):
 
     with torch.no_grad():
         v = model.velocity(model.transformer, x, torch.ones(2), cond)
-        _, _, mean_ref, std_ref = R.sde_step(x, v, sched["sigmas"][0], sched["sigmas"][1], sched["g"][0], noise=noise[:, 0])
+        _, _, mean_ref, std_ref = R.sde_step(
+            x, v, sched["sigmas"][0], sched["sigmas"][1], sched["g"][0], noise=noise[:, 0]
+        )
         mean, std = mean_std(0, x)
         torch.testing.assert_close(mean, mean_ref)
         torch.testing.assert_close(std, std_ref)
         last, std_last = mean_std(4, x)
-        assert std_last == 0 and torch.equal(last, x - sched["sigmas"][4] * model.velocity(model.transformer, x, sched["sigmas"][4].expand(2), cond))
+        assert std_last == 0 and torch.equal(
+            last, x - sched["sigmas"][4] * model.velocity(model.transformer, x, sched["sigmas"][4].expand(2), cond)
+        )
     latents = R.rollout(mean_std, x, noise)
     assert latents.shape == (2, 5, 3, 32, 32)
     for j, h in [(0, 1), (1, 2), (0, 4)]:
@@ -195,12 +227,16 @@ def test_windows_and_zo_steps_partition_the_steps():
 
 def test_baselines_by_hand():
     r = torch.tensor([1.0, 2.0, 3.0, 6.0, 5.0, 5.0, 5.0, 9.0])
-    torch.testing.assert_close(R.loo_baseline(r, 4), torch.tensor([11 / 3, 10 / 3, 3.0, 2.0, 19 / 3, 19 / 3, 19 / 3, 5.0]))
+    torch.testing.assert_close(
+        R.loo_baseline(r, 4), torch.tensor([11 / 3, 10 / 3, 3.0, 2.0, 19 / 3, 19 / 3, 19 / 3, 5.0])
+    )
     # blocks of 2: the baseline of a sample is the mean of its group outside its own block
     block = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     torch.testing.assert_close(R.zo_baseline(r, 4, block), torch.tensor([4.5, 4.5, 1.5, 1.5, 7.0, 7.0, 5.0, 5.0]))
     # a group inside one block falls back to all other blocks, and never reads its own block
-    torch.testing.assert_close(R.zo_baseline(r, 4, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])), torch.tensor([6.0] * 4 + [3.0] * 4))
+    torch.testing.assert_close(
+        R.zo_baseline(r, 4, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])), torch.tensor([6.0] * 4 + [3.0] * 4)
+    )
     assert torch.all(R.zo_baseline(r, 4, torch.zeros(8, dtype=torch.long)) == 0)
     coef = R.zo_coefficients(r, block, torch.tensor([[True, False]] * 4 + [[False, True]] * 4), 4)
     torch.testing.assert_close(coef, torch.tensor([[3.0, 0], [9.0, 0], [0, 10.0], [0, 14.0]]))
@@ -224,10 +260,15 @@ def test_validation_names_the_flag(tmp_path):
         return R.Args(**{"subchain_len": 2, "zo_perturbations": 4, **kw})
 
     R.validate(args(), world=1)
-    for kw, flag in [({"reward": "verifier"}, "--reward"), ({"reward": "shapes:1,jpeg:0.5"}, "--reward"),
-                     ({"subchain_len": 10}, "--subchain-len"), ({"subchain_len": 3, "subchain_stage": "fine"}, "--subchain-stage"),
-                     ({"zo_perturbations": 3}, "--zo-perturbations"), ({"group_size": 3}, "--group-size"),
-                     ({"dcot_prompts": str(tmp_path / "nope.tsv")}, "--dcot-prompts")]:
+    for kw, flag in [
+        ({"reward": "verifier"}, "--reward"),
+        ({"reward": "shapes:1,jpeg:0.5"}, "--reward"),
+        ({"subchain_len": 10}, "--subchain-len"),
+        ({"subchain_len": 3, "subchain_stage": "fine"}, "--subchain-stage"),
+        ({"zo_perturbations": 3}, "--zo-perturbations"),
+        ({"group_size": 3}, "--group-size"),
+        ({"dcot_prompts": str(tmp_path / "nope.tsv")}, "--dcot-prompts"),
+    ]:
         with pytest.raises(InputError, match=flag):
             R.validate(args(**kw), world=1)
     R.validate(args(reward="shapes:1,verifier:0"), world=1)  # weight 0: logged only, no gradient needed
@@ -247,11 +288,28 @@ def test_non_differentiable_reward_is_refused_at_start_up(tmp_path):
 
 # ---------------------------------------------------------------- the real script
 def test_end_to_end_shapesbench_with_dcot(tmp_path):
-    (tmp_path / "dcot.tsv").write_text("# prompt, coarse, medium, fine\n" + "".join(
-        f"a {c} circle on a blue background\ta {c} square on a blue background\ta {c} circle on a blue background"
-        f"\ta {c} circle on a white background\n" for c in ("red", "green", "yellow")))
-    run_script(TINY_RUN + ["--exp-name", "e2e", "--save-every", "1", "--dcot-prompts", str(tmp_path / "dcot.tsv"),
-                           "--subchain-stage", "coarse"], tmp_path)
+    (tmp_path / "dcot.tsv").write_text(
+        "# prompt, coarse, medium, fine\n"
+        + "".join(
+            f"a {c} circle on a blue background\ta {c} square on a blue background\ta {c} circle on a blue background"
+            f"\ta {c} circle on a white background\n"
+            for c in ("red", "green", "yellow")
+        )
+    )
+    run_script(
+        TINY_RUN
+        + [
+            "--exp-name",
+            "e2e",
+            "--save-every",
+            "1",
+            "--dcot-prompts",
+            str(tmp_path / "dcot.tsv"),
+            "--subchain-stage",
+            "coarse",
+        ],
+        tmp_path,
+    )
     run = find_run(tmp_path / "e2e")
     rows = metrics(run)
     train = [r for r in rows if "grad/fo_norm" in r]
@@ -269,8 +327,22 @@ def test_end_to_end_shapesbench_with_dcot(tmp_path):
 
 
 def test_resume_gives_the_same_weights(tmp_path):
-    common = TINY_RUN + ["--eval-every", "0", "--sample-every", "0", "--save-every", "2", "--memory-budget-gb", "1.2",
-                         "--ho-step-gb", "0.5", "--zo-step-gb", "0.1", "--variance-ratio", "0.5"]
+    common = TINY_RUN + [
+        "--eval-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--save-every",
+        "2",
+        "--memory-budget-gb",
+        "1.2",
+        "--ho-step-gb",
+        "0.5",
+        "--zo-step-gb",
+        "0.1",
+        "--variance-ratio",
+        "0.5",
+    ]
     # h* = min(floor((1.2 - 0.1 x 3) / (0.5 - 0.1)), floor(4 / (2 x 0.5) - 1)) = min(2, 3) = 2
     run_script(common + ["--exp-name", "straight", "--iterations", "4"], tmp_path)
     run_script(common + ["--exp-name", "resumed", "--iterations", "2"], tmp_path)
@@ -282,8 +354,12 @@ def test_resume_gives_the_same_weights(tmp_path):
 def test_two_processes_keep_identical_weights(tmp_path):
     launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2")
     # groups of 2 over 2 processes x 2 samples, one chunk and one perturbation block per process
-    run_script(TINY_RUN + ["--exp-name", "ddp", "--samples-per-device", "2", "--eval-every", "0"], tmp_path, launcher,
-               {"ACCELERATE_USE_CPU": "1"})
+    run_script(
+        TINY_RUN + ["--exp-name", "ddp", "--samples-per-device", "2", "--eval-every", "0"],
+        tmp_path,
+        launcher,
+        {"ACCELERATE_USE_CPU": "1"},
+    )
     last = [r for r in metrics(tmp_path / "ddp") if "charts/rank_weight_spread" in r][-1]
     assert last["iteration"] == 2 and last["charts/rank_weight_spread"] == 0 and last["grad/zo_norm"] > 0
 
@@ -300,10 +376,31 @@ def test_end_to_end_tiny_sd1_with_tiny_hps(tmp_path, monkeypatch, terms):
     monkeypatch.setitem(rewards.REWARDS, "hpsv2.1", functools.partial(rewards.REWARDS["hpsv2.1"], arch="tiny-hps"))
     build_sd1(tmp_path / "sd1")
     (tmp_path / "prompts.txt").write_text("a cat\na dog\n")
-    argv = TINY_RUN + ["--output-dir", str(tmp_path), "--exp-name", "sd1", "--model-id", str(tmp_path / "sd1"),
-                       "--prompts", str(tmp_path / "prompts.txt"), "--eval-prompts", str(tmp_path / "prompts.txt"),
-                       "--reward", "hpsv2.1", "--reward-ckpt", f"hpsv2.1={ckpt}", "--lora", "--lora-rank", "4",
-                       "--guidance-scale", "3", "--subchain-len", "1", "--terms", terms]
+    argv = TINY_RUN + [
+        "--output-dir",
+        str(tmp_path),
+        "--exp-name",
+        "sd1",
+        "--model-id",
+        str(tmp_path / "sd1"),
+        "--prompts",
+        str(tmp_path / "prompts.txt"),
+        "--eval-prompts",
+        str(tmp_path / "prompts.txt"),
+        "--reward",
+        "hpsv2.1",
+        "--reward-ckpt",
+        f"hpsv2.1={ckpt}",
+        "--lora",
+        "--lora-rank",
+        "4",
+        "--guidance-scale",
+        "3",
+        "--subchain-len",
+        "1",
+        "--terms",
+        terms,
+    ]
     R.main(tyro.cli(R.Args, args=argv))
     train = [r for r in metrics(tmp_path / "sd1") if "grad/fo_norm" in r]
     assert len(train) == 2 and all(r["rlr/recompute_max_dev"] == 0 and r["grad/fo_norm"] > 0 for r in train)

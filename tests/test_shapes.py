@@ -1,4 +1,5 @@
 """ShapesBench: the world, the verifier, the shipped flow model and learned reward, the eval command."""
+
 import json
 import subprocess
 import sys
@@ -37,11 +38,15 @@ def test_verifier_rejects_each_kind_of_error():
     images, prompts = gt(200, seed=1)
     parsed = [shapes.parse_prompt(p) for p in prompts]
     # wrong shape: the same colours with the next shape class; at least the shape verdict must fail
-    wrong = [shapes.make_prompt(shapes.SHAPES[(s + 1) % 3], shapes.COLOUR_NAMES[f], shapes.COLOUR_NAMES[b])
-             for s, f, b in parsed]
+    wrong = [
+        shapes.make_prompt(shapes.SHAPES[(s + 1) % 3], shapes.COLOUR_NAMES[f], shapes.COLOUR_NAMES[b])
+        for s, f, b in parsed
+    ]
     assert shapes.verify(images, wrong)["shape"].float().mean() <= 0.05
     # swapped colours: background and foreground verdicts fail
-    swapped = [shapes.make_prompt(shapes.SHAPES[s], shapes.COLOUR_NAMES[b], shapes.COLOUR_NAMES[f]) for s, f, b in parsed]
+    swapped = [
+        shapes.make_prompt(shapes.SHAPES[s], shapes.COLOUR_NAMES[b], shapes.COLOUR_NAMES[f]) for s, f, b in parsed
+    ]
     v = shapes.verify(images, swapped)
     assert v["bg"].float().mean() == 0 and v["fg"].float().mean() == 0
     # a high-frequency texture over the whole image: colours and shape survive, cleanliness does not
@@ -82,7 +87,9 @@ def test_learned_reward_ranks_true_prompt_above_mismatched():
     images, prompts = gt(512, seed=3)
     g = torch.Generator().manual_seed(4)
     all_p = shapes.all_prompts()
-    others = [all_p[(all_p.index(p) + int(torch.randint(1, len(all_p), (1,), generator=g))) % len(all_p)] for p in prompts]
+    others = [
+        all_p[(all_p.index(p) + int(torch.randint(1, len(all_p), (1,), generator=g))) % len(all_p)] for p in prompts
+    ]
     assert (reward(images, prompts) > reward(images, others)).float().mean() >= 0.95
     # differentiable in the images
     x = images[:8].clone().requires_grad_(True)
@@ -97,8 +104,13 @@ def test_reward_model_missing_names_the_flag(tmp_path):
 
 def test_eval_command_prints_json_for_the_shipped_model():
     """The README's eval command on a reduced setting; the full-setting figures are in the README."""
-    out = subprocess.run([sys.executable, "-m", "common.shapes", "eval", "--samples-per-prompt", "2", "--steps", "4"],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "common.shapes", "eval", "--samples-per-prompt", "2", "--steps", "4"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     result = json.loads(out)
     assert result["n"] == 96
     for key in ("bg_acc", "fg_acc", "colour_acc", "shape_acc", "clean_acc", "all_acc", "reward_mean", "diversity"):
@@ -117,8 +129,11 @@ def test_eval_command_loads_a_runs_trained_weights(tmp_path):
     broken.save_pretrained(tmp_path / "final" / "transformer")
     cmd = [sys.executable, "-m", "common.shapes", "eval", "--samples-per-prompt", "1", "--steps", "2", "--threads", "1"]
     base = json.loads(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout)
-    run = json.loads(subprocess.run(cmd + ["--trained", str(tmp_path / "final")], cwd=ROOT, capture_output=True,
-                                    text=True, check=True).stdout)
+    run = json.loads(
+        subprocess.run(
+            cmd + ["--trained", str(tmp_path / "final")], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
+    )
     assert run["model_id"] == f"shapesbench + {tmp_path / 'final'}"
     assert base["bg_acc"] > 0.9 and run["bg_acc"] < 0.2, (base["bg_acc"], run["bg_acc"])
     bad = subprocess.run(cmd + ["--trained", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)

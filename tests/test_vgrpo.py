@@ -1,4 +1,5 @@
 """vgrpo.py: the solver, the (t, eps) pairs, the surrogate and its ablations, log ratio == 0, the script end to end."""
+
 import math
 import sys
 from contextlib import nullcontext
@@ -14,9 +15,32 @@ from tests.helpers import assert_same_trained_weights, find_run, metrics, run_re
 from tests.helpers import run_script as run
 from tests.tiny import build_flux, build_shapes, build_tiny_hps
 
-TINY_RUN = ["--iterations", "2", "--samples-per-device", "8", "--group-size", "4", "--rollout-batch-size", "4",
-            "--train-batch-size", "2", "--images-per-update", "4", "--num-steps", "4", "--n-mc", "3", "--eval-every", "2",
-            "--eval-samples-per-prompt", "1", "--eval-steps", "4", "--sample-every", "2"]
+TINY_RUN = [
+    "--iterations",
+    "2",
+    "--samples-per-device",
+    "8",
+    "--group-size",
+    "4",
+    "--rollout-batch-size",
+    "4",
+    "--train-batch-size",
+    "2",
+    "--images-per-update",
+    "4",
+    "--num-steps",
+    "4",
+    "--n-mc",
+    "3",
+    "--eval-every",
+    "2",
+    "--eval-samples-per-prompt",
+    "1",
+    "--eval-steps",
+    "4",
+    "--sample-every",
+    "2",
+]
 PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
 
 
@@ -54,8 +78,14 @@ def test_rollout_matches_diffusers_dpm_solver_multistep_on_our_schedule():
 
     T, shift = 10, 3.0
     sigmas = V.sigma_schedule(T, shift)
-    sched = DPMSolverMultistepScheduler(use_flow_sigmas=True, flow_shift=shift, prediction_type="flow_prediction",
-                                        algorithm_type="dpmsolver++", solver_order=2, final_sigmas_type="zero")
+    sched = DPMSolverMultistepScheduler(
+        use_flow_sigmas=True,
+        flow_shift=shift,
+        prediction_type="flow_prediction",
+        algorithm_type="dpmsolver++",
+        solver_order=2,
+        final_sigmas_type="zero",
+    )
     sched.set_timesteps(T)
     sched.sigmas = sigmas.clone()  # its own flow schedule starts at shift(0.999); the update is what we compare
     sched.set_begin_index(0)
@@ -178,7 +208,9 @@ def test_prediction_and_self_normalize_change_only_the_error_space_and_weight():
     assert out[("eps", True)][0][0] == 0  # at t = 1, eps_hat = z + 0 v = eps exactly: no signal (the paper's collapse)
     for p in ("x", "v", "eps"):  # self-normalisation divides by the mean absolute error of the same space
         err = {"x": out[("x", True)][1] - x, "v": v - (eps - x), "eps": z + (1 - t.view(-1, 1, 1, 1)) * v - eps}[p]
-        torch.testing.assert_close(out[(p, True)][0][1:], (out[(p, False)][0] / err.abs().flatten(1).mean(1).clamp_min(1e-5))[1:])
+        torch.testing.assert_close(
+            out[(p, True)][0][1:], (out[(p, False)][0] / err.abs().flatten(1).mean(1).clamp_min(1e-5))[1:]
+        )
 
 
 def test_log_ratio_is_exactly_zero_at_the_first_update(tmp_path):
@@ -228,7 +260,9 @@ def test_combined_advantages_per_reward_then_weights_then_clips():
     b = torch.tensor([0.0, 0.0, 1.0, 0.0, 1.0, 2.0, 3.0, 4.0])
     ga, gb = V.group_advantages(a, 4), V.group_advantages(b, 4)
     assert torch.all(ga[4:] == 0)
-    torch.testing.assert_close(V.combined_advantages({"a": a, "b": b}, {"a": 1.0, "b": 0.5}, 4, 5.0, 0.0), ga + 0.5 * gb)
+    torch.testing.assert_close(
+        V.combined_advantages({"a": a, "b": b}, {"a": 1.0, "b": 0.5}, 4, 5.0, 0.0), ga + 0.5 * gb
+    )
     # a zero weight is logged elsewhere but never enters the advantage
     torch.testing.assert_close(V.combined_advantages({"a": a, "b": b}, {"a": 2.0, "b": 0.0}, 4, 5.0, 0.0), 2 * ga)
     torch.testing.assert_close(V.combined_advantages({"a": a}, {"a": 10.0}, 4, 5.0, 0.0), (10 * ga).clamp(-5, 5))
@@ -255,7 +289,10 @@ def test_coefficient_of_variation():
 
 def test_validation_names_the_flag():
     with pytest.raises(InputError, match="--group-size"):
-        V.validate(V.Args(samples_per_device=10, group_size=4, rollout_batch_size=2, train_batch_size=2, images_per_update=10), world=1)
+        V.validate(
+            V.Args(samples_per_device=10, group_size=4, rollout_batch_size=2, train_batch_size=2, images_per_update=10),
+            world=1,
+        )
     with pytest.raises(InputError, match="--n-mc"):
         V.validate(V.Args(num_steps=3, n_mc=4), world=1)
     V.validate(V.Args(num_steps=3, n_mc=4, stratified=False), world=1)  # i.i.d. draws need no chunks
@@ -286,7 +323,18 @@ def test_end_to_end_shapesbench(tmp_path):
 
 def test_resume_gives_the_same_weights(tmp_path):
     # with the KL term and the soft clip on, so the stored behaviour x0_hat path is covered too
-    common = TINY_RUN + ["--eval-every", "0", "--sample-every", "0", "--save-every", "2", "--kl-beta", "0.1", "--adv-soft-clip", "3"]
+    common = TINY_RUN + [
+        "--eval-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--save-every",
+        "2",
+        "--kl-beta",
+        "0.1",
+        "--adv-soft-clip",
+        "3",
+    ]
     run_script(common + ["--exp-name", "straight", "--iterations", "4"], tmp_path)
     run_script(common + ["--exp-name", "resumed", "--iterations", "2"], tmp_path)
     run_script(common + ["--exp-name", "resumed", "--iterations", "4", "--resume-from", "latest"], tmp_path)
@@ -298,8 +346,24 @@ def test_resume_gives_the_same_weights(tmp_path):
 def test_two_processes_keep_identical_weights_and_pairs(tmp_path):
     launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2")
     # groups of 4 over 2 processes x 2 samples: every group spans both processes
-    run_script(TINY_RUN + ["--exp-name", "ddp", "--samples-per-device", "2", "--rollout-batch-size", "2",
-                           "--images-per-update", "2", "--eval-every", "0"], tmp_path, launcher, {"ACCELERATE_USE_CPU": "1"})
+    run_script(
+        TINY_RUN
+        + [
+            "--exp-name",
+            "ddp",
+            "--samples-per-device",
+            "2",
+            "--rollout-batch-size",
+            "2",
+            "--images-per-update",
+            "2",
+            "--eval-every",
+            "0",
+        ],
+        tmp_path,
+        launcher,
+        {"ACCELERATE_USE_CPU": "1"},
+    )
     train = [r for r in metrics(tmp_path / "ddp") if "losses/policy" in r]
     assert len(train) == 2 and all(r["charts/rank_pairs_spread"] == 0 for r in train)  # same (t, eps) on both ranks
     assert all(r["losses/first_log_ratio_max_abs"] == 0 for r in train)
@@ -318,11 +382,36 @@ def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
     monkeypatch.setitem(rewards.REWARDS, "hpsv2.1", functools.partial(rewards.REWARDS["hpsv2.1"], arch="tiny-hps"))
     build_flux(tmp_path / "flux")
     (tmp_path / "prompts.txt").write_text("a cat\na dog\n")
-    argv = TINY_RUN + ["--output-dir", str(tmp_path), "--exp-name", "flux", "--model-id", str(tmp_path / "flux"),
-                       "--resolution", "32", "--prompts", str(tmp_path / "prompts.txt"),
-                       "--eval-prompts", str(tmp_path / "prompts.txt"), "--reward", "hpsv2.1",
-                       "--reward-ckpt", f"hpsv2.1={ckpt}", "--lora", "--lora-rank", "4", "--guidance-scale", "3.5",
-                       "--solver", "euler", "--no-stratified", "--no-shared-pairs", "--no-self-normalize", "--prediction", "v"]
+    argv = TINY_RUN + [
+        "--output-dir",
+        str(tmp_path),
+        "--exp-name",
+        "flux",
+        "--model-id",
+        str(tmp_path / "flux"),
+        "--resolution",
+        "32",
+        "--prompts",
+        str(tmp_path / "prompts.txt"),
+        "--eval-prompts",
+        str(tmp_path / "prompts.txt"),
+        "--reward",
+        "hpsv2.1",
+        "--reward-ckpt",
+        f"hpsv2.1={ckpt}",
+        "--lora",
+        "--lora-rank",
+        "4",
+        "--guidance-scale",
+        "3.5",
+        "--solver",
+        "euler",
+        "--no-stratified",
+        "--no-shared-pairs",
+        "--no-self-normalize",
+        "--prediction",
+        "v",
+    ]
     V.main(tyro.cli(V.Args, args=argv))
     train = [r for r in metrics(tmp_path / "flux") if "losses/policy" in r]
     assert len(train) == 2 and all(r["losses/first_log_ratio_max_abs"] == 0 for r in train)
@@ -335,5 +424,7 @@ def test_run_sh_verifier_recipe_trains_on_the_verifier(tmp_path):
     train = [r for r in metrics(tmp_path / "vgrpo-verifier") if "losses/policy" in r]
     assert len(train) == 2
     # the verifier's score is the mean of four 0/1 verdicts, so every batch mean is a multiple of 1/(4 x 8 images)
-    assert all(0 <= r["rewards/verifier"] <= 1 and abs(r["rewards/verifier"] * 32 - round(r["rewards/verifier"] * 32)) < 1e-4
-               for r in train)
+    assert all(
+        0 <= r["rewards/verifier"] <= 1 and abs(r["rewards/verifier"] * 32 - round(r["rewards/verifier"] * 32)) < 1e-4
+        for r in train
+    )

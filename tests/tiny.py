@@ -138,12 +138,12 @@ def build_shapes(path):
 BUILDERS = {"flux": build_flux, "sd3": build_sd3, "shapes": build_shapes, "sd1": build_sd1}
 
 
-
-
 # HPSv2.1 architecture shrunk: open_clip config 'tiny-hps' (the real one is ViT-H-14)
-TINY_HPS = {"embed_dim": 32,
-            "vision_cfg": {"image_size": 224, "layers": 1, "width": 64, "head_width": 32, "patch_size": 32},
-            "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+TINY_HPS = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 224, "layers": 1, "width": 64, "head_width": 32, "patch_size": 32},
+    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+}
 
 
 def build_tiny_hps(d) -> str:
