@@ -94,7 +94,7 @@ case "$recipe" in
       dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
   branchgrpo-cpu) $PY branchgrpo.py "$@" ;;
   branchgrpo-verifier-cpu) $PY branchgrpo.py --exp-name branchgrpo-verifier --reward verifier "$@" ;;
-  branchgrpo-cpu-2proc) ACCELERATE_USE_CPU=1 $LAUNCH --multi_gpu --num_processes 2 branchgrpo.py --trees-per-device 2 "$@" ;;
+  branchgrpo-cpu-2proc) ACCELERATE_USE_CPU=1 $LAUNCH --multi_gpu --num_processes 2 branchgrpo.py --trees-per-device 1 "$@" ;;
   branchgrpo-flux-1gpu) $LAUNCH --num_processes 1 branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
   branchgrpo-flux-8gpu) $LAUNCH --config_file configs/ddp_8gpu.yaml branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
   branchgrpo-flux-fsdp8) $LAUNCH --config_file configs/fsdp_flux_8gpu.yaml branchgrpo.py "${FLUX_BRANCH[@]}" --learning-rate 1e-5 "$@" ;;

@@ -1,7 +1,7 @@
 """Summarise finished runs from their metrics.jsonl: iterations, median s/iteration, training wall time, and the
 held-out evaluation (ShapesBench verifier shape accuracy, learned reward, ...) at the first and the last evaluation.
 
-    python benchmarks/summarize.py runs/dancegrpo runs/branchgrpo [...]
+    python benchmarks/summarize.py runs/dancegrpo__0__1796000000 runs/branchgrpo__0__1796000000 [...]   (run folders)
 """
 
 import json
