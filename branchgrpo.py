@@ -66,7 +66,7 @@ from common.runs import Evaluator, Run, check_run_args, cli, need, optimizer_ste
 class Args:
     # Shared experiment arguments (identical in every script)
     exp_name: Optional[str] = None
-    """run name (default: branchgrpo, or branchgrpo_{pruning}); the run folder is {output_dir}/{exp_name}__{seed}__{unix time}"""
+    """run name (if unset: branchgrpo, or branchgrpo_{pruning}); the run folder is {output_dir}/{exp_name}__{seed}__{unix time}"""
     seed: int = 0
     """seed of every random draw (prompts, noise, trained steps, initial weights of LoRA)"""
     output_dir: str = "runs"
@@ -128,7 +128,7 @@ class Args:
     sde_type: Literal["dance", "flow"] = "flow"
     """noise schedule g(sigma): 'dance' = constant eta (DanceGRPO, the release), 'flow' = a sqrt(sigma / (1 - sigma))"""
     noise_level: Optional[float] = None
-    """eta for 'dance' (default 0.3), a for 'flow' (default 0.7)"""
+    """eta for 'dance' (if unset: 0.3), a for 'flow' (if unset: 0.7)"""
     split_schedule: str = "dense"
     """split steps: 'dense' (0,3,6,...), 'sparse' (evenly spread), 'late' (second half) or a list like '0,3,6,9'"""
     num_splits: int = 4
@@ -148,19 +148,19 @@ class Args:
     fusion: Literal["uniform", "path"] = "uniform"
     """node value from its leaves: 'uniform' mean, or 'path' softmax of beta * path log-prob / temperature"""
     fusion_beta: Optional[float] = None
-    """'path' fusion: weight of the path log-prob (default 1.0; 0 gives uniform)"""
+    """'path' fusion: weight of the path log-prob (if unset: 1.0; 0 gives uniform)"""
     fusion_temperature: Optional[float] = None
-    """'path' fusion: softmax temperature (default 1.0)"""
+    """'path' fusion: softmax temperature (if unset: 1.0)"""
     pruning: Literal["none", "width", "depth", "mix"] = "none"
     """which edges are trained: all, width-pruned, depth-pruned, or only SDE edges of a sliding Mix window"""
     width_mode: Optional[Literal["parent-top1", "extreme"]] = None
-    """--pruning width: 'parent-top1' (default) or 'extreme'"""
+    """--pruning width: 'parent-top1' (if unset) or 'extreme'"""
     width_keep_ratio: Optional[float] = None
-    """--width-mode extreme: fraction of post-split chains kept, half best and half worst (default 0.5)"""
+    """--width-mode extreme: fraction of post-split chains kept, half best and half worst (if unset: 0.5)"""
     window: Optional[int] = None
-    """--pruning depth / mix: window size in steps (default 4)"""
+    """--pruning depth / mix: window size in steps (if unset: 4)"""
     window_shift_every: Optional[int] = None
-    """--pruning depth / mix: the window moves one step deeper every N iterations (default 30)"""
+    """--pruning depth / mix: the window moves one step deeper every N iterations (if unset: 30)"""
     clip_range: float = 1e-3
     """PPO clip epsilon on the ratio (log-probs are means over latent dimensions, hence small)"""
     adv_clip_max: float = 5.0

@@ -57,7 +57,7 @@ from common.runs import Evaluator, Run, check_run_args, cli, need, optimizer_ste
 class Args:
     # Shared experiment arguments (identical in every script)
     exp_name: Optional[str] = None
-    """run name (default: the script's name, mixgrpo with --sde-window); the run folder is {output_dir}/{exp_name}__{seed}__{unix time}"""
+    """run name (if unset: the script's name, mixgrpo with --sde-window); the run folder is {output_dir}/{exp_name}__{seed}__{unix time}"""
     seed: int = 0
     """seed of every random draw (prompts, noise, trained steps, initial weights of LoRA)"""
     output_dir: str = "runs"
@@ -119,7 +119,7 @@ class Args:
     sde_type: Literal["dance", "flow"] = "flow"
     """noise schedule g(sigma): 'dance' = constant eta (DanceGRPO), 'flow' = a sqrt(sigma / (1 - sigma)) (Flow-GRPO)"""
     noise_level: Optional[float] = None
-    """eta for 'dance' (default 0.3), a for 'flow' (default 0.7)"""
+    """eta for 'dance' (if unset: 0.3), a for 'flow' (if unset: 0.7)"""
     group_size: int = 8
     """images per prompt (G); a group may span processes"""
     samples_per_device: int = 64
@@ -129,7 +129,7 @@ class Args:
     same_noise: bool = False
     """one shared initial noise per prompt group (DanceGRPO --init_same_noise)"""
     timestep_fraction: Optional[float] = None
-    """fraction of a trajectory's SDE steps trained (default 0.6; 1.0 with --sde-window, as MixGRPO)"""
+    """fraction of a trajectory's SDE steps trained (if unset: 0.6; 1.0 with --sde-window, as MixGRPO)"""
     trajectories_per_update: int = 32
     """trajectories (per process) whose gradients are accumulated into one optimizer step"""
     clip_range: float = 1e-3

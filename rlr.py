@@ -135,7 +135,7 @@ class Args:
     sde_type: Literal["dance", "flow"] = "flow"
     """flow models' noise schedule g(sigma): 'dance' = constant eta, 'flow' = a sqrt(sigma / (1 - sigma)); unused for SD1.x"""
     noise_level: Optional[float] = None
-    """eta for 'dance' (default 0.3), a for 'flow' (default 0.7), DDIM eta for SD1.x (default 1.0)"""
+    """eta for 'dance' (if unset: 0.3), a for 'flow' (if unset: 0.7), DDIM eta for SD1.x (if unset: 1.0)"""
     group_size: int = 4
     """images per prompt; the others' mean reward is each sample's baseline (a group may span processes)"""
     samples_per_device: int = 8
@@ -143,7 +143,7 @@ class Args:
     rollout_batch_size: int = 2
     """images per denoiser forward; also the unit that shares one sub-chain window"""
     subchain_len: Optional[int] = None
-    """h, the number of denoising steps back-propagated in the half-order sub-chain (default 2, the paper's choice)"""
+    """h, the number of denoising steps back-propagated in the half-order sub-chain (if unset: 2, the paper's choice)"""
     memory_budget_gb: Optional[float] = None
     """choose h by the paper's h* rule for this memory budget instead of --subchain-len"""
     ho_step_gb: float = 8.0
