@@ -171,6 +171,8 @@ class Args:
 
 # ---------------------------------------------------------------------------------------------------
 # ALGO LOGIC: schedule and SDE step (same as in dancegrpo.py), the tree, fusion, advantages, pruning
+# Notation (docs/math.md): T steps, K children per split, M = K ** splits leaves per tree, P trees in a batch,
+# n_d nodes at depth d, *L the latent shape
 # ---------------------------------------------------------------------------------------------------
 def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:  # same as in dancegrpo.py
     """linspace(1, 0, T + 1) warped by s' = k s / (1 + (k - 1) s) (SD3 shift); shape (T + 1,)."""
@@ -310,14 +312,14 @@ def tree_rollout(model, transformer, cond, roots, sigmas, g, splits, sde_set, no
 
 
 def node_values(leaf_rewards, log_probs, sizes, fusion: str, beta: float, temperature: float) -> list[torch.Tensor]:
-    """Fuse leaf rewards (T, L) into node values, a list over depths of (T, n_d) (paper §3.3).
+    """Fuse leaf rewards (P, M) into node values, a list over depths of (P, n_d) (paper §3.3).
 
-    A node at depth d covers a contiguous block of L / n_d leaves. 'uniform': the block mean. 'path': a softmax
+    A node at depth d covers a contiguous block of M / n_d leaves. 'uniform': the block mean. 'path': a softmax
     over the block of beta * lp(node -> leaf) / temperature, where lp is the sum of the edge log-probs (per-dim
     means) from the node down to the leaf; beta = 0 is exactly uniform."""
     n_trees, n_leaves = leaf_rewards.shape
     if fusion == "path":
-        # per-leaf log-prob of its edge at each step: (T, L, steps), then suffix sums from each depth
+        # per-leaf log-prob of its edge at each step: (P, M, steps), then suffix sums from each depth
         per_step = [
             lp.view(n_trees, sizes[i + 1]).repeat_interleave(n_leaves // sizes[i + 1], 1)
             for i, lp in enumerate(log_probs)
@@ -336,7 +338,7 @@ def node_values(leaf_rewards, log_probs, sizes, fusion: str, beta: float, temper
 
 def depth_advantages(values: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per tree and depth, z-score the node values: A = (V - mean_d) / (std_d + 1e-8), unbiased std (the release);
-    0 where a depth has one node or its values are equal (std < 1e-6). list of (T, n_d), float32."""
+    0 where a depth has one node or its values are equal (std < 1e-6). list of (P, n_d), float32."""
     out = []
     for v in values:
         if v.shape[1] < 2:
@@ -376,7 +378,7 @@ def mix_window(num_steps: int, size: int, shift_every: int, iteration: int) -> l
 
 
 def trained_edges(args, splits, sizes, sde_set, adv, iteration) -> list[torch.Tensor]:
-    """Which edges are trained, a list over steps of bool (T, n_{i+1}); adv[i] (T, n_{i+1}) holds the advantages of
+    """Which edges are trained, a list over steps of bool (P, n_{i+1}); adv[i] (P, n_{i+1}) holds the advantages of
     the children of step i. Pruning acts here only: the rollout and the rewards are the same whatever it is. ODE
     edges and the last (deterministic) step are never trained."""
     n_trees, last, s_last = adv[0].shape[0], args.num_steps - 1, max(splits)
@@ -385,9 +387,9 @@ def trained_edges(args, splits, sizes, sde_set, adv, iteration) -> list[torch.Te
         for i in depth_window(args.num_steps, s_last, args.window, args.window_shift_every, iteration):
             keep[i][:] = False
     elif args.pruning == "width":  # only the post-split chains (steps after the last split) are pruned
-        a = adv[s_last]  # (T, L): the children of the last split, one per leaf; each chain below carries this advantage
+        a = adv[s_last]  # (P, M): the children of the last split, one per leaf; each chain below carries this advantage
         if args.width_mode == "parent-top1":  # each parent of the last split keeps its best child's chain
-            best = a.view(n_trees, -1, args.branch_factor).argmax(-1)  # (T, parents)
+            best = a.view(n_trees, -1, args.branch_factor).argmax(-1)  # (P, parents)
             chain = torch.nn.functional.one_hot(best, args.branch_factor).bool().flatten(1)
         else:  # extreme: the chains with the highest and the lowest advantages
             n_keep = max(2, int(a.shape[1] * args.width_keep_ratio))
@@ -589,7 +591,7 @@ def main(args: Args):
     for it in bar:
         t_iter = time.perf_counter()
         # ------------------------------------------------------------ SAMPLING
-        # The same prompt draw on every process; process r owns trees [r T, (r + 1) T). One tree = one prompt group.
+        # The same prompt draw on every process; process r owns trees [r P, (r + 1) P) (P = --trees-per-device). One tree = one prompt group.
         n_global = world * args.trees_per_device
         gen = rng(args.seed, it, "prompts")
         if n_global <= len(train_prompts):
@@ -633,7 +635,7 @@ def main(args: Args):
             values = node_values(r, grp["log_probs"], sizes, args.fusion, args.fusion_beta, args.fusion_temperature)
             grp["adv"] = [
                 a.clamp(-args.adv_clip_max, args.adv_clip_max) for a in depth_advantages(values)
-            ]  # (T_u, n_d) per depth
+            ]  # (P_u, n_d) per depth, P_u = --trees-per-update
             grp["keep"] = trained_edges(
                 args, splits, sizes, sde_set, grp["adv"][1:], it
             )  # edge of step i -> child at depth i + 1
@@ -650,7 +652,7 @@ def main(args: Args):
             work, n_edges = [], 0
             for i in range(args.num_steps):
                 kk = children(i, splits, args.branch_factor)
-                keep = grp["keep"][i].flatten().to(device)  # (T_u * n_{i+1},)
+                keep = grp["keep"][i].flatten().to(device)  # (P_u * n_{i+1},)
                 parents = torch.nonzero(keep.view(-1, kk).any(1)).flatten()
                 n_edges += int(keep.sum())
                 work += [

@@ -487,6 +487,7 @@ def main(args: Args):
             "charts/skipped_updates": skipped,
             "charts/window_start": sde_idx[0],
             "charts/lr": args.learning_rate,
+            # NFE = number of function evaluations: transformer forwards per image (rollout + trained steps)
             "perf/nfe_per_image": args.num_steps + n_train * (2 if args.kl_beta > 0 else 1),
             "perf/sampling_s": t_sample,
             "perf/iteration_s": time.perf_counter() - t_iter,

@@ -7,7 +7,8 @@ its step t is our step T - t):
 the flow SDE of dancegrpo.py for flow models (ShapesBench, FLUX.1, SD3.5) and DDIM with eta > 0 for SD1.x/2.x.
 Every rollout chunk draws a window start j (uniform over the allowed starts, independent of everything else), which
 splits the steps in three; each group gets an estimator that is unbiased for exactly its steps' share of
-grad_theta E[R(decode(x_T))], and the three are added with unit weights (per sample, then averaged):
+grad_theta E[R(decode(x_T))], and the three are added with unit weights (per sample, then averaged); FO / HO / ZO =
+first / half / zero order, sg = stop-gradient:
     FO  step T-1:           grad_theta R(decode(mu_{T-1}(sg(x_{T-1}); theta)))       backprop: last step, decoder, reward
     HO  steps j..j+h-1:     (R - b) (d m / d theta)^T z_{j+h-1} / s_{j+h-1}
                             m = mean of x_{j+h} from the h-step rollout of means started at sg(x_j), the window's inner
@@ -15,7 +16,7 @@ grad_theta E[R(decode(x_T))], and the three are added with unit weights (per sam
                             on the sampler noise at the window's end (= (R - b) grad_theta log N(x_{j+h}; m, s^2 I))
     ZO  all other steps C:  sum_{i in C} (R - b') zeta_i / sigma^2, where the rollout ran step i with the parameters
                             theta + zeta_i, zeta_i ~ N(0, sigma^2 I) (Gaussian smoothing; --zo-scale sigma), one zeta_i
-                            per step and perturbation block (--zo-perturbations), regenerated from its seed (MeZO)
+                            per step and perturbation block (--zo-perturbations), regenerated from its seed (MeZO: Malladi et al. 2023, arXiv 2305.17333)
 Baselines keep it unbiased: b = mean reward of the other samples of the prompt (independent of this sample's z);
 b' = mean reward of the prompt's samples in other perturbation blocks (independent of this block's zetas).
 The objective is that of the chain that is actually sampled, with the ZO steps' parameters perturbed (the paper's

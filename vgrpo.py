@@ -4,9 +4,9 @@
 Sampling is decoupled from training: a group of images per prompt is generated with a deterministic ODE solver
 (DPM-Solver++(2M) or Euler), scored, and the rewards normalised within the group. The likelihood of each whole
 image under the policy is replaced by a low-variance surrogate, the mean over N_MC (t, eps) pairs of a
-self-normalised x-prediction error: S(x) = mean_j -mean((x0_hat_j - x)^2) / sg(mean|x0_hat_j - x|),
-x0_hat_j = z_j - t_j v(z_j, t_j), z_j = (1 - t_j) x + t_j eps_j. The pairs are shared by every image of the
-iteration (so by each group, and on every process) and their timesteps are stratified over the rollout
+self-normalised x-prediction error: S(x) = mean_j -mean((x0_hat_j - x)^2) / sg(mean|x0_hat_j - x|)
+(sg = stop-gradient), x0_hat_j = z_j - t_j v(z_j, t_j), z_j = (1 - t_j) x + t_j eps_j. The pairs are shared by
+every image of the iteration (so by each group, and on every process) and their timesteps are stratified over the rollout
 schedule. The PPO-clipped loss uses the whole-image ratio exp(S_theta - S_old), with S_old stored right after
 the rollout; optional KL to the behaviour policy and a tanh soft clip of the advantages.
 
