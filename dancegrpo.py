@@ -39,7 +39,7 @@ import hashlib
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Literal, Optional
 
@@ -50,68 +50,11 @@ from tqdm import tqdm
 
 from common.models import add_lora, load_model
 from common.rewards import build_reward
-from common.runs import Evaluator, Run, check_run_args, cli, need, optimizer_step, sample_ode
+from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, need, optimizer_step, sample_ode
 
 
 @dataclass
-class Args:
-    # Shared experiment arguments (identical in every script)
-    exp_name: Optional[str] = None
-    """run name (if unset: the script's name, mixgrpo with --sde-window); the run folder is {output_dir}/{exp_name}__{seed}__{unix time}"""
-    seed: int = 0
-    """seed of every random draw (prompts, noise, trained steps, initial weights of LoRA)"""
-    output_dir: str = "runs"
-    """parent folder of the run folder (TensorBoard logs, sample grids, checkpoints, final weights)"""
-    model_id: str = "shapesbench"
-    """'shapesbench' (shipped, CPU-sized), or a diffusers FLUX.1 / SD3.5 folder or hub id"""
-    resolution: Optional[int] = None
-    """square image side in pixels; None = the model's native size"""
-    lora: bool = False
-    """train a LoRA adapter (peft) instead of all transformer weights"""
-    lora_rank: int = 32
-    """LoRA rank (with --lora)"""
-    lora_alpha: float = 64.0
-    """LoRA alpha (with --lora)"""
-    mixed_precision: Literal["no", "bf16"] = "no"
-    """'bf16' runs forwards under autocast; log-probs, samples and master weights stay fp32"""
-    reward: str = "shapes"
-    """reward spec 'name:weight,...', e.g. 'shapes:1.0,verifier:0.5' or 'hpsv2.1'"""
-    reward_ckpt: list[str] = field(default_factory=list)
-    """NAME=PATH per reward model, e.g. hpsv2.1=/ckpt/HPS_v2.1_compressed.pt"""
-    prompts: str = "shapes-train"
-    """training prompts: 'shapes-train' or a text file, one prompt per line"""
-    eval_prompts: str = "shapes-eval"
-    """held-out prompts: 'shapes-eval' or a text file, one prompt per line"""
-    iterations: int = 200
-    """training iterations (one rollout + its updates each)"""
-    learning_rate: float = 1e-4
-    """AdamW learning rate (constant)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm per optimizer step"""
-    guidance_scale: float = 1.0
-    """CFG scale for ShapesBench / SD3.5 (1 = off), embedded guidance for FLUX.1-dev (3.5 there); same in training"""
-    eval_every: int = 50
-    """evaluate on --eval-prompts every N iterations (and at the start and the end); 0 = never"""
-    eval_samples_per_prompt: int = 4
-    """samples per held-out prompt in evaluation (fixed seeds, ODE)"""
-    eval_steps: int = 20
-    """Euler ODE steps in evaluation"""
-    sample_every: int = 25
-    """write a fixed-seed sample grid PNG every N iterations; 0 = never"""
-    save_every: int = 25
-    """accelerate save_state checkpoint every N iterations; 0 = only at the end"""
-    checkpoints_total_limit: int = 2
-    """keep only the newest N checkpoints"""
-    resume_from: Optional[str] = None
-    """'latest' (the newest run of --exp-name in --output-dir), a run folder, or one of its checkpoints/iter_* folders"""
-    track: bool = False
-    """also log to Weights & Biases (needs `pip install wandb`)"""
-    wandb_project_name: str = "diffusion-rl"
-    """W&B project (with --track)"""
-
-    # Algorithm specific arguments
+class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/runs.py
     num_steps: int = 10
     """sampling steps T of a rollout (shifted sigma schedule)"""
     shift: float = 3.0

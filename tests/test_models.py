@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import FluxPipeline, SD3Transformer2DModel, StableDiffusion3Pipeline, StableDiffusionPipeline
 
-from common import models
+from common import InputError, models
 from common.models import DDIMModel, FlowModel, add_lora, load_model, save_trained_weights
 from tests.tiny import BUILDERS, PROMPTS, RES
 
@@ -195,9 +195,9 @@ def test_full_save(tiny_dir, tmp_path):
 
 # ---------------------------------------------------------------- errors
 def test_missing_local_path_names_flag(tmp_path):
-    with pytest.raises(FileNotFoundError, match="--model-id"):
+    with pytest.raises(InputError, match="--model-id"):
         load_model(str(tmp_path / "does-not-exist"))
-    with pytest.raises(FileNotFoundError, match="--model-id"):
+    with pytest.raises(InputError, match="--model-id"):
         load_model(str(tmp_path))  # a folder without model_index.json
 
 
@@ -205,12 +205,12 @@ def test_shapesbench_alias(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(models, "SHAPESBENCH_DIR", tiny_dir("shapes"))
     assert load_model("shapesbench").kind == "shapes"
     monkeypatch.setattr(models, "SHAPESBENCH_DIR", tmp_path / "not-trained-yet")
-    with pytest.raises(FileNotFoundError, match="--model-id"):
+    with pytest.raises(InputError, match="--model-id"):
         load_model()
 
 
 def test_uncached_hub_id_names_flag():
-    with pytest.raises(FileNotFoundError, match="--model-id") as e:
+    with pytest.raises(InputError, match="--model-id") as e:
         load_model("nobody-here/not-a-cached-model-0123")
     assert "hf download" in str(e.value)
 

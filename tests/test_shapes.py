@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import shapes
+from common import InputError, shapes
 from common.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +63,7 @@ def test_diversity_is_zero_for_copies_and_positive_otherwise():
 
 
 def test_prompt_file_errors_name_the_flag(tmp_path):
-    with pytest.raises(FileNotFoundError, match="--prompts"):
+    with pytest.raises(InputError, match="--prompts"):
         load_prompts(str(tmp_path / "missing.txt"))
     (tmp_path / "empty.txt").write_text("\n# only a comment\n\n")
     with pytest.raises(ValueError, match="--prompts.*no prompts"):
@@ -98,7 +98,7 @@ def test_learned_reward_ranks_true_prompt_above_mismatched():
 
 
 def test_reward_model_missing_names_the_flag(tmp_path):
-    with pytest.raises(FileNotFoundError, match="--reward-ckpt shapes="):
+    with pytest.raises(InputError, match="--reward-ckpt shapes="):
         shapes.load_reward_model(tmp_path)
 
 
