@@ -23,25 +23,15 @@ Defaults tuned for ShapesBench that differ from the paper (the FLUX line above u
 log-prob is a mean over latent dimensions, so ratios move ~4.6x more on 3072 ShapesBench dimensions than on FLUX's
 65536; docs/branchgrpo.md).
 
-Deviations from the official release (docs/branchgrpo.md explains each):
-  * branch noise is the paper's correlated, marginal-preserving construction (z_k = sqrt(rho) xi + sqrt(1 - rho) xi_k,
-    rho = 1 / (1 + s)); the release's independent noise scaled by 4 is --branch-noise scaled, and its edges
-    are scored under the std actually used (the release scores them under the unscaled std);
-  * nodes are evaluated in batches per depth, not one at a time;
-  * path fusion is a softmax over descendant leaves of beta * (path log-prob) / temperature (the release: a
-    sibling softmax with beta fixed to 1 and a broadcasting bug at the last split);
-  * parent-top1 keeps, for each parent of the last split, the post-split chain of its best child (the release
-    keeps the first 5 edges of every chain); extreme is per tree; depth pruning's window starts right after the
-    last split and slides one step deeper every 30 iterations (the paper: a 4-step window sliding deeper every 30
-    iterations, start not stated; the release slides earlier and ships it off); the Mix window slides with training iterations
-    (the release's never moves);
-  * the last step is a deterministic Euler step onto x0_hat, the image the release rewards, so it is not trained;
-  * optimizer steps are counted in trees (samples), not in edges (the release: every 12 edges, 37 per iteration).
+Deviations from the official release, each explained in docs/branchgrpo.md: the paper's correlated branch noise
+(the release's 4x scaled independent noise is --branch-noise scaled, scored under the std it uses); nodes batched
+per depth; path fusion as a softmax over descendant leaves; parent-top1 width pruning keeps each last-split parent's
+best chain; depth and Mix windows slide with training iterations; the deterministic last step is not trained;
+optimizer steps counted in trees, not edges.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
 import sys
@@ -54,12 +44,11 @@ from typing import Literal, Optional
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
-from tqdm import tqdm
 
 from common import InputError
-from common.models import add_lora, load_model
+from common.models import frozen_copy, load_model, trainable_denoiser
 from common.rewards import build_reward
-from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, need, optimizer_step, sample_ode
+from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, need, ode_sampler
 
 
 @dataclass
@@ -352,20 +341,15 @@ def trained_edges(args, splits, sizes, sde_set, adv, iteration) -> list[torch.Te
 def resolve_defaults(args: Args) -> None:
     """Fill the mode-dependent defaults; a mode-specific flag given for another mode is an error (no dead flags)."""
 
-    def only(flag, value, ok, mode):
-        need(value is None or ok, f"--{flag} only applies with {mode}")
-
-    only("fusion-beta", args.fusion_beta, args.fusion == "path", "--fusion path")
-    only("fusion-temperature", args.fusion_temperature, args.fusion == "path", "--fusion path")
-    only("width-mode", args.width_mode, args.pruning == "width", "--pruning width")
-    only(
-        "width-keep-ratio",
-        args.width_keep_ratio,
-        args.pruning == "width" and args.width_mode == "extreme",
-        "--pruning width --width-mode extreme",
-    )
-    only("window", args.window, args.pruning in ("depth", "mix"), "--pruning depth or mix")
-    only("window-shift-every", args.window_shift_every, args.pruning in ("depth", "mix"), "--pruning depth or mix")
+    for flag, ok, mode in [
+        ("fusion_beta", args.fusion == "path", "--fusion path"),
+        ("fusion_temperature", args.fusion == "path", "--fusion path"),
+        ("width_mode", args.pruning == "width", "--pruning width"),
+        ("width_keep_ratio", args.width_mode == "extreme", "--pruning width --width-mode extreme"),
+        ("window", args.pruning in ("depth", "mix"), "--pruning depth or mix"),
+        ("window_shift_every", args.pruning in ("depth", "mix"), "--pruning depth or mix"),
+    ]:
+        need(getattr(args, flag) is None or ok, f"--{flag.replace('_', '-')} only applies with {mode}")
     defaults = {
         "noise_level": 0.3 if args.sde_type == "dance" else 0.7,
         "fusion_beta": 1.0,
@@ -456,17 +440,9 @@ def main(args: Args):
 
     # ---------------------------------------------------------------- MODELS
     model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
-    transformer = model.transformer.float()  # fp32 master weights; autocast handles bf16
-    if args.lora:
-        add_lora(transformer, args.lora_rank, args.lora_alpha)
-        for p in transformer.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
-    ref = None
-    if args.kl_beta > 0 and not args.lora:  # with LoRA the reference is the same module with the adapter disabled
-        ref = copy.deepcopy(transformer).requires_grad_(False).eval()
-        ref = ref.bfloat16() if frozen_dtype == torch.bfloat16 else ref  # (not .to(dtype): diffusers warns on it)
-    transformer.train()
+    transformer = trainable_denoiser(model, args)  # fp32 master weights (+ LoRA adapter with --lora)
+    # KL reference policy: with LoRA the same module with the adapter disabled, else a frozen copy of the base
+    ref = frozen_copy(transformer, frozen_dtype) if args.kl_beta > 0 and not args.lora else None
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
     reward_fn = build_reward(args.reward, device, dict(item.split("=", 1) for item in args.reward_ckpt))
@@ -482,13 +458,8 @@ def main(args: Args):
     sigmas = sigma_schedule(args.num_steps, args.shift)
     g = noise_g(sigmas, args.sde_type, args.noise_level)
     latent_shape = model.latent_shape()
-    sampler = partial(
-        sample_ode,
-        model,
-        transformer,
-        sigmas=sigma_schedule(args.eval_steps, args.shift),
-        guidance_scale=args.guidance_scale,
-        autocast=autocast,
+    sampler = ode_sampler(
+        model, transformer, sigma_schedule(args.eval_steps, args.shift), args.guidance_scale, autocast
     )
     evaluate = Evaluator(args, model, transformer, sampler, reward_fn, eval_prompts, run, args.rollout_batch_size)
     forwards, edges = tree_counts(args.num_steps, splits, args.branch_factor)
@@ -499,40 +470,28 @@ def main(args: Args):
         else set(range(last))
     )
     keep0 = trained_edges(args, splits, sizes, sde_set0, [torch.zeros(1, n) for n in sizes[1:]], 0)
-    accelerator.print(
-        "\n".join(
-            [
-                f"***** {run.title} *****",
-                f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
-                f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
-                f"  tree: {args.num_steps} steps, splits {splits}, K {args.branch_factor} -> {n_leaves} leaves, "
-                f"{forwards} node forwards ({forwards / n_leaves:.2f} / leaf), {edges} edges, of which trained at iteration 0: "
-                f"{sum(int(k.sum()) for k in keep0)} ({sum(int(k.sum()) for k in keep0) / n_leaves:.3f} / leaf)",
-                f"  branch noise {args.branch_noise} s={args.branch_s}"
-                + (f" (sibling correlation {rho:.3f})" if args.branch_noise == "correlated" else "")
-                + f", {args.sde_type} noise {args.noise_level}, fusion {args.fusion}",
-                f"  processes {world} x trees per process {args.trees_per_device} = {world * args.trees_per_device} prompts, "
-                f"{world * args.trees_per_device * n_leaves} images / iteration",
-                f"  rollout / train micro-batch {args.rollout_batch_size} nodes, optimizer steps / iteration "
-                f"{args.trees_per_device // args.trees_per_update} ({args.trees_per_update} trees per process each)",
-                f"  reward {args.reward}, KL beta {args.kl_beta}, clip {args.clip_range}, lr {args.learning_rate}, iterations {args.iterations}",
-                f"  run folder {run.dir}",
-            ]
-        )
+    trained0 = sum(int(k.sum()) for k in keep0)
+    run.banner(
+        model,
+        params,
+        [
+            f"tree: {args.num_steps} steps, splits {splits}, K {args.branch_factor} -> {n_leaves} leaves, {forwards} node "
+            f"forwards ({forwards / n_leaves:.2f} / leaf), {edges} edges, of which trained at iteration 0: {trained0} "
+            f"({trained0 / n_leaves:.3f} / leaf)",
+            f"branch noise {args.branch_noise} s={args.branch_s}"
+            + (f" (sibling correlation {rho:.3f})" if args.branch_noise == "correlated" else "")
+            + f", {args.sde_type} noise {args.noise_level}, fusion {args.fusion}",
+            f"processes {world} x trees per process {args.trees_per_device} = {world * args.trees_per_device} prompts, "
+            f"{world * args.trees_per_device * n_leaves} images / iteration",
+            f"rollout / train micro-batch {args.rollout_batch_size} nodes, optimizer steps / iteration "
+            f"{args.trees_per_device // args.trees_per_update} ({args.trees_per_update} trees per process each)",
+            f"KL beta {args.kl_beta}, clip {args.clip_range}",
+        ],
     )
-    t_start = time.perf_counter()
     if start == 0:
         evaluate(0)
-    bar = tqdm(
-        range(start, args.iterations),
-        initial=start,
-        total=args.iterations,
-        desc="iterations",
-        disable=not accelerator.is_local_main_process,
-    )
     n_groups = args.trees_per_device // args.trees_per_update
-    for it in bar:
-        t_iter = time.perf_counter()
+    for it in run.iterations(start):
         # ------------------------------------------------------------ SAMPLING
         # The same prompt draw on every process; process r owns trees [r P, (r + 1) P) (P = --trees-per-device). One tree = one prompt group.
         n_global = world * args.trees_per_device
@@ -562,7 +521,7 @@ def main(args: Args):
                 model, transformer, cond, roots, sigmas, g, splits, sde_set, noise_fn, args, autocast
             )
             groups.append({"prompts": prompts_u, "cond": cond, "states": states, "log_probs": log_probs})
-        t_sample = time.perf_counter() - t_iter
+        t_sample = time.perf_counter() - run.t_iter
 
         # ------------------------------------------------------------ REWARDS & ADVANTAGES
         with torch.no_grad():
@@ -588,7 +547,7 @@ def main(args: Args):
         # ------------------------------------------------------------ TRAINING
         transformer.train()
         stats = {k: [] for k in ("policy_loss", "kl", "ratio", "clipfrac", "approx_kl")}
-        grad_norms, skipped, n_trained_edges, n_train_forwards = [], 0, 0, 0
+        n_trained_edges, n_train_forwards = 0, 0
         for grp in groups:
             # work items: (step, parent indices) chunks of parents that have at least one trained child edge, in
             # rollout order, so that without pruning a micro-batch is exactly a rollout chunk (ratio == 1 bitwise)
@@ -645,11 +604,7 @@ def main(args: Args):
                 stats["ratio"].append(ratio.detach())
                 stats["clipfrac"].append(((ratio - 1).abs() > args.clip_range).float().mean().detach())
                 stats["approx_kl"].append((0.5 * (log_prob - old_lp) ** 2).mean().detach())
-            grad_norm = optimizer_step(accelerator, optimizer, params, args.max_grad_norm)  # None: non-finite, skipped
-            if grad_norm is None:
-                skipped += 1
-            else:
-                grad_norms.append(grad_norm)
+            run.step(optimizer, params)  # clipped; skipped if the gradient norm is not finite
 
         # ------------------------------------------------------------ LOGGING
         ratios = torch.cat(stats["ratio"])
@@ -665,15 +620,11 @@ def main(args: Args):
             "losses/first_ratio_max_dev": (stats["ratio"][0] - 1).abs().max().item(),
             "losses/clipfrac": torch.stack(stats["clipfrac"]).mean().item(),
             "losses/approx_kl": torch.stack(stats["approx_kl"]).mean().item(),
-            "charts/grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
-            "charts/skipped_updates": skipped,
             "charts/lr": args.learning_rate,
             "tree/rollout_forwards_per_leaf": forwards / n_leaves,
             "tree/trained_edges_per_leaf": n_trained_edges / leaves_here,
             "tree/train_forwards_per_leaf": n_train_forwards * (2 if args.kl_beta > 0 else 1) / leaves_here,
             "perf/sampling_s": t_sample,
-            "perf/iteration_s": time.perf_counter() - t_iter,
-            "perf/wall_s": time.perf_counter() - t_start,
         }
         if args.pruning == "depth":
             log["charts/window_start"] = depth_window(
@@ -683,12 +634,7 @@ def main(args: Args):
             log["charts/window_start"] = mix_window(args.num_steps, args.window, args.window_shift_every, it)[0]
         if stats["kl"]:
             log["losses/kl"] = torch.stack(stats["kl"]).mean().item()
-        if (it + 1) % 10 == 0 or it + 1 == args.iterations:  # all processes must hold identical weights (DDP)
-            log["charts/rank_weight_spread"] = run.weight_spread(params)
-        if skipped:
-            accelerator.print(f"iteration {it}: skipped {skipped} update(s) with a non-finite gradient norm")
-        run.log(log, it + 1)
-        bar.set_postfix(reward=f"{log['rewards/mean']:.4f}", s_it=f"{log['perf/iteration_s']:.1f}")
+        run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
         # ------------------------------------------------------------ CHECKPOINT
         run.checkpoint(it + 1, final=it + 1 == args.iterations)
@@ -698,7 +644,6 @@ def main(args: Args):
 
     # ---------------------------------------------------------------- FINAL SAVE
     run.save_final(model, transformer, args.lora)
-    run.close()
 
 
 if __name__ == "__main__":

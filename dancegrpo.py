@@ -34,23 +34,20 @@ Deviations from the official code (docs/dancegrpo.md explains each):
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
 from typing import Literal, Optional
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
-from tqdm import tqdm
 
-from common.models import add_lora, load_model
+from common.models import frozen_copy, load_model, trainable_denoiser
 from common.rewards import build_reward
-from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, need, optimizer_step, sample_ode
+from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, need, ode_sampler
 
 
 @dataclass
@@ -241,17 +238,9 @@ def main(args: Args):
 
     # ---------------------------------------------------------------- MODELS
     model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
-    transformer = model.transformer.float()  # fp32 master weights; autocast handles bf16
-    if args.lora:
-        add_lora(transformer, args.lora_rank, args.lora_alpha)
-        for p in transformer.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
-    ref = None
-    if args.kl_beta > 0 and not args.lora:  # with LoRA the reference is the same module with the adapter disabled
-        ref = copy.deepcopy(transformer).requires_grad_(False).eval()
-        ref = ref.bfloat16() if frozen_dtype == torch.bfloat16 else ref  # (not .to(dtype): diffusers warns on it)
-    transformer.train()
+    transformer = trainable_denoiser(model, args)  # fp32 master weights (+ LoRA adapter with --lora)
+    # KL reference policy: with LoRA the same module with the adapter disabled, else a frozen copy of the base
+    ref = frozen_copy(transformer, frozen_dtype) if args.kl_beta > 0 and not args.lora else None
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
     reward_fn = build_reward(args.reward, device, dict(item.split("=", 1) for item in args.reward_ckpt))
@@ -267,47 +256,29 @@ def main(args: Args):
     sigmas = sigma_schedule(args.num_steps, args.shift)
     g = noise_g(sigmas, args.sde_type, args.noise_level)
     latent_shape = model.latent_shape()
-    sampler = partial(
-        sample_ode,
-        model,
-        transformer,
-        sigmas=sigma_schedule(args.eval_steps, args.shift),
-        guidance_scale=args.guidance_scale,
-        autocast=autocast,
+    sampler = ode_sampler(
+        model, transformer, sigma_schedule(args.eval_steps, args.shift), args.guidance_scale, autocast
     )
     evaluate = Evaluator(args, model, transformer, sampler, reward_fn, eval_prompts, run, args.rollout_batch_size)
     n_train = max(
         1, int(len(sde_steps(args.num_steps, args.sde_window, args.window_shift_every, 0)) * args.timestep_fraction)
     )
-    accelerator.print(
-        "\n".join(
-            [
-                f"***** {run.title} *****",
-                f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
-                f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
-                f"  processes {world} x samples per process {args.samples_per_device} = {world * args.samples_per_device} images / iteration",
-                f"  = {prompts_per_iter} prompts x group size {args.group_size} (prompts per process {args.samples_per_device / args.group_size:g})",
-                f"  steps {args.num_steps}, SDE steps {'window of %d' % args.sde_window if args.sde_window else args.num_steps - 1}, "
-                f"trained steps / trajectory {n_train}, {args.sde_type} noise {args.noise_level}",
-                f"  rollout / train micro-batch {args.rollout_batch_size}, optimizer steps / iteration {updates_per_iter} "
-                f"({args.trajectories_per_update} trajectories per process each)",
-                f"  reward {args.reward}, KL beta {args.kl_beta}, clip {args.clip_range}, lr {args.learning_rate}, iterations {args.iterations}",
-                f"  run folder {run.dir}",
-            ]
-        )
+    run.banner(
+        model,
+        params,
+        [
+            f"processes {world} x samples per process {args.samples_per_device} = {world * args.samples_per_device} "
+            f"images / iteration = {prompts_per_iter} prompts x group size {args.group_size}",
+            f"steps {args.num_steps}, SDE steps {'window of %d' % args.sde_window if args.sde_window else args.num_steps - 1}, "
+            f"trained steps / trajectory {n_train}, {args.sde_type} noise {args.noise_level}",
+            f"rollout / train micro-batch {args.rollout_batch_size}, optimizer steps / iteration {updates_per_iter} "
+            f"({args.trajectories_per_update} trajectories per process each)",
+            f"KL beta {args.kl_beta}, clip {args.clip_range}",
+        ],
     )
-    t_start = time.perf_counter()
     if start == 0:
         evaluate(0)
-    bar = tqdm(
-        range(start, args.iterations),
-        initial=start,
-        total=args.iterations,
-        desc="iterations",
-        disable=not accelerator.is_local_main_process,
-    )
-    for it in bar:
-        t_iter = time.perf_counter()
+    for it in run.iterations(start):
         # ------------------------------------------------------------ SAMPLING
         # The same prompt draw on every process; process r owns global samples [r S, (r + 1) S).
         gen = rng(args.seed, it, "prompts")
@@ -348,7 +319,7 @@ def main(args: Args):
                 autocast,
             )
             chunks.append({"cond": cond_c, "latents": latents, "log_probs": log_probs})
-        t_sample = time.perf_counter() - t_iter
+        t_sample = time.perf_counter() - run.t_iter
 
         # ------------------------------------------------------------ REWARDS & ADVANTAGES
         with torch.no_grad():
@@ -365,7 +336,6 @@ def main(args: Args):
         transformer.train()
         n_train = max(1, int(len(sde_idx) * args.timestep_fraction))
         stats = {k: [] for k in ("policy_loss", "kl", "ratio", "clipfrac", "approx_kl")}
-        grad_norms, skipped = [], 0
         for u in range(updates_per_iter):
             for ci in range(u * chunks_per_update, (u + 1) * chunks_per_update):
                 ch, sl = chunks[ci], slice(ci * args.rollout_batch_size, (ci + 1) * args.rollout_batch_size)
@@ -407,11 +377,7 @@ def main(args: Args):
                     stats["ratio"].append(ratio.detach())
                     stats["clipfrac"].append(((ratio - 1).abs() > args.clip_range).float().mean().detach())
                     stats["approx_kl"].append((0.5 * (log_prob - ch["log_probs"][:, i]) ** 2).mean().detach())
-            grad_norm = optimizer_step(accelerator, optimizer, params, args.max_grad_norm)  # None: non-finite, skipped
-            if grad_norm is None:
-                skipped += 1
-            else:
-                grad_norms.append(grad_norm)
+            run.step(optimizer, params)  # clipped; skipped if the gradient norm is not finite
 
         # ------------------------------------------------------------ LOGGING
         ratios = torch.cat(stats["ratio"])
@@ -426,24 +392,15 @@ def main(args: Args):
             "losses/first_ratio_max_dev": (stats["ratio"][0] - 1).abs().max().item(),
             "losses/clipfrac": torch.stack(stats["clipfrac"]).mean().item(),
             "losses/approx_kl": torch.stack(stats["approx_kl"]).mean().item(),
-            "charts/grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
-            "charts/skipped_updates": skipped,
             "charts/window_start": sde_idx[0],
             "charts/lr": args.learning_rate,
             # NFE = number of function evaluations: transformer forwards per image (rollout + trained steps)
             "perf/nfe_per_image": args.num_steps + n_train * (2 if args.kl_beta > 0 else 1),
             "perf/sampling_s": t_sample,
-            "perf/iteration_s": time.perf_counter() - t_iter,
-            "perf/wall_s": time.perf_counter() - t_start,
         }
         if stats["kl"]:
             log["losses/kl"] = torch.stack(stats["kl"]).mean().item()
-        if (it + 1) % 10 == 0 or it + 1 == args.iterations:  # all processes must hold identical weights (DDP)
-            log["charts/rank_weight_spread"] = run.weight_spread(params)
-        if skipped:
-            accelerator.print(f"iteration {it}: skipped {skipped} update(s) with a non-finite gradient norm")
-        run.log(log, it + 1)
-        bar.set_postfix(reward=f"{log['rewards/mean']:.4f}", s_it=f"{log['perf/iteration_s']:.1f}")
+        run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
         # ------------------------------------------------------------ CHECKPOINT
         run.checkpoint(it + 1, final=it + 1 == args.iterations)
@@ -453,7 +410,6 @@ def main(args: Args):
 
     # ---------------------------------------------------------------- FINAL SAVE
     run.save_final(model, transformer, args.lora)
-    run.close()
 
 
 if __name__ == "__main__":

@@ -33,18 +33,11 @@ Launch (run.sh has more):
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 rlr.py --samples-per-device 4  # 2 CPU processes
     python rlr.py --resume-from latest                               # continue the newest runs/rlr__*
 
-Deviations from the public code (which implements neither the sub-chain nor the ZO term; docs/rlr.md):
-  * the estimator is the paper's eq. 6: one h-step back-propagated sub-chain with a likelihood ratio at its end,
-    and a per-step parameter-perturbation ZO term on every other step, unit weights, raw rewards minus
-    baselines that keep it unbiased (public code: AlignProp K=1 plus down-weighted one-step PPO terms, no ZO);
-  * one optimizer step per iteration on the sum of the three terms (no PPO clip: every term is on-policy);
-    --terms selects the paper's ablations (V1 = fo, V2 = fo+ho, V3 = fo+zo);
-  * the log-density is summed over latent dimensions (the public code averages, which rescales the LR term);
-  * the window start is uniform (or uniform in a --subchain-stage); the paper's softmax over per-step gradient
-    norms is not specified well enough to implement;
-  * DDIM's last step lands on x0_hat (alpha_prev = 1), not on alpha_0 as trl does;
-  * all randomness (prompts, noise, windows, parameter perturbations) is keyed on (seed, iteration, global
-    sample / chunk / block index), so resumed and multi-process runs draw the same numbers.
+Deviations from the public code, which implements neither the sub-chain nor the ZO term (docs/rlr.md explains
+each): the estimator is the paper's eq. 6 with unit weights and baselines that keep it unbiased; one optimizer step
+per iteration on the sum of the terms (--terms selects the paper's ablations V1 = fo, V2 = fo+ho, V3 = fo+zo); the
+log-density is summed over latent dimensions; the window start is uniform (or uniform in a --subchain-stage);
+DDIM's last step lands on x0_hat; all randomness is keyed on (seed, iteration, sample / chunk / block index).
 """
 
 from __future__ import annotations
@@ -62,12 +55,11 @@ from typing import Callable, Literal, Optional
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
-from tqdm import tqdm
 
 from common import InputError
-from common.models import add_lora, load_model
+from common.models import load_model, trainable_denoiser
 from common.rewards import build_reward, parse_reward_spec
-from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, need, optimizer_step
+from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, need
 
 
 @dataclass
@@ -504,12 +496,7 @@ def main(args: Args):
     model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
     if args.noise_level is None:
         args.noise_level = 1.0 if model.kind == "sd1" else 0.3 if args.sde_type == "dance" else 0.7
-    denoiser = (model.unet if model.kind == "sd1" else model.transformer).float()  # fp32 master weights (UNet or DiT)
-    if args.lora:
-        add_lora(denoiser, args.lora_rank, args.lora_alpha)
-        for p in denoiser.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
+    denoiser = trainable_denoiser(model, args)  # UNet or DiT, fp32 master weights (+ LoRA adapter with --lora)
     if args.gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
 
@@ -543,43 +530,30 @@ def main(args: Args):
     evaluate = Evaluator(
         args, model, denoiser, sampler, reward_fn, eval_prompts, run, max(B, 16) if model.kind == "shapes" else B
     )  # (CPU ShapesBench: batch up)
-    accelerator.print(
-        "\n".join(
-            [
-                "***** RLR (first-order + half-order sub-chain + zero-order) *****",
-                f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
-                f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
-                f"  processes {world} x samples per process {S} = {N} images / iteration = {prompts_per_iter} prompts x group size {G}",
-                f"  steps {T} ({'DDIM eta' if model.kind == 'sd1' else args.sde_type + ' SDE noise'} {args.noise_level}), "
-                f"estimator terms {args.terms}"
-                + ("" if args.terms in ("fo+ho+zo", "fo+zo") else " (biased ablation)")
-                + (
-                    f", sub-chain h = {h}"
-                    + (f" (h* for {args.memory_budget_gb} GB)" if args.memory_budget_gb is not None else "")
-                    + f", window starts {starts[0]}..{starts[-1]} ({args.subchain_stage})"
-                    if use_ho
-                    else ""
-                )
-                + (", DCoT prompts" if dcot else ""),
-                (f"  ZO: {K} perturbation block(s) per process, scale {args.zo_scale:g}; " if use_zo else "  ")
-                + f"rollout batch {B}, one optimizer step per iteration",
-                f"  reward {args.reward}, lr {args.learning_rate}, iterations {args.iterations}",
-                f"  run folder {run.dir}",
-            ]
-        )
+    run.banner(
+        model,
+        params,
+        [
+            f"processes {world} x samples per process {S} = {N} images / iteration = {prompts_per_iter} prompts x "
+            f"group size {G}",
+            f"steps {T} ({'DDIM eta' if model.kind == 'sd1' else args.sde_type + ' SDE noise'} {args.noise_level}), "
+            f"estimator terms {args.terms}"
+            + ("" if args.terms in ("fo+ho+zo", "fo+zo") else " (biased ablation)")
+            + (
+                f", sub-chain h = {h}"
+                + (f" (h* for {args.memory_budget_gb} GB)" if args.memory_budget_gb is not None else "")
+                + f", window starts {starts[0]}..{starts[-1]} ({args.subchain_stage})"
+                if use_ho
+                else ""
+            )
+            + (", DCoT prompts" if dcot else ""),
+            (f"ZO: {K} perturbation block(s) per process, scale {args.zo_scale:g}; " if use_zo else "")
+            + f"rollout batch {B}, one optimizer step per iteration",
+        ],
     )
-    t_start = time.perf_counter()
     if start == 0:
         evaluate(0)
-    bar = tqdm(
-        range(start, args.iterations),
-        initial=start,
-        total=args.iterations,
-        desc="iterations",
-        disable=not accelerator.is_local_main_process,
-    )
-    for it in bar:
-        t_iter = time.perf_counter()
+    for it in run.iterations(start):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         # ------------------------------------------------------------ SAMPLING
@@ -630,7 +604,7 @@ def main(args: Args):
             rewards.append(r.detach())
             parts.append(comp)
         fo_norm = grad_norm(params)  # process-local: the FO term of this process's samples
-        t_sample = time.perf_counter() - t_iter
+        t_sample = time.perf_counter() - run.t_iter
 
         # ------------------------------------------------------------ REWARDS & ADVANTAGES
         all_rewards = accelerator.gather(torch.cat(rewards).float().to(device))  # (N,) in global sample order
@@ -668,8 +642,7 @@ def main(args: Args):
                 )
             zo_norm = math.sqrt(sum(float((p.grad - g).double().square().sum()) for p, g in zip(params, before)))
             del before
-        clipped_norm = optimizer_step(accelerator, optimizer, params, args.max_grad_norm)  # None: non-finite, skipped
-        skipped = int(clipped_norm is None)
+        run.step(optimizer, params)  # clipped; skipped if the gradient norm is not finite
 
         # ------------------------------------------------------------ LOGGING
         log = {
@@ -685,21 +658,12 @@ def main(args: Args):
             "grad/fo_norm": fo_norm,
             "grad/fo_ho_norm": fo_ho_norm,
             "grad/zo_norm": zo_norm,
-            "charts/grad_norm": float("nan") if skipped else clipped_norm,
-            "charts/skipped_updates": skipped,
             "charts/lr": args.learning_rate,
             "perf/nfe_per_image": T + h,
             "perf/peak_mem_gb": peak_memory_gb(device),
             "perf/sampling_s": t_sample,
-            "perf/iteration_s": time.perf_counter() - t_iter,
-            "perf/wall_s": time.perf_counter() - t_start,
         }
-        if (it + 1) % 10 == 0 or it + 1 == args.iterations:  # all processes must hold identical weights (DDP)
-            log["charts/rank_weight_spread"] = run.weight_spread(params)
-        if skipped:
-            accelerator.print(f"iteration {it}: skipped the update: non-finite gradient norm")
-        run.log(log, it + 1)
-        bar.set_postfix(reward=f"{log['rewards/mean']:.4f}", s_it=f"{log['perf/iteration_s']:.1f}")
+        run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
         # ------------------------------------------------------------ CHECKPOINT
         run.checkpoint(it + 1, final=it + 1 == args.iterations)
@@ -709,7 +673,6 @@ def main(args: Args):
 
     # ---------------------------------------------------------------- FINAL SAVE
     run.save_final(model, denoiser, args.lora)
-    run.close()
 
 
 if __name__ == "__main__":

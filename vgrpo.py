@@ -50,17 +50,15 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
 from typing import Literal
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from tqdm import tqdm
 
-from common.models import add_lora, load_model
+from common.models import load_model, trainable_denoiser
 from common.rewards import build_reward, parse_reward_spec
-from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, need, optimizer_step, sample_ode
+from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, need, ode_sampler
 
 
 @dataclass
@@ -319,13 +317,9 @@ def main(args: Args):
 
     # ---------------------------------------------------------------- MODELS
     model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
-    transformer = model.transformer.float()  # fp32 master weights; autocast handles bf16
-    if args.lora:
-        add_lora(transformer, args.lora_rank, args.lora_alpha)
-        for p in transformer.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
-    transformer.train()  # no frozen reference model: the KL term is to the behaviour policy, whose outputs are stored
+    # fp32 master weights (+ LoRA adapter with --lora); no frozen reference model: the KL term is to the behaviour
+    # policy, whose outputs are stored
+    transformer = trainable_denoiser(model, args)
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
     reward_fn = build_reward(args.reward, device, dict(item.split("=", 1) for item in args.reward_ckpt))
@@ -341,18 +335,11 @@ def main(args: Args):
     sigmas = sigma_schedule(args.num_steps, args.shift)
     grid = sigmas[:-1] if args.pair_times == "grid" else None  # the rollout schedule without t = 0 (x0_hat = x there)
     latent_shape = model.latent_shape()
-    sampler = partial(
-        sample_ode,
-        model,
-        transformer,
-        sigmas=sigma_schedule(args.eval_steps, args.shift),
-        guidance_scale=args.guidance_scale,
-        autocast=autocast,
+    sampler = ode_sampler(
+        model, transformer, sigma_schedule(args.eval_steps, args.shift), args.guidance_scale, autocast
     )
     evaluate = Evaluator(args, model, transformer, sampler, reward_fn, eval_prompts, run, args.rollout_batch_size)
-    nfe = (
-        args.num_steps + 2 * args.n_mc
-    )  # NFE (transformer forwards) per image: rollout + behaviour pass + training pass
+    nfe = args.num_steps + 2 * args.n_mc  # NFE (transformer forwards) per image: rollout, behaviour and training passes
     off = [
         n
         for n, on in (
@@ -362,37 +349,24 @@ def main(args: Args):
         )
         if not on
     ]
-    accelerator.print(
-        "\n".join(
-            [
-                f"***** {run.title} *****",
-                f"  model {args.model_id} ({model.kind}), latent {tuple(latent_shape)}, {'LoRA r=%d' % args.lora_rank if args.lora else 'full fine-tuning'}, "
-                f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable params, mixed precision {args.mixed_precision}",
-                f"  processes {world} x samples per process {args.samples_per_device} = {world * args.samples_per_device} images / iteration",
-                f"  = {prompts_per_iter} prompts x group size {args.group_size} (prompts per process {args.samples_per_device / args.group_size:g})",
-                f"  rollouts: {args.solver} ODE, {args.num_steps} steps, shift {args.shift}, batch {args.rollout_batch_size}",
-                f"  surrogate: {args.n_mc} (t, eps) pairs per image, t on the {args.pair_times} support, {args.prediction}-prediction, "
-                f"variance reduction {'all on' if not off else 'off: ' + ', '.join(off)}; micro-batch {mb} images x {args.n_mc} pairs",
-                f"  optimizer steps / iteration {updates_per_iter} ({args.images_per_update} images per process each), "
-                f"transformer forwards per image {nfe}",
-                f"  reward {args.reward}, clip {args.clip_range}, KL beta {args.kl_beta}, adv soft clip {args.adv_soft_clip or 'off'}, "
-                f"lr {args.learning_rate}, iterations {args.iterations}",
-                f"  run folder {run.dir}",
-            ]
-        )
+    run.banner(
+        model,
+        params,
+        [
+            f"processes {world} x samples per process {args.samples_per_device} = {world * args.samples_per_device} "
+            f"images / iteration = {prompts_per_iter} prompts x group size {args.group_size}",
+            f"rollouts: {args.solver} ODE, {args.num_steps} steps, shift {args.shift}, batch {args.rollout_batch_size}",
+            f"surrogate: {args.n_mc} (t, eps) pairs per image, t on the {args.pair_times} support, {args.prediction}-"
+            f"prediction, variance reduction {'all on' if not off else 'off: ' + ', '.join(off)}; micro-batch {mb} "
+            f"images x {args.n_mc} pairs",
+            f"optimizer steps / iteration {updates_per_iter} ({args.images_per_update} images per process each), "
+            f"transformer forwards per image {nfe}",
+            f"clip {args.clip_range}, KL beta {args.kl_beta}, adv soft clip {args.adv_soft_clip or 'off'}",
+        ],
     )
-    t_start = time.perf_counter()
     if start == 0:
         evaluate(0)
-    bar = tqdm(
-        range(start, args.iterations),
-        initial=start,
-        total=args.iterations,
-        desc="iterations",
-        disable=not accelerator.is_local_main_process,
-    )
-    for it in bar:
-        t_iter = time.perf_counter()
+    for it in run.iterations(start):
         # ------------------------------------------------------------ SAMPLING
         # The same prompt draw on every process; process r owns global samples [r S, (r + 1) S).
         gen = rng(args.seed, it, "prompts")
@@ -421,7 +395,7 @@ def main(args: Args):
                 for c in range(0, args.samples_per_device, args.rollout_batch_size)
             ]
         )  # (S, *L) fp32 final latents
-        t_sample = time.perf_counter() - t_iter
+        t_sample = time.perf_counter() - run.t_iter
 
         # behaviour values S_old, right after the rollout, on the micro-batches the training pass will use
         t_pairs, eps = draw_pairs(
@@ -449,7 +423,7 @@ def main(args: Args):
                 old_values[sl] = values
                 if old_x0 is not None:
                     old_x0[sl] = x0_hat
-        t_old = time.perf_counter() - t_iter - t_sample
+        t_old = time.perf_counter() - run.t_iter - t_sample
 
         # ------------------------------------------------------------ REWARDS & ADVANTAGES
         with torch.no_grad():
@@ -469,7 +443,6 @@ def main(args: Args):
         # ------------------------------------------------------------ TRAINING
         transformer.train()
         stats = {k: [] for k in ("policy_loss", "kl", "ratio", "log_ratio", "clipfrac")}
-        grad_norms, skipped = [], 0
         for u in range(updates_per_iter):
             for m in range(u * micro_per_update, (u + 1) * micro_per_update):
                 sl = slice(m * mb, (m + 1) * mb)
@@ -498,11 +471,7 @@ def main(args: Args):
                 stats["ratio"].append(ratio.detach())
                 stats["log_ratio"].append(log_ratio.detach())
                 stats["clipfrac"].append(((ratio - 1).abs() > args.clip_range).float().mean().detach())
-            grad_norm = optimizer_step(accelerator, optimizer, params, args.max_grad_norm)  # None: non-finite, skipped
-            if grad_norm is None:
-                skipped += 1
-            else:
-                grad_norms.append(grad_norm)
+            run.step(optimizer, params)  # clipped; skipped if the gradient norm is not finite
 
         # ------------------------------------------------------------ LOGGING
         ratios, log_ratios = torch.cat(stats["ratio"]), torch.cat(stats["log_ratio"])
@@ -526,25 +495,16 @@ def main(args: Args):
             "losses/first_log_ratio_max_abs": stats["log_ratio"][0].abs().max().item(),
             "losses/clipfrac": torch.stack(stats["clipfrac"]).mean().item(),
             "losses/approx_kl": (0.5 * log_ratios**2).mean().item(),
-            "charts/grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
-            "charts/skipped_updates": skipped,
             "charts/lr": args.learning_rate,
             "charts/pairs_checksum": checksums[0].item(),
             "charts/rank_pairs_spread": (checksums.max() - checksums.min()).item(),
             "perf/nfe_per_image": nfe,
             "perf/sampling_s": t_sample,
             "perf/behaviour_s": t_old,
-            "perf/iteration_s": time.perf_counter() - t_iter,
-            "perf/wall_s": time.perf_counter() - t_start,
         }
         if stats["kl"]:
             log["losses/kl"] = torch.stack(stats["kl"]).mean().item()
-        if (it + 1) % 10 == 0 or it + 1 == args.iterations:  # all processes must hold identical weights (DDP)
-            log["charts/rank_weight_spread"] = run.weight_spread(params)
-        if skipped:
-            accelerator.print(f"iteration {it}: skipped {skipped} update(s) with a non-finite gradient norm")
-        run.log(log, it + 1)
-        bar.set_postfix(reward=f"{log['rewards/mean']:.4f}", s_it=f"{log['perf/iteration_s']:.1f}")
+        run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
         # ------------------------------------------------------------ CHECKPOINT
         run.checkpoint(it + 1, final=it + 1 == args.iterations)
@@ -554,7 +514,6 @@ def main(args: Args):
 
     # ---------------------------------------------------------------- FINAL SAVE
     run.save_final(model, transformer, args.lora)
-    run.close()
 
 
 if __name__ == "__main__":

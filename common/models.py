@@ -9,6 +9,7 @@ The trainable denoiser is passed *into* `velocity`/`eps` rather than read from t
 can hand in a LoRA'd, DDP/FSDP-wrapped or reference copy of it. Everything else is frozen.
 """
 
+import copy
 import json
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from transformers import AutoTokenizer, CLIPTextModel
 
 from common import InputError
 
-SHAPESBENCH_DIR = Path(__file__).parent / "assets" / "shapes-flow"
+SHAPESBENCH_DIR = Path(__file__).parent / "shapesbench" / "assets" / "flow"  # what --model-id shapesbench loads
 # model_index.json `_class_name` -> kind
 KINDS = {
     "ShapesBench": "shapes",
@@ -371,18 +372,27 @@ def load_model(
     return model.to(device)
 
 
-def save_shapesbench(out_dir, transformer, text_encoder, tokenizer):
-    """Write a ShapesBench folder that load_model(out_dir) reads (used by the ShapesBench trainer and the tests)."""
-    out_dir = Path(out_dir)
-    transformer.save_pretrained(out_dir / "transformer")
-    text_encoder.save_pretrained(out_dir / "text_encoder")
-    tokenizer.save_pretrained(out_dir / "tokenizer")
-    (out_dir / "model_index.json").write_text(json.dumps({"_class_name": "ShapesBench"}, indent=2))
-
-
 # Attention projections of joint (MM-DiT) blocks, single blocks and UNet cross/self-attention; names that a
 # model lacks are skipped by peft (add_* only exist in SD3/FLUX joint blocks).
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+
+def trainable_denoiser(model: FlowModel | DDIMModel, args):
+    """The module RL trains (the transformer, or an SD1.x UNet) in fp32 master weights, autocast handling bf16; with
+    --lora a LoRA adapter (rank --lora-rank, alpha --lora-alpha) whose weights alone are trainable, also fp32."""
+    denoiser = (model.unet if model.kind == "sd1" else model.transformer).float()
+    if args.lora:
+        add_lora(denoiser, args.lora_rank, args.lora_alpha)
+        for p in denoiser.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    return denoiser.train()
+
+
+def frozen_copy(module, dtype):
+    """A frozen copy of `module` (the KL reference policy of full fine-tuning), in bf16 if `dtype` is bf16."""
+    ref = copy.deepcopy(module).requires_grad_(False).eval()
+    return ref.bfloat16() if dtype == torch.bfloat16 else ref  # (not .to(dtype): diffusers warns on it)
 
 
 def add_lora(transformer, rank: int, alpha: float, target_modules: list[str] | None = None):

@@ -15,7 +15,7 @@ def load_prompts(source: str, flag: str = "--prompts") -> list[str]:
     Blank lines and lines starting with '#' are skipped. `flag` names the CLI option in error messages.
     """
     if source in SOURCES:
-        from common.shapes import split_prompts
+        from common.shapesbench import split_prompts
 
         return split_prompts(SOURCES[source])
     path = Path(source).expanduser()

@@ -98,7 +98,7 @@ def _no_ckpt(name: str, checkpoint: str | None):
 # ---------------------------------------------------------------- ShapesBench (the offline world)
 def shapes_reward(device, checkpoint=None) -> Reward:
     """Learned, differentiable image-text reward of ShapesBench (`checkpoint` None = the one shipped in the repo)."""
-    from common.shapes import load_reward_model
+    from common.shapesbench import load_reward_model
 
     return ScoreFn(load_reward_model(path=checkpoint, device=device), differentiable=True)
 
@@ -106,7 +106,7 @@ def shapes_reward(device, checkpoint=None) -> Reward:
 def verifier(device, checkpoint=None) -> Reward:
     """Programmatic ShapesBench verifier (colours, shape, clean background); the held-out metric."""
     _no_ckpt("verifier", checkpoint)
-    from common.shapes import verifier_reward
+    from common.shapesbench import verifier_reward
 
     return ScoreFn(verifier_reward, differentiable=False)
 

@@ -23,6 +23,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -243,6 +244,8 @@ class Run:
         self.state = TrainState()
         accelerator.register_for_checkpointing(self.state)
         self.title, self._tb, self._wandb = title, None, None
+        self.grad_norms, self.skipped = [], 0  # this iteration's optimizer steps (see step())
+        self.t_start = self.t_iter = time.perf_counter()
 
     def resume(self) -> int:
         """Load the checkpoint chosen by --resume-from (if any); returns the iteration to start from."""
@@ -258,6 +261,59 @@ class Run:
             ) from None
         self.accelerator.print(f"resumed from {self.resume_path} at iteration {self.state.iteration}")
         return self.state.iteration
+
+    def banner(self, model, params, lines: list[str]) -> None:
+        """Print the run's settings: the model and what is trained, the script's own `lines`, the run folder."""
+        a = self.args
+        mode = f"LoRA r={a.lora_rank}" if a.lora else "full fine-tuning"
+        n = sum(p.numel() for p in params) / 1e6
+        self.accelerator.print(
+            f"***** {self.title} *****\n  model {a.model_id} ({model.kind}), latent {tuple(model.latent_shape())}, "
+            f"{mode}, {n:.2f}M trainable params, mixed precision {a.mixed_precision}\n"
+            + "".join(f"  {line}\n" for line in lines)
+            + f"  reward {a.reward}, lr {a.learning_rate}, iterations {a.iterations}\n  run folder {self.dir}"
+        )
+
+    def iterations(self, start: int):
+        """The training iterations start..--iterations - 1 under a progress bar; times each one (t_iter)."""
+        self.t_start = time.perf_counter()
+        self.bar = tqdm(
+            range(start, self.args.iterations),
+            initial=start,
+            total=self.args.iterations,
+            desc="iterations",
+            disable=not self.accelerator.is_local_main_process,
+        )
+        for it in self.bar:
+            self.t_iter = time.perf_counter()
+            yield it
+
+    def step(self, optimizer, params) -> None:
+        """One optimizer step (common.runs.optimizer_step: clipped, skipped on a non-finite gradient norm), recorded
+        for the iteration's log."""
+        grad_norm = optimizer_step(self.accelerator, optimizer, params, self.args.max_grad_norm)
+        if grad_norm is None:
+            self.skipped += 1
+        else:
+            self.grad_norms.append(grad_norm)
+
+    def end_iteration(self, it: int, scalars: dict, params) -> None:
+        """Log iteration `it`'s scalars with the optimizer steps' gradient norm (NaN if every step was skipped), the
+        timings, and every 10 iterations the weights' spread across processes (0 = identical, as DDP must keep them)."""
+        scalars = {
+            **scalars,
+            "charts/grad_norm": sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else float("nan"),
+            "charts/skipped_updates": self.skipped,
+            "perf/iteration_s": time.perf_counter() - self.t_iter,
+            "perf/wall_s": time.perf_counter() - self.t_start,
+        }
+        if (it + 1) % 10 == 0 or it + 1 == self.args.iterations:
+            scalars["charts/rank_weight_spread"] = self.weight_spread(params)
+        if self.skipped:
+            self.accelerator.print(f"iteration {it}: skipped {self.skipped} update(s) with a non-finite gradient norm")
+        self.log(scalars, it + 1)
+        self.bar.set_postfix(reward=f"{scalars['rewards/mean']:.4f}", s_it=f"{scalars['perf/iteration_s']:.1f}")
+        self.grad_norms, self.skipped = [], 0
 
     # ---------------------------------------------------------------- logging
     def _writers(self):
@@ -340,6 +396,7 @@ class Run:
         if self.is_main:
             save_trained_weights(model, self.accelerator.unwrap_model(prepared), self.dir / "final", lora, state_dict)
             print(f"trained weights in {self.dir / 'final'}")
+        self.close()
 
     def weight_spread(self, params) -> float:
         """Largest difference of any parameter tensor's sum across processes (0 when DDP keeps them identical)."""
@@ -375,6 +432,11 @@ def keyed_generator(*keys) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
+def ode_sampler(model, transformer, sigmas, guidance_scale, autocast):
+    """`sampler(cond, noise) -> images` for the Evaluator: sample_ode along `sigmas` with the training module."""
+    return partial(sample_ode, model, transformer, sigmas=sigmas, guidance_scale=guidance_scale, autocast=autocast)
+
+
 @torch.no_grad()
 def sample_ode(model, transformer, cond, noise, sigmas, guidance_scale, autocast):
     """Deterministic Euler samples of a flow model along `sigmas`: noise (B, *L) -> images (B, 3, H, W)."""
@@ -402,7 +464,7 @@ class Evaluator:
     `sampler(cond, noise) -> images (B, 3, H, W)` is the script's deterministic sampler. Every process computes the
     same images with the prepared module (FSDP needs all ranks in each forward; under DDP the others would only
     wait); the main process logs them. On ShapesBench the verifier's accuracies, the learned reward and diversity
-    are added to the reward (common.shapes.evaluate).
+    are added to the reward (common.shapesbench.evaluate).
     """
 
     def __init__(self, args, model, module, sampler, reward_fn, eval_prompts, run: Run, batch_size: int):
@@ -420,7 +482,7 @@ class Evaluator:
         self.grid_prompts = [p for p in eval_prompts[:: max(1, len(eval_prompts) // 8)][:8] for _ in range(2)]
         self.shapes_reward = None
         if model.kind == "shapes":
-            from common.shapes import load_reward_model
+            from common.shapesbench import load_reward_model
 
             ckpts = dict(item.split("=", 1) for item in args.reward_ckpt)
             self.shapes_reward = load_reward_model(ckpts.get("shapes"), device=run.accelerator.device)
@@ -434,7 +496,7 @@ class Evaluator:
     @torch.no_grad()
     def evaluate(self, step: int) -> dict:
         """ODE samples of the held-out prompts with fixed seeds -> metrics (also logged)."""
-        from common import shapes
+        from common import shapesbench
 
         device, images = self.run.accelerator.device, []
         chunks = range(0, len(self.prompts), self.batch_size)
@@ -451,7 +513,10 @@ class Evaluator:
         }
         if self.model.kind == "shapes":
             metrics.update(
-                {f"eval/{k}": v for k, v in shapes.evaluate(images.cpu(), self.prompts, self.shapes_reward).items()}
+                {
+                    f"eval/{k}": v
+                    for k, v in shapesbench.evaluate(images.cpu(), self.prompts, self.shapes_reward).items()
+                }
             )
         self.run.log(metrics, step, echo=True)
         return metrics
@@ -463,9 +528,9 @@ class Evaluator:
         r, _ = self.reward_fn(images, prompts)
         ok = None
         if self.model.kind == "shapes":
-            from common import shapes
+            from common import shapesbench
 
-            ok = shapes.verify(images, prompts)["all"].tolist()
+            ok = shapesbench.verify(images, prompts)["all"].tolist()
         self.run.log_grid(images, [f"{p}\nreward {x:.3f}" for p, x in zip(prompts, r.tolist())], ok, step)
 
     def __call__(self, step: int, final: bool = False) -> None:

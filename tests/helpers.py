@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ROOT / "common" / "assets" / "shapes-flow"
+SHIPPED = ROOT / "common" / "shapesbench" / "assets" / "flow"
 WEIGHTS = Path("transformer") / "diffusion_pytorch_model.safetensors"  # a full fine-tuning run's final weights
 
 

@@ -108,7 +108,7 @@ def test_jpeg_prefers_flat_images():
 
 # ---------------------------------------------------------------- ShapesBench rewards
 def test_shapes_wiring(monkeypatch):
-    """Factories call common.shapes lazily with the checkpoint and device (a stand-in module here)."""
+    """Factories call common.shapesbench lazily with the checkpoint and device (a stand-in module here)."""
     calls = {}
 
     def load_reward_model(path=None, device="cpu"):
@@ -116,7 +116,7 @@ def test_shapes_wiring(monkeypatch):
         return lambda x, p: x.mean((1, 2, 3))
 
     fake = types.SimpleNamespace(load_reward_model=load_reward_model, verifier_reward=lambda x, p: x.amax((1, 2, 3)))
-    monkeypatch.setitem(sys.modules, "common.shapes", fake)
+    monkeypatch.setitem(sys.modules, "common.shapesbench", fake)
     reward = build_reward("shapes:1,verifier:0", "cpu", {"shapes": "ckpt"})
     assert calls == {"path": "ckpt", "device": "cpu"} and reward.differentiable
     images = uint8_images(2, 32, 32)
@@ -125,15 +125,15 @@ def test_shapes_wiring(monkeypatch):
 
 
 def test_verifier_real():
-    pytest.importorskip("common.shapes")
+    pytest.importorskip("common.shapesbench")
     scores = build_reward("verifier", "cpu")(uint8_images(2, 32, 32), PROMPTS)[1]["verifier"]
     assert scores.shape == (2,) and torch.isfinite(scores).all()
 
 
 def test_shapes_real():
-    shapes = pytest.importorskip("common.shapes")
+    shapes = pytest.importorskip("common.shapesbench")
     if not (shapes.REWARD_PATH / "model" / "config.json").exists():
-        pytest.skip("the ShapesBench reward model is not trained yet (scripts/train_shapes_reward.py)")
+        pytest.skip("the ShapesBench reward model is not trained yet (python -m common.shapesbench.train_reward)")
     assert_finite_grad(REWARDS["shapes"]("cpu"), uint8_images(2, 32, 32), PROMPTS)
 
 

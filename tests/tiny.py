@@ -27,7 +27,7 @@ from transformers import (
     T5Tokenizer,
 )
 
-from common.models import save_shapesbench
+from common.shapesbench.builders import save_flow_model
 
 PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
 RES = 32  # pixels; with the tiny VAEs (scale factor 2) the latents are 16x16
@@ -132,7 +132,7 @@ def build_shapes(path):
         num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32,
         pos_embed_max_size=8,
     )  # fmt: skip
-    save_shapesbench(path, transformer, text_encoder, tok)
+    save_flow_model(path, transformer, text_encoder, tok)
 
 
 BUILDERS = {"flux": build_flux, "sd3": build_sd3, "shapes": build_shapes, "sd1": build_sd1}

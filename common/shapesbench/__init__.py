@@ -1,0 +1,76 @@
+"""ShapesBench: an offline text-to-image world small enough to train, sample and RL-tune on a laptop CPU.
+
+Prompts are "a {fg} {shape} on a {bg} background" (3 shapes x 8 colours x 7 background colours = 168), split
+into 120 training and 48 held-out prompts. Images are 32x32 RGB, hard-edged (every pixel a palette colour).
+
+    world.py         palette, prompts, split, renderer; the corruptions a reward must rank low (texture, blur, blob)
+    verifier.py      the programmatic verifier (colours, shape by template IoU, clean background) and the
+                     held-out metrics (accuracies, well-formed rate, confusion matrix, diversity)
+    reward.py        the learned reward (a tiny CLIP's cosine, "the HPS of ShapesBench") and its checks
+    builders.py      the tiny model components (tokenizer, CLIP text encoder, SD3 transformer, CLIP reward model)
+    train_flow.py    `python -m common.shapesbench.train_flow`: pretrain the base model (caption noise, EMA)
+    train_reward.py  `python -m common.shapesbench.train_reward`: train the learned reward
+    __main__.py      `python -m common.shapesbench eval`: sample a model on the held-out prompts, print JSON
+    assets/          the shipped base model (flow/) and reward (reward/), each with its train_log.json
+
+The base model is loaded like any diffusers model (`common.models.load_model("shapesbench")`), so the scripts
+run the same code path on ShapesBench as on FLUX or SD3. The names below are the package's public interface.
+"""
+
+from common.shapesbench.reward import REWARD_PATH, ShapesReward, load_reward_model, ranking_checks, shape_agreement
+from common.shapesbench.verifier import (
+    SHAPE_IOU_MIN,
+    WELL_FORMED_IOU,
+    confusion_matrix,
+    diversity,
+    evaluate,
+    verifier_reward,
+    verify,
+)
+from common.shapesbench.world import (
+    COLOUR_NAMES,
+    JITTER,
+    PALETTE,
+    RADII,
+    SHAPES,
+    SIZE,
+    all_prompts,
+    blob,
+    blur,
+    make_prompt,
+    parse_prompt,
+    periodic_texture,
+    render,
+    sample_batch,
+    split_prompts,
+)
+
+__all__ = [
+    "COLOUR_NAMES",
+    "JITTER",
+    "PALETTE",
+    "RADII",
+    "REWARD_PATH",
+    "SHAPES",
+    "SHAPE_IOU_MIN",
+    "SIZE",
+    "WELL_FORMED_IOU",
+    "ShapesReward",
+    "all_prompts",
+    "blob",
+    "blur",
+    "confusion_matrix",
+    "diversity",
+    "evaluate",
+    "load_reward_model",
+    "make_prompt",
+    "parse_prompt",
+    "periodic_texture",
+    "render",
+    "ranking_checks",
+    "sample_batch",
+    "shape_agreement",
+    "split_prompts",
+    "verifier_reward",
+    "verify",
+]
