@@ -18,16 +18,14 @@ Launch (run.sh has more):
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 branchgrpo.py   # 2 CPU processes
     python branchgrpo.py --resume-from latest                       # continue the newest runs/branchgrpo__*
 
-Defaults tuned for ShapesBench that differ from the paper (the FLUX line above uses the paper's values):
---sde-type flow (a = 0.7) instead of DanceGRPO's constant eta 0.3, and --clip-range 1e-3 instead of 1e-4 (the
-log-prob is a mean over latent dimensions, so ratios move ~4.6x more on 3072 ShapesBench dimensions than on FLUX's
-65536; docs/branchgrpo.md).
-
-Deviations from the official release, each explained in docs/branchgrpo.md: the paper's correlated branch noise
-(the release's 4x scaled independent noise is --branch-noise scaled, scored under the std it uses); nodes batched
-per depth; path fusion as a softmax over descendant leaves; parent-top1 width pruning keeps each last-split parent's
-best chain; depth and Mix windows slide with training iterations; the deterministic last step is not trained;
-optimizer steps counted in trees, not edges.
+Defaults tuned for ShapesBench that differ from the paper (the FLUX line above uses the paper's values): --sde-type
+flow (a = 0.7), not DanceGRPO's constant eta 0.3; --clip-range 1e-3, not 1e-4 (log-probs are means over latent
+dimensions, so ratios move ~4.6x more on ShapesBench's 3072 than on FLUX's 65536; docs/branchgrpo.md).
+Deviations from the official release (docs/branchgrpo.md explains each): the paper's correlated branch noise (the
+release's 4x scaled independent noise is --branch-noise scaled, scored under the std it uses); nodes batched per
+depth; path fusion as a softmax over descendant leaves; parent-top1 width pruning keeps each last-split parent's best
+chain; depth and Mix windows slide with iterations; the deterministic last step is not trained; optimizer steps
+counted in trees, not edges.
 """
 
 from __future__ import annotations
@@ -43,12 +41,12 @@ from typing import Literal, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import set_seed
 
 from common import InputError
-from common.models import frozen_copy, load_model, trainable_denoiser
+from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser
 from common.rewards import build_reward
-from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, need, ode_sampler
+from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need, ode_sampler
 
 
 @dataclass
@@ -161,7 +159,10 @@ def split_steps(schedule: str, num_steps: int, num_splits: int) -> list[int]:
     if schedule == "late":
         half = num_steps // 2
         return [half + k * max(1, (num_steps - 1 - half) // num_splits) for k in range(num_splits)]
-    return sorted({int(s) for s in schedule.split(",")})
+    try:
+        return sorted({int(s) for s in schedule.split(",")})
+    except ValueError:
+        raise InputError(f"--split-schedule {schedule!r}: use dense, sparse, late or a list like 0,3,6,9") from None
 
 
 def tree_sizes(num_steps: int, splits: list[int], k: int) -> list[int]:
@@ -309,6 +310,14 @@ def mix_window(num_steps: int, size: int, shift_every: int, iteration: int) -> l
     return list(range(start, start + size))
 
 
+def sde_steps(args, splits: list[int], iteration: int) -> set[int]:
+    """Steps sampled by the SDE: all but the deterministic last one; with --pruning mix only the sliding window
+    (from step 0) and the splits, every other step an Euler ODE step."""
+    if args.pruning == "mix":
+        return set(mix_window(args.num_steps, args.window, args.window_shift_every, iteration)) | set(splits)
+    return set(range(args.num_steps - 1))
+
+
 def trained_edges(args, splits, sizes, sde_set, adv, iteration) -> list[torch.Tensor]:
     """Which edges are trained, a list over steps of bool (P, n_{i+1}); adv[i] (P, n_{i+1}) holds the advantages of
     the children of step i. Pruning acts here only: the rollout and the rewards are the same whatever it is. ODE
@@ -340,7 +349,6 @@ def trained_edges(args, splits, sizes, sde_set, adv, iteration) -> list[torch.Te
 # ---------------------------------------------------------------------------------------------------
 def resolve_defaults(args: Args) -> None:
     """Fill the mode-dependent defaults; a mode-specific flag given for another mode is an error (no dead flags)."""
-
     for flag, ok, mode in [
         ("fusion_beta", args.fusion == "path", "--fusion path"),
         ("fusion_temperature", args.fusion == "path", "--fusion path"),
@@ -369,12 +377,7 @@ def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
     """This script's flags, then the shared ones and every input checkable before a model loads (common.runs).
     Returns (training prompts, held-out prompts). Messages name the flag to change."""
     need(args.num_steps >= 2, "--num-steps must be at least 2 (the last step is a deterministic Euler step)")
-    try:
-        splits = split_steps(args.split_schedule, args.num_steps, args.num_splits)
-    except ValueError:
-        raise InputError(
-            f"--split-schedule {args.split_schedule!r}: use dense, sparse, late or a list like 0,3,6,9"
-        ) from None
+    splits = split_steps(args.split_schedule, args.num_steps, args.num_splits)
     need(
         len(splits) >= 1 and all(0 <= s <= args.num_steps - 2 for s in splits),
         f"--split-schedule gives splits {splits}: they must lie in [0, {args.num_steps - 2}] (the last step is deterministic); "
@@ -395,14 +398,11 @@ def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
         f"--pruning {args.pruning}: the last split is step {max(splits)} = --num-steps - 2, so no trainable step follows "
         "it; move the splits earlier (--split-schedule) or raise --num-steps",
     )
+    need(args.trees_per_device % args.trees_per_update == 0, "--trees-per-update must divide --trees-per-device")
+    need(min(args.trees_per_device, args.rollout_batch_size) >= 1, "--trees-per-device, --rollout-batch-size >= 1")
     need(
-        args.trees_per_device >= 1 and args.trees_per_device % args.trees_per_update == 0,
-        "--trees-per-update must divide --trees-per-device",
-    )
-    need(args.rollout_batch_size >= 1, "--rollout-batch-size must be >= 1")
-    need(
-        args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0,
-        "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0",
+        args.kl_beta >= 0 and min(args.clip_range, args.adv_clip_max) > 0,
+        "--kl-beta >= 0, --clip-range, --adv-clip-max > 0",
     )
     if args.pruning == "depth" and after < args.window + 1:
         print(
@@ -420,18 +420,10 @@ def main(args: Args):
     world, rank = accelerator.num_processes, accelerator.process_index
     resolve_defaults(args)
     train_prompts, eval_prompts = validate(args, world)
-    need(
-        not (accelerator.distributed_type == DistributedType.FSDP and args.kl_beta > 0 and not args.lora),
-        "--kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU; under FSDP pass --kl-beta 0 or use --lora",
-    )
-    run = Run(
-        args,
-        accelerator,
-        f"BranchGRPO, pruning {args.pruning}" + (f" ({args.width_mode})" if args.pruning == "width" else ""),
-    )
+    mode = args.pruning + (f" ({args.width_mode})" if args.pruning == "width" else "")
+    run = Run(args, accelerator, f"BranchGRPO, pruning {mode}")
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
-    device = accelerator.device
-    autocast = accelerator.autocast
+    device, autocast = accelerator.device, accelerator.autocast
     frozen_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
     splits = split_steps(args.split_schedule, args.num_steps, args.num_splits)
     sizes = tree_sizes(args.num_steps, splits, args.branch_factor)  # nodes per depth, (T + 1,)
@@ -441,8 +433,8 @@ def main(args: Args):
     # ---------------------------------------------------------------- MODELS
     model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
     transformer = trainable_denoiser(model, args)  # fp32 master weights (+ LoRA adapter with --lora)
-    # KL reference policy: with LoRA the same module with the adapter disabled, else a frozen copy of the base
-    ref = frozen_copy(transformer, frozen_dtype) if args.kl_beta > 0 and not args.lora else None
+    # KL reference policy: with LoRA this module itself (unwrapped) with the adapter off, else a frozen copy of the base
+    ref = transformer if args.lora else frozen_copy(transformer, frozen_dtype) if args.kl_beta > 0 else None
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
     reward_fn = build_reward(args.reward, device, dict(item.split("=", 1) for item in args.reward_ckpt))
@@ -451,71 +443,44 @@ def main(args: Args):
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     transformer, optimizer = accelerator.prepare(transformer, optimizer)
-    unwrapped = accelerator.unwrap_model(transformer)
 
     # ---------------------------------------------------------------- RESUME
     start = run.resume()
     sigmas = sigma_schedule(args.num_steps, args.shift)
     g = noise_g(sigmas, args.sde_type, args.noise_level)
     latent_shape = model.latent_shape()
-    sampler = ode_sampler(
-        model, transformer, sigma_schedule(args.eval_steps, args.shift), args.guidance_scale, autocast
-    )
+    eval_sigmas = sigma_schedule(args.eval_steps, args.shift)
+    sampler = ode_sampler(model, transformer, eval_sigmas, args.guidance_scale, autocast)
     evaluate = Evaluator(args, model, transformer, sampler, reward_fn, eval_prompts, run, args.rollout_batch_size)
     forwards, edges = tree_counts(args.num_steps, splits, args.branch_factor)
-    last = args.num_steps - 1
-    sde_set0 = (
-        set(mix_window(args.num_steps, args.window, args.window_shift_every, 0)) | set(splits)
-        if args.pruning == "mix"
-        else set(range(last))
-    )
-    keep0 = trained_edges(args, splits, sizes, sde_set0, [torch.zeros(1, n) for n in sizes[1:]], 0)
+    keep0 = trained_edges(args, splits, sizes, sde_steps(args, splits, 0), [torch.zeros(1, n) for n in sizes[1:]], 0)
     trained0 = sum(int(k.sum()) for k in keep0)
-    run.banner(
-        model,
-        params,
-        [
-            f"tree: {args.num_steps} steps, splits {splits}, K {args.branch_factor} -> {n_leaves} leaves, {forwards} node "
-            f"forwards ({forwards / n_leaves:.2f} / leaf), {edges} edges, of which trained at iteration 0: {trained0} "
-            f"({trained0 / n_leaves:.3f} / leaf)",
-            f"branch noise {args.branch_noise} s={args.branch_s}"
-            + (f" (sibling correlation {rho:.3f})" if args.branch_noise == "correlated" else "")
-            + f", {args.sde_type} noise {args.noise_level}, fusion {args.fusion}",
-            f"processes {world} x trees per process {args.trees_per_device} = {world * args.trees_per_device} prompts, "
-            f"{world * args.trees_per_device * n_leaves} images / iteration",
-            f"rollout / train micro-batch {args.rollout_batch_size} nodes, optimizer steps / iteration "
-            f"{args.trees_per_device // args.trees_per_update} ({args.trees_per_update} trees per process each)",
-            f"KL beta {args.kl_beta}, clip {args.clip_range}",
-        ],
-    )
+    corr = f" (sibling correlation {rho:.3f})" if args.branch_noise == "correlated" else ""
+    lines = [
+        f"tree: {args.num_steps} steps, splits {splits}, K {args.branch_factor} -> {n_leaves} leaves, {forwards} node "
+        f"forwards ({forwards / n_leaves:.2f} / leaf), {edges} edges, {trained0} trained at iteration 0",
+        f"branch noise {args.branch_noise} s={args.branch_s}{corr}, {args.sde_type} noise {args.noise_level}",
+        f"{world} processes x {args.trees_per_device} trees, {args.trees_per_update} per optimizer step, micro-batch "
+        f"{args.rollout_batch_size} nodes, fusion {args.fusion}, KL beta {args.kl_beta}, clip {args.clip_range}",
+    ]
+    run.banner(model, params, lines)
     if start == 0:
         evaluate(0)
     n_groups = args.trees_per_device // args.trees_per_update
     for it in run.iterations(start):
         # ------------------------------------------------------------ SAMPLING
-        # The same prompt draw on every process; process r owns trees [r P, (r + 1) P) (P = --trees-per-device). One tree = one prompt group.
-        n_global = world * args.trees_per_device
-        gen = rng(args.seed, it, "prompts")
-        if n_global <= len(train_prompts):
-            pick = torch.randperm(len(train_prompts), generator=gen)[:n_global]
-        else:
-            pick = torch.randint(len(train_prompts), (n_global,), generator=gen)
+        # The same prompt draw on every process; process r owns trees [r P, (r + 1) P), P = --trees-per-device
+        drawn = draw_prompts(train_prompts, world * args.trees_per_device, args.seed, it)
         tree_ids = list(range(rank * args.trees_per_device, (rank + 1) * args.trees_per_device))
-        my_prompts = [train_prompts[pick[t]] for t in tree_ids]
-        if args.pruning == "mix":  # SDE only inside the sliding window (from step 0) and at the splits; ODE elsewhere
-            sde_set = set(mix_window(args.num_steps, args.window, args.window_shift_every, it)) | set(splits)
-        else:
-            sde_set = set(range(last))  # the last step is a deterministic Euler step onto x0_hat
+        sde_set = sde_steps(args, splits, it)  # SDE steps; the rest (with --pruning mix) are Euler ODE steps
         groups = []  # one dict per update group of trees: prompts, cond, states, log_probs
         transformer.eval()
         for u in range(n_groups):
             ids = tree_ids[u * args.trees_per_update : (u + 1) * args.trees_per_update]
-
-            prompts_u = [my_prompts[t - tree_ids[0]] for t in ids]
+            prompts_u = [drawn[t] for t in ids]
             cond = model.encode_prompts(prompts_u)
-            roots = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, it, "root", t)) for t in ids]).to(
-                device
-            )
+            roots = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, it, "root", t)) for t in ids])
+            roots = roots.to(device)  # (P_u, *L)
             noise_fn = partial(tree_noise, args, it, ids, splits, latent_shape, rho)
             states, log_probs = tree_rollout(
                 model, transformer, cond, roots, sigmas, g, splits, sde_set, noise_fn, args, autocast
@@ -528,19 +493,11 @@ def main(args: Args):
             leaf_prompts = [p for grp in groups for p in grp["prompts"] for _ in range(n_leaves)]
             images = torch.cat([model.decode(grp["states"][-1]).float() for grp in groups])
             rewards, parts = reward_fn(images, leaf_prompts)  # (trees * leaves,)
-        for u, grp in enumerate(groups):
-            r = (
-                rewards[u * args.trees_per_update * n_leaves : (u + 1) * args.trees_per_update * n_leaves]
-                .view(-1, n_leaves)
-                .to(device)
-            )
+        for grp, r in zip(groups, rewards.to(device).view(n_groups, -1, n_leaves)):  # r: (P_u, M) leaf rewards
             values = node_values(r, grp["log_probs"], sizes, args.fusion, args.fusion_beta, args.fusion_temperature)
-            grp["adv"] = [
-                a.clamp(-args.adv_clip_max, args.adv_clip_max) for a in depth_advantages(values)
-            ]  # (P_u, n_d) per depth, P_u = --trees-per-update
-            grp["keep"] = trained_edges(
-                args, splits, sizes, sde_set, grp["adv"][1:], it
-            )  # edge of step i -> child at depth i + 1
+            adv = depth_advantages(values)  # (P_u, n_d) per depth, P_u = --trees-per-update
+            grp["adv"] = [a.clamp(-args.adv_clip_max, args.adv_clip_max) for a in adv]
+            grp["keep"] = trained_edges(args, splits, sizes, sde_set, grp["adv"][1:], it)  # step i -> depth i + 1
         all_rewards = accelerator.gather(rewards.float().to(device))
         parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
 
@@ -574,29 +531,21 @@ def main(args: Args):
                 adv = grp["adv"][i + 1].flatten().to(device)[child_idx][mask]
                 old_lp = grp["log_probs"][i][child_idx][mask]
                 x_child = grp["states"][i + 1][child_idx][mask]
-                scale = noise_scale(i, splits, args)
                 sig = sigmas[i].expand(len(x)).to(device)
                 with accelerator.no_sync(transformer) if w < len(work) - 1 else nullcontext():
                     with autocast():
                         v = model.velocity(transformer, x, sig, cond, args.guidance_scale)
                     mean, std = step_mean_std(x, v.float(), sigmas[i], sigmas[i + 1], g[i])
-                    mean = mean.repeat_interleave(kk, 0)[mask]
-                    log_prob = gaussian_log_prob(x_child, mean, std * scale)
+                    mean, std = mean.repeat_interleave(kk, 0)[mask], std * noise_scale(i, splits, args)
+                    log_prob = gaussian_log_prob(x_child, mean, std)
                     loss_vec, ratio = grpo_loss(log_prob, old_lp, adv, args.clip_range)
                     loss = loss_vec.sum()
                     if args.kl_beta > 0:
-                        with torch.no_grad(), autocast():
-                            if args.lora:
-                                unwrapped.disable_adapters()
-                                v_ref = model.velocity(unwrapped, x, sig, cond, args.guidance_scale)
-                                unwrapped.enable_adapters()
-                            else:
-                                v_ref = model.velocity(ref, x, sig, cond, args.guidance_scale)
+                        with autocast():  # the base model: frozen copy, or LoRA adapter off
+                            v_ref = reference_velocity(model, ref, args.lora, x, sig, cond, args.guidance_scale)
                         mean_ref, _ = step_mean_std(x, v_ref.float(), sigmas[i], sigmas[i + 1], g[i])
                         # exact KL between the two Gaussian steps, per edge, averaged over dimensions (as dancegrpo.py)
-                        kl = ((mean - mean_ref.repeat_interleave(kk, 0)[mask]) ** 2).flatten(1).mean(1) / (
-                            2 * (std * scale) ** 2
-                        )
+                        kl = ((mean - mean_ref.repeat_interleave(kk, 0)[mask]) ** 2).flatten(1).mean(1) / (2 * std**2)
                         loss = loss + args.kl_beta * kl.sum()
                         stats["kl"].append(kl.mean().detach())
                     accelerator.backward(loss / max(1, n_edges))  # the mean over this update's trained edges
@@ -620,7 +569,6 @@ def main(args: Args):
             "losses/first_ratio_max_dev": (stats["ratio"][0] - 1).abs().max().item(),
             "losses/clipfrac": torch.stack(stats["clipfrac"]).mean().item(),
             "losses/approx_kl": torch.stack(stats["approx_kl"]).mean().item(),
-            "charts/lr": args.learning_rate,
             "tree/rollout_forwards_per_leaf": forwards / n_leaves,
             "tree/trained_edges_per_leaf": n_trained_edges / leaves_here,
             "tree/train_forwards_per_leaf": n_train_forwards * (2 if args.kl_beta > 0 else 1) / leaves_here,

@@ -17,19 +17,15 @@ Launch (run.sh has more):
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 dancegrpo.py   # 2 CPU processes
     python dancegrpo.py --resume-from latest                         # continue the newest runs/dancegrpo__*
 
-Defaults tuned for ShapesBench that differ from the DanceGRPO paper (the FLUX line above uses the paper's values):
-  * --sde-type flow (a = 0.7, Flow-GRPO's schedule) instead of constant eta 0.3;
-  * --clip-range 1e-3 instead of 1e-4: the log-prob is a mean over the D latent dimensions, so a ratio moves like
-    1/sqrt(D); ShapesBench has D = 3072, FLUX at 512 px 65536 (sqrt of the ratio: 4.6);
-  * independent initial noise within a group (Flow-GRPO) instead of shared (--same-noise).
-Deviations from the official code (docs/dancegrpo.md explains each):
-  * rollout chunks are also the training micro-batches, and the trained steps are drawn per chunk (per
-    sample when --rollout-batch-size 1, as upstream), so the first ratio of an iteration is exactly 1;
-  * the last step is a deterministic Euler step, which lands exactly on x0_hat (what upstream decodes),
-    so the last transition is neither sampled nor trained;
-  * the optional KL to the frozen base is the exact Gaussian KL of one step (Flow-GRPO's code drops 1/dt);
-  * all randomness (prompts, noise, trained steps) is keyed on (seed, iteration, global sample index),
-    so a resumed or a multi-process run draws the same numbers as an uninterrupted single-process one.
+Defaults tuned for ShapesBench that differ from the paper (the FLUX line above uses the paper's values): --sde-type
+flow (a = 0.7, Flow-GRPO's schedule), not constant eta 0.3; --clip-range 1e-3, not 1e-4 (the log-prob is a mean over
+the D latent dimensions, so a ratio moves like 1/sqrt(D): D = 3072 here, 65536 for FLUX at 512 px, 4.6x apart);
+independent initial noise within a group (Flow-GRPO), not shared (--same-noise).
+Deviations from the official code (docs/dancegrpo.md explains each): rollout chunks are the training micro-batches
+and the trained steps are drawn per chunk, so the first ratio of an iteration is exactly 1; the last step is a
+deterministic Euler step onto x0_hat, neither sampled nor trained; the optional KL is the exact Gaussian KL of one
+step; all randomness is keyed on (seed, iteration, global sample index), so resumed and multi-process runs draw
+the same numbers as an uninterrupted single-process one.
 """
 
 from __future__ import annotations
@@ -43,11 +39,11 @@ from typing import Literal, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import set_seed
 
-from common.models import frozen_copy, load_model, trainable_denoiser
+from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser
 from common.rewards import build_reward
-from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, need, ode_sampler
+from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need, ode_sampler
 
 
 @dataclass
@@ -184,31 +180,21 @@ def rollout(model, transformer, cond, x, step_noise, sigmas, g, sde_idx, guidanc
 def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
     """This script's flags, then the shared ones and every input checkable before a model loads (common.runs).
     Returns (training prompts, held-out prompts). Messages name the flag to change."""
-    need(args.num_steps >= 2, "--num-steps must be at least 2 (the last step is a deterministic Euler step)")
-    need(
-        0 <= args.sde_window <= args.num_steps - 1,
-        f"--sde-window must be in [0, {args.num_steps - 1}] (= --num-steps - 1)",
-    )
-    need(args.window_shift_every >= 1, "--window-shift-every must be >= 1")
+    T, S, G = args.num_steps, args.samples_per_device, args.group_size
+    need(T >= 2, "--num-steps must be at least 2 (the last step is a deterministic Euler step)")
+    need(0 <= args.sde_window <= T - 1, f"--sde-window must be in [0, {T - 1}] (= --num-steps - 1)")
     need(0 < args.timestep_fraction <= 1, "--timestep-fraction must be in (0, 1]")
-    need(args.noise_level > 0, "--noise-level must be > 0")
-    need(args.group_size >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
+    need(args.noise_level > 0 and args.window_shift_every >= 1, "--noise-level > 0 and --window-shift-every >= 1")
+    need(G >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
+    need(S * world % G == 0, f"--samples-per-device {S} x {world} processes must be a multiple of --group-size {G}")
+    need(S % args.rollout_batch_size == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
     need(
-        args.samples_per_device * world % args.group_size == 0,
-        f"--samples-per-device {args.samples_per_device} x {world} processes must be a multiple of --group-size {args.group_size}",
-    )
-    need(
-        args.samples_per_device % args.rollout_batch_size == 0,
-        "--samples-per-device must be a multiple of --rollout-batch-size",
-    )
-    need(
-        args.trajectories_per_update % args.rollout_batch_size == 0
-        and args.samples_per_device % args.trajectories_per_update == 0,
+        args.trajectories_per_update % args.rollout_batch_size == 0 and S % args.trajectories_per_update == 0,
         "--trajectories-per-update must be a multiple of --rollout-batch-size and divide --samples-per-device",
     )
     need(
-        args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0,
-        "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0",
+        args.kl_beta >= 0 and min(args.clip_range, args.adv_clip_max) > 0,
+        "--kl-beta >= 0, --clip-range, --adv-clip-max > 0",
     )
     return check_run_args(args)
 
@@ -223,14 +209,9 @@ def main(args: Args):
         args.timestep_fraction = 1.0 if args.sde_window else 0.6
     args.exp_name = args.exp_name or ("mixgrpo" if args.sde_window else "dancegrpo")
     train_prompts, eval_prompts = validate(args, world)
-    need(
-        not (accelerator.distributed_type == DistributedType.FSDP and args.kl_beta > 0 and not args.lora),
-        "--kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU; under FSDP pass --kl-beta 0 or use --lora",
-    )
     run = Run(args, accelerator, "DanceGRPO" + (" (MixGRPO window)" if args.sde_window else ""))
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
-    device = accelerator.device
-    autocast = accelerator.autocast
+    device, autocast = accelerator.device, accelerator.autocast
     frozen_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
     prompts_per_iter = world * args.samples_per_device // args.group_size
     chunks_per_update = args.trajectories_per_update // args.rollout_batch_size
@@ -239,8 +220,8 @@ def main(args: Args):
     # ---------------------------------------------------------------- MODELS
     model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
     transformer = trainable_denoiser(model, args)  # fp32 master weights (+ LoRA adapter with --lora)
-    # KL reference policy: with LoRA the same module with the adapter disabled, else a frozen copy of the base
-    ref = frozen_copy(transformer, frozen_dtype) if args.kl_beta > 0 and not args.lora else None
+    # KL reference policy: with LoRA this module itself (unwrapped) with the adapter off, else a frozen copy of the base
+    ref = transformer if args.lora else frozen_copy(transformer, frozen_dtype) if args.kl_beta > 0 else None
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
     reward_fn = build_reward(args.reward, device, dict(item.split("=", 1) for item in args.reward_ckpt))
@@ -249,45 +230,32 @@ def main(args: Args):
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     transformer, optimizer = accelerator.prepare(transformer, optimizer)
-    unwrapped = accelerator.unwrap_model(transformer)
 
     # ---------------------------------------------------------------- RESUME
     start = run.resume()
     sigmas = sigma_schedule(args.num_steps, args.shift)
     g = noise_g(sigmas, args.sde_type, args.noise_level)
     latent_shape = model.latent_shape()
-    sampler = ode_sampler(
-        model, transformer, sigma_schedule(args.eval_steps, args.shift), args.guidance_scale, autocast
-    )
+    eval_sigmas = sigma_schedule(args.eval_steps, args.shift)
+    sampler = ode_sampler(model, transformer, eval_sigmas, args.guidance_scale, autocast)
     evaluate = Evaluator(args, model, transformer, sampler, reward_fn, eval_prompts, run, args.rollout_batch_size)
-    n_train = max(
-        1, int(len(sde_steps(args.num_steps, args.sde_window, args.window_shift_every, 0)) * args.timestep_fraction)
-    )
-    run.banner(
-        model,
-        params,
-        [
-            f"processes {world} x samples per process {args.samples_per_device} = {world * args.samples_per_device} "
-            f"images / iteration = {prompts_per_iter} prompts x group size {args.group_size}",
-            f"steps {args.num_steps}, SDE steps {'window of %d' % args.sde_window if args.sde_window else args.num_steps - 1}, "
-            f"trained steps / trajectory {n_train}, {args.sde_type} noise {args.noise_level}",
-            f"rollout / train micro-batch {args.rollout_batch_size}, optimizer steps / iteration {updates_per_iter} "
-            f"({args.trajectories_per_update} trajectories per process each)",
-            f"KL beta {args.kl_beta}, clip {args.clip_range}",
-        ],
-    )
+    n_sde = len(sde_steps(args.num_steps, args.sde_window, args.window_shift_every, 0))
+    n_train = max(1, int(n_sde * args.timestep_fraction))
+    lines = [
+        f"{world} processes x {args.samples_per_device} samples = {prompts_per_iter} prompts x group {args.group_size}",
+        f"{args.num_steps} steps, {n_sde} SDE ({args.sde_type} noise {args.noise_level}), {n_train} trained / trajectory",
+        f"micro-batch {args.rollout_batch_size}, {updates_per_iter} optimizer steps / iteration",
+        f"KL beta {args.kl_beta}, clip {args.clip_range}",
+    ]
+    run.banner(model, params, lines)
     if start == 0:
         evaluate(0)
     for it in run.iterations(start):
         # ------------------------------------------------------------ SAMPLING
         # The same prompt draw on every process; process r owns global samples [r S, (r + 1) S).
-        gen = rng(args.seed, it, "prompts")
-        if prompts_per_iter <= len(train_prompts):
-            pick = torch.randperm(len(train_prompts), generator=gen)[:prompts_per_iter]
-        else:
-            pick = torch.randint(len(train_prompts), (prompts_per_iter,), generator=gen)
+        drawn = draw_prompts(train_prompts, prompts_per_iter, args.seed, it)
         global_idx = range(rank * args.samples_per_device, (rank + 1) * args.samples_per_device)
-        my_prompts = [train_prompts[pick[k // args.group_size]] for k in global_idx]
+        my_prompts = [drawn[k // args.group_size] for k in global_idx]
         init = torch.stack(
             [
                 torch.randn(
@@ -358,13 +326,10 @@ def main(args: Args):
                         loss_vec, ratio = grpo_loss(log_prob, ch["log_probs"][:, i], adv[sl], args.clip_range)
                         loss = loss_vec.mean()
                         if args.kl_beta > 0:
-                            with torch.no_grad(), autocast():
-                                if args.lora:
-                                    unwrapped.disable_adapters()
-                                    v_ref = model.velocity(unwrapped, x, sig, ch["cond"], args.guidance_scale)
-                                    unwrapped.enable_adapters()
-                                else:
-                                    v_ref = model.velocity(ref, x, sig, ch["cond"], args.guidance_scale)
+                            with autocast():  # the base model: frozen copy, or LoRA adapter off
+                                v_ref = reference_velocity(
+                                    model, ref, args.lora, x, sig, ch["cond"], args.guidance_scale
+                                )
                             _, _, mean_ref, _ = sde_step(
                                 x, v_ref.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=x_next
                             )
@@ -393,7 +358,6 @@ def main(args: Args):
             "losses/clipfrac": torch.stack(stats["clipfrac"]).mean().item(),
             "losses/approx_kl": torch.stack(stats["approx_kl"]).mean().item(),
             "charts/window_start": sde_idx[0],
-            "charts/lr": args.learning_rate,
             # NFE = number of function evaluations: transformer forwards per image (rollout + trained steps)
             "perf/nfe_per_image": args.num_steps + n_train * (2 if args.kl_beta > 0 else 1),
             "perf/sampling_s": t_sample,

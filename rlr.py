@@ -44,22 +44,20 @@ from __future__ import annotations
 
 import hashlib
 import math
-import resource
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Callable, Literal, Optional
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
-from common import InputError
 from common.models import load_model, trainable_denoiser
+from common.prompts import load_dcot
 from common.rewards import build_reward, parse_reward_spec
-from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, need
+from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need, peak_memory_gb
 
 
 @dataclass
@@ -333,6 +331,19 @@ def rng(*keys) -> torch.Generator:  # same as in dancegrpo.py
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
+def staged_transition(
+    model, module, sched: dict, conds: list[dict], num_steps: int, guidance_scale: float, autocast, i: int, x
+):
+    """mean_std(i, x) of the rollout: the step-i transition conditioned on the stage's prompt (DCoT: coarse, medium,
+    fine thirds of the chain; else the prompt three times)."""
+    return transition(model, module, sched, i, x, conds[stage_of(i, num_steps)], guidance_scale, autocast)
+
+
+def zo_perturbed(params, key: tuple, scale: float, i: int):
+    """perturb(i): a context with theta + zeta_{q, i}, the ZO perturbation of block q (in key) at step i."""
+    return perturbed(params, zo_noise(params, key_seed(*key, i), scale))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Flag checks and the deterministic sampler (run plumbing: evaluation, grids, checkpoints, resume and logging live in
 # common/runs.py)
@@ -340,38 +351,11 @@ def rng(*keys) -> torch.Generator:  # same as in dancegrpo.py
 NON_DIFFERENTIABLE_REWARDS = {"verifier", "jpeg"}  # common/rewards.py builds these with differentiable=False
 
 
-def load_dcot(path: str) -> dict[str, tuple[str, str, str]]:
-    """Diffusion chain-of-thought prompts: a UTF-8 TSV file, one training prompt per line,
-    `prompt<TAB>coarse prompt<TAB>medium prompt<TAB>fine prompt`; blank lines and lines starting with '#' are skipped.
-    The reward scores the first column; steps in the first / middle / last third are conditioned on the others."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise InputError(f"--dcot-prompts {path}: no such file")
-    out = {}
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(
-            f"--dcot-prompts {path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8"
-        ) from None
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip() or line.startswith("#"):
-            continue
-        fields = [f.strip() for f in line.split("\t")]
-        if len(fields) != 4 or not all(fields):
-            raise InputError(
-                f"--dcot-prompts {path}, line {n}: expected 4 TAB-separated fields (prompt, coarse, medium, fine)"
-            )
-        out[fields[0]] = tuple(fields[1:])
-    if not out:
-        raise InputError(f"--dcot-prompts {path}: the file holds no prompts")
-    return out
-
-
 def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
     """This script's flags, then the shared ones and every input checkable before a model loads (common.runs).
     Returns (training prompts, held-out prompts); the training prompts are the DCoT file's with --dcot-prompts."""
-    T, h = args.num_steps, args.subchain_len
+    T, h, S, G = args.num_steps, args.subchain_len, args.samples_per_device, args.group_size
+    B, K = args.rollout_batch_size, args.zo_perturbations
     need(T >= 2, "--num-steps must be at least 2 (one stochastic step and the deterministic last step)")
     if "ho" in args.terms:
         budget = f" (h* of --memory-budget-gb {args.memory_budget_gb})" if args.memory_budget_gb is not None else ""
@@ -387,27 +371,18 @@ def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
     )
     need(args.noise_level is None or args.noise_level > 0, "--noise-level must be > 0 (the HO term needs noise)")
     need(args.group_size >= 2, "--group-size must be >= 2 (the baseline is the mean of the other samples of a prompt)")
+    need(S * world % G == 0, f"--samples-per-device {S} x {world} processes must be a multiple of --group-size {G}")
+    need(S % B == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
     need(
-        args.samples_per_device * world % args.group_size == 0,
-        f"--samples-per-device {args.samples_per_device} x {world} processes must be a multiple of --group-size {args.group_size}",
-    )
-    need(
-        args.samples_per_device % args.rollout_batch_size == 0,
-        "--samples-per-device must be a multiple of --rollout-batch-size",
-    )
-    K = args.zo_perturbations
-    need(
-        K > 0 and args.samples_per_device % K == 0 and args.samples_per_device // K % args.rollout_batch_size == 0,
+        K > 0 and S % K == 0 and S // K % B == 0,
         "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size",
     )
     need(args.zo_scale > 0, "--zo-scale must be > 0")
-    spec = parse_reward_spec(args.reward)
-    bad = [name for name, w in spec if w != 0 and name in NON_DIFFERENTIABLE_REWARDS]
+    bad = [name for name, w in parse_reward_spec(args.reward) if w != 0 and name in NON_DIFFERENTIABLE_REWARDS]
     need(
         not bad,
-        f"--reward {args.reward}: {', '.join(bad)} is not differentiable, and RLR's first-order term "
-        "backpropagates through the reward; use a differentiable one (shapes, hpsv2.1, pickscore, clip), or "
-        f"give {bad[0] if bad else ''} weight 0 to only log it",
+        f"--reward {args.reward}: {', '.join(bad)} is not differentiable, and RLR's first-order term backpropagates "
+        f"through the reward; use shapes, hpsv2.1, pickscore or clip, or give {bad[0] if bad else ''} weight 0 to log it",
     )
     train_prompts, eval_prompts = check_run_args(args)
     if args.dcot_prompts is not None:
@@ -426,29 +401,9 @@ def sample_images(model, module, sched, cond, noise, guidance_scale, autocast):
     return model.decode(x).float()
 
 
-def staged_transition(
-    model, module, sched: dict, conds: list[dict], num_steps: int, guidance_scale: float, autocast, i: int, x
-):
-    """mean_std(i, x) of the rollout: the step-i transition conditioned on the stage's prompt (DCoT: coarse, medium,
-    fine thirds of the chain; else the prompt three times)."""
-    return transition(model, module, sched, i, x, conds[stage_of(i, num_steps)], guidance_scale, autocast)
-
-
-def zo_perturbed(params, key: tuple, scale: float, i: int):
-    """perturb(i): a context with theta + zeta_{q, i}, the ZO perturbation of block q (in key) at step i."""
-    return perturbed(params, zo_noise(params, key_seed(*key, i), scale))
-
-
 def grad_norm(params) -> float:
     """The L2 norm of the accumulated gradients of this process (unclipped, fp64)."""
     return math.sqrt(sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None))
-
-
-def peak_memory_gb(device) -> float:
-    """Peak memory: CUDA allocator peak since the last reset, else this process's max resident set size."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
 
 
 def main(args: Args):
@@ -473,23 +428,14 @@ def main(args: Args):
     )
     run = Run(args, accelerator, f"RLR, terms {args.terms}")
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
-    device = accelerator.device
-    autocast = accelerator.autocast
+    device, autocast = accelerator.device, accelerator.autocast
     frozen_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
-    T, S, B, G, K = (
-        args.num_steps,
-        args.samples_per_device,
-        args.rollout_batch_size,
-        args.group_size,
-        args.zo_perturbations,
-    )
+    T, S, B, G = args.num_steps, args.samples_per_device, args.rollout_batch_size, args.group_size
+    K = args.zo_perturbations  # perturbation blocks per process
     use_ho, use_zo = "ho" in args.terms, "zo" in args.terms
     h = args.subchain_len if use_ho else 0  # h = 0: no window (ablations V1, V3)
-    N = world * S  # samples per iteration, all processes
-    prompts_per_iter = N // G
-    n_chunks = (
-        S // B
-    )  # rollout chunks per process; global chunk gc = rank * n_chunks + c holds global samples [gc B, (gc + 1) B)
+    N, prompts_per_iter = world * S, world * S // G  # samples and prompts per iteration, all processes
+    n_chunks = S // B  # rollout chunks per process; global chunk gc = rank * n_chunks + c: samples [gc B, (gc + 1) B)
     chunks_per_block = S // K // B  # chunks sharing one parameter perturbation
 
     # ---------------------------------------------------------------- MODELS
@@ -503,10 +449,7 @@ def main(args: Args):
     # ---------------------------------------------------------------- PROMPTS & REWARDS
     dcot = load_dcot(args.dcot_prompts) if args.dcot_prompts else None
     reward_fn = build_reward(args.reward, device, dict(item.split("=", 1) for item in args.reward_ckpt))
-    need(
-        reward_fn.differentiable,
-        f"--reward {args.reward} is not differentiable; RLR's first-order term needs gradients",
-    )
+    need(reward_fn.differentiable, f"--reward {args.reward}: not differentiable; RLR's first-order term needs one")
 
     # ---------------------------------------------------------------- OPTIMIZER
     params = [p for p in denoiser.parameters() if p.requires_grad]
@@ -519,54 +462,31 @@ def main(args: Args):
     sched = make_schedule(model, T, args)
     latent_shape = model.latent_shape()
     starts = window_starts(T, h, args.subchain_stage) if use_ho else [0]
-    sampler = partial(
-        sample_images,
-        model,
-        denoiser,
-        make_schedule(model, args.eval_steps, args, stochastic=False),
-        guidance_scale=args.guidance_scale,
-        autocast=autocast,
-    )
-    evaluate = Evaluator(
-        args, model, denoiser, sampler, reward_fn, eval_prompts, run, max(B, 16) if model.kind == "shapes" else B
-    )  # (CPU ShapesBench: batch up)
-    run.banner(
-        model,
-        params,
-        [
-            f"processes {world} x samples per process {S} = {N} images / iteration = {prompts_per_iter} prompts x "
-            f"group size {G}",
-            f"steps {T} ({'DDIM eta' if model.kind == 'sd1' else args.sde_type + ' SDE noise'} {args.noise_level}), "
-            f"estimator terms {args.terms}"
-            + ("" if args.terms in ("fo+ho+zo", "fo+zo") else " (biased ablation)")
-            + (
-                f", sub-chain h = {h}"
-                + (f" (h* for {args.memory_budget_gb} GB)" if args.memory_budget_gb is not None else "")
-                + f", window starts {starts[0]}..{starts[-1]} ({args.subchain_stage})"
-                if use_ho
-                else ""
-            )
-            + (", DCoT prompts" if dcot else ""),
-            (f"ZO: {K} perturbation block(s) per process, scale {args.zo_scale:g}; " if use_zo else "")
-            + f"rollout batch {B}, one optimizer step per iteration",
-        ],
-    )
+    eval_sched = make_schedule(model, args.eval_steps, args, stochastic=False)
+    sampler = partial(sample_images, model, denoiser, eval_sched, guidance_scale=args.guidance_scale, autocast=autocast)
+    eval_batch = max(B, 16) if model.kind == "shapes" else B  # (CPU ShapesBench: batch up)
+    evaluate = Evaluator(args, model, denoiser, sampler, reward_fn, eval_prompts, run, eval_batch)
+    noise = f"{'DDIM eta' if model.kind == 'sd1' else args.sde_type + ' SDE noise'} {args.noise_level}"
+    biased = "" if args.terms in ("fo+ho+zo", "fo+zo") else " (biased ablation)"
+    h_star = f" (h* for {args.memory_budget_gb} GB)" if args.memory_budget_gb is not None else ""
+    lines = [
+        f"{world} processes x {S} samples = {N} images / iteration = {prompts_per_iter} prompts x group {G}",
+        f"{T} steps ({noise}), estimator terms {args.terms}{biased}" + (", DCoT prompts" if dcot else ""),
+        f"sub-chain h = {h}{h_star}, window starts {starts[0]}..{starts[-1]} ({args.subchain_stage})" if use_ho else "",
+        f"ZO: {K} perturbation block(s) per process, scale {args.zo_scale:g}" if use_zo else "",
+        f"rollout batch {B}, one optimizer step per iteration",
+    ]
+    run.banner(model, params, [line for line in lines if line])
     if start == 0:
         evaluate(0)
     for it in run.iterations(start):
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
         # ------------------------------------------------------------ SAMPLING
         # (with the first-order term: its backward runs per chunk right after the rollout, while the chunk's graph
         # through the last step, the decoder and the reward exists; see TRAINING for the HO and ZO terms)
         # The same prompt draw on every process; process r owns global samples [r S, (r + 1) S) (same as in dancegrpo.py).
-        gen = rng(args.seed, it, "prompts")
-        if prompts_per_iter <= len(train_prompts):
-            pick = torch.randperm(len(train_prompts), generator=gen)[:prompts_per_iter]
-        else:
-            pick = torch.randint(len(train_prompts), (prompts_per_iter,), generator=gen)
+        drawn = draw_prompts(train_prompts, prompts_per_iter, args.seed, it)
         global_idx = range(rank * S, (rank + 1) * S)
-        my_prompts = [train_prompts[pick[k // G]] for k in global_idx]
+        my_prompts = [drawn[k // G] for k in global_idx]
         init = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, it, "init", k)) for k in global_idx])
         step_noise = torch.stack(
             [torch.randn((T - 1, *latent_shape), generator=rng(args.seed, it, "sde", k)) for k in global_idx]
@@ -658,7 +578,6 @@ def main(args: Args):
             "grad/fo_norm": fo_norm,
             "grad/fo_ho_norm": fo_ho_norm,
             "grad/zo_norm": zo_norm,
-            "charts/lr": args.learning_rate,
             "perf/nfe_per_image": T + h,
             "perf/peak_mem_gb": peak_memory_gb(device),
             "perf/sampling_s": t_sample,

@@ -58,7 +58,7 @@ from accelerate.utils import set_seed
 
 from common.models import load_model, trainable_denoiser
 from common.rewards import build_reward, parse_reward_spec
-from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, need, ode_sampler
+from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need, ode_sampler
 
 
 @dataclass
@@ -369,13 +369,9 @@ def main(args: Args):
     for it in run.iterations(start):
         # ------------------------------------------------------------ SAMPLING
         # The same prompt draw on every process; process r owns global samples [r S, (r + 1) S).
-        gen = rng(args.seed, it, "prompts")
-        if prompts_per_iter <= len(train_prompts):
-            pick = torch.randperm(len(train_prompts), generator=gen)[:prompts_per_iter]
-        else:
-            pick = torch.randint(len(train_prompts), (prompts_per_iter,), generator=gen)
+        drawn = draw_prompts(train_prompts, prompts_per_iter, args.seed, it)
         global_idx = range(rank * args.samples_per_device, (rank + 1) * args.samples_per_device)
-        my_prompts = [train_prompts[pick[k // args.group_size]] for k in global_idx]
+        my_prompts = [drawn[k // args.group_size] for k in global_idx]
         # every image its own initial noise: the ODE is deterministic, so shared noise would give identical images
         init = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, it, "init", k)) for k in global_idx])
         cond = model.encode_prompts(my_prompts)
@@ -495,7 +491,6 @@ def main(args: Args):
             "losses/first_log_ratio_max_abs": stats["log_ratio"][0].abs().max().item(),
             "losses/clipfrac": torch.stack(stats["clipfrac"]).mean().item(),
             "losses/approx_kl": (0.5 * log_ratios**2).mean().item(),
-            "charts/lr": args.learning_rate,
             "charts/pairs_checksum": checksums[0].item(),
             "charts/rank_pairs_spread": (checksums.max() - checksums.min()).item(),
             "perf/nfe_per_image": nfe,

@@ -395,6 +395,19 @@ def frozen_copy(module, dtype):
     return ref.bfloat16() if dtype == torch.bfloat16 else ref  # (not .to(dtype): diffusers warns on it)
 
 
+@torch.no_grad()
+def reference_velocity(model, ref, lora: bool, x, sigma, cond, guidance_scale):
+    """Velocity (B, *L) of the KL reference policy, the base model: with --lora `ref` is the trained (unwrapped)
+    module with its adapter switched off for this call; in full fine-tuning it is a frozen_copy of the base."""
+    if lora:
+        ref.disable_adapters()
+    try:
+        return model.velocity(ref, x, sigma, cond, guidance_scale)
+    finally:
+        if lora:
+            ref.enable_adapters()
+
+
 def add_lora(transformer, rank: int, alpha: float, target_modules: list[str] | None = None):
     """Add a LoRA adapter (B = 0 at init, so outputs are unchanged) in place; base weights are frozen."""
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules or LORA_TARGETS)

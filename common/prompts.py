@@ -1,4 +1,5 @@
-"""Prompt sources: the ShapesBench splits, or a text file with one prompt per line (e.g. HPDv2 prompts)."""
+"""Prompt sources: the ShapesBench splits, a text file with one prompt per line (e.g. HPDv2 prompts), or a
+diffusion chain-of-thought file (rlr.py --dcot-prompts)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,38 @@ def load_prompts(source: str, flag: str = "--prompts") -> list[str]:
         raise InputError(
             f"{flag} {source!r}: no such file; give one of {sorted(SOURCES)} or a text file with one prompt per line"
         )
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"{flag} {source!r}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
-    prompts = [line.strip() for line in text.splitlines()]
+    prompts = [line.strip() for line in read_lines(path, f"{flag} {source!r}")]
     prompts = [p for p in prompts if p and not p.startswith("#")]
     if not prompts:
         raise InputError(f"{flag} {source!r}: the file holds no prompts (one prompt per line; '#' starts a comment)")
     return prompts
+
+
+def read_lines(path: Path, where: str) -> list[str]:
+    """The lines of a UTF-8 text file; `where` (the flag and the value) starts the error message."""
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise InputError(f"{where}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+
+
+def load_dcot(path: str) -> dict[str, tuple[str, str, str]]:
+    """Diffusion chain-of-thought prompts: a UTF-8 TSV file, one training prompt per line,
+    `prompt<TAB>coarse prompt<TAB>medium prompt<TAB>fine prompt`; blank lines and lines starting with '#' are skipped.
+    The reward scores the first column; steps in the first / middle / last third are conditioned on the others."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise InputError(f"--dcot-prompts {path}: no such file")
+    out = {}
+    for n, line in enumerate(read_lines(file, f"--dcot-prompts {path}"), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        fields = [f.strip() for f in line.split("\t")]
+        if len(fields) != 4 or not all(fields):
+            raise InputError(
+                f"--dcot-prompts {path}, line {n}: expected 4 TAB-separated fields (prompt, coarse, medium, fine)"
+            )
+        out[fields[0]] = tuple(fields[1:])
+    if not out:
+        raise InputError(f"--dcot-prompts {path}: the file holds no prompts")
+    return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import socket
 import sys
 import time
@@ -67,7 +68,10 @@ class RunArgs:
     iterations: int = 200
     """training iterations (one rollout + its updates each)"""
     learning_rate: float = 1e-4
-    """AdamW learning rate (constant)"""
+    """AdamW learning rate (constant after --lr-warmup)"""
+    lr_warmup: int = 0
+    """linear learning-rate warmup over the first N optimizer steps (0 = none): Adam's first steps move every weight
+    by about the learning rate whatever the gradient, which can knock a small model out of its skills"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -142,6 +146,7 @@ def check_run_args(args) -> tuple[list[str], list[str]]:
 
     need(args.iterations >= 1, f"--iterations must be >= 1 (got {args.iterations})")
     need(args.learning_rate > 0, f"--learning-rate must be > 0 (got {args.learning_rate})")
+    need(args.lr_warmup >= 0, "--lr-warmup must be >= 0")
     for name in ("eval_every", "sample_every", "save_every"):
         need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
     need(
@@ -175,16 +180,16 @@ def check_run_args(args) -> tuple[list[str], list[str]]:
 # The run: folder, resume, logging, checkpoints, final weights
 # ---------------------------------------------------------------------------------------------------
 class TrainState:
-    """The loop counter, saved inside accelerate checkpoints (register_for_checkpointing)."""
+    """The loop counters (iterations, optimizer steps), saved inside accelerate checkpoints (register_for_checkpointing)."""
 
     def __init__(self):
-        self.iteration = 0
+        self.iteration = self.optimizer_steps = 0
 
     def state_dict(self):
-        return {"iteration": self.iteration}
+        return {"iteration": self.iteration, "optimizer_steps": self.optimizer_steps}
 
     def load_state_dict(self, d):
-        self.iteration = d["iteration"]
+        self.iteration, self.optimizer_steps = d["iteration"], d.get("optimizer_steps", 0)
 
 
 def _newest_checkpoint(run_dir: Path) -> Path | None:
@@ -229,9 +234,14 @@ class Run:
     """
 
     def __init__(self, args, accelerator, title: str):
-        from accelerate.utils import broadcast_object_list
+        from accelerate.utils import DistributedType, broadcast_object_list
 
         self.args, self.accelerator, self.is_main = args, accelerator, accelerator.is_main_process
+        need(
+            accelerator.distributed_type != DistributedType.FSDP or getattr(args, "kl_beta", 0) == 0 or args.lora,
+            "--kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU; "
+            "under FSDP pass --kl-beta 0 or use --lora",
+        )
         if args.resume_from:
             self.dir, self.resume_path = resolve_resume(args.output_dir, args.exp_name, args.resume_from)
         else:  # one name for all processes: the main process's clock
@@ -245,6 +255,7 @@ class Run:
         accelerator.register_for_checkpointing(self.state)
         self.title, self._tb, self._wandb = title, None, None
         self.grad_norms, self.skipped = [], 0  # this iteration's optimizer steps (see step())
+        self.lr = args.learning_rate  # the last optimizer step's learning rate (see --lr-warmup)
         self.t_start = self.t_iter = time.perf_counter()
 
     def resume(self) -> int:
@@ -291,6 +302,10 @@ class Run:
     def step(self, optimizer, params) -> None:
         """One optimizer step (common.runs.optimizer_step: clipped, skipped on a non-finite gradient norm), recorded
         for the iteration's log."""
+        self.lr = self.args.learning_rate * min(1.0, (self.state.optimizer_steps + 1) / max(1, self.args.lr_warmup))
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr
+        self.state.optimizer_steps += 1
         grad_norm = optimizer_step(self.accelerator, optimizer, params, self.args.max_grad_norm)
         if grad_norm is None:
             self.skipped += 1
@@ -304,6 +319,7 @@ class Run:
             **scalars,
             "charts/grad_norm": sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else float("nan"),
             "charts/skipped_updates": self.skipped,
+            "charts/lr": self.lr,
             "perf/iteration_s": time.perf_counter() - self.t_iter,
             "perf/wall_s": time.perf_counter() - self.t_start,
         }
@@ -430,6 +446,27 @@ def keyed_generator(*keys) -> torch.Generator:
     does not depend on the process count or the batch size."""
     digest = hashlib.sha256(repr(keys).encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def peak_memory_gb(device) -> float:
+    """Peak memory in GB: on CUDA the allocator's peak since the previous call (then reset), else this process's
+    max resident set size so far."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 1e9
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
+
+
+def draw_prompts(prompts: list[str], n: int, seed: int, iteration: int) -> list[str]:
+    """The iteration's n training prompts, the same on every process (keyed on (seed, iteration)): without
+    replacement when the prompt list is long enough, else with."""
+    gen = keyed_generator(seed, iteration, "prompts")
+    if n <= len(prompts):
+        pick = torch.randperm(len(prompts), generator=gen)[:n]
+    else:
+        pick = torch.randint(len(prompts), (n,), generator=gen)
+    return [prompts[i] for i in pick.tolist()]
 
 
 def ode_sampler(model, transformer, sigmas, guidance_scale, autocast):
