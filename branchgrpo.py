@@ -374,8 +374,7 @@ def resolve_defaults(args: Args) -> None:
 
 
 def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
-    """This script's flags, then the shared ones and every input checkable before a model loads (common.runs).
-    Returns (training prompts, held-out prompts). Messages name the flag to change."""
+    """Check this script's flags, then the shared ones (common.runs); returns (training prompts, held-out prompts)."""
     need(args.num_steps >= 2, "--num-steps must be at least 2 (the last step is a deterministic Euler step)")
     splits = split_steps(args.split_schedule, args.num_steps, args.num_splits)
     need(
@@ -430,7 +429,7 @@ def main(args: Args):
     n_leaves = sizes[-1]  # M
     rho = 1 / (1 + args.branch_s)  # correlated branch noise: Var(branch-specific) / Var(shared) = s
 
-    # ---------------------------------------------------------------- MODELS
+    # ---------------------------------------------------------------- MODELS (same as in dancegrpo.py to the Evaluator)
     model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
     transformer = trainable_denoiser(model, args)  # fp32 master weights (+ LoRA adapter with --lora)
     # KL reference policy: with LoRA this module itself (unwrapped) with the adapter off, else a frozen copy of the base
@@ -584,7 +583,7 @@ def main(args: Args):
             log["losses/kl"] = torch.stack(stats["kl"]).mean().item()
         run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
-        # ------------------------------------------------------------ CHECKPOINT
+        # ------------------------------------------------------------ CHECKPOINT (to the end: same as in dancegrpo.py)
         run.checkpoint(it + 1, final=it + 1 == args.iterations)
 
         # ------------------------------------------------------------ EVAL

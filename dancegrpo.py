@@ -178,8 +178,7 @@ def rollout(model, transformer, cond, x, step_noise, sigmas, g, sde_idx, guidanc
 # Flag checks (run plumbing: evaluation, grids, checkpoints, resume and logging live in common/runs.py)
 # ---------------------------------------------------------------------------------------------------
 def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
-    """This script's flags, then the shared ones and every input checkable before a model loads (common.runs).
-    Returns (training prompts, held-out prompts). Messages name the flag to change."""
+    """Check this script's flags, then the shared ones (common.runs); returns (training prompts, held-out prompts)."""
     T, S, G = args.num_steps, args.samples_per_device, args.group_size
     need(T >= 2, "--num-steps must be at least 2 (the last step is a deterministic Euler step)")
     need(0 <= args.sde_window <= T - 1, f"--sde-window must be in [0, {T - 1}] (= --num-steps - 1)")

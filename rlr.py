@@ -584,7 +584,7 @@ def main(args: Args):
         }
         run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
-        # ------------------------------------------------------------ CHECKPOINT
+        # ------------------------------------------------------------ CHECKPOINT (to the end: same as in dancegrpo.py)
         run.checkpoint(it + 1, final=it + 1 == args.iterations)
 
         # ------------------------------------------------------------ EVAL

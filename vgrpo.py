@@ -20,10 +20,8 @@ Launch (run.sh has more):
     python vgrpo.py --resume-from latest                             # continue the newest runs/vgrpo__*
 
 Choices where the paper is silent, and deviations (docs/vgrpo.md explains each):
-  * DPM-Solver++(2M) is written out (dpm_solver_2m_step, 8 lines) rather than taken from diffusers'
-    DPMSolverMultistepScheduler: in diffusers 0.42 its set_timesteps accepts no explicit sigmas, and its flow
-    schedule (use_flow_sigmas) starts at shift(0.999), not 1, with interior points shift(0.999 k / T), so it
-    cannot reproduce sigma_schedule(T, shift); given our sigmas it computes the same update (tested against it);
+  * DPM-Solver++(2M) is written out (dpm_solver_2m_step, 8 lines; tested against diffusers'
+    DPMSolverMultistepScheduler, whose flow schedule cannot reproduce sigma_schedule(T, shift));
   * the pairs come from keyed randomness, (seed, iteration) only, so every process draws the same ones without a
     broadcast (logged: charts/rank_pairs_spread); --no-shared-pairs keys them by global sample index;
   * timesteps are drawn from the rollout schedule sigma_0 .. sigma_{T-1} (0 excluded), cut into N_MC chunks with
@@ -39,8 +37,7 @@ Choices where the paper is silent, and deviations (docs/vgrpo.md explains each):
     weights as given (not renormalised to sum 1), then clipped to +-adv_clip_max, then optionally soft-clipped;
   * the surrogate forwards use --guidance-scale like the rollout (CFG doubles them on SD3 / ShapesBench);
   * evaluation and grids use the Euler sampler shared with dancegrpo.py, whatever --solver is;
-  * all randomness (prompts, noise, pairs) is keyed on (seed, iteration, ...), as in dancegrpo.py, so a resumed or
-    a multi-process run draws the same numbers as an uninterrupted single-process one.
+  * all randomness is keyed on (seed, iteration, ...), as in dancegrpo.py: resumed and multi-process runs match.
 """
 
 from __future__ import annotations
@@ -50,6 +47,7 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -265,8 +263,7 @@ def coefficient_of_variation(s: torch.Tensor, group_size: int) -> tuple[float, f
 # Flag checks (run plumbing: evaluation, grids, checkpoints, resume and logging live in common/runs.py)
 # ---------------------------------------------------------------------------------------------------
 def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
-    """This script's flags, then the shared ones and every input checkable before a model loads (common.runs).
-    Returns (training prompts, held-out prompts). Messages name the flag to change."""
+    """Check this script's flags, then the shared ones (common.runs); returns (training prompts, held-out prompts)."""
     need(args.num_steps >= 1 and args.shift > 0, "--num-steps must be >= 1 and --shift > 0")
     need(args.n_mc >= 1, "--n-mc must be >= 1")
     need(
@@ -339,6 +336,9 @@ def main(args: Args):
         model, transformer, sigma_schedule(args.eval_steps, args.shift), args.guidance_scale, autocast
     )
     evaluate = Evaluator(args, model, transformer, sampler, reward_fn, eval_prompts, run, args.rollout_batch_size)
+    # the surrogate on one micro-batch: surrogate_of(x, cond, t, eps) -> (values (B, N), x0_hat (B, N, *L))
+    options = dict(guidance_scale=args.guidance_scale, autocast=autocast, prediction=args.prediction)
+    surrogate_of = partial(surrogate, model, transformer, **options, self_normalize=args.self_normalize)
     nfe = args.num_steps + 2 * args.n_mc  # NFE (transformer forwards) per image: rollout, behaviour and training passes
     off = [
         n
@@ -404,18 +404,7 @@ def main(args: Args):
         with torch.no_grad():
             for m in range(args.samples_per_device // mb):
                 sl = slice(m * mb, (m + 1) * mb)
-                values, x0_hat = surrogate(
-                    model,
-                    transformer,
-                    x[sl],
-                    {k: v[sl] for k, v in cond.items()},
-                    t_pairs[sl],
-                    eps[sl],
-                    args.guidance_scale,
-                    autocast,
-                    args.prediction,
-                    args.self_normalize,
-                )
+                values, x0_hat = surrogate_of(x[sl], {k: v[sl] for k, v in cond.items()}, t_pairs[sl], eps[sl])
                 old_values[sl] = values
                 if old_x0 is not None:
                     old_x0[sl] = x0_hat
@@ -444,18 +433,7 @@ def main(args: Args):
                 sl = slice(m * mb, (m + 1) * mb)
                 last = m == (u + 1) * micro_per_update - 1
                 with accelerator.no_sync(transformer) if not last else nullcontext():
-                    values, x0_hat = surrogate(
-                        model,
-                        transformer,
-                        x[sl],
-                        {k: v[sl] for k, v in cond.items()},
-                        t_pairs[sl],
-                        eps[sl],
-                        args.guidance_scale,
-                        autocast,
-                        args.prediction,
-                        args.self_normalize,
-                    )
+                    values, x0_hat = surrogate_of(x[sl], {k: v[sl] for k, v in cond.items()}, t_pairs[sl], eps[sl])
                     loss_vec, ratio, log_ratio = vgrpo_loss(values, old_values[sl], adv[sl], args.clip_range)
                     loss = loss_vec.mean()
                     if args.kl_beta > 0:  # D_simple to the behaviour policy on the same pairs (x0 space)
@@ -501,7 +479,7 @@ def main(args: Args):
             log["losses/kl"] = torch.stack(stats["kl"]).mean().item()
         run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
-        # ------------------------------------------------------------ CHECKPOINT
+        # ------------------------------------------------------------ CHECKPOINT (to the end: same as in dancegrpo.py)
         run.checkpoint(it + 1, final=it + 1 == args.iterations)
 
         # ------------------------------------------------------------ EVAL
