@@ -78,6 +78,13 @@ def main():
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--negatives", type=int, default=64, help="renders per step that get their 3 corrupted versions")
     p.add_argument("--margin", type=float, default=0.05, help="cosine margin of the ranking loss")
+    p.add_argument(
+        "--texture-amp",
+        type=float,
+        nargs=2,
+        default=[0.03, 0.1],
+        help="amplitude range of the periodic-texture negatives",
+    )
     p.add_argument("--radii", type=int, nargs="+", default=[7, 8, 9, 10, 11])
     p.add_argument("--jitter", type=int, default=1)
     p.add_argument("--pixel-noise", type=float, default=0.01, help="max std of the Gaussian noise on clean renders")
@@ -108,7 +115,7 @@ def main():
         k = args.negatives
         negatives = torch.cat(
             [
-                world.periodic_texture(images[:k], g),
+                world.periodic_texture(images[:k], g, amp=tuple(args.texture_amp)),
                 world.blur(images[:k], g),
                 world.blob(captions[:k], g, radii=tuple(args.radii)),
             ]
