@@ -2,15 +2,15 @@
 # Launch recipes: bash run.sh <recipe> [extra flags, passed to the script; later flags win]
 #   set up first with: bash scripts/setup.sh   (this file installs nothing)
 #
-#   dancegrpo-cpu          DanceGRPO on ShapesBench, 1 CPU process (~20 min on 2 cores)
-#   dancegrpo-verifier-cpu DanceGRPO on ShapesBench rewarded by the programmatic verifier (~24 min)
+#   dancegrpo-cpu          DanceGRPO on ShapesBench, 1 CPU process 
+#   dancegrpo-verifier-cpu DanceGRPO on ShapesBench rewarded by the programmatic verifier 
 #   mixgrpo-cpu            MixGRPO (4-step sliding SDE window) on ShapesBench
 #   dancegrpo-cpu-2proc    the same, 2 CPU processes (gloo): groups span processes
 #   dancegrpo-flux-1gpu    FLUX.1-dev + HPSv2.1, LoRA, 1 GPU
 #   dancegrpo-flux-8gpu    FLUX.1-dev + HPSv2.1, LoRA, 8 GPUs (DDP)
 #   dancegrpo-flux-fsdp8   FLUX.1-dev + HPSv2.1, full fine-tuning, 8 GPUs (FSDP)
 #   dancegrpo-flux-multinode  LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES (MAIN_PORT=29500)
-#   branchgrpo-cpu         BranchGRPO on ShapesBench, 1 CPU process (~14 min on 2 cores); add --pruning depth|width|mix
+#   branchgrpo-cpu         BranchGRPO on ShapesBench, 1 CPU process ; add --pruning depth|width|mix
 #   branchgrpo-verifier-cpu  BranchGRPO on ShapesBench rewarded by the programmatic verifier
 #   branchgrpo-cpu-2proc   the same, 2 CPU processes (gloo)
 #   branchgrpo-flux-1gpu   FLUX.1-dev + HPSv2.1, LoRA, depth pruning, 1 GPU
