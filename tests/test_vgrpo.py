@@ -419,7 +419,7 @@ def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
 
 
 def test_run_sh_verifier_recipe_trains_on_the_verifier(tmp_path):
-    """`bash run.sh vgrpo-verifier-cpu` (the README's quickest way to see learning) runs and scores with the verifier."""
+    """`bash run.sh vgrpo-verifier-cpu` (V-GRPO rewarded by the programmatic verifier) runs and scores with the verifier."""
     run_recipe("vgrpo-verifier-cpu", [*TINY_RUN, "--eval-every", "0", "--sample-every", "0"], tmp_path)
     train = [r for r in metrics(tmp_path / "vgrpo-verifier") if "losses/policy" in r]
     assert len(train) == 2
