@@ -7,7 +7,8 @@ Two losses, like a preference model trained on pairs:
     all 168 captions (cross-entropy over cosine similarities times CLIP's learned scale), so the caption
     set itself supplies the hard negatives (same colours, other shape; swapped colours);
   * ranking: the same render scores above its corrupted versions under its own caption (logistic loss on
-    the cosine difference with a margin): a periodic texture, a blur, a blob in the shape's place. Without
+    the cosine difference with a margin): a periodic texture (amplitude down to 0.01, below what the eye sees, so
+    that a policy gains nothing from a faint one), a blur, a blob in the shape's place. Without
     these the reward ranks a textured background above a clean one a quarter of the time, and a policy
     trained on it learns the texture.
 The renders are drawn from a slightly wider world than the base model's (radii 7-11, centre +-1 px) with
@@ -82,7 +83,7 @@ def main():
         "--texture-amp",
         type=float,
         nargs=2,
-        default=[0.03, 0.1],
+        default=[0.01, 0.1],
         help="amplitude range of the periodic-texture negatives",
     )
     p.add_argument("--radii", type=int, nargs="+", default=[7, 8, 9, 10, 11])
