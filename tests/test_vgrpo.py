@@ -428,3 +428,11 @@ def test_run_sh_verifier_recipe_trains_on_the_verifier(tmp_path):
         0 <= r["rewards/verifier"] <= 1 and abs(r["rewards/verifier"] * 32 - round(r["rewards/verifier"] * 32)) < 1e-4
         for r in train
     )
+
+
+def test_run_sh_lora_recipe_trains_a_lora_adapter(tmp_path):
+    """`bash run.sh vgrpo-lora-cpu` (the README's recipe that learns shapes) trains LoRA weights with warmup."""
+    run_recipe("vgrpo-lora-cpu", [*TINY_RUN, "--eval-every", "0", "--sample-every", "0"], tmp_path)
+    train = [r for r in metrics(tmp_path / "vgrpo-lora") if "losses/policy" in r]
+    assert len(train) == 2 and 0 < train[0]["charts/lr"] < train[1]["charts/lr"] <= 3e-4  # linear warmup
+    assert (find_run(tmp_path / "vgrpo-lora") / "final" / "pytorch_lora_weights.safetensors").is_file()
