@@ -420,7 +420,7 @@ def main(args: Args):
     resolve_defaults(args)
     train_prompts, eval_prompts = validate(args, world)
     mode = args.pruning + (f" ({args.width_mode})" if args.pruning == "width" else "")
-    run = Run(args, accelerator, f"BranchGRPO, pruning {mode}")
+    run = Run(args, accelerator, f"BranchGRPO, pruning {mode}", frozen_copy=args.kl_beta > 0 and not args.lora)
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
     device, autocast = accelerator.device, accelerator.autocast
     frozen_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32

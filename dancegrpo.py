@@ -208,7 +208,8 @@ def main(args: Args):
         args.timestep_fraction = 1.0 if args.sde_window else 0.6
     args.exp_name = args.exp_name or ("mixgrpo" if args.sde_window else "dancegrpo")
     train_prompts, eval_prompts = validate(args, world)
-    run = Run(args, accelerator, "DanceGRPO" + (" (MixGRPO window)" if args.sde_window else ""))
+    frozen = args.kl_beta > 0 and not args.lora  # KL reference: a frozen copy of the base (LoRA: adapter off)
+    run = Run(args, accelerator, "MixGRPO" if args.sde_window else "DanceGRPO", frozen_copy=frozen)
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
     device, autocast = accelerator.device, accelerator.autocast
     frozen_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
@@ -219,8 +220,7 @@ def main(args: Args):
     # ---------------------------------------------------------------- MODELS
     model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
     transformer = trainable_denoiser(model, args)  # fp32 master weights (+ LoRA adapter with --lora)
-    # KL reference policy: with LoRA this module itself (unwrapped) with the adapter off, else a frozen copy of the base
-    ref = transformer if args.lora else frozen_copy(transformer, frozen_dtype) if args.kl_beta > 0 else None
+    ref = transformer if args.lora else frozen_copy(transformer, frozen_dtype) if frozen else None
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
     reward_fn = build_reward(args.reward, device, dict(item.split("=", 1) for item in args.reward_ckpt))
@@ -242,7 +242,7 @@ def main(args: Args):
     n_train = max(1, int(n_sde * args.timestep_fraction))
     lines = [
         f"{world} processes x {args.samples_per_device} samples = {prompts_per_iter} prompts x group {args.group_size}",
-        f"{args.num_steps} steps, {n_sde} SDE ({args.sde_type} noise {args.noise_level}), {n_train} trained / trajectory",
+        f"{args.num_steps} steps, {n_sde} SDE ({args.sde_type} noise {args.noise_level}), {n_train} of them trained",
         f"micro-batch {args.rollout_batch_size}, {updates_per_iter} optimizer steps / iteration",
         f"KL beta {args.kl_beta}, clip {args.clip_range}",
     ]

@@ -233,12 +233,14 @@ class Run:
             final/               the trained weights, loadable by diffusers
     """
 
-    def __init__(self, args, accelerator, title: str):
+    def __init__(self, args, accelerator, title: str, frozen_copy: bool = False):
+        """`frozen_copy`: the script keeps an unsharded frozen copy of the denoiser (its KL reference), which FSDP
+        cannot shard: refused under FSDP."""
         from accelerate.utils import DistributedType, broadcast_object_list
 
         self.args, self.accelerator, self.is_main = args, accelerator, accelerator.is_main_process
         need(
-            accelerator.distributed_type != DistributedType.FSDP or getattr(args, "kl_beta", 0) == 0 or args.lora,
+            not (frozen_copy and accelerator.distributed_type == DistributedType.FSDP),
             "--kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU; "
             "under FSDP pass --kl-beta 0 or use --lora",
         )

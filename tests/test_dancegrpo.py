@@ -150,11 +150,14 @@ def test_mixgrpo_end_to_end(tmp_path):
 
 
 def test_resume_gives_the_same_weights(tmp_path):
-    common = TINY_RUN + ["--eval-every", "0", "--sample-every", "0", "--save-every", "2"]
+    """Also under --lr-warmup: the optimizer-step counter is checkpointed, so the warmup continues where it was."""
+    common = TINY_RUN + ["--eval-every", "0", "--sample-every", "0", "--save-every", "2", "--lr-warmup", "100"]
     run_script(common + ["--exp-name", "straight", "--iterations", "4"], tmp_path)
     run_script(common + ["--exp-name", "resumed", "--iterations", "2"], tmp_path)
     run_script(common + ["--exp-name", "resumed", "--iterations", "4", "--resume-from", "latest"], tmp_path)
     assert_same_trained_weights(tmp_path / "straight", tmp_path / "resumed")
+    lrs = [[r["charts/lr"] for r in metrics(tmp_path / name) if "charts/lr" in r] for name in ("straight", "resumed")]
+    assert lrs[0] == lrs[1] and len(lrs[0]) == 4 and lrs[0] == sorted(set(lrs[0]))  # rising, never restarted
 
 
 def test_two_processes_keep_identical_weights(tmp_path):

@@ -22,8 +22,8 @@ CLEAN_MAX_DEV = 0.08  # mean |pixel - palette background| over background pixels
 CLEAN_MAX_STRAY = 0.03  # fraction of pixels that are neither the background nor the foreground colour
 # Largest amplitude of one Fourier component of period <= TEXTURE_MAX_PERIOD px in the background's deviation
 # from its palette colour. A periodic texture is what a learned reward can be fooled by and what CLEAN_MAX_DEV
-# lets through at low amplitude (a V-GRPO run on the verifier reward grew one): the shipped base model's samples
-# stay below 0.011, 97% of textures of amplitude 0.03 (about 8/255) are above 0.012.
+# lets through at low amplitude (a V-GRPO run on the verifier reward grew one): 576 samples of the shipped base
+# model stay below 0.0099; 95.8% of 1024 renders with a texture of amplitude 0.03 (about 8/255) are above 0.012.
 CLEAN_MAX_PERIODIC = 0.012
 
 
@@ -43,8 +43,9 @@ def verify(images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
     one the foreground. The shape is the class of the best-IoU template (a circle, square or triangle
     mask at any radius and position) against the pixels of the *requested* foreground colour; it is
     correct if that class is the requested one with IoU >= SHAPE_IOU_MIN. The background is clean if
-    background pixels sit close to their palette colour and few pixels are neither colour, which is
-    what catches the high-frequency textures a learned reward can be fooled by.
+    background pixels sit close to their palette colour, few pixels are neither colour, and no periodic
+    texture stands out of the background's deviation (periodic_amplitude): the textures a learned reward
+    can be fooled by.
     """
     images = images.detach().float().cpu().clamp(0, 1)
     if images.shape[-2:] != (SIZE, SIZE):  # real-model sizes: judge a downsampled copy

@@ -24,7 +24,7 @@ COLOUR_NAMES = tuple(COLOURS)
 PALETTE = torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255.0  # (8, 3) in [0, 1]
 # The world drawn by the renderer and learned by the base model: two sizes, centred. A simple world keeps the tiny
 # base model's shapes crisp (with radii 6-10 and +-3 px offsets it drew blobs); the room for RL comes from its
-# imperfect prompt following instead (pretraining captions name the wrong shape or colour 35% of the time).
+# imperfect prompt following instead (pretraining captions name the wrong shape 35% of the time).
 RADII = (8, 10)  # shape "radius" in pixels, drawn uniformly per image
 JITTER = 0  # centre = 16 +- JITTER pixels on each axis
 TEXTURE_MAX_PERIOD = 8  # periodic textures of period 2..8 px: what the clean check catches and the reward ranks low
