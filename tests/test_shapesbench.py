@@ -1,6 +1,7 @@
 """ShapesBench: the world, the verifier, the shipped flow model and learned reward, the eval command."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -228,3 +229,23 @@ def test_shipped_model_leaves_room_for_rl():
     well_formed = [p for p, k in zip(prompts, wf.tolist()) if k]
     reward = shapesbench.load_reward_model()
     assert shapesbench.shape_agreement(reward, images[wf], well_formed, v["shape_pred"][wf]) >= 0.90
+
+
+def test_trainers_write_loadable_models(tmp_path):
+    """The two training commands, on a few steps: the flow model loads with load_model, the reward with
+    load_reward_model, and each writes its train_log.json with the command."""
+    from common.models import load_model
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    flow, reward = tmp_path / "flow", tmp_path / "reward"
+    cmd = [sys.executable, "-m", "common.shapesbench.train_flow", "--steps", "2", "--batch-size", "4"]
+    subprocess.run([*cmd, "--log-every", "1", "--out", str(flow)], cwd=ROOT, env=env, check=True, capture_output=True)
+    model = load_model(str(flow))
+    assert model.kind == "shapes" and json.loads((flow / "train_log.json").read_text())["steps"] == 2
+    cmd = [sys.executable, "-m", "common.shapesbench.train_reward", "--steps", "2", "--batch-size", "8"]
+    cmd += ["--negatives", "4", "--model-samples", "8", "--out", str(reward)]
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
+    log = json.loads((reward / "train_log.json").read_text())
+    assert log["command"].startswith("python -m common.shapesbench.train_reward") and 0 <= log["top1_acc"] <= 1
+    images, prompts = gt(4)
+    assert shapesbench.load_reward_model(reward)(images, prompts).shape == (4,)
