@@ -33,6 +33,8 @@ Choices where the paper is silent, and deviations (docs/vgrpo.md explains each):
     of the iteration (one rollout = one behaviour policy);
   * KL (--kl-beta) is D_simple on the stored pairs against the behaviour policy: its x0_hat predictions are kept
     from the same pass (fp32, samples x N_MC latents), so no frozen copy and no extra forward are needed;
+    --kl-ref base anchors to the model before training instead (as DiffusionNFT, arXiv 2509.16117, does), one
+    no-grad pass more per iteration: the behaviour KL only limits each iteration's step, so drift adds up;
   * several rewards: each component is normalised within the group, the advantages are summed with the --reward
     weights as given (not renormalised to sum 1), then clipped to +-adv_clip_max, then optionally soft-clipped;
   * the surrogate forwards use --guidance-scale like the rollout (CFG doubles them on SD3 / ShapesBench);
@@ -54,7 +56,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from common.models import load_model, trainable_denoiser
+from common.models import base_weights, frozen_copy, load_model, trainable_denoiser
 from common.rewards import build_reward, parse_reward_spec
 from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need, ode_sampler
 
@@ -96,7 +98,10 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     adv_soft_clip: float = 0.0
     """eta of the tanh advantage soft clip A -> eta tanh(A / eta); 0 = off"""
     kl_beta: float = 0.0
-    """weight of D_simple, the x0-prediction MSE to the behaviour policy on the stored pairs (0 = off)"""
+    """weight of D_simple, the x0-prediction MSE to the --kl-ref policy on the stored pairs (0 = off)"""
+    kl_ref: Literal["behaviour", "base"] = "behaviour"
+    """KL reference: 'behaviour' = the policy that sampled this iteration (paper); 'base' = the model before training
+    (frozen copy, or LoRA adapter off; N_MC more forwards per image), so drift cannot accumulate over iterations"""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -302,7 +307,8 @@ def main(args: Args):
     world, rank = accelerator.num_processes, accelerator.process_index
     args.exp_name = args.exp_name or "vgrpo"
     train_prompts, eval_prompts = validate(args, world)
-    run = Run(args, accelerator, "V-GRPO")
+    base_kl = args.kl_beta > 0 and args.kl_ref == "base"
+    run = Run(args, accelerator, "V-GRPO", frozen_copy=base_kl and not args.lora)
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
     device = accelerator.device
     autocast = accelerator.autocast
@@ -314,9 +320,9 @@ def main(args: Args):
 
     # ---------------------------------------------------------------- MODELS
     model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
-    # fp32 master weights (+ LoRA adapter with --lora); no frozen reference model: the KL term is to the behaviour
-    # policy, whose outputs are stored
-    transformer = trainable_denoiser(model, args)
+    transformer = trainable_denoiser(model, args)  # fp32 master weights (+ LoRA adapter with --lora)
+    # the KL to the behaviour policy needs no reference model (its outputs are stored); the KL to the base does
+    ref = (transformer if args.lora else frozen_copy(transformer, frozen_dtype)) if base_kl else None
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
     reward_fn = build_reward(args.reward, device, dict(item.split("=", 1) for item in args.reward_ckpt))
@@ -339,7 +345,9 @@ def main(args: Args):
     # the surrogate on one micro-batch: surrogate_of(x, cond, t, eps) -> (values (B, N), x0_hat (B, N, *L))
     options = dict(guidance_scale=args.guidance_scale, autocast=autocast, prediction=args.prediction)
     surrogate_of = partial(surrogate, model, transformer, **options, self_normalize=args.self_normalize)
-    nfe = args.num_steps + 2 * args.n_mc  # NFE (transformer forwards) per image: rollout, behaviour and training passes
+    nfe = (
+        args.num_steps + (3 if base_kl else 2) * args.n_mc
+    )  # NFE (transformer forwards) per image: rollout, behaviour and training passes
     off = [
         n
         for n, on in (
@@ -361,7 +369,7 @@ def main(args: Args):
             f"images x {args.n_mc} pairs",
             f"optimizer steps / iteration {updates_per_iter} ({args.images_per_update} images per process each), "
             f"transformer forwards per image {nfe}",
-            f"clip {args.clip_range}, KL beta {args.kl_beta}, adv soft clip {args.adv_soft_clip or 'off'}",
+            f"clip {args.clip_range}, KL beta {args.kl_beta} to the {args.kl_ref} policy, adv soft clip {args.adv_soft_clip or 'off'}",
         ],
     )
     if start == 0:
@@ -398,16 +406,19 @@ def main(args: Args):
             grid, args.n_mc, latent_shape, (args.seed, it), global_idx, args.stratified, args.shared_pairs
         )
         old_values = torch.empty(args.samples_per_device, args.n_mc, device=device)  # (S, N)
-        old_x0 = (
+        ref_x0 = (
             torch.empty(args.samples_per_device, args.n_mc, *latent_shape, device=device) if args.kl_beta > 0 else None
-        )
+        )  # (S, N, *L) the KL reference's x0_hat on the pairs
         with torch.no_grad():
             for m in range(args.samples_per_device // mb):
                 sl = slice(m * mb, (m + 1) * mb)
-                values, x0_hat = surrogate_of(x[sl], {k: v[sl] for k, v in cond.items()}, t_pairs[sl], eps[sl])
-                old_values[sl] = values
-                if old_x0 is not None:
-                    old_x0[sl] = x0_hat
+                cond_sl = {k: v[sl] for k, v in cond.items()}
+                old_values[sl], x0_hat = surrogate_of(x[sl], cond_sl, t_pairs[sl], eps[sl])
+                if base_kl:
+                    with base_weights(ref, args.lora) as base:
+                        x0_hat = surrogate(model, base, x[sl], cond_sl, t_pairs[sl], eps[sl], **options)[1]
+                if ref_x0 is not None:
+                    ref_x0[sl] = x0_hat
         t_old = time.perf_counter() - run.t_iter - t_sample
 
         # ------------------------------------------------------------ REWARDS & ADVANTAGES
@@ -436,8 +447,8 @@ def main(args: Args):
                     values, x0_hat = surrogate_of(x[sl], {k: v[sl] for k, v in cond.items()}, t_pairs[sl], eps[sl])
                     loss_vec, ratio, log_ratio = vgrpo_loss(values, old_values[sl], adv[sl], args.clip_range)
                     loss = loss_vec.mean()
-                    if args.kl_beta > 0:  # D_simple to the behaviour policy on the same pairs (x0 space)
-                        kl = (x0_hat - old_x0[sl]).square().flatten(2).mean(2).mean(1)  # (B,)
+                    if args.kl_beta > 0:  # D_simple to the --kl-ref policy on the same pairs (x0 space)
+                        kl = (x0_hat - ref_x0[sl]).square().flatten(2).mean(2).mean(1)  # (B,)
                         loss = loss + args.kl_beta * kl.mean()
                         stats["kl"].append(kl.mean().detach())
                     accelerator.backward(loss / micro_per_update)

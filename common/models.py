@@ -9,6 +9,7 @@ The trainable denoiser is passed *into* `velocity`/`eps` rather than read from t
 can hand in a LoRA'd, DDP/FSDP-wrapped or reference copy of it. Everything else is frozen.
 """
 
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -395,17 +396,24 @@ def frozen_copy(module, dtype):
     return ref.bfloat16() if dtype == torch.bfloat16 else ref  # (not .to(dtype): diffusers warns on it)
 
 
-@torch.no_grad()
-def reference_velocity(model, ref, lora: bool, x, sigma, cond, guidance_scale):
-    """Velocity (B, *L) of the KL reference policy, the base model: with --lora `ref` is the trained (unwrapped)
-    module with its adapter switched off for this call; in full fine-tuning it is a frozen_copy of the base."""
+@contextlib.contextmanager
+def base_weights(ref, lora: bool):
+    """Inside the block `ref` computes the KL reference policy, the base model: with --lora `ref` is the trained
+    (unwrapped) module and its adapter is switched off; in full fine-tuning it is a frozen_copy of the base."""
     if lora:
         ref.disable_adapters()
     try:
-        return model.velocity(ref, x, sigma, cond, guidance_scale)
+        yield ref
     finally:
         if lora:
             ref.enable_adapters()
+
+
+@torch.no_grad()
+def reference_velocity(model, ref, lora: bool, x, sigma, cond, guidance_scale):
+    """Velocity (B, *L) of the KL reference policy (see base_weights)."""
+    with base_weights(ref, lora):
+        return model.velocity(ref, x, sigma, cond, guidance_scale)
 
 
 def add_lora(transformer, rank: int, alpha: float, target_modules: list[str] | None = None):

@@ -343,6 +343,18 @@ def test_resume_gives_the_same_weights(tmp_path):
     assert len(rows) == 4 and rows[0]["losses/kl"] >= 0
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_kl_to_the_base_starts_at_zero_and_grows_while_the_behaviour_kl_stays_zero(tmp_path, lora):
+    # one optimizer step per iteration: every micro-batch is trained by the policy that sampled it
+    one_update = [*TINY_RUN, "--images-per-update", "8", "--eval-every", "0", "--sample-every", "0", "--kl-beta", "1"]
+    for ref in ("behaviour", "base"):
+        run_script([*one_update, "--exp-name", ref, "--kl-ref", ref, *(["--lora"] if lora else [])], tmp_path)
+    rows = {ref: [r for r in metrics(tmp_path / ref) if "losses/kl" in r] for ref in ("behaviour", "base")}
+    assert [r["losses/kl"] for r in rows["behaviour"]] == [0.0, 0.0]
+    assert rows["base"][0]["losses/kl"] == 0.0 and rows["base"][1]["losses/kl"] > 0  # drift from the base is seen
+    assert rows["base"][0]["perf/nfe_per_image"] == 4 + 3 * 3  # + one no-grad pass of the base per pair
+
+
 def test_two_processes_keep_identical_weights_and_pairs(tmp_path):
     launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2")
     # groups of 4 over 2 processes x 2 samples: every group spans both processes
