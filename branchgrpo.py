@@ -37,6 +37,8 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
+from itertools import groupby
+from operator import itemgetter
 from typing import Literal, Optional
 
 import torch
@@ -219,15 +221,9 @@ def tree_rollout(model, transformer, cond, roots, sigmas, g, splits, sde_set, no
         v = []
         for c in range(0, len(x), batch_size):
             idx = tree_of[c : c + batch_size]
+            sig, cond_c = sigmas[i].expand(len(idx)).to(x.device), {key: val[idx] for key, val in cond.items()}
             with autocast():
-                out = model.velocity(
-                    transformer,
-                    x[c : c + batch_size],
-                    sigmas[i].expand(len(idx)).to(x.device),
-                    {key: val[idx] for key, val in cond.items()},
-                    args.guidance_scale,
-                )
-            v.append(out.float())
+                v.append(model.velocity(transformer, x[c : c + batch_size], sig, cond_c, args.guidance_scale).float())
         v = torch.cat(v)
         kk = children(i, splits, args.branch_factor)
         if i in sde_set:
@@ -318,6 +314,18 @@ def sde_steps(args, splits: list[int], iteration: int) -> set[int]:
     return set(range(args.num_steps - 1))
 
 
+def edge_gaussians(x, v, runs, masks, sigmas, g, splits, args):
+    """Mean (E, *L) and std (E,) of the trained child edges of a packed micro-batch. x, v: (rows, *L), one run of
+    rows per (step i, parent indices ps) in `runs`; masks[j] (len(ps) * kk,) picks the trained children of run j."""
+    means, stds, r = [], [], 0
+    for (i, ps), m in zip(runs, masks):
+        mean, std = step_mean_std(x[r : r + len(ps)], v[r : r + len(ps)], sigmas[i], sigmas[i + 1], g[i])
+        means.append(mean.repeat_interleave(children(i, splits, args.branch_factor), 0)[m])
+        stds.append(torch.full((int(m.sum()),), std * noise_scale(i, splits, args), device=x.device))
+        r += len(ps)
+    return torch.cat(means), torch.cat(stds)
+
+
 def trained_edges(args, splits, sizes, sde_set, adv, iteration) -> list[torch.Tensor]:
     """Which edges are trained, a list over steps of bool (P, n_{i+1}); adv[i] (P, n_{i+1}) holds the advantages of
     the children of step i. Pruning acts here only: the rollout and the rewards are the same whatever it is. ODE
@@ -383,9 +391,11 @@ def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
         "change --num-splits, --num-steps or --split-schedule",
     )
     need(args.num_splits >= 1 and args.branch_factor >= 2, "--num-splits >= 1 and --branch-factor >= 2")
-    need(args.branch_s > 0, "--branch-s must be > 0")
-    need(args.noise_level > 0, "--noise-level must be > 0")
-    need(args.fusion_temperature > 0, "--fusion-temperature must be > 0")
+    need(
+        min(args.branch_s, args.noise_level, args.fusion_temperature, args.clip_range, args.adv_clip_max) > 0
+        and args.kl_beta >= 0,
+        "--branch-s, --noise-level, --fusion-temperature, --clip-range and --adv-clip-max must be > 0, --kl-beta >= 0",
+    )
     need(0 < args.width_keep_ratio <= 1, "--width-keep-ratio must be in (0, 1]")
     need(
         args.window_shift_every >= 1 and 1 <= args.window <= args.num_steps - 1,
@@ -399,10 +409,6 @@ def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
     )
     need(args.trees_per_device % args.trees_per_update == 0, "--trees-per-update must divide --trees-per-device")
     need(min(args.trees_per_device, args.rollout_batch_size) >= 1, "--trees-per-device, --rollout-batch-size >= 1")
-    need(
-        args.kl_beta >= 0 and min(args.clip_range, args.adv_clip_max) > 0,
-        "--kl-beta >= 0, --clip-range, --adv-clip-max > 0",
-    )
     if args.pruning == "depth" and after < args.window + 1:
         print(
             f"warning: --pruning depth: {after} trainable step(s) follow the last split {max(splits)}, so the {args.window}-step "
@@ -505,46 +511,43 @@ def main(args: Args):
         stats = {k: [] for k in ("policy_loss", "kl", "ratio", "clipfrac", "approx_kl")}
         n_trained_edges, n_train_forwards = 0, 0
         for grp in groups:
-            # work items: (step, parent indices) chunks of parents that have at least one trained child edge, in
-            # rollout order, so that without pruning a micro-batch is exactly a rollout chunk (ratio == 1 bitwise)
-            work, n_edges = [], 0
-            for i in range(args.num_steps):
-                kk = children(i, splits, args.branch_factor)
-                keep = grp["keep"][i].flatten().to(device)  # (P_u * n_{i+1},)
-                parents = torch.nonzero(keep.view(-1, kk).any(1)).flatten()
-                n_edges += int(keep.sum())
-                work += [
-                    (i, parents[c : c + args.rollout_batch_size])
-                    for c in range(0, len(parents), args.rollout_batch_size)
-                ]
-            n_trained_edges += n_edges
-            n_train_forwards += sum(len(p) for _, p in work)
-            for w, (i, parents) in enumerate(work):
-                kk = children(i, splits, args.branch_factor)
-                n_per_tree = sizes[i]
-                x = grp["states"][i][parents]
-                tree_idx = parents // n_per_tree
-                cond = {key: val[tree_idx] for key, val in grp["cond"].items()}
-                child_idx = (parents[:, None] * kk + torch.arange(kk, device=device)).flatten()  # (n_parents * kk,)
-                mask = grp["keep"][i].flatten().to(device)[child_idx]
-                adv = grp["adv"][i + 1].flatten().to(device)[child_idx][mask]
-                old_lp = grp["log_probs"][i][child_idx][mask]
-                x_child = grp["states"][i + 1][child_idx][mask]
-                sig = sigmas[i].expand(len(x)).to(device)
-                with accelerator.no_sync(transformer) if w < len(work) - 1 else nullcontext():
+            # rows (step, parent) with a trained child edge, in rollout order, packed into micro-batches across steps
+            # (one forward each; the step maths stays per step): a pruned step leaves no small micro-batch, so the
+            # cost follows the trained edges; the first ratio is 1 up to the forward's batch-size rounding (~1e-7)
+            n_edges = sum(int(k.sum()) for k in grp["keep"])  # keep[i]: (P_u, n_{i+1}); parents are global indices
+            has_child = [
+                k.reshape(-1, children(i, splits, args.branch_factor)).any(1) for i, k in enumerate(grp["keep"])
+            ]
+            rows = [(i, p) for i, h in enumerate(has_child) for p in torch.nonzero(h).flatten().tolist()]
+            n_trained_edges, n_train_forwards = n_trained_edges + n_edges, n_train_forwards + len(rows)
+            batches = [rows[c : c + args.rollout_batch_size] for c in range(0, len(rows), args.rollout_batch_size)]
+            for w, batch in enumerate(batches):
+                runs = [(i, torch.tensor([p for _, p in r], device=device)) for i, r in groupby(batch, itemgetter(0))]
+                x = torch.cat([grp["states"][i][ps] for i, ps in runs])  # (rows, *L)
+                sig = torch.cat([sigmas[i].expand(len(ps)) for i, ps in runs]).to(device)
+                cond = {key: val[torch.cat([ps // sizes[i] for i, ps in runs])] for key, val in grp["cond"].items()}
+                masks, adv, old_lp, x_child = [], [], [], []
+                for i, ps in runs:  # a parent's children are consecutive; only the trained edges are kept
+                    kk = children(i, splits, args.branch_factor)
+                    c = (ps[:, None] * kk + torch.arange(kk, device=device)).flatten()  # (len(ps) * kk,)
+                    masks.append(grp["keep"][i].flatten().to(device)[c])
+                    adv.append(grp["adv"][i + 1].flatten().to(device)[c][masks[-1]])
+                    old_lp.append(grp["log_probs"][i][c][masks[-1]])
+                    x_child.append(grp["states"][i + 1][c][masks[-1]])
+                adv, old_lp, x_child = torch.cat(adv), torch.cat(old_lp), torch.cat(x_child)  # (E,), (E,), (E, *L)
+                with accelerator.no_sync(transformer) if w < len(batches) - 1 else nullcontext():
                     with autocast():
-                        v = model.velocity(transformer, x, sig, cond, args.guidance_scale)
-                    mean, std = step_mean_std(x, v.float(), sigmas[i], sigmas[i + 1], g[i])
-                    mean, std = mean.repeat_interleave(kk, 0)[mask], std * noise_scale(i, splits, args)
+                        v = model.velocity(transformer, x, sig, cond, args.guidance_scale).float()
+                    mean, std = edge_gaussians(x, v, runs, masks, sigmas, g, splits, args)
                     log_prob = gaussian_log_prob(x_child, mean, std)
                     loss_vec, ratio = grpo_loss(log_prob, old_lp, adv, args.clip_range)
                     loss = loss_vec.sum()
                     if args.kl_beta > 0:
                         with autocast():  # the base model: frozen copy, or LoRA adapter off
                             v_ref = reference_velocity(model, ref, args.lora, x, sig, cond, args.guidance_scale)
-                        mean_ref, _ = step_mean_std(x, v_ref.float(), sigmas[i], sigmas[i + 1], g[i])
+                        mean_ref, _ = edge_gaussians(x, v_ref.float(), runs, masks, sigmas, g, splits, args)
                         # exact KL between the two Gaussian steps, per edge, averaged over dimensions (as dancegrpo.py)
-                        kl = ((mean - mean_ref.repeat_interleave(kk, 0)[mask]) ** 2).flatten(1).mean(1) / (2 * std**2)
+                        kl = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * std**2)
                         loss = loss + args.kl_beta * kl.sum()
                         stats["kl"].append(kl.mean().detach())
                     accelerator.backward(loss / max(1, n_edges))  # the mean over this update's trained edges
