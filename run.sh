@@ -19,7 +19,6 @@
 #   branchgrpo-flux-multinode  LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
 #   vgrpo-cpu              V-GRPO on ShapesBench, 1 CPU process
 #   vgrpo-verifier-cpu     V-GRPO on ShapesBench rewarded by the programmatic verifier
-#   vgrpo-lora-cpu         V-GRPO with a LoRA adapter anchored by weight decay: learns shapes in 40 iterations (~5 min)
 #   vgrpo-naive-cpu        the naive ELBO surrogate (no stratification, no shared pairs, no self-normalisation)
 #   vgrpo-cpu-2proc        the same as vgrpo-cpu, 2 CPU processes (gloo): groups span processes
 #   vgrpo-flux-1gpu        FLUX.1-dev + HPSv2.1, LoRA, 1 GPU
@@ -78,6 +77,7 @@ FLUX_VGRPO=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 
   --prompts "${PROMPTS:-/path/to/hpdv2_prompts.txt}" --eval-prompts "${EVAL_PROMPTS:-${PROMPTS:-/path/to/hpdv2_prompts.txt}}"
   --num-steps 16 --solver dpm++2m --n-mc 4 --guidance-scale 3.5 --group-size 12 --samples-per-device 12
   --rollout-batch-size 1 --train-batch-size 1 --images-per-update 4 --clip-range 6e-3 --kl-beta 0 --iterations 300
+  --weight-decay 0 --lr-warmup 0
   --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
 
 case "$recipe" in
@@ -106,13 +106,11 @@ case "$recipe" in
       branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
   vgrpo-cpu) $PY vgrpo.py "$@" ;;
   vgrpo-verifier-cpu) $PY vgrpo.py --exp-name vgrpo-verifier --reward verifier "$@" ;;
-  vgrpo-lora-cpu) $PY vgrpo.py --exp-name vgrpo-lora --lora --learning-rate 3e-4 --lr-warmup 10 --weight-decay 10 \
-    --iterations 40 --eval-every 20 "$@" ;;
   vgrpo-naive-cpu) $PY vgrpo.py --exp-name vgrpo-naive --no-stratified --no-shared-pairs --no-self-normalize "$@" ;;
   vgrpo-cpu-2proc) ACCELERATE_USE_CPU=1 $LAUNCH --multi_gpu --num_processes 2 vgrpo.py --samples-per-device 32 --images-per-update 16 "$@" ;;
   vgrpo-flux-1gpu) $LAUNCH --num_processes 1 vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;
   vgrpo-flux-8gpu) $LAUNCH --config_file configs/ddp_8gpu.yaml vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;
-  vgrpo-flux-fsdp8) $LAUNCH --config_file configs/fsdp_flux_8gpu.yaml vgrpo.py "${FLUX_VGRPO[@]}" --learning-rate 1e-5 "$@" ;;
+  vgrpo-flux-fsdp8) $LAUNCH --config_file configs/fsdp_flux_8gpu.yaml vgrpo.py "${FLUX_VGRPO[@]}" --no-lora --learning-rate 1e-5 "$@" ;;
   vgrpo-flux-multinode)
     : "${MAIN_IP:?set MAIN_IP}" "${MACHINE_RANK:?set MACHINE_RANK}" "${NUM_MACHINES:?set NUM_MACHINES}"
     $LAUNCH --config_file configs/ddp_8gpu.yaml --num_machines "$NUM_MACHINES" --machine_rank "$MACHINE_RANK" \

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "common" / "shapesbench" / "assets" / "flow"
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 WEIGHTS = Path("transformer") / "diffusion_pytorch_model.safetensors"  # a full fine-tuning run's final weights
 
 
@@ -53,8 +54,14 @@ def metrics(run_dir):
 
 
 def assert_same_trained_weights(run_a, run_b):
-    """The final weights of two runs are bitwise equal, and training moved them away from the shipped model."""
-    a, b = load_file(find_run(run_a) / "final" / WEIGHTS), load_file(find_run(run_b) / "final" / WEIGHTS)
+    """The final weights of two runs (all weights, or a LoRA adapter) are bitwise equal, and training moved them
+    away from the shipped model (a LoRA adapter starts with B = 0)."""
+    final_a, final_b = find_run(run_a) / "final", find_run(run_b) / "final"
+    name = LORA_WEIGHTS if (final_a / LORA_WEIGHTS).is_file() else WEIGHTS
+    a, b = load_file(final_a / name), load_file(final_b / name)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    base = load_file(SHIPPED / WEIGHTS)
-    assert any(not torch.equal(a[k], base[k]) for k in a)
+    if name == LORA_WEIGHTS:
+        assert any(a[k].abs().sum() > 0 for k in a if "lora_B" in k)
+    else:
+        base = load_file(SHIPPED / WEIGHTS)
+        assert any(not torch.equal(a[k], base[k]) for k in a)
