@@ -1,0 +1,29 @@
+"""benchmarks/: the overhead timers account for a whole iteration."""
+
+import importlib.util
+
+from tests.helpers import ROOT
+from tests.test_vgrpo import TINY_RUN
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_overhead_shares_cover_the_iteration_and_patches_are_undone():
+    overhead = load("overhead")
+    from accelerate import Accelerator
+
+    from common import runs
+
+    before = (Accelerator.backward, runs.Run.step, runs.Run.end_iteration)
+    flags = dict(zip(TINY_RUN[::2], TINY_RUN[1::2]))
+    tiny = [x for k, v in flags.items() if k not in ("--iterations", "--eval-every", "--sample-every") for x in (k, v)]
+    out = overhead.measure("vgrpo.py", 3, tiny)
+    shares = [v for k, v in out.items() if k.endswith("_share") and k != "overhead_share"]
+    assert abs(sum(shares) - 1) < 2e-3 and out["forward_share"] > 0 and out["backward_share"] > 0
+    assert abs(out["overhead_share"] - (1 - out["forward_share"] - out["backward_share"])) < 2e-3
+    assert (Accelerator.backward, runs.Run.step, runs.Run.end_iteration) == before
