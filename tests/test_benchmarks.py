@@ -27,3 +27,22 @@ def test_overhead_shares_cover_the_iteration_and_patches_are_undone():
     assert abs(sum(shares) - 1) < 2e-3 and out["forward_share"] > 0 and out["backward_share"] > 0
     assert abs(out["overhead_share"] - (1 - out["forward_share"] - out["backward_share"])) < 2e-3
     assert (Accelerator.backward, runs.Run.step, runs.Run.end_iteration) == before
+
+
+def test_mmd_is_near_zero_for_two_samples_of_one_distribution_and_large_for_collapsed_samples():
+    import torch
+
+    mmd2 = load("branch_diversity").mmd2
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 16, generator=g), torch.randn(64, 16, generator=g)
+    collapsed = x[:1].expand(64, -1)
+    for kernel in ("rbf", "poly"):
+        same, apart = mmd2(x, y, kernel), mmd2(x, collapsed, kernel)
+        assert abs(same) < 0.05 * apart and apart > 0.3, (kernel, same, apart)
+
+
+def test_branch_diversity_runs_on_a_small_sample():
+    table = load("branch_diversity").measure(1, {"dense, correlated s=4": ("dense", "correlated", 4.0)})
+    row, floor = table["dense, correlated s=4"], table["independent vs independent (noise floor)"]
+    assert row["splits"] == [0, 3, 6, 9] and row["diversity"] > 0 and floor["diversity"] > 0
+    assert all(abs(r[k]) < 1 for r in (row, floor) for k in ("mmd2_rbf", "kid"))
