@@ -359,6 +359,7 @@ def main(args: Args):
             "charts/window_start": sde_idx[0],
             # NFE = number of function evaluations: transformer forwards per image (rollout + trained steps)
             "perf/nfe_per_image": args.num_steps + n_train * (2 if args.kl_beta > 0 else 1),
+            "perf/trained_steps_per_image": n_train,
             "perf/sampling_s": t_sample,
         }
         if stats["kl"]:

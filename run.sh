@@ -32,6 +32,7 @@
 #   rlr-sd15-1gpu          SD1.5 + HPSv2.1, DDIM eta 1, LoRA r=4, 1 GPU
 #   rlr-sd15-8gpu          SD1.5 + HPSv2.1, LoRA, 8 GPUs (DDP)
 #   rlr-sd15-multinode     LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
+#   compare                every method at its defaults, side by side (benchmarks/compare.py); add --quick
 #
 # FLUX recipes need the weights and a prompt file: pass --model-id /path/to/FLUX.1-dev if the hub is not
 # reachable, PROMPTS=/path/to/hpdv2_prompts.txt (one prompt per line), and HPS=/path/to/HPS_v2.1_compressed.pt.
@@ -127,5 +128,6 @@ case "$recipe" in
     $LAUNCH --config_file configs/ddp_8gpu.yaml --num_machines "$NUM_MACHINES" --machine_rank "$MACHINE_RANK" \
       --main_process_ip "$MAIN_IP" --main_process_port "${MAIN_PORT:-29500}" --num_processes $((8 * NUM_MACHINES)) \
       rlr.py "${SD15_RLR[@]}" "$@" ;;
+  compare) $PY benchmarks/compare.py "$@" ;;
   *) echo "unknown recipe '$recipe'; see the list at the top of run.sh" >&2; exit 2 ;;
 esac

@@ -494,6 +494,7 @@ def main(args: Args):
             "charts/pairs_checksum": checksums[0].item(),
             "charts/rank_pairs_spread": (checksums.max() - checksums.min()).item(),
             "perf/nfe_per_image": nfe,
+            "perf/trained_pairs_per_image": args.n_mc,
             "perf/sampling_s": t_sample,
             "perf/behaviour_s": t_old,
         }

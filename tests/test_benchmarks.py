@@ -1,6 +1,7 @@
 """benchmarks/: the overhead timers account for a whole iteration."""
 
 import importlib.util
+import sys
 
 from tests.helpers import ROOT
 from tests.test_vgrpo import TINY_RUN
@@ -46,3 +47,26 @@ def test_branch_diversity_runs_on_a_small_sample():
     row, floor = table["dense, correlated s=4"], table["independent vs independent (noise floor)"]
     assert row["splits"] == [0, 3, 6, 9] and row["diversity"] > 0 and floor["diversity"] > 0
     assert all(abs(r[k]) < 1 for r in (row, floor) for k in ("mmd2_rbf", "kid"))
+
+
+def test_compare_quick_writes_table_plot_grids_and_skips_finished_runs(tmp_path, monkeypatch):
+    compare = load("compare")
+    small = ["--num-steps", "4", "--eval-steps", "4", "--rollout-batch-size", "4"]
+    monkeypatch.setattr(
+        compare,
+        "METHODS",
+        {
+            "dancegrpo": ("DanceGRPO", ["dancegrpo.py", *small, "--samples-per-device", "8", "--group-size", "4",
+                                        "--trajectories-per-update", "4"]),
+            "vgrpo": ("V-GRPO", ["vgrpo.py", *small, "--samples-per-device", "8", "--group-size", "4",
+                                 "--train-batch-size", "2", "--images-per-update", "4", "--n-mc", "2"]),
+        },
+    )  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--quick", "--out", str(tmp_path), "--threads", "1"])
+    compare.main()
+    table = (tmp_path / "results.md").read_text()
+    assert "| DanceGRPO | 10 |" in table and "| V-GRPO | 10 |" in table
+    assert (tmp_path / "results.png").stat().st_size > 0
+    assert sorted(p.name for p in (tmp_path / "results_grids").iterdir()) == ["dancegrpo.png", "vgrpo.png"]
+    finished = compare.run_one("vgrpo", compare.METHODS["vgrpo"][1], 0, tmp_path, True, 1)  # returns at once
+    assert finished == next((tmp_path / "runs").glob("vgrpo__0__*"))

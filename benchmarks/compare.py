@@ -1,0 +1,243 @@
+"""Every method side by side on ShapesBench with the learned reward, each at its default settings.
+
+    python benchmarks/compare.py             # 2 seeds at the defaults (hours on 2 CPU cores): docs/results.md,
+                                             # docs/results.png, docs/results_grids/
+    python benchmarks/compare.py --quick     # 1 seed, 10 iterations each (~15 min): the same files in
+                                             # benchmarks/compare_out/quick/
+    bash run.sh compare [--quick]
+
+DanceGRPO, MixGRPO (--sde-window 4), BranchGRPO (no / width / depth / mix pruning), V-GRPO and RLR run one at a
+time, as subprocesses with the same thread count (--threads), the held-out evaluation every few iterations (48
+prompts; 4 samples each, 2 with --quick) and a fixed-seed sample grid at the start and the end. Every run keeps its
+folder under <out>/runs/ and its log under <out>/logs/: rerunning the command skips finished runs (final/ written)
+and resumes interrupted ones from their last checkpoint (--save-every 5). "Time" is training time (the sum of the
+iterations' wall times, evaluations excluded), so methods compare whatever their evaluation schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+METHODS = {  # key: (label, script and flags)
+    "dancegrpo": ("DanceGRPO", ["dancegrpo.py"]),
+    "mixgrpo": ("MixGRPO", ["dancegrpo.py", "--sde-window", "4"]),
+    "branchgrpo": ("BranchGRPO", ["branchgrpo.py"]),
+    "branchgrpo_width": ("BranchGRPO, width pruning", ["branchgrpo.py", "--pruning", "width"]),
+    "branchgrpo_depth": ("BranchGRPO, depth pruning", ["branchgrpo.py", "--pruning", "depth"]),
+    "branchgrpo_mix": ("BranchGRPO, Mix", ["branchgrpo.py", "--pruning", "mix"]),
+    "vgrpo": ("V-GRPO", ["vgrpo.py"]),
+    "rlr": ("RLR", ["rlr.py"]),
+}
+EVAL = ["shape_acc", "all_acc", "clean_acc", "reward_mean", "diversity"]
+# forward passes and trained transitions per image, whichever the script logs
+FORWARDS = ["perf/nfe_per_image", "tree/rollout_forwards_per_leaf"]
+TRAINED = [
+    "perf/trained_steps_per_image",
+    "tree/trained_edges_per_leaf",
+    "perf/trained_pairs_per_image",
+    "rlr/subchain_len",
+]
+
+
+def default_iterations(script: str) -> int:
+    return importlib.import_module(Path(script).stem).Args.__dataclass_fields__["iterations"].default
+
+
+def run_one(key: str, argv: list[str], seed: int, out: Path, quick: bool, threads: int) -> Path:
+    """Train one (method, seed) unless it has finished; resume it if it has a checkpoint. Returns its run folder."""
+    runs = out / "runs"
+    folders = sorted(runs.glob(f"{key}__{seed}__*"))
+    done = [f for f in folders if (f / "final").is_dir()]
+    if done:
+        return done[-1]
+    resumable = [f for f in folders if any((f / "checkpoints").glob("iter_*"))]
+    for f in folders:  # a run that died before its first checkpoint starts again
+        if f not in resumable:
+            shutil.rmtree(f)
+    iterations = 10 if quick else default_iterations(argv[0])
+    every = iterations if quick else max(5, iterations // 8)
+    cmd = [sys.executable, *argv, "--seed", str(seed), "--exp-name", key, "--output-dir", str(runs)]
+    cmd += ["--iterations", str(iterations), "--eval-every", str(every), "--sample-every", str(iterations)]
+    cmd += ["--save-every", "5", "--eval-samples-per-prompt", "2" if quick else "4"]
+    if resumable:
+        cmd += ["--resume-from", str(resumable[-1])]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(out / "logs" / f"{key}__{seed}.log", "a") as log:
+        status = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if status != 0:
+        raise SystemExit(f"{key} seed {seed} failed (exit {status}); see {out / 'logs' / f'{key}__{seed}.log'}")
+    print(f"  {key} seed {seed}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return sorted(runs.glob(f"{key}__{seed}__*"))[-1]
+
+
+def curves(run: Path) -> dict:
+    """Evaluation points (iteration, training seconds so far, metrics) and per-iteration figures of one run."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = {r["iteration"]: r for r in rows if "perf/iteration_s" in r}
+    elapsed, total = {0: 0.0}, 0.0
+    for it in sorted(train):
+        total += train[it]["perf/iteration_s"]
+        elapsed[it] = total
+    evals = [
+        {"iteration": r["iteration"], "time": elapsed.get(r["iteration"], total), **{k: r[f"eval/{k}"] for k in EVAL}}
+        for r in rows
+        if "eval/shape_acc" in r
+    ]
+    last = train[max(train)]
+    forwards = next((last[k] for k in FORWARDS if k in last), float("nan"))
+    if "tree/train_forwards_per_leaf" in last:
+        forwards += last["tree/train_forwards_per_leaf"]
+    return {
+        "evals": evals,
+        "s_per_iteration": statistics.median(r["perf/iteration_s"] for r in train.values()),
+        "train_time": total,
+        "forwards": forwards,
+        "trained": next((last[k] for k in TRAINED if k in last), float("nan")),
+    }
+
+
+def to_reach(c: dict, target: float) -> tuple[int, float] | None:
+    """(iteration, training seconds) of the first evaluation whose learned reward reaches target."""
+    return next(((e["iteration"], e["time"]) for e in c["evals"] if e["reward_mean"] >= target), None)
+
+
+def start_end(cs: list[dict], k: str) -> str:
+    """'start -> end' of eval metric k, means over the seeds' runs."""
+    first, last = [c["evals"][0][k] for c in cs], [c["evals"][-1][k] for c in cs]
+    return f"{sum(first) / len(first):.3f} -> {sum(last) / len(last):.3f}"
+
+
+def write_table(results: dict, path: Path, command: str, threads: int, seeds: list[int]) -> None:
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    target = mean([c["evals"][-1]["reward_mean"] for c in results["dancegrpo"]]) if "dancegrpo" in results else None
+    lines = [
+        "# Results: every method at its defaults on ShapesBench (learned reward)",
+        "",
+        f"Made by `{command}` on {platform.machine()} with {os.cpu_count()} cores (threads per run: {threads}), one "
+        f"run at a time, {time.strftime('%Y-%m-%d')}. Values are means over seeds {', '.join(map(str, seeds))}; "
+        "start -> end is the held-out evaluation (48 prompts, Euler 20 steps) before training and after the "
+        "last iteration. Time is training time (evaluations excluded). The last column: iterations and time "
+        "until the held-out learned reward first reaches DanceGRPO's final value"
+        + (f" ({target:.3f})" if target is not None else "")
+        + " (at the evaluation points).",
+        "",
+        "| method | it. | s / it. | forwards / image | trained / image | time | shape acc. | all correct | "
+        "clean | learned reward | diversity | to DanceGRPO's reward |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, cs in results.items():
+        label = METHODS[key][0]
+        reach = [to_reach(c, target) for c in cs] if target is not None else []
+        got = [r for r in reach if r is not None]
+        when = (
+            f"{mean([r[0] for r in got]):.0f} it., {mean([r[1] for r in got]) / 60:.1f} min ({len(got)}/{len(cs)})"
+            if got
+            else "not reached"
+        )
+        lines.append(
+            f"| {label} | {cs[0]['evals'][-1]['iteration']} | {mean([c['s_per_iteration'] for c in cs]):.2f} | "
+            f"{mean([c['forwards'] for c in cs]):.1f} | {mean([c['trained'] for c in cs]):.1f} | "
+            f"{mean([c['train_time'] for c in cs]) / 60:.1f} min | "
+            + " | ".join(start_end(cs, k) for k in EVAL)
+            + f" | {when} |"
+        )
+    lines += [
+        "",
+        "Trained per image: DanceGRPO / MixGRPO trained SDE steps, BranchGRPO trained edges per leaf, V-GRPO ELBO "
+        "pairs with a graph, RLR the back-propagated sub-chain's length. Forwards per image: every transformer "
+        "forward of an iteration (rollout, behaviour or reference passes, training) divided by its images.",
+        "",
+        "![held-out shape accuracy and learned reward](results.png)",
+        "",
+    ]
+    path.write_text("\n".join(lines))
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharey="row")
+    for key, cs in results.items():
+        for row, metric in enumerate(("shape_acc", "reward_mean")):
+            for col, x in enumerate(("time", "iteration")):
+                xs = [[e[x] / (60 if x == "time" else 1) for e in c["evals"]] for c in cs]
+                ys = [[e[metric] for e in c["evals"]] for c in cs]
+                n = min(len(y) for y in ys)
+                xm = [sum(v[i] for v in xs) / len(xs) for i in range(n)]
+                (line,) = axes[row, col].plot(
+                    xm, [sum(v[i] for v in ys) / len(ys) for i in range(n)], label=METHODS[key][0]
+                )
+                if len(cs) > 1:  # seeds as a band: min to max
+                    lo, hi = [min(v[i] for v in ys) for i in range(n)], [max(v[i] for v in ys) for i in range(n)]
+                    axes[row, col].fill_between(xm, lo, hi, color=line.get_color(), alpha=0.15)
+                axes[row, col].set_xlabel("training time (min)" if x == "time" else "iteration")
+                axes[row, col].set_ylabel(
+                    "held-out shape accuracy" if metric == "shape_acc" else "held-out learned reward"
+                )
+                axes[row, col].grid(alpha=0.3)
+    axes[0, 1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def grids(results_runs: dict, folder: Path) -> None:
+    """Before / after sample grid per method (seed 0's run): the run's own fixed-seed grids, side by side."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for key, runs in results_runs.items():
+        pngs = sorted((runs[0] / "samples").glob("samples_*.png"))
+        if len(pngs) < 2:
+            continue
+        a, b = Image.open(pngs[0]), Image.open(pngs[-1])
+        both = Image.new("RGB", (a.width + b.width + 8, max(a.height, b.height)), "white")
+        both.paste(a, (0, 0))
+        both.paste(b, (a.width + 8, 0))
+        both.save(folder / f"{key}.png")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 seed, 10 iterations each, 2 eval samples per prompt")
+    parser.add_argument("--seeds", type=int, nargs="+", help="default: 0 1 (--quick: 0)")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads per run (default: all cores)")
+    parser.add_argument("--out", type=Path, help="runs, logs and (--quick) results; default benchmarks/compare_out/")
+    a = parser.parse_args()
+    if "dancegrpo" not in a.methods:
+        parser.error("--methods must include dancegrpo (the reference of the last column)")
+    seeds = a.seeds or ([0] if a.quick else [0, 1])
+    out = a.out or ROOT / "benchmarks" / "compare_out" / ("quick" if a.quick else "full")
+    docs = out if a.quick else ROOT / "docs"
+    command = "python benchmarks/compare.py" + (" --quick" if a.quick else "")
+    runs, results = {}, {}
+    for key in a.methods:
+        print(f"{METHODS[key][0]}: seeds {seeds}", flush=True)
+        runs[key] = [run_one(key, METHODS[key][1], s, out, a.quick, a.threads) for s in seeds]
+        results[key] = [curves(r) for r in runs[key]]
+    docs.mkdir(parents=True, exist_ok=True)
+    write_table(results, docs / "results.md", command, a.threads, seeds)
+    plot(results, docs / "results.png")
+    grids(runs, docs / "results_grids")
+    print(f"wrote {docs / 'results.md'}, {docs / 'results.png'}, {docs / 'results_grids'}/")
+
+
+if __name__ == "__main__":
+    main()
