@@ -77,7 +77,8 @@ def timed_runs(runs: dict, common: list) -> dict:
         for name, argv in runs.items():
             cmd = [sys.executable, *argv, *common, "--output-dir", tmp, "--exp-name", name]
             subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
-            rows = [json.loads(line) for line in (Path(tmp) / name / "metrics.jsonl").read_text().splitlines()]
+            run = next(Path(tmp).glob(f"{name}__*"))  # the run folder: {exp_name}__{seed}__{unix time}
+            rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
             its = [r["perf/iteration_s"] for r in rows if "perf/iteration_s" in r][1:]
             out[name] = {"s_per_iteration": round(statistics.median(its), 2)}
             for key in ("tree/trained_edges_per_leaf", "tree/train_forwards_per_leaf", "perf/nfe_per_image"):
