@@ -4,8 +4,8 @@
     python benchmarks/overhead.py --scripts vgrpo.py --iterations 4
 
 Each script runs in this process at its defaults, with --iterations N and no evaluation, grids or checkpoints, and
-timers around: every forward of the trained denoiser and of a frozen KL reference (a forward pre-hook and hook on
-the top-level module: rollouts, behaviour passes and training alike), every `accelerator.backward` (the
+timers around: every forward of the trained denoiser (a forward pre-hook and hook on the top-level module:
+rollouts, behaviour passes and training alike; a frozen KL reference copied from it carries the same hooks), every `accelerator.backward` (the
 transformer's backward; in rlr.py's first-order term also the decoder's and the reward model's), the reward, image
 decoding, prompt encoding, the optimizer step (`Run.step`: clip, step, zero_grad) and logging
 (`Run.end_iteration`). An iteration is the time between two `Run.end_iteration` returns; the first iteration is
@@ -78,8 +78,6 @@ def measure(script: str, iterations: int, extra: list[str]) -> dict:
         (runs.Run, "end_iteration"): runs.Run.end_iteration,
     }
     module_originals = {name: getattr(module, name) for name in ("load_model", "trainable_denoiser", "build_reward")}
-    if hasattr(module, "frozen_copy"):
-        module_originals["frozen_copy"] = module.frozen_copy
 
     def load_model(*a, **kw):
         model = module_originals["load_model"](*a, **kw)
@@ -100,8 +98,6 @@ def measure(script: str, iterations: int, extra: list[str]) -> dict:
     runs.Run.end_iteration = end_iteration
     module.load_model, module.build_reward = load_model, build_reward
     module.trainable_denoiser = lambda *a, **kw: timers.hook(module_originals["trainable_denoiser"](*a, **kw))
-    if "frozen_copy" in module_originals:
-        module.frozen_copy = lambda *a, **kw: timers.hook(module_originals["frozen_copy"](*a, **kw))
     try:
         import tempfile
 

@@ -70,3 +70,11 @@ def test_compare_quick_writes_table_plot_grids_and_skips_finished_runs(tmp_path,
     assert sorted(p.name for p in (tmp_path / "results_grids").iterdir()) == ["dancegrpo.png", "vgrpo.png"]
     finished = compare.run_one("vgrpo", compare.METHODS["vgrpo"][1], 0, tmp_path, True, 1)  # returns at once
     assert finished == next((tmp_path / "runs").glob("vgrpo__0__*"))
+
+
+def test_overhead_counts_a_frozen_reference_copy_once():
+    overhead = load("overhead")
+    flags = dict(zip(TINY_RUN[::2], TINY_RUN[1::2]))
+    tiny = [x for k, v in flags.items() if k not in ("--iterations", "--eval-every", "--sample-every") for x in (k, v)]
+    out = overhead.measure("vgrpo.py", 3, [*tiny, "--no-lora", "--kl-ref", "base"])  # KL to a frozen copy
+    assert out["other_share"] > 0 and out["forward_share"] + out["backward_share"] < 1
