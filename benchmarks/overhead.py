@@ -7,8 +7,9 @@ Each script runs in this process at its defaults, with --iterations N and no eva
 timers around: every forward of the trained denoiser (a forward pre-hook and hook on the top-level module:
 rollouts, behaviour passes and training alike; a frozen KL reference copied from it carries the same hooks), every `accelerator.backward` (the
 transformer's backward; in rlr.py's first-order term also the decoder's and the reward model's), the reward, image
-decoding, prompt encoding, the optimizer step (`Run.step`: clip, step, zero_grad) and logging
-(`Run.end_iteration`). An iteration is the time between two `Run.end_iteration` returns; the first iteration is
+decoding, prompt encoding, the optimizer step (`Run.step`: clip, step, zero_grad), logging (`Run.end_iteration`)
+and, in rlr.py, drawing the zero-order parameter perturbations and adding their gradient (`zo_noise`,
+`add_zo_grad`; applying and undoing a perturbation falls under "other"). An iteration is the time between two `Run.end_iteration` returns; the first iteration is
 dropped (warm-up) and the others are averaged. "other" is what no timer covers: log-probs, tree bookkeeping,
 advantages, Python. Prints a JSON table and, with --out, writes it.
 """
@@ -27,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SCRIPTS = ["dancegrpo.py", "branchgrpo.py", "vgrpo.py", "rlr.py"]
-PARTS = ["forward", "backward", "reward", "decode", "encode_prompts", "optimizer", "logging"]
+PARTS = ["forward", "backward", "reward", "decode", "encode_prompts", "optimizer", "logging", "zo_noise"]
+ZO = ["zo_noise", "add_zo_grad"]  # rlr.py's zero-order term: drawing the parameter perturbations, adding their gradient
 
 
 class Timers:
@@ -68,7 +70,7 @@ def measure(script: str, iterations: int, extra: list[str]) -> dict:
     import tyro
     from accelerate import Accelerator
 
-    from common import runs
+    from common import rewards, runs
 
     module = importlib.import_module(Path(script).stem)
     timers = Timers()
@@ -76,17 +78,17 @@ def measure(script: str, iterations: int, extra: list[str]) -> dict:
         (Accelerator, "backward"): Accelerator.backward,
         (runs.Run, "step"): runs.Run.step,
         (runs.Run, "end_iteration"): runs.Run.end_iteration,
+        (rewards.CompositeReward, "__call__"): rewards.CompositeReward.__call__,
     }
-    module_originals = {name: getattr(module, name) for name in ("load_model", "trainable_denoiser", "build_reward")}
+    module_originals = {
+        name: getattr(module, name) for name in ("load_model", "trainable_denoiser", *ZO) if hasattr(module, name)
+    }
 
     def load_model(*a, **kw):
         model = module_originals["load_model"](*a, **kw)
         model.decode = timers.wrap("decode", model.decode)
         model.encode_prompts = timers.wrap("encode_prompts", model.encode_prompts)
         return model
-
-    def build_reward(*a, **kw):
-        return timers.wrap("reward", module_originals["build_reward"](*a, **kw))
 
     def end_iteration(self, *a, **kw):
         out = timers.wrap("logging", originals[(runs.Run, "end_iteration")])(self, *a, **kw)
@@ -96,7 +98,11 @@ def measure(script: str, iterations: int, extra: list[str]) -> dict:
     Accelerator.backward = timers.wrap("backward", originals[(Accelerator, "backward")])
     runs.Run.step = timers.wrap("optimizer", originals[(runs.Run, "step")])
     runs.Run.end_iteration = end_iteration
-    module.load_model, module.build_reward = load_model, build_reward
+    rewards.CompositeReward.__call__ = timers.wrap("reward", originals[(rewards.CompositeReward, "__call__")])
+    module.load_model = load_model
+    for name in ZO:
+        if name in module_originals:
+            setattr(module, name, timers.wrap("zo_noise", module_originals[name]))
     module.trainable_denoiser = lambda *a, **kw: timers.hook(module_originals["trainable_denoiser"](*a, **kw))
     try:
         import tempfile
