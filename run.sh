@@ -19,6 +19,7 @@
 #   branchgrpo-flux-multinode  LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
 #   vgrpo-cpu              V-GRPO on ShapesBench, 1 CPU process
 #   vgrpo-verifier-cpu     V-GRPO on ShapesBench rewarded by the programmatic verifier
+#   vgrpo-nokl-cpu         reward hacking on purpose: all weights, no KL, no weight decay (a background texture)
 #   vgrpo-naive-cpu        the naive ELBO surrogate (no stratification, no shared pairs, no self-normalisation)
 #   vgrpo-cpu-2proc        the same as vgrpo-cpu, 2 CPU processes (gloo): groups span processes
 #   vgrpo-flux-1gpu        FLUX.1-dev + HPSv2.1, LoRA, 1 GPU
@@ -107,6 +108,8 @@ case "$recipe" in
       branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
   vgrpo-cpu) $PY vgrpo.py "$@" ;;
   vgrpo-verifier-cpu) $PY vgrpo.py --exp-name vgrpo-verifier --reward verifier "$@" ;;
+  vgrpo-nokl-cpu) $PY vgrpo.py --exp-name vgrpo-nokl --no-lora --learning-rate 1e-4 --weight-decay 0 --kl-beta 0 \
+    --iterations 20 --eval-every 20 "$@" ;;
   vgrpo-naive-cpu) $PY vgrpo.py --exp-name vgrpo-naive --no-stratified --no-shared-pairs --no-self-normalize "$@" ;;
   vgrpo-cpu-2proc) ACCELERATE_USE_CPU=1 $LAUNCH --multi_gpu --num_processes 2 vgrpo.py --samples-per-device 32 --images-per-update 16 "$@" ;;
   vgrpo-flux-1gpu) $LAUNCH --num_processes 1 vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;

@@ -446,3 +446,13 @@ def test_run_sh_verifier_recipe_trains_on_the_verifier(tmp_path):
         0 <= r["rewards/verifier"] <= 1 and abs(r["rewards/verifier"] * 32 - round(r["rewards/verifier"] * 32)) < 1e-4
         for r in train
     )
+
+
+def test_run_sh_nokl_recipe_trains_every_weight_without_kl(tmp_path):
+    """`bash run.sh vgrpo-nokl-cpu` (the README's reward-hacking recipe) fine-tunes all weights with no KL term."""
+    run_recipe("vgrpo-nokl-cpu", [*TINY_RUN, "--eval-every", "0", "--sample-every", "0"], tmp_path)
+    train = [r for r in metrics(tmp_path / "vgrpo-nokl") if "losses/policy" in r]
+    assert len(train) == 2 and all("losses/kl" not in r and r["perf/nfe_per_image"] == 4 + 2 * 3 for r in train)
+    assert (
+        find_run(tmp_path / "vgrpo-nokl") / "final" / "transformer" / "diffusion_pytorch_model.safetensors"
+    ).is_file()
