@@ -349,40 +349,25 @@ def main(args: Args):
     sigmas = sigma_schedule(args.num_steps, args.shift)
     grid = sigmas[:-1] if args.pair_times == "grid" else None  # the rollout schedule without t = 0 (x0_hat = x there)
     latent_shape = model.latent_shape()
-    sampler = ode_sampler(
-        model, transformer, sigma_schedule(args.eval_steps, args.shift), args.guidance_scale, autocast
-    )
+    eval_sigmas = sigma_schedule(args.eval_steps, args.shift)
+    sampler = ode_sampler(model, transformer, eval_sigmas, args.guidance_scale, autocast)
     evaluate = Evaluator(args, model, transformer, sampler, reward_fn, eval_prompts, run, args.rollout_batch_size)
     # the surrogate on one micro-batch: surrogate_of(x, cond, t, eps) -> (values (B, N), x0_hat (B, N, *L))
     options = dict(guidance_scale=args.guidance_scale, autocast=autocast, prediction=args.prediction)
     surrogate_of = partial(surrogate, model, transformer, **options, self_normalize=args.self_normalize)
-    nfe = (
-        args.num_steps + (3 if base_kl else 2) * args.n_mc
-    )  # NFE (transformer forwards) per image: rollout, behaviour and training passes
-    off = [
-        n
-        for n, on in (
-            ("stratified", args.stratified),
-            ("shared pairs", args.shared_pairs),
-            ("self-normalize", args.self_normalize),
-        )
-        if not on
+    nfe = args.num_steps + (3 if base_kl else 2) * args.n_mc  # forwards per image: rollout, behaviour (+ base), policy
+    flags = {"stratified": args.stratified, "shared pairs": args.shared_pairs, "self-normalize": args.self_normalize}
+    off = ", ".join(name for name, on in flags.items() if not on)
+    lines = [
+        f"processes {world} x samples per process {args.samples_per_device} = {prompts_per_iter} prompts x group "
+        f"size {args.group_size}; rollouts: {args.solver} ODE, {args.num_steps} steps, batch {args.rollout_batch_size}",
+        f"surrogate: {args.n_mc} (t, eps) pairs per image, t on the {args.pair_times} support, {args.prediction}-"
+        f"prediction, variance reduction {'off: ' + off if off else 'all on'}; micro-batch {mb} images x {args.n_mc}",
+        f"optimizer steps / iteration {updates_per_iter} ({args.images_per_update} images per process each), "
+        f"transformer forwards per image {nfe}; clip {args.clip_range}, KL beta {args.kl_beta} to the {args.kl_ref} "
+        f"policy, adv soft clip {args.adv_soft_clip or 'off'}",
     ]
-    run.banner(
-        model,
-        params,
-        [
-            f"processes {world} x samples per process {args.samples_per_device} = {world * args.samples_per_device} "
-            f"images / iteration = {prompts_per_iter} prompts x group size {args.group_size}",
-            f"rollouts: {args.solver} ODE, {args.num_steps} steps, shift {args.shift}, batch {args.rollout_batch_size}",
-            f"surrogate: {args.n_mc} (t, eps) pairs per image, t on the {args.pair_times} support, {args.prediction}-"
-            f"prediction, variance reduction {'all on' if not off else 'off: ' + ', '.join(off)}; micro-batch {mb} "
-            f"images x {args.n_mc} pairs",
-            f"optimizer steps / iteration {updates_per_iter} ({args.images_per_update} images per process each), "
-            f"transformer forwards per image {nfe}",
-            f"clip {args.clip_range}, KL beta {args.kl_beta} to the {args.kl_ref} policy, adv soft clip {args.adv_soft_clip or 'off'}",
-        ],
-    )
+    run.banner(model, params, lines)
     if start == 0:
         evaluate(0)
     for it in run.iterations(start):
