@@ -123,7 +123,9 @@ def start_end(cs: list[dict], k: str) -> str:
 
 def write_table(results: dict, path: Path, command: str, threads: int, seeds: list[int]) -> None:
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    target = mean([c["evals"][-1]["reward_mean"] for c in results["dancegrpo"]]) if "dancegrpo" in results else None
+    dance = results["dancegrpo"]
+    target = mean([c["evals"][-1]["reward_mean"] for c in dance])
+    fell = target <= mean([c["evals"][0]["reward_mean"] for c in dance])  # then every run "reaches" it at once
     lines = [
         "# Results: every method at its defaults on ShapesBench (learned reward)",
         "",
@@ -132,8 +134,8 @@ def write_table(results: dict, path: Path, command: str, threads: int, seeds: li
         "start -> end is the held-out evaluation (48 prompts, Euler 20 steps) before training and after the "
         "last iteration. Time is training time (evaluations excluded). The last column: iterations and time "
         "until the held-out learned reward first reaches DanceGRPO's final value"
-        + (f" ({target:.3f})" if target is not None else "")
-        + " (at the evaluation points).",
+        + f" ({target:.3f}), at the evaluation points"
+        + ("; n/a here, because DanceGRPO's reward fell below its start." if fell else "."),
         "",
         "| method | it. | s / it. | forwards / image | trained / image | time | shape acc. | all correct | "
         "clean | learned reward | diversity | to DanceGRPO's reward |",
@@ -141,10 +143,11 @@ def write_table(results: dict, path: Path, command: str, threads: int, seeds: li
     ]
     for key, cs in results.items():
         label = METHODS[key][0]
-        reach = [to_reach(c, target) for c in cs] if target is not None else []
-        got = [r for r in reach if r is not None]
+        got = [r for r in (to_reach(c, target) for c in cs) if r is not None]
         when = (
-            f"{mean([r[0] for r in got]):.0f} it., {mean([r[1] for r in got]) / 60:.1f} min ({len(got)}/{len(cs)})"
+            "n/a"
+            if fell
+            else f"{mean([r[0] for r in got]):.0f} it., {mean([r[1] for r in got]) / 60:.1f} min ({len(got)}/{len(cs)})"
             if got
             else "not reached"
         )

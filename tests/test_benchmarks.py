@@ -78,3 +78,9 @@ def test_overhead_counts_a_frozen_reference_copy_once():
     tiny = [x for k, v in flags.items() if k not in ("--iterations", "--eval-every", "--sample-every") for x in (k, v)]
     out = overhead.measure("vgrpo.py", 3, [*tiny, "--no-lora", "--kl-ref", "base"])  # KL to a frozen copy
     assert out["other_share"] > 0 and out["forward_share"] + out["backward_share"] < 1
+
+
+def test_gradient_agreement_runs_on_a_small_sample():
+    out = load("gradient_agreement").measure(draws=1, images=16)
+    assert len(out["DanceGRPO"]) == len(out["V-GRPO"]) == 1
+    assert all(-1 <= c <= 1 for c in (*out["DanceGRPO"], *out["V-GRPO"]))
