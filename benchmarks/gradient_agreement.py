@@ -2,6 +2,7 @@
 
     python benchmarks/gradient_agreement.py                  # 3 draws of 128 images (16 prompts x 8), ~3 min
     python benchmarks/gradient_agreement.py --draws 5 --images 64
+    python benchmarks/gradient_agreement.py --same-noise --steps 0,1,2 --noise-level 1.5   # DanceGRPO variants
 
 On the shipped ShapesBench base model with a fresh LoRA adapter (rank 32, as the V-GRPO default), one iteration
 is sampled for each method as its script does by default (DanceGRPO: Flow-GRPO SDE, 10 steps, a = 0.7, every SDE
@@ -29,12 +30,12 @@ sys.path.insert(0, str(ROOT))
 GROUP = 8
 
 
-def dance_loss(model, tr, cond, lat, lp, adv, sig, g, idx):
-    """DanceGRPO's loss of the samples idx, summed over the 9 SDE steps (dancegrpo.py's training pass)."""
+def dance_loss(model, tr, cond, lat, lp, adv, sig, g, steps, idx):
+    """DanceGRPO's loss of the samples idx, summed over the trained steps (dancegrpo.py's training pass)."""
     import dancegrpo as D
 
     c, total = {k: v[idx] for k, v in cond.items()}, 0
-    for i in range(9):
+    for i in steps:
         v = model.velocity(tr, lat[idx, i], sig[i].expand(len(idx)), c, 1.0)
         _, logp, _, _ = D.sde_step(lat[idx, i], v.float(), sig[i], sig[i + 1], g[i], prev_sample=lat[idx, i + 1])
         total = total + D.grpo_loss(logp, lp[idx, i], adv[idx], 1e-3)[0].mean()
@@ -49,7 +50,8 @@ def vgrpo_loss(model, tr, cond, x, t, eps, old, adv, idx):
     return V.vgrpo_loss(new, old[idx], adv[idx], 6e-3)[0].mean()
 
 
-def measure(draws: int = 3, images: int = 128) -> dict:
+def measure(draws=3, images=128, noise_level=0.7, same_noise=False, steps=tuple(range(9))) -> dict:
+    """DanceGRPO's variants: SDE noise a = noise_level, one initial noise per group (same_noise), trained steps."""
     import dancegrpo as D
     import vgrpo as V
     from common.models import add_lora, load_model
@@ -62,7 +64,7 @@ def measure(draws: int = 3, images: int = 128) -> dict:
     params = [p for p in tr.parameters() if p.requires_grad]
     reward, prompts = build_reward("shapes", "cpu"), load_prompts("shapes-train")
     sig = D.sigma_schedule(10, 3.0)
-    g = D.noise_g(sig, "flow", 0.7)
+    g = D.noise_g(sig, "flow", noise_level)
 
     def cosine(loss_of) -> float:
         halves = []
@@ -72,17 +74,19 @@ def measure(draws: int = 3, images: int = 128) -> dict:
             halves.append(torch.cat([p.grad.flatten() for p in params]))
         return float(torch.nn.functional.cosine_similarity(*halves, dim=0))
 
-    out = {"images": images, "group": GROUP, "DanceGRPO": [], "V-GRPO": []}
+    out = {"images": images, "group": GROUP, "noise_level": noise_level, "same_noise": same_noise, "steps": list(steps)}
+    out.update({"DanceGRPO": [], "V-GRPO": []})
     for d in range(draws):
         ps = [prompts[(7 * k + 13 * d) % len(prompts)] for k in range(images // GROUP) for _ in range(GROUP)]
         cond = model.encode_prompts(ps)
         gen = torch.Generator().manual_seed(d)
         init, noise = torch.randn(images, 3, 32, 32, generator=gen), torch.randn(images, 10, 3, 32, 32, generator=gen)
         with torch.no_grad():
-            lat, lp = D.rollout(model, tr, cond, init, noise, sig, g, list(range(9)), 1.0, nullcontext)
+            start = init[::GROUP].repeat_interleave(GROUP, 0) if same_noise else init  # (images, *L)
+            lat, lp = D.rollout(model, tr, cond, start, noise, sig, g, list(range(9)), 1.0, nullcontext)
             adv = D.group_advantages(reward(model.decode(lat[:, -1]).float(), ps)[0], GROUP)
 
-        out["DanceGRPO"].append(round(cosine(partial(dance_loss, model, tr, cond, lat, lp, adv, sig, g)), 4))
+        out["DanceGRPO"].append(round(cosine(partial(dance_loss, model, tr, cond, lat, lp, adv, sig, g, steps)), 4))
         with torch.no_grad():
             x = torch.cat(
                 [
@@ -105,11 +109,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--draws", type=int, default=3, help="independent iterations")
     parser.add_argument("--images", type=int, default=128, help="images per iteration, a multiple of 16")
+    parser.add_argument("--noise-level", type=float, default=0.7, help="DanceGRPO's flow SDE noise a")
+    parser.add_argument("--same-noise", action="store_true", help="DanceGRPO: one initial noise per group")
+    parser.add_argument("--steps", default="0,1,2,3,4,5,6,7,8", help="DanceGRPO's trained steps (of 0..8)")
     a = parser.parse_args()
     if a.images % 16 or a.draws < 1:
         parser.error("--images must be a multiple of 16 and --draws >= 1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    print(json.dumps(measure(a.draws, a.images), indent=1))
+    steps = [int(i) for i in a.steps.split(",")]
+    if not steps or not all(0 <= i <= 8 for i in steps):
+        parser.error("--steps: a comma-separated list of steps in 0..8")
+    print(json.dumps(measure(a.draws, a.images, a.noise_level, a.same_noise, steps), indent=1))
 
 
 if __name__ == "__main__":
