@@ -1,6 +1,7 @@
-"""How much signal is in one iteration's policy gradient? DanceGRPO's per-step likelihood ratio against V-GRPO's ELBO.
+"""How much signal is in one iteration's policy gradient? DanceGRPO's and BranchGRPO's per-step likelihood ratios
+against V-GRPO's ELBO surrogate.
 
-    python benchmarks/gradient_agreement.py                  # 3 draws of 128 images (16 prompts x 8), ~3 min
+    python benchmarks/gradient_agreement.py                  # 3 draws of 128 images (16 prompts x 8), ~4 min
     python benchmarks/gradient_agreement.py --draws 5 --images 64
     python benchmarks/gradient_agreement.py --same-noise --steps 0,1,2 --noise-level 1.5   # DanceGRPO variants
 
@@ -10,7 +11,9 @@ step trained; V-GRPO: DPM-Solver++ ODE, 10 steps, 4 shared stratified pairs), sc
 normalised within groups of 8. Each group is split into two halves (even and odd samples: the same prompts, the
 advantages of the whole group) and the loss gradient of each half is computed. The cosine between the two
 halves' gradients measures what the estimator agrees on beyond its noise: near 0 when the noise dominates, larger
-when one iteration's gradient carries a direction that a second sample would confirm.
+when one iteration's gradient carries a direction that a second sample would confirm. BranchGRPO grows two trees per
+prompt at its defaults (16 leaves each, images / 32 prompts, so as many leaves as the other methods' images) and
+compares the first trees' gradient with the second trees'.
 """
 
 from __future__ import annotations
@@ -50,6 +53,64 @@ def vgrpo_loss(model, tr, cond, x, t, eps, old, adv, idx):
     return V.vgrpo_loss(new, old[idx], adv[idx], 6e-3)[0].mean()
 
 
+def branch_loss(model, tr, B, args, cond, states, log_probs, adv, keep, sigmas, g, splits, sizes, trees):
+    """BranchGRPO's loss over every trained edge of the trees `trees` (indices of the P trees), as branchgrpo.py's
+    training pass: per step, the parents' SDE Gaussian, each child edge's clipped ratio with its child's advantage;
+    mean over the trained edges."""
+    total, n_edges = 0, 0
+    for i in range(len(sigmas) - 1):
+        kk, n = B.children(i, splits, args.branch_factor), sizes[i]
+        nodes = torch.cat([torch.arange(t * n, (t + 1) * n) for t in trees])  # parents of these trees at depth i
+        edges = (nodes[:, None] * kk + torch.arange(kk)).flatten()
+        mask = keep[i].flatten()[edges]
+        if not mask.any():
+            continue
+        tree_of = nodes // n
+        v = model.velocity(
+            tr, states[i][nodes], sigmas[i].expand(len(nodes)), {k: c[tree_of] for k, c in cond.items()}, 1.0
+        )
+        mean, std = B.step_mean_std(states[i][nodes], v.float(), sigmas[i], sigmas[i + 1], g[i])
+        mean = mean.repeat_interleave(kk, 0)[mask]
+        logp = B.gaussian_log_prob(states[i + 1][edges][mask], mean, std * B.noise_scale(i, splits, args))
+        a = adv[i + 1].flatten()[edges][mask]
+        total = total + B.grpo_loss(logp, log_probs[i][edges][mask], a, args.clip_range)[0].sum()
+        n_edges += int(mask.sum())
+    return total / n_edges
+
+
+def branch_cosine(model, tr, params, reward, prompts, d: int, n_prompts: int) -> float:
+    """Two trees per prompt at branchgrpo.py's defaults (20 steps, dense splits 0,3,6,9, K = 2: 16 leaves, uniform
+    fusion, no pruning); the halves are the first and the second tree of every prompt."""
+    import branchgrpo as B
+
+    args = B.Args()
+    B.resolve_defaults(args)
+    splits = B.split_steps(args.split_schedule, args.num_steps, args.num_splits)
+    sizes = B.tree_sizes(args.num_steps, splits, args.branch_factor)
+    sigmas = B.sigma_schedule(args.num_steps, args.shift)
+    g = B.noise_g(sigmas, args.sde_type, args.noise_level)
+    ps = [prompts[(7 * k + 13 * d) % len(prompts)] for k in range(n_prompts) for _ in range(2)]
+    cond = model.encode_prompts(ps)
+    ids, shape = list(range(len(ps))), (3, 32, 32)
+    roots = torch.stack([torch.randn(shape, generator=B.rng(d, "root", t)) for t in ids])
+    noise_fn = partial(B.tree_noise, args, d, ids, splits, shape, 1 / (1 + args.branch_s))
+    sde = B.sde_steps(args, splits, 0)
+    with torch.no_grad():
+        states, log_probs = B.tree_rollout(model, tr, cond, roots, sigmas, g, splits, sde, noise_fn, args, nullcontext)
+        leaf_prompts = [p for p in ps for _ in range(sizes[-1])]
+        r = reward(model.decode(states[-1]).float(), leaf_prompts)[0].view(len(ps), sizes[-1])
+    values = B.node_values(r, log_probs, sizes, args.fusion, args.fusion_beta, args.fusion_temperature)
+    adv = [a.clamp(-args.adv_clip_max, args.adv_clip_max) for a in B.depth_advantages(values)]
+    keep = B.trained_edges(args, splits, sizes, sde, adv[1:], 0)
+    halves = []
+    for h in range(2):
+        tr.zero_grad()
+        trees = list(range(h, len(ps), 2))
+        branch_loss(model, tr, B, args, cond, states, log_probs, adv, keep, sigmas, g, splits, sizes, trees).backward()
+        halves.append(torch.cat([p.grad.flatten() for p in params]))
+    return float(torch.nn.functional.cosine_similarity(*halves, dim=0))
+
+
 def measure(draws=3, images=128, noise_level=0.7, same_noise=False, steps=tuple(range(9))) -> dict:
     """DanceGRPO's variants: SDE noise a = noise_level, one initial noise per group (same_noise), trained steps."""
     import dancegrpo as D
@@ -75,7 +136,7 @@ def measure(draws=3, images=128, noise_level=0.7, same_noise=False, steps=tuple(
         return float(torch.nn.functional.cosine_similarity(*halves, dim=0))
 
     out = {"images": images, "group": GROUP, "noise_level": noise_level, "same_noise": same_noise, "steps": list(steps)}
-    out.update({"DanceGRPO": [], "V-GRPO": []})
+    out.update({"DanceGRPO": [], "V-GRPO": [], "BranchGRPO": []})
     for d in range(draws):
         ps = [prompts[(7 * k + 13 * d) % len(prompts)] for k in range(images // GROUP) for _ in range(GROUP)]
         cond = model.encode_prompts(ps)
@@ -99,8 +160,12 @@ def measure(draws=3, images=128, noise_level=0.7, same_noise=False, steps=tuple(
             old, _ = V.surrogate(model, tr, x, cond, t, eps, 1.0, nullcontext)
 
         out["V-GRPO"].append(round(cosine(partial(vgrpo_loss, model, tr, cond, x, t, eps, old, adv_v)), 4))
-        print(f"draw {d}: DanceGRPO {out['DanceGRPO'][-1]}, V-GRPO {out['V-GRPO'][-1]}", file=sys.stderr)
-    for k in ("DanceGRPO", "V-GRPO"):
+        out["BranchGRPO"].append(round(branch_cosine(model, tr, params, reward, prompts, d, max(1, images // 32)), 4))
+        print(
+            f"draw {d}: " + ", ".join(f"{k} {out[k][-1]}" for k in ("DanceGRPO", "V-GRPO", "BranchGRPO")),
+            file=sys.stderr,
+        )
+    for k in ("DanceGRPO", "V-GRPO", "BranchGRPO"):
         out[f"{k} mean"] = round(sum(out[k]) / len(out[k]), 4)
     return out
 

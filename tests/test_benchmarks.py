@@ -82,5 +82,5 @@ def test_overhead_counts_a_frozen_reference_copy_once():
 
 def test_gradient_agreement_runs_on_a_small_sample():
     out = load("gradient_agreement").measure(draws=1, images=16)
-    assert len(out["DanceGRPO"]) == len(out["V-GRPO"]) == 1
-    assert all(-1 <= c <= 1 for c in (*out["DanceGRPO"], *out["V-GRPO"]))
+    assert len(out["DanceGRPO"]) == len(out["V-GRPO"]) == len(out["BranchGRPO"]) == 1
+    assert all(-1 <= c <= 1 for c in (*out["DanceGRPO"], *out["V-GRPO"], *out["BranchGRPO"]))
