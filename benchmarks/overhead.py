@@ -21,6 +21,7 @@ import importlib
 import json
 import os
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -49,17 +50,25 @@ class Timers:
         return timed
 
     def hook(self, module):
-        """Time every forward of `module` (not re-entrant: the top-level module is never called inside itself)."""
+        """Time and count every forward of `module` (not re-entrant: the top-level module is never called inside
+        itself). A copy of the module (a frozen KL reference) carries these hooks with it."""
         start = {}
-        module.register_forward_pre_hook(lambda m, a: start.__setitem__("t", time.perf_counter()))
-        module.register_forward_hook(lambda m, a, out: self.total.__setitem__(
-            "forward", self.total["forward"] + time.perf_counter() - start["t"]))  # fmt: skip
+
+        def before(m, a):
+            start["t"] = time.perf_counter()
+
+        def after(m, a, out):
+            self.total["forward"] += time.perf_counter() - start["t"]
+            self.total["forward_calls"] += 1
+
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
         return module
 
     def snapshot(self):
         now = time.perf_counter()
         if self.last is not None:
-            row = {p: self.total[p] - self.last[1].get(p, 0.0) for p in PARTS}
+            row = {p: self.total[p] - self.last[1].get(p, 0.0) for p in [*PARTS, "forward_calls"]}
             row["iteration"] = now - self.last[0]
             self.rows.append(row)
         self.last = (now, dict(self.total))
@@ -105,8 +114,6 @@ def measure(script: str, iterations: int, extra: list[str]) -> dict:
             setattr(module, name, timers.wrap("zo_noise", module_originals[name]))
     module.trainable_denoiser = lambda *a, **kw: timers.hook(module_originals["trainable_denoiser"](*a, **kw))
     try:
-        import tempfile
-
         with tempfile.TemporaryDirectory() as tmp:
             argv = ["--iterations", str(iterations), "--eval-every", "0", "--sample-every", "0", "--save-every", "0"]
             args = tyro.cli(module.Args, args=[*argv, "--output-dir", tmp, *extra])
@@ -118,7 +125,7 @@ def measure(script: str, iterations: int, extra: list[str]) -> dict:
             setattr(module, name, fn)
     rows = timers.rows[1:]  # the first iteration warms up
     mean = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
-    out = {"s_per_iteration": round(mean["iteration"], 3)}
+    out = {"s_per_iteration": round(mean["iteration"], 3), "forward_calls": mean["forward_calls"]}
     out.update({f"{p}_share": round(mean[p] / mean["iteration"], 3) for p in PARTS})
     out["other_share"] = round(1 - sum(mean[p] for p in PARTS) / mean["iteration"], 3)
     out["overhead_share"] = round(1 - (mean["forward"] + mean["backward"]) / mean["iteration"], 3)
