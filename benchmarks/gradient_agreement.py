@@ -69,9 +69,8 @@ def branch_loss(model, tr, B, args, cond, states, log_probs, adv, keep, sigmas, 
         v = model.velocity(
             tr, states[i][nodes], sigmas[i].expand(len(nodes)), {k: c[tree_of] for k, c in cond.items()}, 1.0
         )
-        mean, std = B.step_mean_std(states[i][nodes], v.float(), sigmas[i], sigmas[i + 1], g[i])
-        mean = mean.repeat_interleave(kk, 0)[mask]
-        logp = B.gaussian_log_prob(states[i + 1][edges][mask], mean, std * B.noise_scale(i, splits, args))
+        mean, std = B.edge_gaussians(states[i][nodes], v.float(), [(i, nodes)], [mask], sigmas, g, splits, args)
+        logp = B.gaussian_log_prob(states[i + 1][edges][mask], mean, std)
         a = adv[i + 1].flatten()[edges][mask]
         total = total + B.grpo_loss(logp, log_probs[i][edges][mask], a, args.clip_range)[0].sum()
         n_edges += int(mask.sum())
