@@ -11,7 +11,7 @@ schedule. The PPO-clipped loss uses the whole-image ratio exp(S_theta - S_old), 
 the rollout; optional KL to the behaviour policy and a tanh soft clip of the advantages.
 
 Launch (run.sh has more):
-    python vgrpo.py                                                  # ShapesBench on CPU, ~5 min
+    python vgrpo.py                                                  # ShapesBench on CPU, ~4 min
     python vgrpo.py --no-stratified --no-shared-pairs --no-self-normalize   # the naive ELBO baseline
     accelerate launch vgrpo.py --model-id black-forest-labs/FLUX.1-dev --resolution 512 --reward hpsv2.1 \
         --lora --mixed-precision bf16 --num-steps 16 --samples-per-device 12 --group-size 12 \
