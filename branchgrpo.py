@@ -13,14 +13,14 @@ Launch (run.sh has more):
     python branchgrpo.py --pruning depth                            # depth pruning (4-step window, slides every 30 it.)
     accelerate launch branchgrpo.py --pruning depth --model-id black-forest-labs/FLUX.1-dev --resolution 720 \
         --reward hpsv2.1 --mixed-precision bf16 --num-steps 20 --sde-type dance --trees-per-device 2 \
-        --trees-per-update 1 --rollout-batch-size 8 --kl-beta 0 --clip-range 1e-4 --learning-rate 1e-5 \
-        --guidance-scale 3.5
+        --trees-per-update 1 --rollout-batch-size 8 --kl-beta 0 --clip-range 1e-4 --learning-rate 1e-5 --no-lora \
+        --weight-decay 0 --lr-warmup 0 --iterations 300 --guidance-scale 3.5
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 branchgrpo.py   # 2 CPU processes
     python branchgrpo.py --resume-from latest                       # continue the newest runs/branchgrpo__*
 
-Defaults tuned for ShapesBench that differ from the paper (the FLUX line above uses the paper's values): --sde-type
-flow (a = 0.7), not DanceGRPO's constant eta 0.3; --clip-range 1e-3, not 1e-4 (log-probs are means over latent
-dimensions, so ratios move ~4.6x more on ShapesBench's 3072 than on FLUX's 65536; docs/branchgrpo.md).
+ShapesBench defaults that differ from the paper (the FLUX line uses the paper's): --sde-type flow (a = 0.7), not
+constant eta 0.3; --clip-range 1e-3, not 1e-4 (log-probs are means over latent dimensions: ratios move ~4.6x more
+over ShapesBench's 3072 than FLUX's 65536); common/runs.py's optimiser defaults (LoRA r32, lr 3e-4, wd 10, 40 it.).
 Deviations from the official release (docs/branchgrpo.md explains each): the paper's correlated branch noise (the
 release's 4x scaled independent noise is --branch-noise scaled, scored under the std it uses); nodes batched per
 depth; path fusion as a softmax over descendant leaves; parent-top1 width pruning keeps each last-split parent's best

@@ -13,14 +13,16 @@ Launch (run.sh has more):
     accelerate launch dancegrpo.py --model-id black-forest-labs/FLUX.1-dev --resolution 512 \
         --reward hpsv2.1 --lora --mixed-precision bf16 --samples-per-device 12 --group-size 12 --same-noise \
         --sde-type dance --rollout-batch-size 1 --trajectories-per-update 4 --kl-beta 0 --clip-range 1e-4 \
-        --learning-rate 3e-4
+        --learning-rate 3e-4 --weight-decay 0 --lr-warmup 0 --iterations 300
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 dancegrpo.py   # 2 CPU processes
     python dancegrpo.py --resume-from latest                         # continue the newest runs/dancegrpo__*
 
 Defaults tuned for ShapesBench that differ from the paper (the FLUX line above uses the paper's values): --sde-type
 flow (a = 0.7, Flow-GRPO's schedule), not constant eta 0.3; --clip-range 1e-3, not 1e-4 (the log-prob is a mean over
 the D latent dimensions, so a ratio moves like 1/sqrt(D): D = 3072 here, 65536 for FLUX at 512 px, 4.6x apart);
-independent initial noise within a group (Flow-GRPO), not shared (--same-noise).
+independent initial noise within a group (Flow-GRPO), not shared (--same-noise); the shared optimiser defaults of
+common/runs.py (LoRA r32, lr 3e-4, weight decay 10, 40 iterations), which keep the base model intact; the per-step
+estimator does not learn ShapesBench at these budgets (README).
 Deviations from the official code (docs/dancegrpo.md explains each): rollout chunks are the training micro-batches
 and the trained steps are drawn per chunk, so the first ratio of an iteration is exactly 1; the last step is a
 deterministic Euler step onto x0_hat, neither sampled nor trained; the optional KL is the exact Gaussian KL of one

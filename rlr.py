@@ -24,15 +24,17 @@ eq. 1); it differs from the unperturbed one by O(sigma^2). tests/test_rlr.py che
 closed-form gradient of a linear-Gaussian chain. h is --subchain-len, or the paper's h* for --memory-budget-gb.
 
 Launch (run.sh has more):
-    python rlr.py                                                    # ShapesBench on CPU, ~10 min
+    python rlr.py                                                    # ShapesBench on CPU, ~3 min
     python rlr.py --terms fo+ho                                      # the paper's ablation V2 (no ZO term)
     python rlr.py --subchain-stage coarse                            # restrict the sub-chain to the coarse steps
     accelerate launch rlr.py --model-id stable-diffusion-v1-5/stable-diffusion-v1-5 --reward hpsv2.1 \
         --reward-ckpt hpsv2.1=/ckpt/HPS_v2.1_compressed.pt --prompts prompts.txt --lora --lora-rank 4 \
-        --lora-alpha 4 --mixed-precision bf16 --num-steps 50 --guidance-scale 5 --gradient-checkpointing
+        --lora-alpha 4 --mixed-precision bf16 --num-steps 50 --guidance-scale 5 --gradient-checkpointing \
+        --learning-rate 1e-4 --weight-decay 0 --lr-warmup 0 --iterations 100
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 rlr.py --samples-per-device 4  # 2 CPU processes
     python rlr.py --resume-from latest                               # continue the newest runs/rlr__*
 
+ShapesBench uses the optimiser defaults of common/runs.py (LoRA r32, lr 3e-4, weight decay 10, 40 iterations).
 Deviations from the public code, which implements neither the sub-chain nor the ZO term (docs/rlr.md explains
 each): the estimator is the paper's eq. 6 with unit weights and baselines that keep it unbiased; one optimizer step
 per iteration on the sum of the terms (--terms selects the paper's ablations V1 = fo, V2 = fo+ho, V3 = fo+zo); the

@@ -52,6 +52,7 @@ FLUX_DANCE=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 
   --prompts "${PROMPTS:-/path/to/hpdv2_prompts.txt}" --eval-prompts "${EVAL_PROMPTS:-${PROMPTS:-/path/to/hpdv2_prompts.txt}}"
   --num-steps 16 --sde-type dance --noise-level 0.3 --guidance-scale 3.5 --group-size 12 --samples-per-device 12
   --rollout-batch-size 1 --trajectories-per-update 4 --same-noise --clip-range 1e-4 --kl-beta 0 --iterations 300
+  --weight-decay 0 --lr-warmup 0
   --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
 FLUX_LORA=(--lora --lora-rank 128 --lora-alpha 256 --learning-rate 3e-4)
 # BranchGRPO's FLUX setting (https://github.com/Fredreic1849/BranchGRPO, scripts/finetune/finetune_flux_branchgrpo_8gpus.sh):
@@ -63,14 +64,14 @@ FLUX_BRANCH=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution
   --num-steps 20 --split-schedule dense --num-splits 4 --branch-factor 2 --sde-type dance --noise-level 0.3
   --guidance-scale 3.5 --trees-per-device 2 --trees-per-update 1 --rollout-batch-size 8 --clip-range 1e-4
   --kl-beta 0 --iterations 300 --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10
-  --save-every 20 --pruning depth)
+  --save-every 20 --pruning depth --weight-decay 0 --lr-warmup 0)
 # RLR's SD setting (arXiv 2502.00639 §5; https://github.com/RTkenny/RLR-Optimizer, scripts/hps_RLR.sh): SD1.5 (paper: SD1.4), 50 DDIM steps eta 1, CFG 5,
 # LoRA r = 4, lr 1e-4, h = 2 (the paper's 30-40 GB choice), 4 images per prompt.
 SD15_RLR=(--model-id "${MODEL_ID:-stable-diffusion-v1-5/stable-diffusion-v1-5}" --mixed-precision bf16
   --reward hpsv2.1 --reward-ckpt "hpsv2.1=${HPS:-/path/to/HPS_v2.1_compressed.pt}"
   --prompts "${PROMPTS:-/path/to/hpdv2_prompts.txt}" --eval-prompts "${EVAL_PROMPTS:-${PROMPTS:-/path/to/hpdv2_prompts.txt}}"
   --num-steps 50 --noise-level 1.0 --guidance-scale 5 --group-size 4 --samples-per-device 4 --rollout-batch-size 2
-  --subchain-len 2 --gradient-checkpointing --lora --lora-rank 4 --lora-alpha 4 --learning-rate 1e-4
+  --subchain-len 2 --gradient-checkpointing --lora --lora-rank 4 --lora-alpha 4 --learning-rate 1e-4 --weight-decay 0 --lr-warmup 0
   --iterations 100 --eval-every 10 --eval-samples-per-prompt 1 --eval-steps 50 --sample-every 5 --save-every 10)
 # V-GRPO's FLUX setting (arXiv 2604.23380, experiments and appendix): 720 px, 16-step DPM-Solver++ ODE, N_MC 4, 12 images per prompt
 # (one prompt per GPU), clip 6e-3, no KL, embedded guidance 3.5, 3 optimizer steps per iteration.
@@ -89,7 +90,7 @@ case "$recipe" in
   dancegrpo-cpu-2proc) ACCELERATE_USE_CPU=1 $LAUNCH --multi_gpu --num_processes 2 dancegrpo.py --samples-per-device 32 "$@" ;;
   dancegrpo-flux-1gpu) $LAUNCH --num_processes 1 dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
   dancegrpo-flux-8gpu) $LAUNCH --config_file configs/ddp_8gpu.yaml dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
-  dancegrpo-flux-fsdp8) $LAUNCH --config_file configs/fsdp_flux_8gpu.yaml dancegrpo.py "${FLUX_DANCE[@]}" --learning-rate 1e-5 "$@" ;;
+  dancegrpo-flux-fsdp8) $LAUNCH --config_file configs/fsdp_flux_8gpu.yaml dancegrpo.py "${FLUX_DANCE[@]}" --no-lora --learning-rate 1e-5 "$@" ;;
   dancegrpo-flux-multinode)
     : "${MAIN_IP:?set MAIN_IP}" "${MACHINE_RANK:?set MACHINE_RANK}" "${NUM_MACHINES:?set NUM_MACHINES}"
     $LAUNCH --config_file configs/ddp_8gpu.yaml --num_machines "$NUM_MACHINES" --machine_rank "$MACHINE_RANK" \
@@ -100,7 +101,7 @@ case "$recipe" in
   branchgrpo-cpu-2proc) ACCELERATE_USE_CPU=1 $LAUNCH --multi_gpu --num_processes 2 branchgrpo.py --trees-per-device 1 "$@" ;;
   branchgrpo-flux-1gpu) $LAUNCH --num_processes 1 branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
   branchgrpo-flux-8gpu) $LAUNCH --config_file configs/ddp_8gpu.yaml branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
-  branchgrpo-flux-fsdp8) $LAUNCH --config_file configs/fsdp_flux_8gpu.yaml branchgrpo.py "${FLUX_BRANCH[@]}" --learning-rate 1e-5 "$@" ;;
+  branchgrpo-flux-fsdp8) $LAUNCH --config_file configs/fsdp_flux_8gpu.yaml branchgrpo.py "${FLUX_BRANCH[@]}" --no-lora --learning-rate 1e-5 "$@" ;;
   branchgrpo-flux-multinode)
     : "${MAIN_IP:?set MAIN_IP}" "${MACHINE_RANK:?set MACHINE_RANK}" "${NUM_MACHINES:?set NUM_MACHINES}"
     $LAUNCH --config_file configs/ddp_8gpu.yaml --num_machines "$NUM_MACHINES" --machine_rank "$MACHINE_RANK" \

@@ -20,10 +20,10 @@ Launch (run.sh has more):
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 vgrpo.py   # 2 CPU processes
     python vgrpo.py --resume-from latest                             # continue the newest runs/vgrpo__*
 
-Defaults tuned for ShapesBench that differ from the paper (the FLUX line above uses the paper's): a LoRA adapter
-(rank 32) at lr 3e-4 with a 10-step warmup and weight decay 10, and KL beta 1 to the base model (--kl-ref base),
-not clip alone: full fine-tuning, or LoRA without the anchor, grows a 4-pixel patch texture over the background
-within 20-40 iterations (Adam's noise, which the per-iteration trust region does not undo); 40 iterations.
+Defaults tuned for ShapesBench that differ from the paper (the FLUX line above uses the paper's): the optimiser
+defaults of common/runs.py (LoRA r32, lr 3e-4, 10-step warmup, weight decay 10, 40 iterations), and KL beta 1 to
+the base model (--kl-ref base), not clip alone: full fine-tuning, or LoRA without the anchor, grows a 4-pixel patch
+texture over the background within 20-40 iterations (Adam's noise, which the per-iteration trust region does not undo).
 Choices where the paper is silent, and deviations (docs/vgrpo.md explains each):
   * DPM-Solver++(2M) is written out (dpm_solver_2m_step, 8 lines; tested against diffusers'
     DPMSolverMultistepScheduler, whose flow schedule cannot reproduce sigma_schedule(T, shift));
@@ -107,12 +107,6 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     kl_ref: Literal["behaviour", "base"] = "base"
     """KL reference: 'behaviour' = the policy that sampled this iteration (paper); 'base' = the model before training
     (frozen copy, or LoRA adapter off; N_MC more forwards per image), so drift cannot accumulate over iterations"""
-    # shared flags with ShapesBench defaults of their own (the module docstring says why)
-    lora: bool = True
-    learning_rate: float = 3e-4
-    lr_warmup: int = 10
-    weight_decay: float = 10.0
-    iterations: int = 40
 
 
 # ---------------------------------------------------------------------------------------------------

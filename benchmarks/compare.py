@@ -10,7 +10,8 @@ DanceGRPO, MixGRPO (--sde-window 4), BranchGRPO (no / width / depth / mix prunin
 time, as subprocesses with the same thread count (--threads), the held-out evaluation every few iterations (48
 prompts; 4 samples each, 2 with --quick) and a fixed-seed sample grid at the start and the end. Every run keeps its
 folder under <out>/runs/ and its log under <out>/logs/: rerunning the command skips finished runs (final/ written)
-and resumes interrupted ones from their last checkpoint (--save-every 5). "Time" is training time (the sum of the
+and resumes interrupted ones from their last checkpoint (--save-every 5). --jobs 2 runs two at a time (one thread
+each by default), which halves the wall time on 2 cores; the table says how the runs shared the machine. "Time" is training time (the sum of the
 iterations' wall times, evaluations excluded), so methods compare whatever their evaluation schedule.
 """
 
@@ -26,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +69,7 @@ def run_one(key: str, argv: list[str], seed: int, out: Path, quick: bool, thread
         if f not in resumable:
             shutil.rmtree(f)
     iterations = 10 if quick else default_iterations(argv[0])
-    every = iterations if quick else max(5, iterations // 8)
+    every = iterations if quick else max(5, iterations // 4)
     cmd = [sys.executable, *argv, "--seed", str(seed), "--exp-name", key, "--output-dir", str(runs)]
     cmd += ["--iterations", str(iterations), "--eval-every", str(every), "--sample-every", str(iterations)]
     cmd += ["--save-every", "5", "--eval-samples-per-prompt", "2" if quick else "4"]
@@ -121,7 +123,7 @@ def start_end(cs: list[dict], k: str) -> str:
     return f"{sum(first) / len(first):.3f} -> {sum(last) / len(last):.3f}"
 
 
-def write_table(results: dict, path: Path, command: str, threads: int, seeds: list[int]) -> None:
+def write_table(results: dict, path: Path, command: str, threads: int, jobs: int, seeds: list[int]) -> None:
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     dance = results["dancegrpo"]
     target = mean([c["evals"][-1]["reward_mean"] for c in dance])
@@ -129,8 +131,9 @@ def write_table(results: dict, path: Path, command: str, threads: int, seeds: li
     lines = [
         "# Results: every method at its defaults on ShapesBench (learned reward)",
         "",
-        f"Made by `{command}` on {platform.machine()} with {os.cpu_count()} cores (threads per run: {threads}), one "
-        f"run at a time, {time.strftime('%Y-%m-%d')}. Values are means over seeds {', '.join(map(str, seeds))}; "
+        f"Made by `{command}` on {platform.machine()} with {os.cpu_count()} cores (threads per run: {threads}), "
+        + ("one run at a time" if jobs == 1 else f"{jobs} runs at a time")
+        + f", {time.strftime('%Y-%m-%d')}. Values are means over seeds {', '.join(map(str, seeds))}; "
         "start -> end is the held-out evaluation (48 prompts, Euler 20 steps) before training and after the "
         "last iteration. Time is training time (evaluations excluded). The last column: iterations and time "
         "until the held-out learned reward first reaches DanceGRPO's final value"
@@ -221,22 +224,30 @@ def main():
     parser.add_argument("--quick", action="store_true", help="1 seed, 10 iterations each, 2 eval samples per prompt")
     parser.add_argument("--seeds", type=int, nargs="+", help="default: 0 1 (--quick: 0)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads per run (default: all cores)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets --threads threads)")
+    parser.add_argument("--threads", type=int, help="threads per run (default: the cores divided by --jobs)")
     parser.add_argument("--out", type=Path, help="runs, logs and (--quick) results; default benchmarks/compare_out/")
     a = parser.parse_args()
     if "dancegrpo" not in a.methods:
         parser.error("--methods must include dancegrpo (the reference of the last column)")
+    if a.jobs < 1 or (a.threads is not None and a.threads < 1):
+        parser.error("--jobs and --threads must be >= 1")
+    threads = a.threads or max(1, (os.cpu_count() or 1) // a.jobs)
     seeds = a.seeds or ([0] if a.quick else [0, 1])
     out = a.out or ROOT / "benchmarks" / "compare_out" / ("quick" if a.quick else "full")
     docs = out if a.quick else ROOT / "docs"
-    command = "python benchmarks/compare.py" + (" --quick" if a.quick else "")
-    runs, results = {}, {}
-    for key in a.methods:
-        print(f"{METHODS[key][0]}: seeds {seeds}", flush=True)
-        runs[key] = [run_one(key, METHODS[key][1], s, out, a.quick, a.threads) for s in seeds]
-        results[key] = [curves(r) for r in runs[key]]
+    command = (
+        "python benchmarks/compare.py" + (" --quick" if a.quick else "") + (f" --jobs {a.jobs}" if a.jobs > 1 else "")
+    )
+    todo = [(key, s) for key in a.methods for s in seeds]
+    with ThreadPoolExecutor(a.jobs) as pool:  # each job waits on its subprocess
+        done = dict(
+            zip(todo, pool.map(lambda ks: run_one(ks[0], METHODS[ks[0]][1], ks[1], out, a.quick, threads), todo))
+        )
+    runs = {key: [done[key, s] for s in seeds] for key in a.methods}
+    results = {key: [curves(r) for r in runs[key]] for key in a.methods}
     docs.mkdir(parents=True, exist_ok=True)
-    write_table(results, docs / "results.md", command, a.threads, seeds)
+    write_table(results, docs / "results.md", command, threads, a.jobs, seeds)
     plot(results, docs / "results.png")
     grids(runs, docs / "results_grids")
     print(f"wrote {docs / 'results.md'}, {docs / 'results.png'}, {docs / 'results_grids'}/")

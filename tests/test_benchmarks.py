@@ -63,10 +63,11 @@ def test_compare_quick_writes_table_plot_grids_and_skips_finished_runs(tmp_path,
                                  "--train-batch-size", "2", "--images-per-update", "4", "--n-mc", "2"]),
         },
     )  # fmt: skip
-    monkeypatch.setattr(sys, "argv", ["compare.py", "--quick", "--out", str(tmp_path), "--threads", "1"])
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--quick", "--out", str(tmp_path), "--threads", "1", "--jobs", "2"])
     compare.main()
     table = (tmp_path / "results.md").read_text()
     assert "| DanceGRPO | 10 |" in table and "| V-GRPO | 10 |" in table
+    assert "(threads per run: 1), 2 runs at a time" in table
     assert (tmp_path / "results.png").stat().st_size > 0
     assert sorted(p.name for p in (tmp_path / "results_grids").iterdir()) == ["dancegrpo.png", "vgrpo.png"]
     finished = compare.run_one("vgrpo", compare.METHODS["vgrpo"][1], 0, tmp_path, True, 1)  # returns at once

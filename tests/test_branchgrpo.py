@@ -296,7 +296,7 @@ def test_end_to_end_shapesbench(tmp_path):
     forwards, edges = B.tree_counts(6, [0, 3], 2)
     assert all(r["tree/rollout_forwards_per_leaf"] == forwards / 4 for r in train)
     assert all(r["tree/trained_edges_per_leaf"] == (edges - 4) / 4 for r in train)
-    assert (run / "final" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+    assert (run / "final" / "pytorch_lora_weights.safetensors").is_file()  # the default trains a LoRA adapter
     assert (run / "samples" / "samples_000002.png").is_file()
 
 
@@ -334,7 +334,13 @@ def test_resume_gives_the_same_weights(tmp_path):
 
 def test_two_processes_keep_identical_weights(tmp_path):
     launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2")
-    run_script(TINY_RUN + ["--exp-name", "ddp", "--eval-every", "0"], tmp_path, launcher, {"ACCELERATE_USE_CPU": "1"})
+    # full fine-tuning (the FSDP recipe's mode) with the frozen-copy KL; the default is LoRA
+    run_script(
+        TINY_RUN + ["--exp-name", "ddp", "--eval-every", "0", "--no-lora"],
+        tmp_path,
+        launcher,
+        {"ACCELERATE_USE_CPU": "1"},
+    )
     last = [r for r in metrics(tmp_path / "ddp") if "charts/rank_weight_spread" in r][-1]
     assert last["iteration"] == 2 and last["charts/rank_weight_spread"] == 0
 

@@ -138,7 +138,7 @@ def test_end_to_end_shapesbench(tmp_path):
     assert all(r["perf/nfe_per_image"] == 4 + 1 * 2 for r in train)
     evals = [r for r in rows if "eval/shape_acc" in r]
     assert [r["iteration"] for r in evals] == [0, 2]
-    assert (run / "final" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+    assert (run / "final" / "pytorch_lora_weights.safetensors").is_file()  # the default trains a LoRA adapter
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001", "iter_000002"]
     assert (run / "samples" / "samples_000002.png").is_file()
 
@@ -168,6 +168,7 @@ def test_two_processes_keep_identical_weights(tmp_path):
         + [
             "--exp-name",
             "ddp",
+            "--no-lora",  # full fine-tuning (the FSDP recipes' mode) with the frozen-copy KL; the default is LoRA
             "--samples-per-device",
             "2",
             "--rollout-batch-size",

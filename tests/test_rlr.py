@@ -321,7 +321,7 @@ def test_end_to_end_shapesbench_with_dcot(tmp_path):
         assert r["grad/zo_norm"] > 0 and math.isfinite(r["charts/grad_norm"]) and r["charts/skipped_updates"] == 0
     evals = [r for r in rows if "eval/shape_acc" in r]
     assert [r["iteration"] for r in evals] == [0, 2]
-    assert (run / "final" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+    assert (run / "final" / "pytorch_lora_weights.safetensors").is_file()  # the default trains a LoRA adapter
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001", "iter_000002"]
     assert (run / "samples" / "samples_000002.png").is_file()
 
@@ -355,7 +355,7 @@ def test_two_processes_keep_identical_weights(tmp_path):
     launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2")
     # groups of 2 over 2 processes x 2 samples, one chunk and one perturbation block per process
     run_script(
-        TINY_RUN + ["--exp-name", "ddp", "--samples-per-device", "2", "--eval-every", "0"],
+        TINY_RUN + ["--exp-name", "ddp", "--samples-per-device", "2", "--eval-every", "0", "--no-lora"],  # all weights
         tmp_path,
         launcher,
         {"ACCELERATE_USE_CPU": "1"},
