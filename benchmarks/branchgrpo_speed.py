@@ -92,6 +92,7 @@ def timed_runs(runs: dict, common: list) -> dict:
 
 def mixgrpo(iterations: int = 6) -> dict:
     common = ["--iterations", str(iterations), "--eval-every", "0", "--sample-every", "0", "--save-every", "0"]
+    common += ["--no-lora"]  # full fine-tuning, as the papers' FLUX runs
     return timed_runs({"dancegrpo": ["dancegrpo.py"], "mixgrpo_window4": ["dancegrpo.py", "--sde-window", "4"]}, common)
 
 
@@ -109,6 +110,7 @@ def iteration(iterations: int = 4) -> dict:
         "0",
         "--kl-beta",
         "0",
+        "--no-lora",  # full fine-tuning, as the papers' FLUX runs
     ]
     return timed_runs(
         {
