@@ -11,8 +11,9 @@ time, as subprocesses with the same thread count (--threads), the held-out evalu
 prompts; 4 samples each, 2 with --quick) and a fixed-seed sample grid at the start and the end. Every run keeps its
 folder under <out>/runs/ and its log under <out>/logs/: rerunning the command skips finished runs (final/ written)
 and resumes interrupted ones from their last checkpoint (--save-every 5). --jobs 2 runs two at a time (one thread
-each by default), which halves the wall time on 2 cores; the table says how the runs shared the machine. "Time" is training time (the sum of the
-iterations' wall times, evaluations excluded), so methods compare whatever their evaluation schedule.
+each by default), which halves the wall time on 2 cores; the table says how the runs shared the machine. "Time" is
+training time (the sum of the iterations' wall times, evaluations excluded), so methods compare whatever their
+evaluation schedule.
 """
 
 from __future__ import annotations
