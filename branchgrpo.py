@@ -9,7 +9,7 @@ PPO-clipped ratio of its SDE step. Width pruning, depth pruning or a sliding ODE
 edges are trained, never the rollout or the rewards.
 
 Launch (run.sh has more):
-    python branchgrpo.py                                            # ShapesBench on CPU
+    python branchgrpo.py                                            # ShapesBench on CPU, ~4 min
     python branchgrpo.py --pruning depth                            # depth pruning (4-step window, slides every 30 it.)
     accelerate launch branchgrpo.py --pruning depth --model-id black-forest-labs/FLUX.1-dev --resolution 720 \
         --reward hpsv2.1 --mixed-precision bf16 --num-steps 20 --sde-type dance --trees-per-device 2 \

@@ -8,8 +8,8 @@ the per-step likelihood ratio is optimised over a random fraction of the steps (
 --window-shift-every iterations and every other step is a deterministic ODE step (MixGRPO).
 
 Launch (run.sh has more):
-    python dancegrpo.py                                              # ShapesBench on CPU, ~20 min
-    python dancegrpo.py --sde-window 4                               # MixGRPO on ShapesBench
+    python dancegrpo.py                                              # ShapesBench on CPU, ~4 min
+    python dancegrpo.py --sde-window 4 --iterations 120              # MixGRPO on ShapesBench: learns, ~8 min
     accelerate launch dancegrpo.py --model-id black-forest-labs/FLUX.1-dev --resolution 512 \
         --reward hpsv2.1 --lora --mixed-precision bf16 --samples-per-device 12 --group-size 12 --same-noise \
         --sde-type dance --rollout-batch-size 1 --trajectories-per-update 4 --kl-beta 0 --clip-range 1e-4 \

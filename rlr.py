@@ -24,7 +24,7 @@ eq. 1); it differs from the unperturbed one by O(sigma^2). tests/test_rlr.py che
 closed-form gradient of a linear-Gaussian chain. h is --subchain-len, or the paper's h* for --memory-budget-gb.
 
 Launch (run.sh has more):
-    python rlr.py                                                    # ShapesBench on CPU, ~3 min
+    python rlr.py                                                    # ShapesBench on CPU, ~2 min
     python rlr.py --terms fo+ho                                      # the paper's ablation V2 (no ZO term)
     python rlr.py --subchain-stage coarse                            # restrict the sub-chain to the coarse steps
     accelerate launch rlr.py --model-id stable-diffusion-v1-5/stable-diffusion-v1-5 --reward hpsv2.1 \

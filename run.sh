@@ -4,7 +4,7 @@
 #
 #   dancegrpo-cpu          DanceGRPO on ShapesBench, 1 CPU process 
 #   dancegrpo-verifier-cpu DanceGRPO on ShapesBench rewarded by the programmatic verifier 
-#   mixgrpo-cpu            MixGRPO (4-step sliding SDE window) on ShapesBench
+#   mixgrpo-cpu            MixGRPO (4-step sliding SDE window) on ShapesBench, 120 iterations (it learns there)
 #   dancegrpo-cpu-2proc    the same, 2 CPU processes (gloo): groups span processes
 #   dancegrpo-flux-1gpu    FLUX.1-dev + HPSv2.1, LoRA, 1 GPU
 #   dancegrpo-flux-8gpu    FLUX.1-dev + HPSv2.1, LoRA, 8 GPUs (DDP)
@@ -86,7 +86,7 @@ FLUX_VGRPO=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 
 case "$recipe" in
   dancegrpo-cpu) $PY dancegrpo.py "$@" ;;
   dancegrpo-verifier-cpu) $PY dancegrpo.py --exp-name dancegrpo-verifier --reward verifier "$@" ;;
-  mixgrpo-cpu) $PY dancegrpo.py --exp-name mixgrpo --sde-window 4 "$@" ;;
+  mixgrpo-cpu) $PY dancegrpo.py --exp-name mixgrpo --sde-window 4 --iterations 120 "$@" ;;
   dancegrpo-cpu-2proc) ACCELERATE_USE_CPU=1 $LAUNCH --multi_gpu --num_processes 2 dancegrpo.py --samples-per-device 32 "$@" ;;
   dancegrpo-flux-1gpu) $LAUNCH --num_processes 1 dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
   dancegrpo-flux-8gpu) $LAUNCH --config_file configs/ddp_8gpu.yaml dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
