@@ -4,14 +4,15 @@
     python benchmarks/overhead.py --scripts vgrpo.py --iterations 4
 
 Each script runs in this process at its defaults, with --iterations N and no evaluation, grids or checkpoints, and
-timers around: every forward of the trained denoiser (a forward pre-hook and hook on the top-level module:
-rollouts, behaviour passes and training alike; a frozen KL reference copied from it carries the same hooks), every `accelerator.backward` (the
-transformer's backward; in rlr.py's first-order term also the decoder's and the reward model's), the reward, image
-decoding, prompt encoding, the optimizer step (`Run.step`: clip, step, zero_grad), logging (`Run.end_iteration`)
-and, in rlr.py, drawing the zero-order parameter perturbations and adding their gradient (`zo_noise`,
-`add_zo_grad`; applying and undoing a perturbation falls under "other"). An iteration is the time between two `Run.end_iteration` returns; the first iteration is
-dropped (warm-up) and the others are averaged. "other" is what no timer covers: log-probs, tree bookkeeping,
-advantages, Python. Prints a JSON table and, with --out, writes it.
+timers around: every forward of the trained denoiser (a forward pre-hook and hook on the top-level module: rollouts,
+behaviour passes and training alike; a frozen KL reference copied from it carries the same hooks), every
+`accelerator.backward` (the transformer's backward; in rlr.py's first-order term also the decoder's and the reward
+model's), the reward, image decoding, prompt encoding, the optimizer step (`Run.step`: clip, step, zero_grad),
+logging (`Run.end_iteration`) and, in rlr.py, drawing the zero-order parameter perturbations and adding their
+gradient (`zo_noise`, `add_zo_grad`; applying and undoing a perturbation falls under "other"). An iteration is the
+time between two `Run.end_iteration` returns; the first iteration is dropped (warm-up) and the others are averaged.
+"other" is what no timer covers: log-probs, tree bookkeeping, advantages, Python. Prints a JSON table and, with
+--out, writes it.
 """
 
 from __future__ import annotations
