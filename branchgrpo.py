@@ -11,14 +11,11 @@ edges are trained, never the rollout or the rewards.
 Launch (run.sh has more):
     python branchgrpo.py                                            # ShapesBench on CPU, ~4 min
     python branchgrpo.py --pruning depth                            # depth pruning (4-step window, slides every 30 it.)
-    accelerate launch branchgrpo.py --pruning depth --model-id black-forest-labs/FLUX.1-dev --resolution 720 \
-        --reward hpsv2.1 --mixed-precision bf16 --num-steps 20 --sde-type dance --trees-per-device 2 \
-        --trees-per-update 1 --rollout-batch-size 8 --kl-beta 0 --clip-range 1e-4 --learning-rate 1e-5 --no-lora \
-        --weight-decay 0 --lr-warmup 0 --iterations 300 --guidance-scale 3.5
+    PROMPTS=prompts.txt bash run.sh branchgrpo-flux-8gpu            # FLUX.1-dev, depth pruning, 8 GPUs; docs/gpu.md: all of them
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 branchgrpo.py   # 2 CPU processes
     python branchgrpo.py --resume-from latest                       # continue the newest runs/branchgrpo__*
 
-ShapesBench defaults that differ from the paper (the FLUX line uses the paper's): --sde-type flow (a = 0.7), not
+ShapesBench defaults that differ from the paper (run.sh's GPU recipes use the paper's): --sde-type flow (a = 0.7), not
 constant eta 0.3; --clip-range 1e-3, not 1e-4 (log-probs are means over latent dimensions: ratios move ~4.6x more
 over ShapesBench's 3072 than FLUX's 65536); common/runs.py's optimiser defaults (LoRA r32, lr 3e-4, wd 10, 40 it.).
 Deviations from the official release (docs/branchgrpo.md explains each): the paper's correlated branch noise (the
@@ -436,13 +433,15 @@ def main(args: Args):
     rho = 1 / (1 + args.branch_s)  # correlated branch noise: Var(branch-specific) / Var(shared) = s
 
     # ---------------------------------------------------------------- MODELS (same as in dancegrpo.py to the Evaluator)
-    model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
-    transformer = trainable_denoiser(model, args)  # fp32 master weights (+ LoRA adapter with --lora)
+    model = load_model(
+        args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution, offload=args.offload_frozen
+    )
+    transformer = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
     # KL reference policy: with LoRA this module itself (unwrapped) with the adapter off, else a frozen copy of the base
     ref = transformer if args.lora else frozen_copy(transformer, frozen_dtype) if args.kl_beta > 0 else None
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
-    reward_fn = build_reward(args.reward, device, dict(item.split("=", 1) for item in args.reward_ckpt))
+    reward_fn = build_reward(args.reward, device, args.reward_checkpoints(), offload=args.offload_frozen)
 
     # ---------------------------------------------------------------- OPTIMIZER
     params = [p for p in transformer.parameters() if p.requires_grad]
@@ -507,6 +506,7 @@ def main(args: Args):
         parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
 
         # ------------------------------------------------------------ TRAINING
+        model.park(), reward_fn.park()  # --offload-frozen: the VAE and the reward models leave the GPU
         transformer.train()
         stats = {k: [] for k in ("policy_loss", "kl", "ratio", "clipfrac", "approx_kl")}
         n_trained_edges, n_train_forwards = 0, 0

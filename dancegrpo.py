@@ -10,14 +10,11 @@ the per-step likelihood ratio is optimised over a random fraction of the steps (
 Launch (run.sh has more):
     python dancegrpo.py                                              # ShapesBench on CPU, ~4 min
     python dancegrpo.py --sde-window 4 --iterations 120              # MixGRPO on ShapesBench: learns, ~8 min
-    accelerate launch dancegrpo.py --model-id black-forest-labs/FLUX.1-dev --resolution 512 \
-        --reward hpsv2.1 --lora --mixed-precision bf16 --samples-per-device 12 --group-size 12 --same-noise \
-        --sde-type dance --rollout-batch-size 1 --trajectories-per-update 4 --kl-beta 0 --clip-range 1e-4 \
-        --learning-rate 3e-4 --weight-decay 0 --lr-warmup 0 --iterations 300
+    PROMPTS=prompts.txt bash run.sh dancegrpo-flux-8gpu             # FLUX.1-dev, LoRA, 8 GPUs; docs/gpu.md: all of them
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 dancegrpo.py   # 2 CPU processes
     python dancegrpo.py --resume-from latest                         # continue the newest runs/dancegrpo__*
 
-Defaults tuned for ShapesBench that differ from the paper (the FLUX line above uses the paper's values): --sde-type
+Defaults tuned for ShapesBench that differ from the paper (run.sh's GPU recipes use the paper's values): --sde-type
 flow (a = 0.7, Flow-GRPO's schedule), not constant eta 0.3; --clip-range 1e-3, not 1e-4 (the log-prob is a mean over
 the D latent dimensions, so a ratio moves like 1/sqrt(D): D = 3072 here, 65536 for FLUX at 512 px, 4.6x apart);
 independent initial noise within a group (Flow-GRPO), not shared (--same-noise); the shared optimiser defaults of
@@ -220,12 +217,14 @@ def main(args: Args):
     updates_per_iter = args.samples_per_device // args.trajectories_per_update
 
     # ---------------------------------------------------------------- MODELS
-    model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
-    transformer = trainable_denoiser(model, args)  # fp32 master weights (+ LoRA adapter with --lora)
+    model = load_model(
+        args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution, offload=args.offload_frozen
+    )
+    transformer = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
     ref = transformer if args.lora else frozen_copy(transformer, frozen_dtype) if frozen else None
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
-    reward_fn = build_reward(args.reward, device, dict(item.split("=", 1) for item in args.reward_ckpt))
+    reward_fn = build_reward(args.reward, device, args.reward_checkpoints(), offload=args.offload_frozen)
 
     # ---------------------------------------------------------------- OPTIMIZER
     params = [p for p in transformer.parameters() if p.requires_grad]
@@ -302,6 +301,7 @@ def main(args: Args):
         parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
 
         # ------------------------------------------------------------ TRAINING
+        model.park(), reward_fn.park()  # --offload-frozen: the VAE and the reward models leave the GPU
         transformer.train()
         n_train = max(1, int(len(sde_idx) * args.timestep_fraction))
         stats = {k: [] for k in ("policy_loss", "kl", "ratio", "clipfrac", "approx_kl")}

@@ -27,10 +27,7 @@ Launch (run.sh has more):
     python rlr.py                                                    # ShapesBench on CPU, ~2 min
     python rlr.py --terms fo+ho                                      # the paper's ablation V2 (no ZO term)
     python rlr.py --subchain-stage coarse                            # restrict the sub-chain to the coarse steps
-    accelerate launch rlr.py --model-id stable-diffusion-v1-5/stable-diffusion-v1-5 --reward hpsv2.1 \
-        --reward-ckpt hpsv2.1=/ckpt/HPS_v2.1_compressed.pt --prompts prompts.txt --lora --lora-rank 4 \
-        --lora-alpha 4 --mixed-precision bf16 --num-steps 50 --guidance-scale 5 --gradient-checkpointing \
-        --learning-rate 1e-4 --weight-decay 0 --lr-warmup 0 --iterations 100
+    PROMPTS=prompts.txt bash run.sh rlr-sd15-8gpu                   # SD1.5, LoRA r4, 8 GPUs; docs/gpu.md: all of them
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 rlr.py --samples-per-device 4  # 2 CPU processes
     python rlr.py --resume-from latest                               # continue the newest runs/rlr__*
 
@@ -59,7 +56,7 @@ from accelerate.utils import DistributedType, set_seed
 from common.models import load_model, trainable_denoiser
 from common.prompts import load_dcot
 from common.rewards import build_reward, parse_reward_spec
-from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need, peak_memory_gb
+from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need
 
 
 @dataclass
@@ -100,8 +97,6 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     terms: Literal["fo+ho+zo", "fo+ho", "fo+zo", "fo"] = "fo+ho+zo"
     """estimator terms: fo+ho+zo = RLR (unbiased); the paper's ablations fo+ho = V2 (biased), fo+zo = V3
     (unbiased, every step but the last is ZO), fo = V1 (one-step truncated backprop, AlignProp K=1; biased)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward (diffusers enable_gradient_checkpointing): less memory per HO step"""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -441,16 +436,16 @@ def main(args: Args):
     chunks_per_block = S // K // B  # chunks sharing one parameter perturbation
 
     # ---------------------------------------------------------------- MODELS
-    model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
+    model = load_model(
+        args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution, offload=args.offload_frozen
+    )
     if args.noise_level is None:
         args.noise_level = 1.0 if model.kind == "sd1" else 0.3 if args.sde_type == "dance" else 0.7
-    denoiser = trainable_denoiser(model, args)  # UNet or DiT, fp32 master weights (+ LoRA adapter with --lora)
-    if args.gradient_checkpointing:
-        denoiser.enable_gradient_checkpointing()
+    denoiser = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
     dcot = load_dcot(args.dcot_prompts) if args.dcot_prompts else None
-    reward_fn = build_reward(args.reward, device, dict(item.split("=", 1) for item in args.reward_ckpt))
+    reward_fn = build_reward(args.reward, device, args.reward_checkpoints(), offload=args.offload_frozen)
     need(reward_fn.differentiable, f"--reward {args.reward}: not differentiable; RLR's first-order term needs one")
 
     # ---------------------------------------------------------------- OPTIMIZER
@@ -526,6 +521,7 @@ def main(args: Args):
             rewards.append(r.detach())
             parts.append(comp)
         fo_norm = grad_norm(params)  # process-local: the FO term of this process's samples
+        model.park(), reward_fn.park()  # --offload-frozen: the FO graphs are gone; VAE and rewards leave the GPU
         t_sample = time.perf_counter() - run.t_iter
 
         # ------------------------------------------------------------ REWARDS & ADVANTAGES
@@ -581,7 +577,6 @@ def main(args: Args):
             "grad/fo_ho_norm": fo_ho_norm,
             "grad/zo_norm": zo_norm,
             "perf/nfe_per_image": T + h,
-            "perf/peak_mem_gb": peak_memory_gb(device),
             "perf/sampling_s": t_sample,
         }
         run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B

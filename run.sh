@@ -35,103 +35,143 @@
 #   rlr-sd15-multinode     LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
 #   compare                every method at its defaults, side by side (benchmarks/compare.py); add --quick
 #
-# FLUX recipes need the weights and a prompt file: pass --model-id /path/to/FLUX.1-dev if the hub is not
-# reachable, PROMPTS=/path/to/hpdv2_prompts.txt (one prompt per line), and HPS=/path/to/HPS_v2.1_compressed.pt.
+# GPU recipes (flux, sd35, sd15) need:
+#   PROMPTS       training prompts, one per line (required). HPDv2's 3200 test prompts (Hugging Face dataset
+#                 zhwang/HPDv2, benchmark/*.json) make one: python -m common.prompts hpdv2 prompts/hpdv2_test.txt
+#   EVAL_PROMPTS  held-out prompts (default: PROMPTS); evaluation uses a fixed subset of 48 (--eval-max-prompts)
+#   HPS           HPS_v2.1_compressed.pt (default: downloaded from the hub, xswu/HPSv2, on first use)
+#   MODEL_ID      a local diffusers folder, if the hub is not reachable (default: the hub id of the recipe's model)
+# Memory per GPU is the plan of benchmarks/memory.py (docs/gpu.md); none of these recipes has been run at full size.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PY:-.venv/bin/python}
-LAUNCH="$PY -m accelerate.commands.launch"  # = `accelerate launch`, minus the console script's timm import
+LAUNCH=("$PY" -m accelerate.commands.launch)  # = `accelerate launch`, minus the console script's timm import
+mode=run
+case "${1:-}" in
+  --print) mode=print; shift ;;  # print the recipe's command instead of running it
+  --list) sed -n 's/^  \([a-z][a-z0-9-]*\)) .*/\1/p' "$0"; exit 0 ;;
+esac
 recipe=${1:-dancegrpo-cpu}
 shift || true
+
+go() {  # run the command, or print it (bash run.sh --print RECIPE): one line, quoted where the shell needs it
+  if [ "$mode" = run ]; then "$@"; return; fi
+  local out=() w plain='^[-A-Za-z0-9_./:=,+@%$()*]+$'  # plain words, $VAR and $((...)) placeholders
+  for w in "$@"; do
+    if [[ "$w" =~ $plain ]]; then out+=("$w"); else out+=("$(printf '%q' "$w")"); fi
+  done
+  echo "${out[*]}"
+}
+
+need_env() {  # a GPU recipe's required variable; --print shows $NAME in its place
+  if [ -z "${!1:-}" ]; then
+    if [ "$mode" = print ]; then printf -v "$1" '%s' "\$$1"; return; fi
+    echo "error: run.sh $recipe: set $1 ($2)" >&2
+    exit 2
+  fi
+}
+
+case "$recipe" in *flux*|*sd35*|*sd15*)
+  need_env PROMPTS "a prompt file, one prompt per line; HPDv2's 3200 test prompts, from the Hugging Face dataset \
+zhwang/HPDv2 (benchmark/*.json), are written to one by: python -m common.prompts hpdv2 prompts/hpdv2_test.txt"
+  EVAL_PROMPTS=${EVAL_PROMPTS:-$PROMPTS} ;;
+esac
+HPS_CKPT=()  # without HPS the reward downloads its checkpoint from the hub
+[ -n "${HPS:-}" ] && HPS_CKPT=(--reward-ckpt "hpsv2.1=$HPS")
+GPU_COMMON=(--mixed-precision bf16 --gradient-checkpointing --reward hpsv2.1 "${HPS_CKPT[@]}"
+  --prompts "${PROMPTS:-}" --eval-prompts "${EVAL_PROMPTS:-}" --weight-decay 0 --lr-warmup 0)
 
 # DanceGRPO's FLUX setting (https://github.com/XueZeyue/DanceGRPO, scripts/finetune/finetune_flux_grpo*.sh), LoRA
 # variant: 720 px, 16 steps, constant eta 0.3, 12 images per prompt sharing their initial noise, rollout batch 1,
 # clip 1e-4, no KL, embedded guidance 3.5.
-FLUX_DANCE=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 --mixed-precision bf16
-  --reward hpsv2.1 --reward-ckpt "hpsv2.1=${HPS:-/path/to/HPS_v2.1_compressed.pt}"
-  --prompts "${PROMPTS:-/path/to/hpdv2_prompts.txt}" --eval-prompts "${EVAL_PROMPTS:-${PROMPTS:-/path/to/hpdv2_prompts.txt}}"
+FLUX_DANCE=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 "${GPU_COMMON[@]}"
   --num-steps 16 --sde-type dance --noise-level 0.3 --guidance-scale 3.5 --group-size 12 --samples-per-device 12
   --rollout-batch-size 1 --trajectories-per-update 4 --same-noise --clip-range 1e-4 --kl-beta 0 --iterations 300
-  --weight-decay 0 --lr-warmup 0
   --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
-FLUX_LORA=(--lora --lora-rank 128 --lora-alpha 256 --learning-rate 3e-4)
+FLUX_LORA=(--lora --lora-rank 128 --lora-alpha 256 --learning-rate 3e-4 --offload-frozen)
+FLUX_FULL=(--no-lora --learning-rate 1e-5 --offload-frozen)
 # BranchGRPO's FLUX setting (https://github.com/Fredreic1849/BranchGRPO, scripts/finetune/finetune_flux_branchgrpo_8gpus.sh):
 # 20 steps, dense splits 0,3,6,9, K = 2 (16 leaves), constant eta 0.3, 2 prompts per GPU, no KL, lr 1e-5 (full
 # fine-tuning); clip 1e-4, DanceGRPO's, which the paper's appendix A says all methods share (the release's launcher: 1e-3).
-FLUX_BRANCH=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 --mixed-precision bf16
-  --reward hpsv2.1 --reward-ckpt "hpsv2.1=${HPS:-/path/to/HPS_v2.1_compressed.pt}"
-  --prompts "${PROMPTS:-/path/to/hpdv2_prompts.txt}" --eval-prompts "${EVAL_PROMPTS:-${PROMPTS:-/path/to/hpdv2_prompts.txt}}"
+FLUX_BRANCH=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 "${GPU_COMMON[@]}"
   --num-steps 20 --split-schedule dense --num-splits 4 --branch-factor 2 --sde-type dance --noise-level 0.3
   --guidance-scale 3.5 --trees-per-device 2 --trees-per-update 1 --rollout-batch-size 8 --clip-range 1e-4
   --kl-beta 0 --iterations 300 --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10
-  --save-every 20 --pruning depth --weight-decay 0 --lr-warmup 0)
-# RLR's SD setting (arXiv 2502.00639 §5; https://github.com/RTkenny/RLR-Optimizer, scripts/hps_RLR.sh): SD1.5 (paper: SD1.4), 50 DDIM steps eta 1, CFG 5,
-# LoRA r = 4, lr 1e-4, h = 2 (the paper's 30-40 GB choice), 4 images per prompt.
-SD15_RLR=(--model-id "${MODEL_ID:-stable-diffusion-v1-5/stable-diffusion-v1-5}" --mixed-precision bf16
-  --reward hpsv2.1 --reward-ckpt "hpsv2.1=${HPS:-/path/to/HPS_v2.1_compressed.pt}"
-  --prompts "${PROMPTS:-/path/to/hpdv2_prompts.txt}" --eval-prompts "${EVAL_PROMPTS:-${PROMPTS:-/path/to/hpdv2_prompts.txt}}"
-  --num-steps 50 --noise-level 1.0 --guidance-scale 5 --group-size 4 --samples-per-device 4 --rollout-batch-size 2
-  --subchain-len 2 --gradient-checkpointing --lora --lora-rank 4 --lora-alpha 4 --learning-rate 1e-4 --weight-decay 0 --lr-warmup 0
-  --iterations 100 --eval-every 10 --eval-samples-per-prompt 1 --eval-steps 50 --sample-every 5 --save-every 10)
-# V-GRPO's FLUX setting (arXiv 2604.23380, experiments and appendix): 720 px, 16-step DPM-Solver++ ODE, N_MC 4, 12 images per prompt
-# (one prompt per GPU), clip 6e-3, no KL, embedded guidance 3.5, 3 optimizer steps per iteration.
-FLUX_VGRPO=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 --mixed-precision bf16
-  --reward hpsv2.1 --reward-ckpt "hpsv2.1=${HPS:-/path/to/HPS_v2.1_compressed.pt}"
-  --prompts "${PROMPTS:-/path/to/hpdv2_prompts.txt}" --eval-prompts "${EVAL_PROMPTS:-${PROMPTS:-/path/to/hpdv2_prompts.txt}}"
+  --save-every 20 --pruning depth)
+# V-GRPO's FLUX setting (arXiv 2604.23380, experiments and appendix): 720 px, 16-step DPM-Solver++ ODE, N_MC 4, 12
+# images per prompt (one prompt per GPU), clip 6e-3, no KL, embedded guidance 3.5, 3 optimizer steps per iteration.
+FLUX_VGRPO=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 "${GPU_COMMON[@]}"
   --num-steps 16 --solver dpm++2m --n-mc 4 --guidance-scale 3.5 --group-size 12 --samples-per-device 12
   --rollout-batch-size 1 --train-batch-size 1 --images-per-update 4 --clip-range 6e-3 --kl-beta 0 --iterations 300
-  --weight-decay 0 --lr-warmup 0
   --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
+# Flow-GRPO's SD3.5-Medium setting (arXiv 2505.05470, config/grpo.py), which dancegrpo.py's flow SDE is: 512 px,
+# 10 steps, a = 0.7, CFG 4.5 in training, 24 images per prompt, LoRA r32 alpha 64, lr 3e-4, clip 1e-4, KL 0.04.
+SD35_DANCE=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 "${GPU_COMMON[@]}"
+  --num-steps 10 --sde-type flow --noise-level 0.7 --guidance-scale 4.5 --group-size 24 --samples-per-device 24
+  --rollout-batch-size 8 --trajectories-per-update 24 --timestep-fraction 1.0 --clip-range 1e-4 --kl-beta 0.04
+  --lora --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --iterations 300
+  --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 40 --sample-every 10 --save-every 20)
+# V-GRPO's SD3.5-Medium stage 1 (arXiv 2604.23380, appendix): 512 px, 40-step ODE without CFG, N_MC 4, 24 images per
+# prompt, one optimizer step per iteration, advantage soft clip eta 3, no ratio clip in effect, no KL, LoRA r32 alpha 64,
+# lr 3e-4 (the paper's reward is HPSv2.1 + PickScore + CLIP score; HPSv2.1 alone here).
+SD35_VGRPO=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 "${GPU_COMMON[@]}"
+  --num-steps 40 --solver dpm++2m --n-mc 4 --guidance-scale 1 --group-size 24 --samples-per-device 24
+  --rollout-batch-size 8 --train-batch-size 2 --images-per-update 24 --adv-soft-clip 3 --kl-beta 0
+  --lora --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --iterations 300
+  --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 40 --sample-every 10 --save-every 20)
+# RLR's SD setting (arXiv 2502.00639 §5; https://github.com/RTkenny/RLR-Optimizer, scripts/hps_RLR.sh): SD1.5 (paper:
+# SD1.4), 50 DDIM steps eta 1, CFG 5, LoRA r = 4, lr 1e-4, h = 2 (the paper's 30-40 GB choice), 4 images per prompt.
+SD15_RLR=(--model-id "${MODEL_ID:-stable-diffusion-v1-5/stable-diffusion-v1-5}" "${GPU_COMMON[@]}"
+  --num-steps 50 --noise-level 1.0 --guidance-scale 5 --group-size 4 --samples-per-device 4 --rollout-batch-size 2
+  --subchain-len 2 --lora --lora-rank 4 --lora-alpha 4 --learning-rate 1e-4
+  --iterations 100 --eval-every 10 --eval-samples-per-prompt 1 --eval-steps 50 --sample-every 5 --save-every 10)
+
+multinode() {  # SCRIPT FLAGS...: DDP on NUM_MACHINES x 8 GPUs, launched once per machine
+  for v in MAIN_IP MACHINE_RANK NUM_MACHINES; do need_env "$v" "multi-node recipes: MAIN_IP, MACHINE_RANK, NUM_MACHINES"; done
+  local procs='$((8*NUM_MACHINES))'
+  [[ "$NUM_MACHINES" =~ ^[0-9]+$ ]] && procs=$((8 * NUM_MACHINES))
+  go "${LAUNCH[@]}" --config_file configs/ddp_8gpu.yaml --num_machines "$NUM_MACHINES" --machine_rank "$MACHINE_RANK" \
+    --main_process_ip "$MAIN_IP" --main_process_port "${MAIN_PORT:-29500}" --num_processes "$procs" "$@"
+}
+DDP8=("${LAUNCH[@]}" --config_file configs/ddp_8gpu.yaml)
+FSDP8=("${LAUNCH[@]}" --config_file configs/fsdp_flux_8gpu.yaml)
+CPU2=(env ACCELERATE_USE_CPU=1 "${LAUNCH[@]}" --multi_gpu --num_processes 2)
 
 case "$recipe" in
-  dancegrpo-cpu) $PY dancegrpo.py "$@" ;;
-  dancegrpo-verifier-cpu) $PY dancegrpo.py --exp-name dancegrpo-verifier --reward verifier "$@" ;;
-  mixgrpo-cpu) $PY dancegrpo.py --exp-name mixgrpo --sde-window 4 --iterations 120 "$@" ;;
-  dancegrpo-cpu-2proc) ACCELERATE_USE_CPU=1 $LAUNCH --multi_gpu --num_processes 2 dancegrpo.py --samples-per-device 32 "$@" ;;
-  dancegrpo-flux-1gpu) $LAUNCH --num_processes 1 dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
-  dancegrpo-flux-8gpu) $LAUNCH --config_file configs/ddp_8gpu.yaml dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
-  dancegrpo-flux-fsdp8) $LAUNCH --config_file configs/fsdp_flux_8gpu.yaml dancegrpo.py "${FLUX_DANCE[@]}" --no-lora --learning-rate 1e-5 "$@" ;;
-  dancegrpo-flux-multinode)
-    : "${MAIN_IP:?set MAIN_IP}" "${MACHINE_RANK:?set MACHINE_RANK}" "${NUM_MACHINES:?set NUM_MACHINES}"
-    $LAUNCH --config_file configs/ddp_8gpu.yaml --num_machines "$NUM_MACHINES" --machine_rank "$MACHINE_RANK" \
-      --main_process_ip "$MAIN_IP" --main_process_port "${MAIN_PORT:-29500}" --num_processes $((8 * NUM_MACHINES)) \
-      dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
-  branchgrpo-cpu) $PY branchgrpo.py "$@" ;;
-  branchgrpo-verifier-cpu) $PY branchgrpo.py --exp-name branchgrpo-verifier --reward verifier "$@" ;;
-  branchgrpo-cpu-2proc) ACCELERATE_USE_CPU=1 $LAUNCH --multi_gpu --num_processes 2 branchgrpo.py --trees-per-device 1 "$@" ;;
-  branchgrpo-flux-1gpu) $LAUNCH --num_processes 1 branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
-  branchgrpo-flux-8gpu) $LAUNCH --config_file configs/ddp_8gpu.yaml branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
-  branchgrpo-flux-fsdp8) $LAUNCH --config_file configs/fsdp_flux_8gpu.yaml branchgrpo.py "${FLUX_BRANCH[@]}" --no-lora --learning-rate 1e-5 "$@" ;;
-  branchgrpo-flux-multinode)
-    : "${MAIN_IP:?set MAIN_IP}" "${MACHINE_RANK:?set MACHINE_RANK}" "${NUM_MACHINES:?set NUM_MACHINES}"
-    $LAUNCH --config_file configs/ddp_8gpu.yaml --num_machines "$NUM_MACHINES" --machine_rank "$MACHINE_RANK" \
-      --main_process_ip "$MAIN_IP" --main_process_port "${MAIN_PORT:-29500}" --num_processes $((8 * NUM_MACHINES)) \
-      branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
-  vgrpo-cpu) $PY vgrpo.py "$@" ;;
-  vgrpo-verifier-cpu) $PY vgrpo.py --exp-name vgrpo-verifier --reward verifier "$@" ;;
-  vgrpo-nokl-cpu) $PY vgrpo.py --exp-name vgrpo-nokl --no-lora --learning-rate 1e-4 --weight-decay 0 --kl-beta 0 \
+  dancegrpo-cpu) go "$PY" dancegrpo.py "$@" ;;
+  dancegrpo-verifier-cpu) go "$PY" dancegrpo.py --exp-name dancegrpo-verifier --reward verifier "$@" ;;
+  mixgrpo-cpu) go "$PY" dancegrpo.py --exp-name mixgrpo --sde-window 4 --iterations 120 "$@" ;;
+  dancegrpo-cpu-2proc) go "${CPU2[@]}" dancegrpo.py --samples-per-device 32 "$@" ;;
+  dancegrpo-flux-1gpu) go "${LAUNCH[@]}" --num_processes 1 dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  dancegrpo-flux-8gpu) go "${DDP8[@]}" dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  dancegrpo-flux-fsdp8) go "${FSDP8[@]}" dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_FULL[@]}" "$@" ;;
+  dancegrpo-flux-multinode) multinode dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  dancegrpo-sd35-8gpu) go "${DDP8[@]}" dancegrpo.py "${SD35_DANCE[@]}" "$@" ;;
+  branchgrpo-cpu) go "$PY" branchgrpo.py "$@" ;;
+  branchgrpo-verifier-cpu) go "$PY" branchgrpo.py --exp-name branchgrpo-verifier --reward verifier "$@" ;;
+  branchgrpo-cpu-2proc) go "${CPU2[@]}" branchgrpo.py --trees-per-device 1 "$@" ;;
+  branchgrpo-flux-1gpu) go "${LAUNCH[@]}" --num_processes 1 branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  branchgrpo-flux-8gpu) go "${DDP8[@]}" branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  branchgrpo-flux-fsdp8) go "${FSDP8[@]}" branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_FULL[@]}" "$@" ;;
+  branchgrpo-flux-multinode) multinode branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  vgrpo-cpu) go "$PY" vgrpo.py "$@" ;;
+  vgrpo-verifier-cpu) go "$PY" vgrpo.py --exp-name vgrpo-verifier --reward verifier "$@" ;;
+  vgrpo-nokl-cpu) go "$PY" vgrpo.py --exp-name vgrpo-nokl --no-lora --learning-rate 1e-4 --weight-decay 0 --kl-beta 0 \
     --iterations 20 --eval-every 20 "$@" ;;
-  vgrpo-naive-cpu) $PY vgrpo.py --exp-name vgrpo-naive --no-stratified --no-shared-pairs --no-self-normalize "$@" ;;
-  vgrpo-cpu-2proc) ACCELERATE_USE_CPU=1 $LAUNCH --multi_gpu --num_processes 2 vgrpo.py --samples-per-device 32 --images-per-update 16 "$@" ;;
-  vgrpo-flux-1gpu) $LAUNCH --num_processes 1 vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;
-  vgrpo-flux-8gpu) $LAUNCH --config_file configs/ddp_8gpu.yaml vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;
-  vgrpo-flux-fsdp8) $LAUNCH --config_file configs/fsdp_flux_8gpu.yaml vgrpo.py "${FLUX_VGRPO[@]}" --no-lora --learning-rate 1e-5 "$@" ;;
-  vgrpo-flux-multinode)
-    : "${MAIN_IP:?set MAIN_IP}" "${MACHINE_RANK:?set MACHINE_RANK}" "${NUM_MACHINES:?set NUM_MACHINES}"
-    $LAUNCH --config_file configs/ddp_8gpu.yaml --num_machines "$NUM_MACHINES" --machine_rank "$MACHINE_RANK" \
-      --main_process_ip "$MAIN_IP" --main_process_port "${MAIN_PORT:-29500}" --num_processes $((8 * NUM_MACHINES)) \
-      vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;
-  rlr-cpu) $PY rlr.py "$@" ;;
-  rlr-v1-cpu) $PY rlr.py --exp-name rlr-v1 --terms fo "$@" ;;
-  rlr-v2-cpu) $PY rlr.py --exp-name rlr-v2 --terms fo+ho "$@" ;;
-  rlr-cpu-2proc) ACCELERATE_USE_CPU=1 $LAUNCH --multi_gpu --num_processes 2 rlr.py --samples-per-device 4 "$@" ;;
-  rlr-sd15-1gpu) $LAUNCH --num_processes 1 rlr.py "${SD15_RLR[@]}" "$@" ;;
-  rlr-sd15-8gpu) $LAUNCH --config_file configs/ddp_8gpu.yaml rlr.py "${SD15_RLR[@]}" "$@" ;;
-  rlr-sd15-multinode)
-    : "${MAIN_IP:?set MAIN_IP}" "${MACHINE_RANK:?set MACHINE_RANK}" "${NUM_MACHINES:?set NUM_MACHINES}"
-    $LAUNCH --config_file configs/ddp_8gpu.yaml --num_machines "$NUM_MACHINES" --machine_rank "$MACHINE_RANK" \
-      --main_process_ip "$MAIN_IP" --main_process_port "${MAIN_PORT:-29500}" --num_processes $((8 * NUM_MACHINES)) \
-      rlr.py "${SD15_RLR[@]}" "$@" ;;
-  compare) $PY benchmarks/compare.py "$@" ;;
-  *) echo "unknown recipe '$recipe'; see the list at the top of run.sh" >&2; exit 2 ;;
+  vgrpo-naive-cpu) go "$PY" vgrpo.py --exp-name vgrpo-naive --no-stratified --no-shared-pairs --no-self-normalize "$@" ;;
+  vgrpo-cpu-2proc) go "${CPU2[@]}" vgrpo.py --samples-per-device 32 --images-per-update 16 "$@" ;;
+  vgrpo-flux-1gpu) go "${LAUNCH[@]}" --num_processes 1 vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  vgrpo-flux-8gpu) go "${DDP8[@]}" vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  vgrpo-flux-fsdp8) go "${FSDP8[@]}" vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_FULL[@]}" "$@" ;;
+  vgrpo-flux-multinode) multinode vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;
+  vgrpo-sd35-8gpu) go "${DDP8[@]}" vgrpo.py "${SD35_VGRPO[@]}" "$@" ;;
+  rlr-cpu) go "$PY" rlr.py "$@" ;;
+  rlr-v1-cpu) go "$PY" rlr.py --exp-name rlr-v1 --terms fo "$@" ;;
+  rlr-v2-cpu) go "$PY" rlr.py --exp-name rlr-v2 --terms fo+ho "$@" ;;
+  rlr-cpu-2proc) go "${CPU2[@]}" rlr.py --samples-per-device 4 "$@" ;;
+  rlr-sd15-1gpu) go "${LAUNCH[@]}" --num_processes 1 rlr.py "${SD15_RLR[@]}" "$@" ;;
+  rlr-sd15-8gpu) go "${DDP8[@]}" rlr.py "${SD15_RLR[@]}" "$@" ;;
+  rlr-sd15-multinode) multinode rlr.py "${SD15_RLR[@]}" "$@" ;;
+  compare) go "$PY" benchmarks/compare.py "$@" ;;
+  *) echo "unknown recipe '$recipe'; bash run.sh --list names them (the top of run.sh says what each does)" >&2; exit 2 ;;
 esac

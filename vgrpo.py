@@ -13,10 +13,7 @@ the rollout; optional KL to the behaviour policy and a tanh soft clip of the adv
 Launch (run.sh has more):
     python vgrpo.py                                                  # ShapesBench on CPU, ~4 min
     python vgrpo.py --no-stratified --no-shared-pairs --no-self-normalize   # the naive ELBO baseline
-    accelerate launch vgrpo.py --model-id black-forest-labs/FLUX.1-dev --resolution 512 --reward hpsv2.1 \
-        --lora --mixed-precision bf16 --num-steps 16 --samples-per-device 12 --group-size 12 \
-        --rollout-batch-size 1 --train-batch-size 1 --images-per-update 4 --guidance-scale 3.5 --kl-beta 0 \
-        --weight-decay 0 --lr-warmup 0 --iterations 300
+    PROMPTS=prompts.txt bash run.sh vgrpo-flux-8gpu                 # FLUX.1-dev, LoRA, 8 GPUs; docs/gpu.md: all of them
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 vgrpo.py   # 2 CPU processes
     python vgrpo.py --resume-from latest                             # continue the newest runs/vgrpo__*
 
@@ -324,13 +321,15 @@ def main(args: Args):
     updates_per_iter = args.samples_per_device // args.images_per_update
 
     # ---------------------------------------------------------------- MODELS
-    model = load_model(args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution)
-    transformer = trainable_denoiser(model, args)  # fp32 master weights (+ LoRA adapter with --lora)
+    model = load_model(
+        args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution, offload=args.offload_frozen
+    )
+    transformer = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
     # the KL to the behaviour policy needs no reference model (its outputs are stored); the KL to the base does
     ref = (transformer if args.lora else frozen_copy(transformer, frozen_dtype)) if base_kl else None
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
-    reward_fn = build_reward(args.reward, device, dict(item.split("=", 1) for item in args.reward_ckpt))
+    reward_fn = build_reward(args.reward, device, args.reward_checkpoints(), offload=args.offload_frozen)
     reward_weights = dict(parse_reward_spec(args.reward))  # canonical name -> weight, the keys of reward_fn's parts
 
     # ---------------------------------------------------------------- OPTIMIZER
@@ -427,6 +426,7 @@ def main(args: Args):
         all_old = accelerator.gather(old_values.mean(1))  # (world * S,) per-image behaviour surrogates, for logging
 
         # ------------------------------------------------------------ TRAINING
+        model.park(), reward_fn.park()  # --offload-frozen: the VAE and the reward models leave the GPU
         transformer.train()
         stats = {k: [] for k in ("policy_loss", "kl", "ratio", "log_ratio", "clipfrac")}
         for u in range(updates_per_iter):

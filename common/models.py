@@ -27,6 +27,7 @@ from peft import LoraConfig, get_peft_model_state_dict
 from transformers import AutoTokenizer, CLIPTextModel
 
 from common import InputError
+from common.offload import Offloaded
 
 SHAPESBENCH_DIR = Path(__file__).parent / "shapesbench" / "assets" / "flow"  # what --model-id shapesbench loads
 # model_index.json `_class_name` -> kind
@@ -72,7 +73,60 @@ def _move(modules, device, dtype):
                 m.to(**kwargs)
 
 
-class FlowModel:
+class _Parts:
+    """What every model wrapper shares: the denoiser, the frozen text encoders and VAE (eval, no grad), where they
+    live (`device`; with `offload` the frozen parts stay on the CPU and visit `device` only for their work: see
+    common/offload.py), and the cached unconditional embedding for CFG."""
+
+    def __init__(self, denoiser, text_encoders, vae, height, width):
+        self.height, self.width, self.vae = height, width, vae
+        self.text_encoders = [m for m in text_encoders if m is not None]
+        for m in [*self.text_encoders, vae]:
+            if m is not None:
+                m.requires_grad_(False).eval()
+        self._denoiser, self.device, self.offload = denoiser, torch.device("cpu"), False
+        self._text, self._vae = Offloaded(self.text_encoders, "cpu", False), Offloaded([vae], "cpu", False)
+        self._uncond = None  # encode_prompts([""]) for CFG, computed on first use and dropped by .to()
+
+    def to(self, device=None, dtype=None, offload: bool = False):
+        """Everything to `device` / `dtype`; with `offload` (--offload-frozen) the frozen parts go to the CPU instead."""
+        self.device = torch.device(device) if device is not None else self.device
+        self.offload = offload
+        self._text, self._vae = (Offloaded(m, self.device, offload) for m in (self.text_encoders, [self.vae]))
+        _move([self._denoiser], device, dtype)
+        _move([*self.text_encoders, self.vae], "cpu" if offload else device, dtype)
+        self._uncond = None
+        return self
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Batch-first conditioning tensors of `prompts` on `device` (the text encoders visit it with --offload-frozen)."""
+        with self._text.visit():
+            return self._encode(prompts)
+
+    def _encode(self, prompts):
+        raise NotImplementedError
+
+    def uncond(self) -> dict[str, torch.Tensor]:
+        if self._uncond is None:
+            self._uncond = self.encode_prompts([""])
+        return self._uncond
+
+    def decode(self, x) -> torch.Tensor:
+        """(B, *latent_shape()) -> (B, 3, H, W) in [0, 1], differentiable; the VAE comes to `device` if offloaded."""
+        self._vae.fetch()
+        return _vae_decode(self.vae, self._vae_latents(x))
+
+    def _vae_latents(self, x):
+        return x
+
+    def park(self) -> None:
+        """With --offload-frozen, the VAE back to the CPU (the text encoders go back after each encode_prompts). The
+        scripts call it before their backward passes, where no autograd graph through the VAE is alive."""
+        self._vae.park()
+
+
+class FlowModel(_Parts):
     """A flow model's parts. x: (B, *latent_shape()), sigma: (B,) in [0, 1], cond: dict from encode_prompts.
 
     velocity(transformer, x, sigma, cond, guidance_scale) -> v like x; differentiable w.r.t. `transformer`.
@@ -85,34 +139,15 @@ class FlowModel:
     height: int  # image size in pixels
     width: int
 
-    def __init__(self, transformer, frozen, height, width):
-        self.transformer, self.frozen, self.height, self.width = transformer, frozen, height, width
-        for m in frozen:
-            if m is not None:
-                m.requires_grad_(False).eval()
-        self._uncond = None  # encode_prompts([""]) for CFG, computed on first use and dropped by .to()
+    def __init__(self, transformer, text_encoders, vae, height, width):
+        super().__init__(transformer, text_encoders, vae, height, width)
+        self.transformer = transformer
 
     def latent_shape(self) -> tuple[int, ...]:
         raise NotImplementedError
 
-    def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
-
     def velocity(self, transformer, x, sigma, cond, guidance_scale: float = 1.0) -> torch.Tensor:
         raise NotImplementedError
-
-    def decode(self, x) -> torch.Tensor:
-        raise NotImplementedError
-
-    def uncond(self) -> dict[str, torch.Tensor]:
-        if self._uncond is None:
-            self._uncond = self.encode_prompts([""])
-        return self._uncond
-
-    def to(self, device=None, dtype=None) -> "FlowModel":
-        _move([self.transformer, *self.frozen], device, dtype)
-        self._uncond = None
-        return self
 
     def _io_dtype(self):
         return self.transformer.dtype  # wrapped copies passed to velocity() share the unwrapped one's dtype
@@ -128,15 +163,16 @@ class SD3Model(FlowModel):
         self.vae_scale = pipe.vae_scale_factor
         size = resolution or pipe.default_sample_size * self.vae_scale
         _check_multiple(size, self.vae_scale * pipe.patch_size, "sd3")
-        frozen = [pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.vae]
-        super().__init__(pipe.transformer, frozen, size, size)
+        text_encoders = [pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3]
+        super().__init__(pipe.transformer, text_encoders, pipe.vae, size, size)
 
     def latent_shape(self):
         return (self.pipe.vae.config.latent_channels, self.height // self.vae_scale, self.width // self.vae_scale)
 
-    @torch.no_grad()
-    def encode_prompts(self, prompts):
-        embeds, _, pooled, _ = self.pipe.encode_prompt(prompts, None, None, do_classifier_free_guidance=False)
+    def _encode(self, prompts):
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompts, None, None, device=self.device, do_classifier_free_guidance=False
+        )
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}  # (B, 77+256, 4096), (B, 2048)
 
     def velocity(self, transformer, x, sigma, cond, guidance_scale=1.0):
@@ -153,9 +189,6 @@ class SD3Model(FlowModel):
 
         return _cfg(forward, x, sigma, cond, self.uncond, guidance_scale).to(x.dtype)
 
-    def decode(self, x):
-        return _vae_decode(self.pipe.vae, x)
-
 
 class ShapesModel(SD3Model):
     """ShapesBench: an SD3 transformer in pixel space (latent = image in [-1, 1]) with one CLIP text encoder."""
@@ -168,19 +201,18 @@ class ShapesModel(SD3Model):
         self.tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
         size = resolution or transformer.config.sample_size  # pixel space: sample_size is in pixels
         _check_multiple(size, transformer.config.patch_size, "shapes")
-        FlowModel.__init__(self, transformer, [self.text_encoder], size, size)  # no pipeline, unlike SD3Model
+        FlowModel.__init__(self, transformer, [self.text_encoder], None, size, size)  # no pipeline nor VAE
 
     def latent_shape(self):
         return (self.transformer.config.in_channels, self.height, self.width)
 
-    @torch.no_grad()
-    def encode_prompts(self, prompts):
+    def _encode(self, prompts):
         max_len = self.tokenizer.model_max_length
         ids = self.tokenizer(prompts, padding="max_length", max_length=max_len, truncation=True, return_tensors="pt")
-        out = self.text_encoder(ids.input_ids.to(self.text_encoder.device))
+        out = self.text_encoder(ids.input_ids.to(self.device))
         return {"prompt_embeds": out.last_hidden_state, "pooled_prompt_embeds": out.pooler_output}  # (B, L, D), (B, D)
 
-    def decode(self, x):
+    def decode(self, x):  # pixel space: the latent is the image in [-1, 1]
         return ((x + 1) / 2).clamp(0, 1)
 
 
@@ -194,7 +226,7 @@ class FluxModel(FlowModel):
         self.vae_scale = pipe.vae_scale_factor
         size = resolution or pipe.default_sample_size * self.vae_scale
         _check_multiple(size, self.vae_scale * 2, "flux")  # 2x2 packing of the VAE latent
-        super().__init__(pipe.transformer, [pipe.text_encoder, pipe.text_encoder_2, pipe.vae], size, size)
+        super().__init__(pipe.transformer, [pipe.text_encoder, pipe.text_encoder_2], pipe.vae, size, size)
         h, w = size // self.vae_scale, size // self.vae_scale
         self.img_ids = FluxPipeline._prepare_latent_image_ids(None, h // 2, w // 2, "cpu", torch.float32)  # (seq, 3)
 
@@ -202,9 +234,8 @@ class FluxModel(FlowModel):
         seq = (self.height // self.vae_scale // 2) * (self.width // self.vae_scale // 2)
         return (seq, self.transformer.config.in_channels)  # in_channels = 4 * VAE latent channels
 
-    @torch.no_grad()
-    def encode_prompts(self, prompts):
-        embeds, pooled, _ = self.pipe.encode_prompt(prompts, None)  # txt_ids are all zeros: rebuilt in velocity
+    def _encode(self, prompts):
+        embeds, pooled, _ = self.pipe.encode_prompt(prompts, None, device=self.device)  # txt_ids (zeros): in velocity
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}  # (B, 512, 4096), (B, 768)
 
     def velocity(self, transformer, x, sigma, cond, guidance_scale=1.0):
@@ -231,12 +262,11 @@ class FluxModel(FlowModel):
             return_dict=False,
         )[0].to(x.dtype)
 
-    def decode(self, x):
-        latents = FluxPipeline._unpack_latents(x, self.height, self.width, self.vae_scale)  # (B, 16, H/8, W/8)
-        return _vae_decode(self.pipe.vae, latents)
+    def _vae_latents(self, x):
+        return FluxPipeline._unpack_latents(x, self.height, self.width, self.vae_scale)  # (B, 16, H/8, W/8)
 
 
-class DDIMModel:
+class DDIMModel(_Parts):
     """SD1.x/2.x: UNet eps-prediction on latents (4, H/8, W/8), CLIP text, CFG. Not a flow model.
 
     `alphas_cumprod` (1000,) is the DDIM/DDPM schedule: x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps.
@@ -249,29 +279,19 @@ class DDIMModel:
         self.vae_scale = pipe.vae_scale_factor
         size = resolution or pipe.unet.config.sample_size * self.vae_scale
         _check_multiple(size, self.vae_scale, "sd1")
-        self.height = self.width = size
+        super().__init__(pipe.unet, [pipe.text_encoder], pipe.vae, size, size)
         scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
         self.alphas_cumprod = scheduler.alphas_cumprod  # (T,) float32
         self.prediction_type = scheduler.config.prediction_type  # SD2.x-768 models predict v
         if self.prediction_type not in ("epsilon", "v_prediction"):
             raise InputError(f"unsupported prediction_type {self.prediction_type!r} in --model-id's scheduler config")
-        self.frozen = [pipe.text_encoder, pipe.vae]
-        for m in self.frozen:
-            m.requires_grad_(False).eval()
-        self._uncond = None
 
     def latent_shape(self):
         return (self.pipe.vae.config.latent_channels, self.height // self.vae_scale, self.width // self.vae_scale)
 
-    @torch.no_grad()
-    def encode_prompts(self, prompts):
-        embeds, _ = self.pipe.encode_prompt(prompts, self.pipe.text_encoder.device, 1, False)
+    def _encode(self, prompts):
+        embeds, _ = self.pipe.encode_prompt(prompts, self.device, 1, False)
         return {"prompt_embeds": embeds}  # (B, 77, D)
-
-    def uncond(self) -> dict[str, torch.Tensor]:
-        if self._uncond is None:
-            self._uncond = self.encode_prompts([""])
-        return self._uncond
 
     def eps(self, unet, x, t, cond, guidance_scale: float = 1.0) -> torch.Tensor:
         """x: (B, *latent_shape), t: (B,) integer timesteps in [0, T). Returns predicted noise like x."""
@@ -285,14 +305,6 @@ class DDIMModel:
             a = self.alphas_cumprod.to(x.device)[t].view(-1, *[1] * (x.ndim - 1)).to(x.dtype)
             out = a.sqrt() * out + (1 - a).sqrt() * x
         return out
-
-    def decode(self, x):
-        return _vae_decode(self.pipe.vae, x)
-
-    def to(self, device=None, dtype=None) -> "DDIMModel":
-        _move([self.unet, *self.frozen], device, dtype)
-        self._uncond = None
-        return self
 
 
 def _check_multiple(size, multiple, kind):
@@ -338,17 +350,25 @@ def _model_index(model_id: str) -> tuple[dict, str]:
         ) from None
 
 
-def check_model_id(model_id: str) -> None:
-    """--model-id names a supported model that is here or downloadable; checked before anything loads."""
+def check_model_id(model_id: str) -> str:
+    """--model-id names a supported model that is here or downloadable; checked before anything loads. Returns its
+    kind ('shapes', 'flux', 'sd3', 'sd1'), read from model_index.json alone."""
     name = _model_index(model_id)[0].get("_class_name")
     if name not in KINDS:
         raise InputError(f"--model-id {model_id}: unsupported model class {name!r}; supported: {', '.join(KINDS)}")
+    return KINDS[name]
 
 
 def load_model(
-    model_id: str = "shapesbench", *, device="cpu", dtype=torch.float32, resolution: int | None = None
+    model_id: str = "shapesbench",
+    *,
+    device="cpu",
+    dtype=torch.float32,
+    resolution: int | None = None,
+    offload: bool = False,
 ) -> FlowModel | DDIMModel:
-    """Load a model by hub id or local path (`--model-id`), all parts in `dtype` on `device`.
+    """Load a model by hub id or local path (`--model-id`), all parts in `dtype` on `device` (with `offload`,
+    --offload-frozen, the text encoders and the VAE on the CPU until they work: common/offload.py).
 
     The kind comes from model_index.json's `_class_name`. `resolution` (`--resolution`) is the square image
     side in pixels; None = the model's native size. Frozen parts are eval() with requires_grad False; the
@@ -370,7 +390,7 @@ def load_model(
             model = model_cls(pipe_cls.from_pretrained(where, dtype=dtype), resolution)
     except OSError as e:  # model_index.json found but weights not (partial download / cache)
         raise InputError(f"--model-id {model_id}: could not load the weights ({e}). {HOW_TO_GET_WEIGHTS}") from None
-    return model.to(device)
+    return model.to(device, offload=offload)
 
 
 # Attention projections of joint (MM-DiT) blocks, single blocks and UNet cross/self-attention; names that a
@@ -379,14 +399,24 @@ LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", 
 
 
 def trainable_denoiser(model: FlowModel | DDIMModel, args):
-    """The module RL trains (the transformer, or an SD1.x UNet) in fp32 master weights, autocast handling bf16; with
-    --lora a LoRA adapter (rank --lora-rank, alpha --lora-alpha) whose weights alone are trainable, also fp32."""
-    denoiser = (model.unet if model.kind == "sd1" else model.transformer).float()
+    """The module RL trains (the transformer, or an SD1.x UNet), in train mode.
+
+    Full fine-tuning: fp32 master weights for AdamW; autocast runs the forwards in bf16 (--mixed-precision bf16).
+    --lora: a LoRA adapter (rank --lora-rank, alpha --lora-alpha) whose weights alone are trainable and fp32; the
+    frozen base stays in its load dtype (bf16 under --mixed-precision bf16), as diffusers' LoRA training examples
+    cast only the trainable parameters: FLUX.1-dev's 11.9B base weights take 24 GB in bf16, 48 GB in fp32.
+    --gradient-checkpointing: diffusers' activation recomputation in the backward (same values, less memory).
+    """
+    denoiser = model.unet if model.kind == "sd1" else model.transformer
     if args.lora:
         add_lora(denoiser, args.lora_rank, args.lora_alpha)
         for p in denoiser.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
+    else:
+        denoiser.float()
+    if args.gradient_checkpointing:
+        denoiser.enable_gradient_checkpointing()
     return denoiser.train()
 
 

@@ -1,13 +1,26 @@
 """Prompt sources: the ShapesBench splits, a text file with one prompt per line (e.g. HPDv2 prompts), or a
-diffusion chain-of-thought file (rlr.py --dcot-prompts)."""
+diffusion chain-of-thought file (rlr.py --dcot-prompts).
+
+HPDv2's 3200 benchmark prompts (the test prompts of the papers' HPSv2.1 evaluations: 800 each of anime, concept-art,
+paintings and photo, from the Hugging Face dataset zhwang/HPDv2, files benchmark/*.json) as a prompt file, on a
+machine that reaches the hub:
+    python -m common.prompts hpdv2 prompts/hpdv2_test.txt
+"""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 from common import InputError
 
 SOURCES = {"shapes-train": "train", "shapes-eval": "eval"}
+HPDV2_REPO, HPDV2_STYLES = "zhwang/HPDv2", ("anime", "concept-art", "paintings", "photo")
+HPDV2_HOWTO = (
+    "HPDv2's 3200 test prompts, from the Hugging Face dataset zhwang/HPDv2 (benchmark/*.json), are written to one "
+    "by `python -m common.prompts hpdv2 prompts/hpdv2_test.txt`"
+)
 
 
 def load_prompts(source: str, flag: str = "--prompts") -> list[str]:
@@ -59,3 +72,29 @@ def load_dcot(path: str) -> dict[str, tuple[str, str, str]]:
     if not out:
         raise InputError(f"--dcot-prompts {path}: the file holds no prompts")
     return out
+
+
+def hpdv2_prompts(folder: str | None = None) -> list[str]:
+    """HPDv2's benchmark prompts in a fixed order (anime, concept-art, paintings, photo; 800 each), from the hub
+    dataset zhwang/HPDv2, or from `folder` holding its benchmark/*.json files."""
+    prompts = []
+    for style in HPDV2_STYLES:
+        if folder is not None:
+            path = Path(folder) / "benchmark" / f"{style}.json"
+        else:
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download(HPDV2_REPO, f"{style}.json", subfolder="benchmark", repo_type="dataset")
+        prompts += [" ".join(p.split()) for p in json.loads(Path(path).read_text(encoding="utf-8"))]
+    return prompts
+
+
+if __name__ == "__main__":
+    # python -m common.prompts hpdv2 OUT.txt [--from FOLDER]: HPDv2's benchmark prompts, one per line
+    argv = sys.argv[1:]
+    if len(argv) not in (2, 4) or argv[0] != "hpdv2" or (len(argv) == 4 and argv[2] != "--from"):
+        sys.exit("usage: python -m common.prompts hpdv2 OUT.txt [--from FOLDER with benchmark/*.json]")
+    lines = hpdv2_prompts(argv[3] if len(argv) == 4 else None)
+    Path(argv[1]).parent.mkdir(parents=True, exist_ok=True)
+    Path(argv[1]).write_text("".join(p + "\n" for p in lines), encoding="utf-8")
+    print(f"{len(lines)} prompts in {argv[1]}")

@@ -17,22 +17,27 @@ import torch
 import torch.nn.functional as F
 
 from common import InputError
+from common.offload import Offloaded
 
 
 class Reward(Protocol):
     differentiable: bool
+    parts: Offloaded  # its networks, for --offload-frozen
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor: ...
 
 
 class ScoreFn:
-    """Adapts a plain fn(images, prompts) -> (B,) to the Reward protocol: shape check, float32, output device."""
+    """Adapts a plain fn(images, prompts) -> (B,) to the Reward protocol: shape check, float32, output device.
+    `parts` (common.offload.Offloaded) holds the reward's networks: with --offload-frozen they wait on the CPU and
+    come to the GPU when scoring, until park()."""
 
-    def __init__(self, fn: Callable, differentiable: bool):
-        self.fn, self.differentiable = fn, differentiable
+    def __init__(self, fn: Callable, differentiable: bool, parts: Offloaded | None = None):
+        self.fn, self.differentiable, self.parts = fn, differentiable, parts or Offloaded([], "cpu", False)
 
     def __call__(self, images, prompts):
         assert images.ndim == 4 and len(prompts) == len(images), (images.shape, len(prompts))
+        self.parts.fetch()
         # a non-differentiable reward never needs the autograd graph of the images
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.differentiable):
             scores = self.fn(images, prompts)
@@ -180,7 +185,7 @@ def hpsv2_1(device, checkpoint=None, arch="ViT-H-14") -> Reward:
         text_features = model.encode_text(tokenizer(prompts).to(device), normalize=True)  # (B,D)
         return (image_features * text_features).sum(-1)  # diag of image @ text.T, as HPS
 
-    return ScoreFn(score, differentiable=True)
+    return ScoreFn(score, differentiable=True, parts=Offloaded([model], device, False))
 
 
 # ---------------------------------------------------------------- transformers CLIP: PickScore, CLIP score
@@ -230,7 +235,9 @@ def pickscore(device, checkpoint=None) -> Reward:
         "pickscore", device, checkpoint, "yuvalkirstain/PickScore_v1", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
     )
     return ScoreFn(
-        lambda im, p: model.logit_scale.exp() * _clip_cosine(model, processor, device, im, p), differentiable=True
+        lambda im, p: model.logit_scale.exp() * _clip_cosine(model, processor, device, im, p),
+        differentiable=True,
+        parts=Offloaded([model], device, False),
     )
 
 
@@ -240,7 +247,11 @@ def clip_score(device, checkpoint=None) -> Reward:
     model, processor = _load_clip(
         "clip", device, checkpoint, "openai/clip-vit-large-patch14", "openai/clip-vit-large-patch14"
     )
-    return ScoreFn(lambda im, p: 100 * _clip_cosine(model, processor, device, im, p), differentiable=True)
+    return ScoreFn(
+        lambda im, p: 100 * _clip_cosine(model, processor, device, im, p),
+        differentiable=True,
+        parts=Offloaded([model], device, False),
+    )
 
 
 # ---------------------------------------------------------------- registry, spec parsing, composite
@@ -253,6 +264,7 @@ REWARDS: dict[str, Callable[..., Reward]] = {
     "clip": clip_score,
 }
 ALIASES = {"hps": "hpsv2.1"}
+SHAPESBENCH_REWARDS = ("shapes", "verifier")  # they score 32 px ShapesBench images against ShapesBench prompts
 
 
 def _canonical(name: str, flag: str = "--reward") -> str:
@@ -305,6 +317,11 @@ class CompositeReward:
             scores[name] = r.detach()
         return total, scores
 
+    def park(self) -> None:
+        """With --offload-frozen, the reward networks back to the CPU (they come back when scoring)."""
+        for _, _, reward in self.components:
+            reward.parts.park()
+
 
 def _checkpoints(parsed: list[tuple[str, float]], spec: str, checkpoints: dict[str, str] | None) -> dict[str, str]:
     checkpoints = {_canonical(k, "--reward-ckpt"): v for k, v in (checkpoints or {}).items()}
@@ -327,8 +344,15 @@ def check_reward_weights(spec: str, checkpoints: dict[str, str] | None = None) -
             _hub_file(name, download=False)
 
 
-def build_reward(spec: str, device, checkpoints: dict[str, str] | None = None) -> CompositeReward:
-    """Build the composite of `--reward spec`; `checkpoints` comes from `--reward-ckpt NAME=PATH` flags."""
+def build_reward(
+    spec: str, device, checkpoints: dict[str, str] | None = None, offload: bool = False
+) -> CompositeReward:
+    """Build the composite of `--reward spec`; `checkpoints` comes from `--reward-ckpt NAME=PATH` flags. With
+    `offload` (--offload-frozen) the reward networks wait on the CPU between scorings (common/offload.py)."""
     parsed = parse_reward_spec(spec)
     checkpoints = _checkpoints(parsed, spec, checkpoints)
-    return CompositeReward([(name, w, REWARDS[name](device, checkpoints.get(name))) for name, w in parsed])
+    composite = CompositeReward([(name, w, REWARDS[name](device, checkpoints.get(name))) for name, w in parsed])
+    for _, _, reward in composite.components:
+        reward.parts.enabled = offload
+    composite.park()
+    return composite

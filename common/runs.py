@@ -49,7 +49,8 @@ class RunArgs:
     output_dir: str = "runs"
     """parent folder of the run folder (TensorBoard logs, sample grids, checkpoints, final weights)"""
     model_id: str = "shapesbench"
-    """'shapesbench' (shipped, CPU-sized), or a diffusers FLUX.1 / SD3.5 folder or hub id"""
+    """'shapesbench' (shipped, CPU-sized), or a diffusers FLUX.1 / SD3.5 (SD1.x for rlr.py) folder or hub id; any
+    other model needs --prompts, --eval-prompts and --reward (the ShapesBench defaults are refused)"""
     resolution: Optional[int] = None
     """square image side in pixels; None = the model's native size"""
     lora: bool = True
@@ -59,15 +60,27 @@ class RunArgs:
     lora_alpha: float = 64.0
     """LoRA alpha (with --lora)"""
     mixed_precision: Literal["no", "bf16"] = "no"
-    """'bf16' runs forwards under autocast; log-probs, samples and master weights stay fp32"""
+    """'bf16' runs forwards under autocast and loads the frozen weights in bf16 (with --lora only the adapter is
+    fp32); log-probs, samples and trained weights stay fp32"""
+    gradient_checkpointing: bool = False
+    """recompute the denoiser's activations in the backward (diffusers): the same gradients in less memory, for
+    one more forward per backward; on in every GPU recipe of run.sh"""
+    offload_frozen: bool = False
+    """keep the text encoders, the VAE and the reward models on the CPU except while they encode, decode and score
+    (docs/gpu.md: which recipes need it)"""
     reward: str = "shapes"
-    """reward spec 'name:weight,...', e.g. 'shapes:1.0,verifier:0.5' or 'hpsv2.1'"""
+    """reward spec 'name:weight,...', e.g. 'shapes:1.0,verifier:0.5' or 'hpsv2.1' ('shapes' and 'verifier' are
+    ShapesBench's and hold only for --model-id shapesbench)"""
     reward_ckpt: list[str] = field(default_factory=list)
     """NAME=PATH per reward model, e.g. hpsv2.1=/ckpt/HPS_v2.1_compressed.pt"""
     prompts: str = "shapes-train"
-    """training prompts: 'shapes-train' or a text file, one prompt per line"""
+    """training prompts: 'shapes-train' (--model-id shapesbench only) or a text file, one prompt per line
+    (HPDv2's: `python -m common.prompts hpdv2 FILE`)"""
     eval_prompts: str = "shapes-eval"
-    """held-out prompts: 'shapes-eval' or a text file, one prompt per line"""
+    """held-out prompts: 'shapes-eval' (--model-id shapesbench only) or a text file, one prompt per line"""
+    eval_max_prompts: int = 48
+    """evaluate on at most N held-out prompts, evenly spaced through the list: a fixed subset (ShapesBench's split
+    has exactly 48)"""
     iterations: int = 40
     """training iterations (one rollout + its updates each)"""
     learning_rate: float = 3e-4
@@ -99,6 +112,12 @@ class RunArgs:
     """also log to Weights & Biases (needs `pip install wandb`)"""
     wandb_project_name: str = "diffusion-rl"
     """W&B project (with --track)"""
+
+    def reward_checkpoints(self) -> dict[str, str]:
+        """The --reward-ckpt NAME=PATH items as {NAME: PATH}."""
+        for item in self.reward_ckpt:
+            need("=" in item, f"--reward-ckpt {item!r}: expected NAME=PATH")
+        return dict(item.split("=", 1) for item in self.reward_ckpt)
 
 
 def need(ok: bool, message: str) -> None:
@@ -142,7 +161,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 def check_run_args(args) -> tuple[list[str], list[str]]:
     """Check the flags every script shares. Returns (training prompts, held-out prompts), read here so that a bad
-    prompt file fails before a model loads."""
+    prompt file fails before a model loads (the Evaluator takes its --eval-max-prompts subset)."""
     from common.models import check_model_id
     from common.prompts import load_prompts
     from common.rewards import check_reward_weights
@@ -153,8 +172,8 @@ def check_run_args(args) -> tuple[list[str], list[str]]:
     for name in ("eval_every", "sample_every", "save_every"):
         need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
     need(
-        args.eval_samples_per_prompt >= 1 and args.eval_steps >= 1,
-        "--eval-samples-per-prompt and --eval-steps must be >= 1",
+        args.eval_samples_per_prompt >= 1 and args.eval_steps >= 1 and args.eval_max_prompts >= 1,
+        "--eval-samples-per-prompt, --eval-steps and --eval-max-prompts must be >= 1",
     )
     need(args.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1")
     out = Path(args.output_dir).expanduser()
@@ -163,20 +182,43 @@ def check_run_args(args) -> tuple[list[str], list[str]]:
         import importlib.util
 
         need(importlib.util.find_spec("wandb") is not None, "--track needs wandb: pip install wandb")
-    ckpts = {}
-    for item in args.reward_ckpt:
-        need("=" in item, f"--reward-ckpt {item!r}: expected NAME=PATH")
-        name, path = item.split("=", 1)
-        ckpts[name] = path
-    check_reward_weights(args.reward, ckpts)
     if args.resume_from not in (None, "latest"):
         need(
             Path(args.resume_from).is_dir(),
             f"--resume-from {args.resume_from}: no such folder (give 'latest', a run "
             "folder or one of its checkpoints/iter_* folders)",
         )
-    check_model_id(args.model_id)
+    if check_model_id(args.model_id) != "shapes":
+        check_not_shapesbench(args)
+    check_reward_weights(args.reward, args.reward_checkpoints())
     return load_prompts(args.prompts, "--prompts"), load_prompts(args.eval_prompts, "--eval-prompts")
+
+
+def check_not_shapesbench(args) -> None:
+    """A real model never falls back on ShapesBench's prompts or reward: a missing --prompts, --eval-prompts or
+    --reward (or a ShapesBench value of one) fails here, before any model loads, naming the flag."""
+    from common.prompts import HPDV2_HOWTO, SOURCES
+
+    where = f"ShapesBench's, for --model-id shapesbench only; with --model-id {args.model_id}"
+    for flag, value in (("--prompts", args.prompts), ("--eval-prompts", args.eval_prompts)):
+        need(
+            value not in SOURCES,
+            f"{flag} {value}: these prompts are {where} pass {flag} FILE, one prompt per line ({HPDV2_HOWTO})",
+        )
+    from common.rewards import SHAPESBENCH_REWARDS, parse_reward_spec
+
+    shapes = [name for name, _ in parse_reward_spec(args.reward) if name in SHAPESBENCH_REWARDS]
+    need(
+        not shapes,
+        f"--reward {args.reward}: {' and '.join(shapes)} {'is' if len(shapes) == 1 else 'are'} {where} pass a reward "
+        "of real images, e.g. --reward hpsv2.1 (or pickscore, clip, jpeg)",
+    )
+
+
+def evenly_spaced(items: list, n: int) -> list:
+    """At most n items, evenly spaced through the list (all of them if there are n or fewer): a fixed subset that
+    spans a file sorted by category, as HPDv2's (anime, concept-art, paintings, photo)."""
+    return items if len(items) <= n else [items[i * len(items) // n] for i in range(n)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -261,6 +303,7 @@ class Run:
         self.title, self._tb, self._wandb = title, None, None
         self.grad_norms, self.skipped = [], 0  # this iteration's optimizer steps (see step())
         self.lr = args.learning_rate  # the last optimizer step's learning rate (see --lr-warmup)
+        self.eval_line = "evaluation off (--eval-every 0)"  # set by the Evaluator
         self.t_start = self.t_iter = time.perf_counter()
 
     def resume(self) -> int:
@@ -287,7 +330,8 @@ class Run:
             f"***** {self.title} *****\n  model {a.model_id} ({model.kind}), latent {tuple(model.latent_shape())}, "
             f"{mode}, {n:.2f}M trainable params, mixed precision {a.mixed_precision}\n"
             + "".join(f"  {line}\n" for line in lines)
-            + f"  reward {a.reward}, lr {a.learning_rate}, iterations {a.iterations}\n  run folder {self.dir}"
+            + f"  reward {a.reward}, lr {a.learning_rate}, iterations {a.iterations}\n  {self.eval_line}\n"
+            + f"  run folder {self.dir}"
         )
 
     def iterations(self, start: int):
@@ -327,6 +371,7 @@ class Run:
             "charts/lr": self.lr,
             "perf/iteration_s": time.perf_counter() - self.t_iter,
             "perf/wall_s": time.perf_counter() - self.t_start,
+            "perf/peak_mem_gb": peak_memory_gb(self.accelerator.device),  # this iteration's (CUDA) or the run's (CPU)
         }
         if (it + 1) % 10 == 0 or it + 1 == self.args.iterations:
             scalars["charts/rank_weight_spread"] = self.weight_spread(params)
@@ -519,6 +564,14 @@ class Evaluator:
             run,
         )
         self.batch_size = batch_size
+        held_out, eval_prompts = eval_prompts, evenly_spaced(eval_prompts, args.eval_max_prompts)
+        subset = f" of {len(held_out)}, evenly spaced" if len(eval_prompts) < len(held_out) else ""
+        run.eval_line = (
+            f"evaluation every {args.eval_every} iterations: {len(eval_prompts)}{subset} prompts of "
+            f"{args.eval_prompts} x {args.eval_samples_per_prompt} samples, {args.eval_steps}-step ODE"
+            if args.eval_every
+            else run.eval_line
+        )
         self.prompts = [p for p in eval_prompts for _ in range(args.eval_samples_per_prompt)]
         # 8 held-out prompts spread over the list (on ShapesBench all three shapes) x 2 seeds
         self.grid_prompts = [p for p in eval_prompts[:: max(1, len(eval_prompts) // 8)][:8] for _ in range(2)]
@@ -526,8 +579,9 @@ class Evaluator:
         if model.kind == "shapes":
             from common.shapesbench import load_reward_model
 
-            ckpts = dict(item.split("=", 1) for item in args.reward_ckpt)
-            self.shapes_reward = load_reward_model(ckpts.get("shapes"), device=run.accelerator.device)
+            self.shapes_reward = load_reward_model(
+                args.reward_checkpoints().get("shapes"), device=run.accelerator.device
+            )
 
     def _noise(self, tag: str, n: int, offset: int = 0) -> torch.Tensor:
         shape = self.model.latent_shape()

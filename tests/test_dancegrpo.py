@@ -218,6 +218,7 @@ def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
         "4",
         "--guidance-scale",
         "3.5",
+        *("--mixed-precision", "bf16", "--gradient-checkpointing", "--offload-frozen"),  # as the GPU recipes
     ]
     D.main(tyro.cli(D.Args, args=argv))
     train = [r for r in metrics(tmp_path / "flux") if "losses/policy" in r]

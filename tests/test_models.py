@@ -56,7 +56,7 @@ def test_flow_interface(kind, tiny_dir):
     x, sigma, cond = inputs(model)
     for v in cond.values():
         assert v.shape[0] == 2
-    assert not any(p.requires_grad for m in model.frozen if m is not None for p in m.parameters())
+    assert not any(p.requires_grad for m in [*model.text_encoders, model.vae] if m is not None for p in m.parameters())
     assert all(p.requires_grad for p in model.transformer.parameters())
 
     v = model.velocity(model.transformer, x, sigma, cond)

@@ -1,0 +1,267 @@
+"""The real-model path (FLUX.1 / SD3.5 / SD1.5 on GPUs), tested on tiny random-weight models built from configs:
+ShapesBench defaults never apply to a real model, the memory settings (bf16 frozen base under LoRA, gradient
+checkpointing, --offload-frozen), the evaluation subset, run.sh as the one source of GPU commands."""
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+import torch
+import tyro
+
+import branchgrpo
+import dancegrpo as D
+import rlr
+import vgrpo
+from common import InputError
+from common.models import load_model, trainable_denoiser
+from common.offload import Offloaded
+from common.runs import check_run_args, evenly_spaced
+from tests.helpers import ROOT
+from tests.tiny import BUILDERS, PROMPTS, RES
+
+SCRIPTS = {"dancegrpo.py": D, "branchgrpo.py": branchgrpo, "vgrpo.py": vgrpo, "rlr.py": rlr}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """kind -> folder of a tiny random model of that kind, each built once per module."""
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            cache[kind] = tmp_path_factory.mktemp(kind)
+            BUILDERS[kind](cache[kind])
+        return cache[kind]
+
+    return get
+
+
+# ---------------------------------------------------------------- ShapesBench defaults never reach a real model
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_real_model_without_prompts_fails_before_it_loads(script, tmp_path):
+    """A FLUX (SD1.x for rlr.py) --model-id without --prompts: one `error:` line naming the flag, exit 2, no run
+    folder. The model's weights are deleted, so a run that loaded it would fail with another message."""
+    kind = "sd1" if script == "rlr.py" else "flux"
+    BUILDERS[kind](tmp_path / kind)
+    for weights in (tmp_path / kind).glob("*/diffusion_pytorch_model.safetensors"):
+        weights.unlink()
+    out = subprocess.run(
+        [sys.executable, script, "--model-id", str(tmp_path / kind), "--output-dir", str(tmp_path / "runs")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        timeout=300,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: --prompts shapes-train: ") and "zhwang/HPDv2" in errors[0]
+    assert not (tmp_path / "runs").exists()
+
+
+def run_args(model_id, **flags):
+    return tyro.cli(D.Args, args=["--model-id", model_id] + [w for k, v in flags.items() for w in (f"--{k}", v)])
+
+
+def test_each_shapesbench_default_is_refused_for_a_real_model(tiny_dir, tmp_path):
+    (tmp_path / "p.txt").write_text("a cat\na dog\n")
+    flux, prompts = str(tiny_dir("flux")), str(tmp_path / "p.txt")
+    cases = {
+        "--eval-prompts shapes-eval": {"prompts": prompts},
+        "--prompts shapes-train": {"prompts": "shapes-train", "eval-prompts": prompts},
+        "--reward shapes: shapes is ShapesBench's": {"prompts": prompts, "eval-prompts": prompts},
+        "--reward hpsv2.1,verifier:0.5: verifier is": {
+            "prompts": prompts,
+            "eval-prompts": prompts,
+            "reward": "hpsv2.1,verifier:0.5",
+        },
+    }
+    for message, flags in cases.items():
+        with pytest.raises(InputError) as e:
+            check_run_args(run_args(flux, **flags))
+        assert str(e.value).startswith(message) and f"--model-id {flux}" in str(e.value)
+    # the same flags on ShapesBench are its defaults; a real model with a real reward passes
+    assert len(check_run_args(run_args("shapesbench"))[1]) == 48
+    train, held_out = check_run_args(run_args(flux, prompts=prompts, **{"eval-prompts": prompts, "reward": "jpeg"}))
+    assert train == held_out == ["a cat", "a dog"]
+
+
+def test_evaluation_uses_a_fixed_evenly_spaced_subset():
+    # HPDv2's benchmark file order: 800 prompts per style; 48 evenly spaced ones take 12 of each
+    prompts = [f"{style} {i}" for style in ("anime", "concept-art", "paintings", "photo") for i in range(800)]
+    subset = evenly_spaced(prompts, 48)
+    assert len(subset) == 48 and len(set(subset)) == 48 and subset == evenly_spaced(prompts, 48)
+    assert [sum(p.startswith(s) for p in subset) for s in ("anime", "concept", "paintings", "photo")] == [12] * 4
+    assert evenly_spaced(prompts[:5], 48) == prompts[:5]
+
+
+def test_hpdv2_prompt_file_from_the_benchmark_jsons(tmp_path):
+    """`python -m common.prompts hpdv2 OUT --from FOLDER` (FOLDER as the hub dataset lays it out)."""
+    (tmp_path / "benchmark").mkdir()
+    for style in ("anime", "concept-art", "paintings", "photo"):
+        (tmp_path / "benchmark" / f"{style}.json").write_text(json.dumps([f"{style} one", f"{style}\ntwo "]))
+    cmd = [sys.executable, "-m", "common.prompts", "hpdv2", str(tmp_path / "out.txt"), "--from", str(tmp_path)]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    lines = (tmp_path / "out.txt").read_text().splitlines()
+    assert lines[:3] == ["anime one", "anime two", "concept-art one"] and len(lines) == 8
+
+
+# ---------------------------------------------------------------- memory: dtypes, checkpointing, offload
+def denoiser_args(lora=True, checkpointing=False):
+    return SimpleNamespace(lora=lora, lora_rank=4, lora_alpha=4.0, gradient_checkpointing=checkpointing)
+
+
+@pytest.mark.parametrize("kind", ["flux", "sd3", "sd1"])
+def test_lora_keeps_the_frozen_base_in_bf16_and_the_adapter_in_fp32(kind, tiny_dir):
+    model = load_model(str(tiny_dir(kind)), dtype=torch.bfloat16, resolution=RES)
+    denoiser = trainable_denoiser(model, denoiser_args())
+    trained = [p for p in denoiser.parameters() if p.requires_grad]
+    frozen = [p for p in denoiser.parameters() if not p.requires_grad]
+    assert trained and all(p.dtype == torch.float32 for p in trained)
+    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
+    assert all(p.dtype == torch.bfloat16 for m in [*model.text_encoders, model.vae] for p in m.parameters())
+    # full fine-tuning: fp32 master weights for the optimizer
+    full = trainable_denoiser(
+        load_model(str(tiny_dir(kind)), dtype=torch.bfloat16, resolution=RES), denoiser_args(False)
+    )
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in full.parameters())
+
+
+@pytest.mark.parametrize("kind", ["flux", "sd3"])
+def test_gradient_checkpointing_gives_ratio_one_and_the_same_gradient(kind, tiny_dir):
+    """One DanceGRPO micro-batch (rollout, then the clipped loss on two SDE steps), with and without checkpointing:
+    the first ratio is exactly 1 and the LoRA gradients are equal."""
+    grads, path = [], str(tiny_dir(kind))
+    for checkpointing in (False, True):
+        torch.manual_seed(0)  # the same LoRA init
+        model = load_model(path, resolution=RES)
+        transformer = trainable_denoiser(model, denoiser_args(checkpointing=checkpointing))
+        with torch.no_grad():  # a non-zero adapter, so the gradient reaches lora_A too
+            for name, p in transformer.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(hash(name) % 1000))
+        assert transformer.is_gradient_checkpointing == checkpointing
+        sigmas = D.sigma_schedule(4, 3.0)
+        g = D.noise_g(sigmas, "flow", 0.7)
+        gen = torch.Generator().manual_seed(1)
+        x0 = torch.randn(2, *model.latent_shape(), generator=gen)
+        noise = torch.randn(2, 4, *model.latent_shape(), generator=gen)
+        cond = model.encode_prompts(PROMPTS)
+        transformer.eval()
+        latents, old_log_probs = D.rollout(model, transformer, cond, x0, noise, sigmas, g, [0, 1, 2], 1.0, nullcontext)
+        transformer.train()
+        adv = torch.tensor([1.0, -1.0])
+        for i in (0, 2):
+            v = model.velocity(transformer, latents[:, i], sigmas[i].expand(2), cond)
+            _, log_prob, _, _ = D.sde_step(
+                latents[:, i], v, sigmas[i], sigmas[i + 1], g[i], prev_sample=latents[:, i + 1]
+            )
+            loss, ratio = D.grpo_loss(log_prob, old_log_probs[:, i], adv, 1e-3)
+            assert torch.equal(ratio, torch.ones(2))
+            loss.mean().backward()
+        grads.append({n: p.grad.clone() for n, p in transformer.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and any(g.abs().sum() > 0 for g in grads[0].values())
+    for name in grads[0]:
+        assert torch.equal(grads[1][name], grads[0][name]), name  # recomputed on the CPU: bit-equal
+
+
+def test_offload_frozen_moves_the_frozen_parts_only_around_their_work(tiny_dir, monkeypatch, tmp_path):
+    """With --offload-frozen the text encoders visit the device for encode_prompts and leave after it; the VAE and
+    the reward models come for decoding and scoring and leave at park(). (On this CPU-only machine the device is the
+    CPU, so the moves are recorded rather than seen.)"""
+    from common.rewards import build_reward
+    from tests.tiny import build_tiny_hps
+
+    moves = []
+    monkeypatch.setattr(
+        Offloaded, "_to", lambda self, device: moves.append((self, str(device))) if self.enabled else None
+    )
+    model = load_model(str(tiny_dir("flux")), resolution=RES, offload=True)
+    import functools
+
+    from common import rewards
+
+    ckpt = build_tiny_hps(tmp_path)
+    monkeypatch.setitem(rewards.REWARDS, "hpsv2.1", functools.partial(rewards.REWARDS["hpsv2.1"], arch="tiny-hps"))
+    reward = build_reward("hpsv2.1", "cpu", {"hpsv2.1": ckpt}, offload=True)
+    text, vae, hps = model._text, model._vae, reward.components[0][2].parts
+    assert moves == [(hps, "cpu")]  # built, then parked
+    cond = model.encode_prompts(PROMPTS)
+    assert moves[1:] == [(text, "cpu"), (text, "cpu")]  # fetched to the device (here the CPU), then parked
+    images = model.decode(torch.randn(2, *model.latent_shape()))
+    reward(images, PROMPTS)
+    model.park(), reward.park()
+    assert moves[3:] == [(vae, "cpu"), (hps, "cpu"), (vae, "cpu"), (hps, "cpu")]
+    assert cond["prompt_embeds"].shape[0] == 2 and text.modules == model.text_encoders and vae.modules == [model.vae]
+
+
+# ---------------------------------------------------------------- run.sh: the one source of GPU commands
+def recipe(name, **env):
+    out = subprocess.run(
+        ["bash", "run.sh", "--print", name],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", **env},
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def gpu_recipes():
+    names = subprocess.run(["bash", "run.sh", "--list"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    return [n for n in names if re.search("flux|sd35|sd15", n)]
+
+
+def test_every_gpu_recipe_parses_and_uses_the_memory_settings():
+    assert len(gpu_recipes()) >= 15
+    for name in gpu_recipes():
+        words = shlex.split(recipe(name, PROMPTS="p.txt", NUM_MACHINES="2", MAIN_IP="ip", MACHINE_RANK="0"))
+        script = next(w for w in words if w in SCRIPTS)
+        flags = words[words.index(script) + 1 :]
+        args = tyro.cli(SCRIPTS[script].Args, args=flags)  # a typo in a recipe fails here
+        assert args.gradient_checkpointing and args.mixed_precision == "bf16", name
+        assert args.prompts == args.eval_prompts == "p.txt" and args.reward == "hpsv2.1" and not args.reward_ckpt
+        assert args.model_id != "shapesbench"
+
+
+def test_gpu_recipe_without_prompts_says_where_to_get_them(tmp_path):
+    out = subprocess.run(["bash", "run.sh", "branchgrpo-flux-8gpu"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.startswith("error: run.sh branchgrpo-flux-8gpu: set PROMPTS")
+    assert "python -m common.prompts hpdv2" in out.stderr and "zhwang/HPDv2" in out.stderr
+    assert "--reward-ckpt hpsv2.1=/h/HPS.pt" in recipe("vgrpo-flux-1gpu", PROMPTS="p.txt", HPS="/h/HPS.pt")
+    printed = recipe("dancegrpo-flux-8gpu")
+    assert "--prompts $PROMPTS --eval-prompts $PROMPTS" in printed and "/path/to" not in printed
+
+
+def print_blocks(text):
+    """(recipe, command) for each `bash run.sh --print NAME` line followed by the command it printed."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        m = re.search(r"bash run\.sh --print ([a-z0-9-]+)\s*$", line)
+        if m:
+            yield m.group(1), lines[i + 1].strip()
+
+
+def test_docs_show_each_gpu_command_as_run_sh_prints_it():
+    """Every FLUX / SD3.5 / SD1.5 command in the README, docs/ and the scripts is run.sh's own, printed by
+    `bash run.sh --print RECIPE`; no hand-copied variant."""
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *(ROOT / s for s in SCRIPTS)]
+    shown = 0
+    for f in files:
+        text = f.read_text()
+        printed = dict(print_blocks(text))
+        for name, command in printed.items():
+            assert command == recipe(name), f"{f.name}: the command under `bash run.sh --print {name}` is stale"
+        shown += len(printed)
+        for line in text.splitlines():  # any other launch line with a real model would be a hand copy
+            if re.search(r"--model-id (black-forest-labs|stabilityai|stable-diffusion-v1-5)/", line):
+                assert line.strip() in printed.values(), f"{f.name}: a GPU command that is not a run.sh recipe: {line}"
+    assert shown >= 3
