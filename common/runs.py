@@ -237,6 +237,27 @@ class TrainState:
         self.iteration, self.optimizer_steps = d["iteration"], d.get("optimizer_steps", 0)
 
 
+def _save_trained_only(models, weights, output_dir) -> None:
+    """accelerate save_state hook (--lora): keep only the trained parameters of each model's state dict."""
+    for i, model in enumerate(models):
+        trained = {name for name, p in model.named_parameters() if p.requires_grad}
+        weights[i] = {k: v for k, v in weights[i].items() if k in trained}
+
+
+def _load_trained_only(models, input_dir) -> None:
+    """accelerate load_state hook (--lora): load the trained parameters saved by _save_trained_only (the frozen base
+    comes from --model-id) and take the models off accelerate's own, strict, loading."""
+    from safetensors.torch import load_file
+
+    for i, model in enumerate(models):
+        state = load_file(Path(input_dir) / ("model.safetensors" if i == 0 else f"model_{i}.safetensors"))
+        trained = {name for name, p in model.named_parameters() if p.requires_grad}
+        if set(state) != trained:
+            raise ValueError(f"the checkpoint's {len(state)} tensors are not this run's {len(trained)} trained ones")
+        model.load_state_dict(state, strict=False)
+    models.clear()
+
+
 def _newest_checkpoint(run_dir: Path) -> Path | None:
     return max((run_dir / "checkpoints").glob("iter_*"), default=None)
 
@@ -274,7 +295,8 @@ class Run:
             metrics.jsonl        one JSON line per iteration (training scalars) and per evaluation
             events.out.tfevents* TensorBoard: the same scalars and the sample grids
             samples/             fixed-seed sample grids (PNG)
-            checkpoints/iter_N/  accelerate save_state: weights, optimizer, RNG, the iteration (newest kept)
+            checkpoints/iter_N/  accelerate save_state: trained weights (with --lora the adapter alone), optimizer,
+                                 RNG, the iteration (newest kept)
             final/               the trained weights, loadable by diffusers
     """
 
@@ -300,6 +322,9 @@ class Run:
         self.ckpt_dir = self.dir / "checkpoints"
         self.state = TrainState()
         accelerator.register_for_checkpointing(self.state)
+        if args.lora:  # checkpoints hold the adapter, not a copy of the frozen base (24 GB for FLUX.1-dev)
+            accelerator.register_save_state_pre_hook(_save_trained_only)
+            accelerator.register_load_state_pre_hook(_load_trained_only)
         self.title, self._tb, self._wandb = title, None, None
         self.grad_norms, self.skipped = [], 0  # this iteration's optimizer steps (see step())
         self.lr = args.learning_rate  # the last optimizer step's learning rate (see --lr-warmup)

@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 import tyro
+from safetensors.torch import load_file
 
 import dancegrpo as D
 from common import InputError
@@ -156,6 +157,8 @@ def test_resume_gives_the_same_weights(tmp_path):
     run_script(common + ["--exp-name", "resumed", "--iterations", "2"], tmp_path)
     run_script(common + ["--exp-name", "resumed", "--iterations", "4", "--resume-from", "latest"], tmp_path)
     assert_same_trained_weights(tmp_path / "straight", tmp_path / "resumed")
+    saved = load_file(find_run(tmp_path / "resumed") / "checkpoints" / "iter_000004" / "model.safetensors")
+    assert saved and all("lora_" in k for k in saved)  # a LoRA checkpoint holds the adapter, not the frozen base
     lrs = [[r["charts/lr"] for r in metrics(tmp_path / name) if "charts/lr" in r] for name in ("straight", "resumed")]
     assert lrs[0] == lrs[1] and len(lrs[0]) == 4 and lrs[0] == sorted(set(lrs[0]))  # rising, never restarted
 

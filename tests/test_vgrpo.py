@@ -364,29 +364,19 @@ def test_kl_to_the_base_starts_at_zero_and_grows_while_the_behaviour_kl_stays_ze
 def test_two_processes_keep_identical_weights_and_pairs(tmp_path):
     launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2")
     # groups of 4 over 2 processes x 2 samples: every group spans both processes
+    ddp = ["--samples-per-device", "2", "--rollout-batch-size", "2", "--images-per-update", "2"]
     run_script(
-        TINY_RUN
-        + [
-            "--exp-name",
-            "ddp",
-            "--samples-per-device",
-            "2",
-            "--rollout-batch-size",
-            "2",
-            "--images-per-update",
-            "2",
-            "--eval-every",
-            "0",
-        ],
-        tmp_path,
-        launcher,
-        {"ACCELERATE_USE_CPU": "1"},
+        TINY_RUN + ddp + ["--exp-name", "ddp", "--eval-every", "0"], tmp_path, launcher, {"ACCELERATE_USE_CPU": "1"}
     )
     train = [r for r in metrics(tmp_path / "ddp") if "losses/policy" in r]
     assert len(train) == 2 and all(r["charts/rank_pairs_spread"] == 0 for r in train)  # same (t, eps) on both ranks
     assert all(r["losses/first_log_ratio_max_abs"] == 0 for r in train)
     last = [r for r in train if "charts/rank_weight_spread" in r][-1]
     assert last["iteration"] == 2 and last["charts/rank_weight_spread"] == 0
+    # a LoRA checkpoint (the adapter alone) written and read back under DDP
+    resume = ["--exp-name", "ddp", "--iterations", "3", "--resume-from", "latest", "--eval-every", "0"]
+    run_script(TINY_RUN + ddp + resume, tmp_path, launcher, {"ACCELERATE_USE_CPU": "1"})
+    assert [r["iteration"] for r in metrics(tmp_path / "ddp") if "losses/policy" in r][-1] == 3
 
 
 def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
