@@ -6,32 +6,34 @@
 #   dancegrpo-verifier-cpu DanceGRPO on ShapesBench rewarded by the programmatic verifier 
 #   mixgrpo-cpu            MixGRPO (4-step sliding SDE window) on ShapesBench, 120 iterations (it learns there)
 #   dancegrpo-cpu-2proc    the same, 2 CPU processes (gloo): groups span processes
-#   dancegrpo-flux-1gpu    FLUX.1-dev + HPSv2.1, LoRA, 1 GPU
-#   dancegrpo-flux-8gpu    FLUX.1-dev + HPSv2.1, LoRA, 8 GPUs (DDP)
-#   dancegrpo-flux-fsdp8   FLUX.1-dev + HPSv2.1, full fine-tuning, 8 GPUs (FSDP)
+#   dancegrpo-flux-1gpu    FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 1 GPU; 41 GB per GPU
+#   dancegrpo-flux-8gpu    FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 8 GPUs (DDP); 42 GB per GPU
+#   dancegrpo-flux-fsdp8   FLUX.1-dev + HPSv2.1, full fine-tuning, 720 px, 8 GPUs (FSDP); 34 GB per GPU
+#   dancegrpo-sd35-8gpu    SD3.5-Medium + HPSv2.1 (Flow-GRPO's setting), LoRA r32, 512 px, 8 GPUs (DDP); 24 GB per GPU
 #   dancegrpo-flux-multinode  LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES (MAIN_PORT=29500)
 #   branchgrpo-cpu         BranchGRPO on ShapesBench, 1 CPU process ; add --pruning depth|width|mix
 #   branchgrpo-verifier-cpu  BranchGRPO on ShapesBench rewarded by the programmatic verifier
 #   branchgrpo-cpu-2proc   the same, 2 CPU processes (gloo)
-#   branchgrpo-flux-1gpu   FLUX.1-dev + HPSv2.1, LoRA, depth pruning, 1 GPU
-#   branchgrpo-flux-8gpu   FLUX.1-dev + HPSv2.1, LoRA, depth pruning, 8 GPUs (DDP)
-#   branchgrpo-flux-fsdp8  FLUX.1-dev + HPSv2.1, full fine-tuning (the paper's setting), depth pruning, 8 GPUs (FSDP)
+#   branchgrpo-flux-1gpu   FLUX.1-dev + HPSv2.1, LoRA r128, depth pruning, 720 px, 1 GPU; 44 GB per GPU
+#   branchgrpo-flux-8gpu   FLUX.1-dev + HPSv2.1, LoRA r128, depth pruning, 720 px, 8 GPUs (DDP); 45 GB per GPU
+#   branchgrpo-flux-fsdp8  FLUX.1-dev + HPSv2.1, full fine-tuning (the paper's setting), depth pruning, 8 GPUs (FSDP); 39 GB per GPU
 #   branchgrpo-flux-multinode  LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
 #   vgrpo-cpu              V-GRPO on ShapesBench, 1 CPU process
 #   vgrpo-verifier-cpu     V-GRPO on ShapesBench rewarded by the programmatic verifier
 #   vgrpo-nokl-cpu         reward hacking on purpose: all weights, no KL, no weight decay (a background texture)
 #   vgrpo-naive-cpu        the naive ELBO surrogate (no stratification, no shared pairs, no self-normalisation)
 #   vgrpo-cpu-2proc        the same as vgrpo-cpu, 2 CPU processes (gloo): groups span processes
-#   vgrpo-flux-1gpu        FLUX.1-dev + HPSv2.1, LoRA, 1 GPU
-#   vgrpo-flux-8gpu        FLUX.1-dev + HPSv2.1, LoRA, 8 GPUs (DDP)
-#   vgrpo-flux-fsdp8       FLUX.1-dev + HPSv2.1, full fine-tuning, 8 GPUs (FSDP)
+#   vgrpo-flux-1gpu        FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 1 GPU; 41 GB per GPU
+#   vgrpo-flux-8gpu        FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 8 GPUs (DDP); 42 GB per GPU
+#   vgrpo-flux-fsdp8       FLUX.1-dev + HPSv2.1, full fine-tuning, 720 px, 8 GPUs (FSDP); 34 GB per GPU
+#   vgrpo-sd35-8gpu        SD3.5-Medium + HPSv2.1 (the paper's stage 1), LoRA r32, 512 px, 8 GPUs (DDP); 24 GB per GPU
 #   vgrpo-flux-multinode   LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
 #   rlr-cpu                RLR on ShapesBench, 1 CPU process
 #   rlr-v1-cpu             RLR ablation V1: first-order term only (AlignProp with K = 1)
 #   rlr-v2-cpu             RLR ablation V2: no zero-order term (biased)
 #   rlr-cpu-2proc          2 CPU processes (gloo)
-#   rlr-sd15-1gpu          SD1.5 + HPSv2.1, DDIM eta 1, LoRA r=4, 1 GPU
-#   rlr-sd15-8gpu          SD1.5 + HPSv2.1, LoRA, 8 GPUs (DDP)
+#   rlr-sd15-1gpu          SD1.5 + HPSv2.1, DDIM eta 1, LoRA r4, 512 px, 1 GPU; 17 GB per GPU
+#   rlr-sd15-8gpu          SD1.5 + HPSv2.1, LoRA r4, 512 px, 8 GPUs (DDP); 17 GB per GPU
 #   rlr-sd15-multinode     LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
 #   compare                every method at its defaults, side by side (benchmarks/compare.py); add --quick
 #
@@ -41,7 +43,8 @@
 #   EVAL_PROMPTS  held-out prompts (default: PROMPTS); evaluation uses a fixed subset of 48 (--eval-max-prompts)
 #   HPS           HPS_v2.1_compressed.pt (default: downloaded from the hub, xswu/HPSv2, on first use)
 #   MODEL_ID      a local diffusers folder, if the hub is not reachable (default: the hub id of the recipe's model)
-# Memory per GPU is the plan of benchmarks/memory.py (docs/gpu.md); none of these recipes has been run at full size.
+# GB per GPU: the plan of benchmarks/memory.py (docs/gpu.md), not a measurement: no recipe has run at full size yet.
+# --print shows a recipe's command; multinode recipes have the per-GPU memory of their 8gpu one.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PY:-.venv/bin/python}

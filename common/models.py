@@ -88,13 +88,14 @@ class _Parts:
         self._text, self._vae = Offloaded(self.text_encoders, "cpu", False), Offloaded([vae], "cpu", False)
         self._uncond = None  # encode_prompts([""]) for CFG, computed on first use and dropped by .to()
 
-    def to(self, device=None, dtype=None, offload: bool = False):
-        """Everything to `device` / `dtype`; with `offload` (--offload-frozen) the frozen parts go to the CPU instead."""
+    def to(self, device=None, dtype=None, offload: bool | None = None):
+        """Everything to `device` / `dtype`; with `offload` (--offload-frozen) the frozen parts go to the CPU instead
+        (None: as before)."""
         self.device = torch.device(device) if device is not None else self.device
-        self.offload = offload
-        self._text, self._vae = (Offloaded(m, self.device, offload) for m in (self.text_encoders, [self.vae]))
+        self.offload = self.offload if offload is None else offload
+        self._text, self._vae = (Offloaded(m, self.device, self.offload) for m in (self.text_encoders, [self.vae]))
         _move([self._denoiser], device, dtype)
-        _move([*self.text_encoders, self.vae], "cpu" if offload else device, dtype)
+        _move([*self.text_encoders, self.vae], "cpu" if self.offload else device, dtype)
         self._uncond = None
         return self
 

@@ -353,7 +353,10 @@ class Run:
         n = sum(p.numel() for p in params) / 1e6
         self.accelerator.print(
             f"***** {self.title} *****\n  model {a.model_id} ({model.kind}), latent {tuple(model.latent_shape())}, "
-            f"{mode}, {n:.2f}M trainable params, mixed precision {a.mixed_precision}\n"
+            f"{mode}, {n:.2f}M trainable params, mixed precision {a.mixed_precision}"
+            + (", gradient checkpointing" if a.gradient_checkpointing else "")
+            + (", frozen parts on the CPU between uses" if a.offload_frozen else "")
+            + "\n"
             + "".join(f"  {line}\n" for line in lines)
             + f"  reward {a.reward}, lr {a.learning_rate}, iterations {a.iterations}\n  {self.eval_line}\n"
             + f"  run folder {self.dir}"
@@ -614,19 +617,22 @@ class Evaluator:
             [torch.randn(shape, generator=keyed_generator(self.args.seed, tag, offset + j)) for j in range(n)]
         )
 
+    def _sample(self, prompts: list[str], tag: str, desc: str) -> torch.Tensor:
+        """ODE samples (N, 3, H, W) of `prompts` from noise keyed on (seed, tag, index), in chunks of the batch size
+        (a VAE decode at 720 px needs most of a GB per image: docs/gpu.md)."""
+        device, images = self.run.accelerator.device, []
+        chunks = range(0, len(prompts), self.batch_size)
+        for i in tqdm(chunks, desc=desc, leave=False, disable=not self.run.accelerator.is_local_main_process):
+            chunk = prompts[i : i + self.batch_size]
+            images.append(self.sampler(self.model.encode_prompts(chunk), self._noise(tag, len(chunk), i).to(device)))
+        return torch.cat(images)
+
     @torch.no_grad()
     def evaluate(self, step: int) -> dict:
         """ODE samples of the held-out prompts with fixed seeds -> metrics (also logged)."""
         from common import shapesbench
 
-        device, images = self.run.accelerator.device, []
-        chunks = range(0, len(self.prompts), self.batch_size)
-        for i in tqdm(
-            chunks, desc=f"eval @ {step}", leave=False, disable=not self.run.accelerator.is_local_main_process
-        ):
-            chunk = self.prompts[i : i + self.batch_size]
-            images.append(self.sampler(self.model.encode_prompts(chunk), self._noise("eval", len(chunk), i).to(device)))
-        images = torch.cat(images)
+        images = self._sample(self.prompts, "eval", f"eval @ {step}")
         total, parts = self.reward_fn(images, self.prompts)
         metrics = {
             "eval/reward": total.mean().item(),
@@ -644,8 +650,8 @@ class Evaluator:
 
     @torch.no_grad()
     def grid(self, step: int) -> None:
-        device, prompts = self.run.accelerator.device, self.grid_prompts
-        images = self.sampler(self.model.encode_prompts(prompts), self._noise("grid", len(prompts)).to(device))
+        prompts = self.grid_prompts
+        images = self._sample(prompts, "grid", f"grid @ {step}")
         r, _ = self.reward_fn(images, prompts)
         ok = None
         if self.model.kind == "shapes":
@@ -662,4 +668,6 @@ class Evaluator:
                 self.grid(step)
             if due(self.args.eval_every):
                 self.evaluate(step)
+        self.model.park()  # --offload-frozen: the VAE and the reward models leave the GPU until they are needed
+        self.reward_fn.park()
         self.run.accelerator.wait_for_everyone()

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The prepared GPU check (benchmarks/gpu_check.py has what it measures): FLUX.1-dev-sized random weights, bf16, LoRA,
+# 512 px, 2 iterations each of dancegrpo.py, branchgrpo.py --pruning depth and vgrpo.py on one GPU, no internet.
+#   bash benchmarks/gpu_check.sh [--out DIR]     # one H100 / H200-class GPU; stops itself after 8 minutes
+#   bash benchmarks/gpu_check.sh --tiny          # tiny models on the CPU: the harness only
+# Needs the packages of requirements.txt; a GPU machine without diffusers, tyro or open_clip_torch gets them as
+# wheels (docs/gpu.md, "The GPU check").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -z "${PY:-}" ]; then PY=python3; [ -x .venv/bin/python ] && PY=.venv/bin/python; fi
+exec timeout "${GPU_CHECK_LIMIT_S:-480}" "$PY" benchmarks/gpu_check.py "$@"

@@ -1,0 +1,1099 @@
+"""Per-GPU memory plan of every GPU recipe in run.sh, measured without a GPU: fake tensors, real architectures.
+
+    python benchmarks/memory.py                                # every GPU recipe: a markdown table (~7 min)
+    python benchmarks/memory.py --out docs/gpu_memory.md       # the same, also written to a file
+    python benchmarks/memory.py --recipes vgrpo-flux-8gpu      # some recipes only
+    OMP_NUM_THREADS=1 python benchmarks/memory.py --cross-check   # the estimate against a real CPU run (~4 min)
+
+Each recipe's command comes from `bash run.sh --print NAME` (`--list` names them; GPU recipes are those on flux,
+sd35 or sd15, less the multi-node ones, whose per-GPU memory is their 8-GPU twin's); its flags are parsed by the
+script's own `Args` (tyro), and the process count and FSDP come from the accelerate config it names. The models are
+built from their published configs (the constants below) inside `FakeTensorMode`: every tensor has a shape, a dtype
+and a size but no data, so FLUX.1-dev's 12B parameters cost nothing, and `MemTracker` (torch.distributed._tools)
+follows every storage that each phase allocates and frees. What the repository decides comes from its code:
+`common.models.trainable_denoiser` (the LoRA adapter via `add_lora` and `LORA_TARGETS`, which weights are fp32 and
+which stay bf16, gradient checkpointing), `common.rewards.hps_pixels`, each script's `Args` and tree sizes.
+`estimate()` is the same plan for any script and flags (benchmarks/gpu_check.py prints it next to a measured peak).
+
+An iteration is modelled in phases; the peak is the largest:
+    encode      the text encoders on the prompt batch (no grad)
+    rollout     no-grad denoiser forwards of the rollout batch (V-GRPO: also its behaviour pass, train-batch x N_MC)
+    decode      the VAE on the decode batch, then HPSv2.1 on the reward batch (no grad)
+    train       one training micro-step: the micro-batch's forward (and the KL reference's), backward, AdamW step,
+                with the gradients of the earlier micro-steps accumulated; RLR: its first-order term (the last step,
+                the VAE and HPS with a graph), then its half-order sub-chain
+    evaluate    Evaluator: the sample grid (16 images, sampled and decoded a rollout batch at a time) and the held-out
+                evaluation (every image kept, concatenated and scored at once; at most --eval-max-prompts)
+Resident in every phase: the trainable weights, the frozen denoiser weights, the AdamW state (2 fp32 tensors per
+trainable parameter), DDP's gradient buckets (one more fp32 copy of the gradients), the rollout data (latents of every
+trajectory or tree node, conditioning, decoded images, in the dtypes the scripts keep them) and the frozen parts.
+With --offload-frozen the text encoders are on the GPU only while encoding; the VAE and the reward model leave it
+before each training phase and after each evaluation (the scripts and the Evaluator park them) and come back for
+decoding and scoring.
+
+Modelling assumptions (each moves a figure by a few percent at most):
+  * bytes are what tensors occupy (rounded up to 512 B, as the CUDA caching allocator does): what
+    torch.cuda.max_memory_allocated counts, not what the allocator reserves (fragmentation, its cache; expect
+    nvidia-smi to show 5-15% more), nor the CUDA context (~0.5 GB), cuBLAS / NCCL workspaces and buffers;
+  * bf16 autocast runs on the CPU (a fake CUDA tensor cannot run a backward without a GPU), with CUDA's op policy:
+    CPU autocast casts matmuls, convolutions and attention to bf16 as CUDA does, and `_CudaAutocastPolicy` adds
+    CUDA's fp32 ops (layer / group norm, softmax, pow, exp, log, rsqrt), whose outputs are fp32 on a GPU; attention
+    is a fused kernel on both (flash attention on the CPU, flash / memory-efficient on CUDA: no L x L matrix);
+  * AdamW runs its foreach implementation (the default on CUDA), whose temporaries count in the train phase;
+  * FSDP (FULL_SHARD, one unit per block class named in the accelerate config) is modelled, not run: fp32 weights,
+    gradients and AdamW state are divided by the process count; the working set is the root unit and two gathered
+    block units (the current one and the prefetched one) in bf16, plus one unit's unsharded bf16 gradients; the
+    activations are measured on the unsharded module in bf16, each gradient freed once accumulated (FSDP
+    reduce-scatters it); the config's fsdp_activation_checkpointing counts as --gradient-checkpointing;
+  * the GRPO scripts' loss maths (log-probs and ratios on (micro-batch, *latent) fp32 tensors, a few MB) is a mean
+    square of the denoiser output here; RLR's loss runs in full, through the VAE and HPS;
+  * the held-out evaluation is sized for --eval-max-prompts prompts (fewer if the prompt file is shorter).
+The cross-check (--cross-check) runs one training micro-step of a real FLUX.1-dev with 1 double + 1 single block at
+full width on the CPU and extrapolates it per block to 19 + 38 blocks: it came within 0.5% of the estimate, with
+gradient checkpointing and without.
+GB are 10^9 bytes throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import types
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_map_only  # noqa: E402
+
+GB = 1e9
+SCRIPTS = ("dancegrpo", "branchgrpo", "vgrpo", "rlr")
+
+# ---------------------------------------------------------------------------------------------------
+# Published configurations (no weights are read; these are the hub configs' values)
+# ---------------------------------------------------------------------------------------------------
+# black-forest-labs/FLUX.1-dev transformer/config.json: diffusers' FluxTransformer2DModel defaults with the guidance
+# embedding (19 double + 38 single blocks, width 3072, 11.9B parameters)
+FLUX_DEV = dict(
+    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
+    joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+)  # fmt: skip
+# stabilityai/stable-diffusion-3.5-medium transformer/config.json (2.24B parameters built from it). Not verified
+# against the file here (no hub access): dual_attention_layers = blocks 0-12 and pos_embed_max_size 384 are from
+# memory; the other values are SD3-Medium's, which 3.5-Medium shares.
+SD35_MEDIUM = dict(
+    sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
+    joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
+    pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+)  # fmt: skip
+# stable-diffusion-v1-5/stable-diffusion-v1-5 unet/config.json: diffusers' UNet2DConditionModel defaults with CLIP-L's
+# width as cross-attention width (860M parameters)
+SD15_UNET = dict(cross_attention_dim=768, sample_size=64)
+# openai/clip-vit-large-patch14 text config (FLUX.1 and SD3 text_encoder, SD1.5 text_encoder; 123M)
+CLIP_L = dict(
+    vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+    max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=768,
+)  # fmt: skip
+# SD3 text_encoder_2/config.json, the text tower of laion/CLIP-ViT-bigG-14 (695M)
+CLIP_G = dict(
+    vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+    max_position_embeddings=77, hidden_act="gelu", projection_dim=1280,
+)  # fmt: skip
+# FLUX.1-dev / SD3 text_encoder_2 (_3)/config.json: the T5 v1.1 XXL encoder (4.76B)
+T5_XXL = dict(
+    vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, feed_forward_proj="gated-gelu",
+    relative_attention_num_buckets=32, relative_attention_max_distance=128,
+)  # fmt: skip
+# FLUX.1-dev vae/config.json (SD3.5's VAE has the same architecture, other scaling / shift factors; 84M)
+VAE_16CH = dict(
+    latent_channels=16, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+    use_quant_conv=False, use_post_quant_conv=False,
+)  # fmt: skip
+# stable-diffusion-v1-5 vae/config.json (84M)
+VAE_4CH = dict(
+    latent_channels=4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+)  # fmt: skip
+# HPSv2.1 is open_clip's ViT-H-14 (986M), kept in fp32 by common/rewards.py; None = open_clip's registered config
+HPS = None
+
+# A CPU-sized FLUX for tests and `benchmarks/gpu_check.py --tiny` (a model_config of estimate()): the same classes with
+# gpu_check.py's tiny sizes, and tests/tiny.py's HPS (open_clip config 'tiny-hps')
+TINY_FLUX = {
+    "denoiser": dict(
+        num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+        pooled_projection_dim=32, axes_dims_rope=(4, 4, 8),
+    ),
+    "text": [
+        ("clip", dict(CLIP_L, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2), 77),
+        ("t5", dict(T5_XXL, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2), 512),
+    ],
+    "vae": dict(
+        block_out_channels=(16, 32), layers_per_block=1, norm_num_groups=8,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+    ),
+    "reward": {
+        "embed_dim": 32,
+        "vision_cfg": {"image_size": 224, "layers": 1, "width": 64, "head_width": 32, "patch_size": 32},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+    },
+}  # fmt: skip
+
+# Per model kind: the denoiser, its text encoders (family, config, tokens per prompt as the pipeline pads them), the
+# VAE, the reward model, the native resolution, and the FSDP units when no accelerate config names them.
+MODELS = {
+    "flux": dict(
+        denoiser=FLUX_DEV, text=[("clip", CLIP_L, 77), ("t5", T5_XXL, 512)], vae=VAE_16CH, reward=HPS,
+        resolution=1024, fsdp_units=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+    ),  # FluxPipeline pads prompts to 512 T5 tokens
+    "sd3": dict(
+        denoiser=SD35_MEDIUM, text=[("clip", CLIP_L, 77), ("clip", CLIP_G, 77), ("t5", T5_XXL, 256)], vae=VAE_16CH,
+        reward=HPS, resolution=1024, fsdp_units=("JointTransformerBlock",),
+    ),  # StableDiffusion3Pipeline: 256 T5 tokens
+    "sd1": dict(
+        denoiser=SD15_UNET, text=[("clip", CLIP_L, 77)], vae=VAE_4CH, reward=HPS, resolution=512,
+        fsdp_units=("BasicTransformerBlock", "ResnetBlock2D"),
+    ),
+}  # fmt: skip
+
+
+def model_kind(model_id: str) -> str:
+    """--model-id -> 'flux' / 'sd3' / 'sd1', by name (nothing is read from the hub)."""
+    low = model_id.lower()
+    if "flux" in low:
+        return "flux"
+    if "stable-diffusion-3.5" in low and "large" not in low:
+        return "sd3"
+    if "stable-diffusion-v1" in low:
+        return "sd1"
+    raise ValueError(f"--model-id {model_id}: not FLUX.1, SD3.5-Medium or SD1.5, whose published configs are here")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Recipes: run.sh is the source of truth
+# ---------------------------------------------------------------------------------------------------
+def _run_sh(*args: str) -> str:
+    return subprocess.run(["bash", str(ROOT / "run.sh"), *args], capture_output=True, text=True, check=True).stdout
+
+
+def gpu_recipes() -> list[str]:
+    """run.sh's recipes on FLUX / SD3.5 / SD1.5 GPUs; multi-node ones are left out (per GPU as their 8-GPU twin)."""
+    names = _run_sh("--list").split()
+    return [n for n in names if any(k in n for k in ("flux", "sd35", "sd15")) and not n.endswith("-multinode")]
+
+
+@dataclass
+class Recipe:
+    name: str
+    script: str  # e.g. "dancegrpo"
+    flags: list[str]  # the script's flags
+    num_processes: int
+    fsdp: bool
+    fsdp_config: dict  # the accelerate config's fsdp_config ({} without FSDP)
+
+
+def parse_command(name: str, line: str) -> Recipe:
+    """One recipe's command line -> Recipe: the flags are the words after the script; processes and FSDP come from
+    the launcher's --config_file (num_processes, distributed_type) or --num_processes."""
+    import yaml
+
+    words = shlex.split(line)
+    at = next(i for i, w in enumerate(words) if Path(w).stem in SCRIPTS and w.endswith(".py"))
+    launcher, config = words[:at], {}
+    if "--config_file" in launcher:
+        config = yaml.safe_load((ROOT / launcher[launcher.index("--config_file") + 1]).read_text())
+    num = int(launcher[launcher.index("--num_processes") + 1]) if "--num_processes" in launcher else None
+    fsdp = config.get("distributed_type") == "FSDP"
+    return Recipe(
+        name, Path(words[at]).stem, words[at + 1 :], num or config.get("num_processes", 1), fsdp,
+        config.get("fsdp_config", {}) if fsdp else {},
+    )  # fmt: skip
+
+
+def recipe(name: str) -> Recipe:
+    return parse_command(name, _run_sh("--print", name).strip())
+
+
+# ---------------------------------------------------------------------------------------------------
+# The fake-tensor world and the memory tracker
+# ---------------------------------------------------------------------------------------------------
+def _fake_apply(self, fn, recurse=True):
+    """nn.Module._apply for fake tensors: `module.to(...)` swaps parameter tensors, which fake tensors refuse
+    ("Couldn't swap"); assigning `.data` works and frees the old storage just the same."""
+    if recurse:
+        for child in self.children():
+            child._apply(fn)
+    with torch.no_grad():
+        for p in self._parameters.values():
+            if p is not None:
+                p.data = fn(p)
+    for key, b in self._buffers.items():
+        if b is not None:
+            self._buffers[key] = fn(b)
+    return self
+
+
+@contextlib.contextmanager
+def fake_world():
+    """Build and run modules with fake tensors on the CPU: shapes, dtypes and sizes without data or compute."""
+    import diffusers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    diffusers.utils.logging.set_verbosity_error()  # "modules that should be kept in float32: []" on every .to(dtype)
+    original = torch.nn.Module._apply
+    torch.nn.Module._apply = _fake_apply
+    try:
+        with FakeTensorMode(), torch.device("cpu"):
+            yield
+    finally:
+        torch.nn.Module._apply = original
+
+
+# CUDA autocast computes these in fp32 (and returns fp32) where CPU autocast keeps the input dtype
+_FP32_OPS = {
+    F.layer_norm, F.group_norm, F.softmax, F.log_softmax, torch.layer_norm, torch.group_norm, torch.softmax,
+    torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax, torch.pow, torch.Tensor.pow,
+    torch.Tensor.__pow__, torch.exp, torch.Tensor.exp, torch.log, torch.Tensor.log, torch.rsqrt, torch.Tensor.rsqrt,
+}  # fmt: skip
+
+
+class _CudaAutocastPolicy(TorchFunctionMode):
+    """Inside CPU autocast, run CUDA autocast's fp32 ops in fp32, so activations get the dtypes they have on a GPU
+    (e.g. a LayerNorm output is fp32 there, and so is the modulation that follows it in FLUX / SD3 blocks)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FP32_OPS and torch.is_autocast_enabled("cpu"):
+            up = lambda t: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+            args, kwargs = tree_map_only(torch.Tensor, up, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def autocast(mixed_precision: str):
+    """The scripts' `accelerator.autocast()`: bf16 autocast with CUDA's op policy under --mixed-precision bf16."""
+    if mixed_precision != "bf16":
+        yield
+        return
+    with torch.autocast("cpu", dtype=torch.bfloat16), _CudaAutocastPolicy():
+        yield
+
+
+def checkpoint_under_policy(module, *args):
+    """diffusers' default gradient checkpointing (non-reentrant torch.utils.checkpoint), whose recomputation in the
+    backward also runs under _CudaAutocastPolicy: torch.utils.checkpoint restores the autocast state there, but a
+    function mode is not active inside the backward call."""
+    from torch.utils.checkpoint import checkpoint
+
+    policy = lambda: (contextlib.nullcontext(), _CudaAutocastPolicy())
+    return checkpoint(module.__call__, *args, use_reentrant=False, context_fn=policy)
+
+
+class _NoHook:
+    def remove(self):
+        pass
+
+
+class Tracker(MemTracker):
+    """MemTracker, for the device-wide peak only. The stock tracker also keeps every module's own peak, walking every
+    tracked module at every op (minutes per forward for FLUX's 3000 modules), installs gradient hooks on frozen
+    parameters too, which fails ("cannot register a hook on a tensor that doesn't require gradient"), and refuses a
+    second top-level call of a module (a KL reference forward, RLR's sub-chain), taking it for a second iteration."""
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            name = self._mod_tracker.get_known_fqn(module)
+            if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                del self.memory_tracking[module]  # its per-module stats start again; the device peak is unaffected
+        super()._pre_fw_hook(module, inputs)
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+        for p in module.parameters():
+            if not p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
+                self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        for dev, snap in self._curr_mem_snap.items():
+            if snap["Total"] > self._peak_mem.get(dev, 0):
+                self._peak_mem[dev] = snap["Total"]
+                self._peak_mem_snap[dev] = dict(snap)
+
+
+def _total(snapshot: dict) -> int:
+    return sum(s["Total"] for s in snapshot.values())
+
+
+def measure(run, *resident, tracker: MemTracker | None = None) -> int:
+    """Peak bytes that `run()` allocates on top of `resident` (every module, optimizer and tensor it uses that exists
+    before it: the tracker must know them, or their first use would count as new memory). `tracker`: one to use
+    (and read in hooks), instead of a new one."""
+    tracker = tracker or Tracker()
+    with warnings.catch_warnings():  # AdamW's state holds a None per parameter, which the tracker reports and skips
+        warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+        tracker.track_external(*resident)
+        with tracker:
+            start = _total(tracker.get_tracker_snapshot())
+            run()
+    return _total(tracker.get_tracker_snapshot("peak")) - start
+
+
+def nbytes(*tensors_or_modules) -> int:
+    """Bytes of tensors, or of the parameters and buffers of modules."""
+    n = 0
+    for x in tensors_or_modules:
+        if isinstance(x, torch.nn.Module):
+            n += sum(t.numel() * t.element_size() for t in [*x.parameters(), *x.buffers()])
+        elif x is not None:
+            n += x.numel() * x.element_size()
+    return n
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building the parts (inside fake_world)
+# ---------------------------------------------------------------------------------------------------
+def build_denoiser(kind: str, config: dict, dtype):
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
+
+    cls = {"flux": FluxTransformer2DModel, "sd3": SD3Transformer2DModel, "sd1": UNet2DConditionModel}[kind]
+    return cls(**config).to(dtype)
+
+
+def build_text_encoder(family: str, config: dict, dtype, with_projection: bool):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    if family == "t5":
+        return T5EncoderModel(T5Config(**config)).to(dtype).eval()
+    cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel  # SD3's CLIPs have a projection
+    return cls(CLIPTextConfig(**config)).to(dtype).eval()
+
+
+def build_vae(config: dict, dtype):
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(**config).to(dtype).eval()
+
+
+def build_reward(config: dict | None):
+    """HPSv2.1's CLIP in fp32 (common/rewards.py's hpsv2_1 never casts it)."""
+    import logging
+
+    import open_clip
+
+    if config is not None:
+        return open_clip.CLIP(**config).eval()
+    root, level = logging.getLogger(), logging.getLogger().level
+    root.setLevel(logging.ERROR)  # not "No pretrained weights loaded for model 'ViT-H-14'": none are wanted
+    try:
+        return open_clip.create_model("ViT-H-14", pretrained=None).eval()
+    finally:
+        root.setLevel(level)
+
+
+def trained_module(kind: str, config: dict, args, frozen_dtype, checkpointing: bool):
+    """The denoiser exactly as the scripts prepare it: loaded in the frozen dtype, then common.models'
+    trainable_denoiser (LoRA adapter and which weights are fp32, gradient checkpointing)."""
+    from common.models import trainable_denoiser
+
+    module = build_denoiser(kind, config, frozen_dtype)
+    holder = types.SimpleNamespace(kind=kind, unet=module, transformer=module)
+    module = trainable_denoiser(holder, args)
+    if checkpointing or module.is_gradient_checkpointing:  # FSDP's config can ask for it too
+        module.enable_gradient_checkpointing(checkpoint_under_policy)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forwards as common/models.py calls the parts
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class Shapes:
+    """Tensor shapes of one model at one resolution."""
+
+    kind: str
+    latent: tuple  # one image's latent as the scripts hold it (FLUX: packed tokens)
+    vae_latent: tuple  # what the VAE decodes
+    image: tuple  # (3, H, W)
+    cond: dict  # name -> per-prompt shape of the conditioning tensors
+
+    @staticmethod
+    def of(kind: str, parts: dict, resolution: int) -> "Shapes":
+        den, vae = parts["denoiser"], parts["vae"]
+        scale = 2 ** (len(vae["block_out_channels"]) - 1)
+        side = resolution // scale
+        vae_latent = (vae["latent_channels"], side, side)
+        if kind == "flux":
+            latent = ((side // 2) ** 2, den["in_channels"])  # 2x2 patches packed into tokens
+            t5_tokens = [n for fam, _, n in parts["text"] if fam == "t5"][0]
+            cond = {"prompt_embeds": (t5_tokens, den["joint_attention_dim"]), "pooled": (den["pooled_projection_dim"],)}
+        elif kind == "sd3":
+            latent = vae_latent
+            tokens = 77 + [n for fam, _, n in parts["text"] if fam == "t5"][0]  # CLIP-L+G and T5 tokens, concatenated
+            cond = {"prompt_embeds": (tokens, den["joint_attention_dim"]), "pooled": (den["pooled_projection_dim"],)}
+        else:
+            latent = vae_latent
+            cond = {"prompt_embeds": (77, den.get("cross_attention_dim", 1280))}
+        return Shapes(kind, latent, vae_latent, (3, resolution, resolution), cond)
+
+
+def denoise(shapes: Shapes, module, x):
+    """One denoiser forward of latents x (rows, *latent) fp32, as FlowModel.velocity / DDIMModel.eps call it (inputs
+    cast to the module's dtype; FLUX's guidance is an input, CFG rows are already in x). Returns fp32 like x."""
+    rows = len(x)
+    dt = next(module.parameters()).dtype
+    cond = {k: torch.zeros(rows, *s, dtype=dt) for k, s in shapes.cond.items()}  # values do not matter here
+    if shapes.kind == "flux":
+        tokens = shapes.cond["prompt_embeds"][0]
+        out = module(
+            hidden_states=x.to(dt), timestep=torch.full((rows,), 0.5, dtype=dt), guidance=torch.full((rows,), 3.5),
+            pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"],
+            txt_ids=torch.zeros(tokens, 3, dtype=dt), img_ids=torch.zeros(x.shape[1], 3, dtype=dt), return_dict=False,
+        )[0]  # fmt: skip
+    elif shapes.kind == "sd3":
+        out = module(
+            hidden_states=x.to(dt), timestep=torch.full((rows,), 500.0), encoder_hidden_states=cond["prompt_embeds"],
+            pooled_projections=cond["pooled"], return_dict=False,
+        )[0]  # fmt: skip
+    else:
+        t = torch.full((rows,), 500, dtype=torch.long)
+        out = module(x.to(dt), t, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+    return out.float()
+
+
+def encode_text(encoders, batch: int):
+    """The pipelines' prompt encoding: every text encoder on `batch` prompts padded to its token count."""
+    with torch.no_grad():
+        for family, module, tokens in encoders:
+            ids = torch.zeros(batch, tokens, dtype=torch.long)
+            module(ids, output_hidden_states=family == "clip")  # SD3 reads CLIP's penultimate hidden states
+
+
+def vae_decode(vae, shapes: Shapes, latents):
+    """common.models._vae_decode: (B, *latent) fp32 -> images (B, 3, H, W) fp32 in [0, 1]."""
+    if shapes.kind == "flux":
+        from diffusers import FluxPipeline
+
+        side = shapes.image[-1]
+        scale = side // shapes.vae_latent[-1]
+        latents = FluxPipeline._unpack_latents(latents, side, side, scale)
+    img = vae.decode(latents.to(next(vae.parameters()).dtype)).sample
+    return ((img + 1) / 2).clamp(0, 1).float()
+
+
+def hps_score(reward, images):
+    """common.rewards.hpsv2_1's score: HPS's resize-and-pad, then the image and text towers, in fp32."""
+    from common.rewards import hps_pixels
+
+    image = reward.encode_image(hps_pixels(images.float(), reward.visual.image_size[0]), normalize=True)
+    text = reward.encode_text(torch.zeros(len(images), 77, dtype=torch.long), normalize=True)
+    return (image * text).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What each script does per phase (batch sizes from its flags; rollout data it keeps)
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class Workload:
+    """Batch sizes of the phases (rows = denoiser batch, CFG included) and the rollout data kept on the GPU."""
+
+    prompts: int  # prompts encoded at once
+    rollout_rows: int  # no-grad denoiser batch (rollout, V-GRPO's behaviour pass)
+    decode: int  # images per VAE decode
+    reward: int  # images per reward call
+    train_rows: int  # denoiser batch of a training forward (GRPO) or of one RLR step
+    kl_forward: bool  # a no-grad reference forward inside the micro-step (its graph alive)
+    kl_copy: bool  # a frozen bf16 copy of the denoiser as KL reference (full fine-tuning)
+    data: int  # bytes of rollout data resident through the iteration
+    rlr: dict | None = None  # RLR: first-order rows, sub-chain length h, zero-order term
+
+
+def _bytes(shape, count=1, element=4) -> int:
+    n = count * element
+    for s in shape:
+        n *= s
+    return n
+
+
+def workload(script: str, args, shapes: Shapes, cfg: bool, frozen_bytes: int) -> Workload:
+    """From the script's parsed Args: its batches and the tensors it keeps (fp32 latents and images, conditioning
+    in the text encoders' dtype), read off its main loop."""
+    mult = 2 if cfg else 1
+    L, img = shapes.latent, shapes.image
+    cond = sum(_bytes(s, element=frozen_bytes) for s in shapes.cond.values())  # per prompt (CFG's uncond: one more)
+    if script == "dancegrpo":
+        S, R, T = args.samples_per_device, args.rollout_batch_size, args.num_steps
+        # chunks: latents (S, T + 1, *L) and log-probs (S, T); images (S, 3, H, W); the prompts' conditioning
+        data = _bytes(L, S * (T + 1)) + _bytes((S, T)) + _bytes(img, S) + cond * (S + 1)
+        full_ft_kl = args.kl_beta > 0 and not args.lora
+        return Workload(S, R * mult, R, S, R * mult, args.kl_beta > 0, full_ft_kl, data)
+    if script == "branchgrpo":
+        import branchgrpo
+
+        splits = branchgrpo.split_steps(args.split_schedule, args.num_steps, args.num_splits)
+        sizes = branchgrpo.tree_sizes(args.num_steps, splits, args.branch_factor)  # nodes per depth
+        P, Pu, M, R = args.trees_per_device, args.trees_per_update, sizes[-1], args.rollout_batch_size
+        # every tree's node states (fp32) and edge log-probs; every leaf's image; the trees' conditioning
+        data = _bytes(L, P * sum(sizes)) + _bytes((P * sum(sizes[1:]),)) + _bytes(img, P * M) + cond * (P + 1)
+        full_ft_kl = args.kl_beta > 0 and not args.lora
+        return Workload(Pu, R * mult, Pu * M, P * M, R * mult, args.kl_beta > 0, full_ft_kl, data)
+    if script == "vgrpo":
+        S, R, B, N = args.samples_per_device, args.rollout_batch_size, args.train_batch_size, args.n_mc
+        kl = args.kl_beta > 0
+        # final latents (S, *L), images, conditioning, behaviour values; with KL the reference's x0 (S, N, *L)
+        data = _bytes(L, S) + _bytes(img, S) + cond * (S + 1) + _bytes((S, N)) + (_bytes(L, S * N) if kl else 0)
+        full_ft_kl = kl and args.kl_ref == "base" and not args.lora
+        return Workload(S, max(R, B * N) * mult, R, S, B * N * mult, False, full_ft_kl, data)
+    if script == "rlr":
+        S, B, T = args.samples_per_device, args.rollout_batch_size, args.num_steps
+        h = args.subchain_len
+        if h is None:
+            import rlr
+
+            h = (
+                rlr.optimal_subchain_len(
+                    args.memory_budget_gb, T, args.ho_step_gb, args.zo_step_gb, args.variance_ratio
+                )
+                if args.memory_budget_gb is not None
+                else min(2, T - 1)
+            )
+        h = h if "ho" in args.terms else 0
+        # chunks: latents (S, T, *L) and their step noise (S, T - 1, *L) on the device; conditioning
+        data = _bytes(L, S * T) + _bytes(L, S * (T - 1)) + cond * (S + 1)
+        zo = "zo" in args.terms
+        return Workload(S, B * mult, B, B, B * mult, False, False, data, rlr={"rows": B, "h": h, "zo": zo})
+    raise ValueError(f"unknown script {script}")
+
+
+def grpo_train(shapes: Shapes, module, work: Workload, mp: str, optimizer, tracker=None) -> int:
+    """Peak of one GRPO micro-step above its resident state: the micro-batch's forward with a graph (and the KL
+    reference's no-grad forward while that graph is alive), backward, and the AdamW step (None under FSDP)."""
+
+    def step():
+        x = torch.zeros(work.train_rows, *shapes.latent)
+        with autocast(mp):
+            v = denoise(shapes, module, x)
+        loss = v.square().mean()
+        if work.kl_forward:  # LoRA: the adapter switched off; full fine-tuning: a frozen copy (same activations)
+            with torch.no_grad(), autocast(mp):
+                v_ref = denoise(shapes, module, x)
+            loss = loss + (v - v_ref).square().mean()
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+
+    return measure(step, module, *([optimizer] if optimizer is not None else []), tracker=tracker)
+
+
+def rlr_train(shapes: Shapes, module, vae, reward, work: Workload, cfg: bool, mp: str, optimizer) -> int:
+    """Peak of rlr.py's train phase above its resident state, the larger of its two backward passes: the first-order
+    term (the last step with a graph, the VAE decode and HPS, backward) and the half-order term (h steps with a graph
+    from a constant x_j, backward; then the AdamW step)."""
+    import rlr
+
+    rows, h = work.rlr["rows"], work.rlr["h"]
+
+    def transition(x):  # rlr.transition: CFG as common.models._cfg, then the DDIM step (SD1.x) or the flow SDE step
+        with autocast(mp):
+            out = denoise(shapes, module, torch.cat([x, x]) if cfg else x)
+        if cfg:
+            uncond, cond = out.chunk(2)
+            out = uncond + 5.0 * (cond - uncond)
+        if shapes.kind == "sd1":
+            return rlr.ddim_step(x, out, 0.5, 0.6, 1.0)
+        return rlr.sde_step(x, out, 0.5, 0.4, 0.7, prev_sample=x)[2:]
+
+    def first_order():
+        mean, _ = transition(torch.zeros(rows, *shapes.latent))
+        (-hps_score(reward, vae_decode(vae, shapes, mean)).sum()).backward()
+
+    def half_order():
+        x, target = torch.zeros(rows, *shapes.latent), torch.zeros(rows, *shapes.latent)  # x_j and x_{j+h}
+        for k in range(h):
+            mean, std = transition(x)
+            if k < h - 1:
+                x = mean + std * torch.zeros_like(mean)  # the window's inner noises are fixed
+        (((target - mean) ** 2) / (2 * std**2)).flatten(1).sum(1).sum().backward()
+        if optimizer is not None:
+            optimizer.step()
+
+    if reward is None:
+        raise ValueError("rlr.py's first-order term needs a differentiable reward model (HPSv2.1 here)")
+    resident = [module, vae, reward, *([optimizer] if optimizer is not None else [])]
+    return max(measure(first_order, *resident), measure(half_order, *resident) if h else 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The estimate
+# ---------------------------------------------------------------------------------------------------
+_CACHE: dict = {}
+
+
+def _cached(key, fn):
+    """Phases with the same key (same module, batch, flags) measure the same: 1- and 8-GPU recipes share them."""
+    key = json.dumps(key, sort_keys=True, default=str)
+    if key not in _CACHE:
+        _CACHE[key] = fn()
+    return _CACHE[key]
+
+
+def _units(module, names) -> tuple[int, int]:
+    """(largest unit, root) parameter counts of FSDP units wrapping the module classes `names`."""
+    units = [m for m in module.modules() if type(m).__name__ in names]
+    in_units = {id(p) for u in units for p in u.parameters()}
+    root = sum(p.numel() for p in module.parameters() if id(p) not in in_units)
+    return max((sum(p.numel() for p in u.parameters()) for u in units), default=0), root
+
+
+def parse_args(script: str, flags: list[str]):
+    """The script's own Args (tyro), as `accelerate launch script.py FLAGS` would parse them."""
+    import tyro
+
+    module = importlib.import_module(script)
+    return tyro.cli(module.Args, args=list(flags))
+
+
+def reward_model(spec: str, parts: dict):
+    """The reward network's config for --reward (HPSv2.1; None: the reward has no network, e.g. jpeg)."""
+    from common.rewards import parse_reward_spec
+
+    names = {name for name, _ in parse_reward_spec(spec)}  # every component runs, weight 0 too (for logging)
+    unknown = names & {"pickscore", "clip"}
+    if unknown:
+        raise ValueError(f"--reward {spec}: {', '.join(sorted(unknown))} is not modelled here (HPSv2.1 is)")
+    return ("hps", parts["reward"]) if "hpsv2.1" in names else None
+
+
+def estimate(
+    script: str,
+    flags: list[str],
+    num_processes: int = 1,
+    fsdp: bool = False,
+    model_config: dict | None = None,
+    *,
+    fsdp_config: dict | None = None,
+) -> dict:
+    """Per-GPU memory plan of `script` ("dancegrpo" or "dancegrpo.py", ...) run with `flags` on `num_processes` GPUs:
+    data parallel, or FSDP (FULL_SHARD) with `fsdp`, `fsdp_config` being the accelerate config's fsdp_config (units to
+    wrap, activation checkpointing). `model_config` overrides parts of the --model-id kind's published configuration
+    (keys of MODELS[kind]: `denoiser` and `vae` are merged into the published dicts, `text`, `reward` and
+    `resolution` replace them), e.g. TINY_FLUX.
+
+    Returns {"peak": GB, "peak_phase", "phases": {phase: GB}, "gb": {component: GB}, "goal": GB, "fits", "params":
+    {"denoiser", "trainable"}, and the setting (model, resolution, lora, checkpointing, offload, batches, ...)}."""
+    script = Path(script).stem
+    args = parse_args(script, flags)
+    kind = model_kind(args.model_id)
+    parts = dict(MODELS[kind])
+    for name, value in (model_config or {}).items():
+        parts[name] = {**parts[name], **value} if name in ("denoiser", "vae") else value
+    resolution = args.resolution or parts["resolution"]
+    shapes = Shapes.of(kind, parts, resolution)
+    mp = args.mixed_precision
+    frozen_dtype, esize = (torch.bfloat16, 2) if mp == "bf16" else (torch.float32, 4)  # load_model's dtype
+    fsdp_config = fsdp_config or {}
+    checkpointing = args.gradient_checkpointing or (fsdp and bool(fsdp_config.get("fsdp_activation_checkpointing")))
+    offload, ddp = args.offload_frozen, num_processes > 1 and not fsdp
+    cfg = kind in ("sd3", "sd1") and args.guidance_scale > 1  # FLUX.1-dev's guidance is embedded: no CFG rows
+    work = workload(script, args, shapes, cfg, esize)
+    if fsdp and work.kl_copy:
+        raise ValueError("the scripts refuse a frozen KL reference copy under FSDP (--kl-beta 0, or --lora)")
+    evaluates = args.eval_every > 0 or args.sample_every > 0
+    n_eval = args.eval_max_prompts * args.eval_samples_per_prompt if args.eval_every > 0 else 0  # at most
+    # Evaluator.grid: 8 prompts x 2 seeds, sampled and decoded in chunks of the Evaluator's batch (the rollout batch)
+    n_grid = min(16, args.rollout_batch_size) if args.sample_every > 0 else 0
+    reward_cfg = reward_model(args.reward, parts)
+    key = dict(kind=kind, den=parts["denoiser"], res=resolution, mp=mp, lora=args.lora, rank=args.lora_rank)
+    key |= dict(alpha=args.lora_alpha, ckpt=checkpointing, fsdp=fsdp)
+
+    with fake_world():
+        # ---------------------------------------------------------------- the denoiser, as trained
+        if fsdp:  # modelled: the unsharded module in the FSDP compute dtype; the fp32 shards are counted below
+            module = build_denoiser(kind, parts["denoiser"], frozen_dtype).train()
+            if checkpointing:
+                module.enable_gradient_checkpointing(checkpoint_under_policy)
+        else:
+            module = trained_module(kind, parts["denoiser"], args, frozen_dtype, checkpointing)
+        n_all = sum(p.numel() for p in module.parameters())
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        n_train = sum(p.numel() for p in trainable)
+        if fsdp:
+            unit, root = _units(module, fsdp_config.get("fsdp_transformer_layer_cls_to_wrap") or parts["fsdp_units"])
+            w_train = g_train = 4 * n_train / num_processes  # fp32 shards of the flat parameters and gradients
+            opt, frozen = 8 * n_train / num_processes, 0
+            working = esize * (root + 2 * unit)  # the gathered root unit and two block units
+            working_train = working + esize * unit  # + one unit's unsharded gradients before the reduce-scatter
+        else:
+            w_train = sum(nbytes(p) for p in trainable)
+            frozen = sum(nbytes(p) for p in module.parameters() if not p.requires_grad)
+            g_train, opt = w_train, 2 * w_train  # gradients like the weights (fp32); AdamW exp_avg, exp_avg_sq
+            working = working_train = 0
+        frozen += n_all * esize if work.kl_copy else 0  # frozen_copy(): the KL reference of full fine-tuning
+        buckets = g_train if ddp else 0  # DDP's gradient buckets, allocated at prepare()
+
+        # ---------------------------------------------------------------- no-grad forwards: rollout, grid
+        def forward(rows):
+            with torch.no_grad(), autocast(mp):
+                denoise(shapes, module, torch.zeros(rows, *shapes.latent))
+
+        act_rollout = _cached(
+            [key, "forward", work.rollout_rows], lambda: measure(lambda: forward(work.rollout_rows), module)
+        )
+        grid_rows = n_grid * (2 if cfg else 1)
+        act_grid = (
+            _cached([key, "forward", grid_rows], lambda: measure(lambda: forward(grid_rows), module)) if n_grid else 0
+        )
+
+        # ---------------------------------------------------------------- the training micro-step
+        optimizer = None
+        if fsdp:  # each gradient is reduce-scattered (and freed) once accumulated; AdamW steps on the shards below
+            for p in trainable:
+                p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        else:  # a micro-step after the first: the gradients accumulated so far and the AdamW state exist
+            for p in trainable:
+                p.grad = torch.zeros_like(p)
+            optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=True)
+            optimizer.step()
+        vae = build_vae(parts["vae"], frozen_dtype)
+        reward = build_reward(reward_cfg[1]) if reward_cfg else None
+        if work.rlr is not None:  # the first-order term backpropagates through the VAE and the reward model
+            act_train = _cached(
+                [key, "rlr", work.rlr, cfg, parts["vae"], reward_cfg],
+                lambda: rlr_train(shapes, module, vae, reward, work, cfg, mp, optimizer),
+            )
+        else:
+            act_train = _cached(
+                [key, "train", work.train_rows, work.kl_forward],
+                lambda: grpo_train(shapes, module, work, mp, optimizer),
+            )
+        act_step = 0
+        if fsdp:  # AdamW (foreach) on this process's fp32 shard, after the backward passes
+            shard = torch.zeros(max(1, n_train // num_processes), requires_grad=True)
+            shard.grad = torch.zeros_like(shard)
+            shard_optimizer = torch.optim.AdamW([shard], lr=1e-4, foreach=True)
+            shard_optimizer.step()
+            act_step = measure(shard_optimizer.step, shard, shard_optimizer)
+
+        # ---------------------------------------------------------------- frozen parts: encode, decode, score
+        encoders = [(f, build_text_encoder(f, c, frozen_dtype, kind == "sd3"), n) for f, c, n in parts["text"]]
+        text = sum(nbytes(m) for _, m, _ in encoders)
+        act_encode = _cached(
+            [kind, parts["text"], mp, "encode", work.prompts],
+            lambda: measure(lambda: encode_text(encoders, work.prompts), *[m for _, m, _ in encoders]),
+        )
+
+        def decode(n):
+            with torch.no_grad():
+                vae_decode(vae, shapes, torch.zeros(n, *shapes.latent))
+
+        def score(n):
+            images = torch.zeros(n, *shapes.image)
+            with torch.no_grad():
+                return measure(lambda: hps_score(reward, images), reward, images)
+
+        vae_key = [kind, parts["vae"], resolution, mp, "decode"]
+        act_decode = _cached([*vae_key, work.decode], lambda: measure(lambda: decode(work.decode), vae))
+        act_decode_grid = _cached([*vae_key, n_grid], lambda: measure(lambda: decode(n_grid), vae)) if n_grid else 0
+        act_reward = act_reward_eval = 0
+        if reward is not None:
+            act_reward = _cached([reward_cfg, resolution, "score", work.reward], lambda: score(work.reward))
+            act_reward_eval = _cached([reward_cfg, resolution, "score", n_eval], lambda: score(n_eval)) if n_eval else 0
+        vae_bytes, reward_bytes = nbytes(vae), nbytes(reward) if reward is not None else 0
+
+    # ---------------------------------------------------------------- phases: resident state + the phase's own
+    state = w_train + frozen + opt + buckets + work.data
+    zo = 2 * w_train if work.rlr and work.rlr["zo"] else 0  # RLR's ZO: a saved copy of the weights + a perturbation
+    scorers = vae_bytes + reward_bytes
+    text_out = 0 if offload else text  # text encoders outside the encode phase
+    # with --offload-frozen the scripts park the VAE and the reward before training and the Evaluator parks them after
+    # its work; rlr.py's first-order term (in the train phase here) fetches them chunk by chunk
+    scorers_sampling = scorers if not offload else 0
+    scorers_train = scorers if not offload or work.rlr else 0
+    images_eval = 2 * _bytes(shapes.image, n_eval)  # the held-out images and their torch.cat
+    phases = {
+        "encode": state + text + scorers_sampling + act_encode,
+        "rollout": state + text_out + scorers_sampling + working + act_rollout + zo,
+        "decode": state + text_out + scorers + max(act_decode, act_reward),
+        "train": state + text_out + scorers_train + g_train + working_train + max(act_train, act_step) + zo,
+    }
+    if work.rlr is not None:  # decoding and scoring happen in the first-order term, inside the train phase
+        del phases["decode"]
+    if evaluates:  # Evaluator: the grid, then the held-out evaluation
+        resident = 0 if offload else scorers  # --offload-frozen: training parked the VAE and the reward before
+        steps = [
+            (text if offload else 0) + scorers + act_encode,  # prompts: the text encoders visit
+            resident + act_grid,  # the grid's denoiser forwards, a rollout batch at a time
+            (vae_bytes if offload else scorers) + act_decode_grid,  # and their VAE decodes
+            scorers + images_eval + max(act_rollout, act_decode, act_reward_eval),  # the held-out evaluation
+        ]
+        phases["evaluate"] = state + text_out + working + max(steps)
+    peak_phase = max(phases, key=phases.get)
+    goal = 80 if not args.lora or resolution > 512 else 48
+    peak = phases[peak_phase] / GB
+    return {
+        "script": script,
+        "model": kind,
+        "resolution": resolution,
+        "lora": args.lora,
+        "lora_rank": args.lora_rank if args.lora else None,
+        "num_processes": num_processes,
+        "fsdp": fsdp,
+        "gradient_checkpointing": bool(checkpointing),
+        "offload_frozen": offload,
+        "train_rows": work.train_rows,
+        "rollout_rows": work.rollout_rows,
+        "params": {"denoiser": n_all, "trainable": n_train},
+        "gb": {
+            "trainable": w_train / GB,
+            "frozen": frozen / GB,
+            "grads": g_train / GB,
+            "optimizer": opt / GB,
+            "activations": max(act_train, act_step) / GB,
+            "text_encoders": text / GB,
+            "vae": vae_bytes / GB,
+            "vae_decode": act_decode / GB,
+            "reward": reward_bytes / GB,
+            "reward_activations": act_reward / GB,
+            "encode_activations": act_encode / GB,
+            "rollout_activations": act_rollout / GB,
+            "grid_activations": max(act_grid, act_decode_grid) / GB,
+            "rollout_data": work.data / GB,
+            "dist_buffers": (buckets + working_train) / GB,
+        },
+        "phases": {name: v / GB for name, v in phases.items()},
+        "peak": peak,
+        "peak_phase": peak_phase,
+        "goal": goal,
+        "fits": peak <= goal,
+    }
+
+
+def recipe_estimate(r: Recipe) -> dict:
+    return estimate(r.script, r.flags, r.num_processes, r.fsdp, fsdp_config=r.fsdp_config)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cross-check: a real run of a 2-block FLUX.1-dev on the CPU, extrapolated per block
+# ---------------------------------------------------------------------------------------------------
+# FLUX.1-dev LoRA as run.sh's recipes train it (r128, alpha 256, bf16), at 512 px, micro-batch 1
+CROSS_CHECK_FLAGS = [
+    "--model-id", "black-forest-labs/FLUX.1-dev", "--resolution", "512", "--mixed-precision", "bf16", "--lora",
+    "--lora-rank", "128", "--lora-alpha", "256", "--reward", "hpsv2.1", "--rollout-batch-size", "1",
+    "--samples-per-device", "12", "--group-size", "12", "--trajectories-per-update", "4", "--kl-beta", "0",
+]  # fmt: skip
+TWO_BLOCKS = {"denoiser": {"num_layers": 1, "num_single_layers": 1}}
+
+
+class Bf16ViaFp32(TorchDispatchMode):
+    """bf16 matmuls and attention computed in fp32 and rounded to bf16: the same tensors up to rounding, at fp32 speed
+    (a CPU without bf16 units multiplies bf16 matrices ~200x slower). Entered below the memory tracker in the mode
+    stack, so the tracker sees bf16 kernels and never these fp32 temporaries."""
+
+    aten = torch.ops.aten
+    OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+    ATTENTION = {
+        aten._scaled_dot_product_flash_attention_for_cpu.default,  # outputs (out, logsumexp): only out is bf16
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,  # outputs (dq, dk, dv)
+    }
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self.OPS | self.ATTENTION or not any(
+            isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in args
+        ):
+            return func(*args, **kwargs)
+        up = lambda t: t.float() if t.dtype == torch.bfloat16 else t
+        out = func(*tree_map_only(torch.Tensor, up, args), **tree_map_only(torch.Tensor, up, kwargs))
+        if func is self.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            return (out[0].bfloat16(), *out[1:])
+        return tree_map_only(torch.Tensor, lambda t: t.bfloat16(), out)
+
+
+def real_two_blocks(checkpointing: bool) -> dict:
+    """One training micro-step of a real FLUX.1-dev with 1 double + 1 single block at full width (random weights),
+    made as the estimate makes it (trainable_denoiser, gradients of earlier micro-steps and AdamW state present),
+    on the CPU with real tensors under MemTracker. Returns bytes: `resident` (weights, gradients, AdamW state),
+    `peak` (the whole micro-step's peak), `kept` (per block kind: what its forward leaves alive, saved activations
+    and output) and `block` (per block kind: its resident weights, gradients and AdamW state)."""
+    args = parse_args("dancegrpo", CROSS_CHECK_FLAGS + (["--gradient-checkpointing"] if checkpointing else []))
+    parts = dict(MODELS["flux"], denoiser={**FLUX_DEV, **TWO_BLOCKS["denoiser"]})
+    shapes = Shapes.of("flux", parts, args.resolution)
+    torch.manual_seed(0)
+    module = trained_module("flux", parts["denoiser"], args, torch.bfloat16, checkpointing)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=True)
+    optimizer.step()
+    tracker, marks = Tracker(), {}
+
+    def mark(key):
+        if key not in marks:  # the forward, not the recomputation in the backward
+            marks[key] = _total(tracker.get_tracker_snapshot())
+
+    blocks = {"double": module.transformer_blocks[0], "single": module.single_transformer_blocks[0]}
+    for name, block in blocks.items():
+        block.register_forward_pre_hook(lambda m, a, name=name: mark(name + " in"))
+        block.register_forward_hook(lambda m, a, o, name=name: mark(name + " out"))
+    work = Workload(1, 1, 1, 1, 1, False, False, 0)
+    with Bf16ViaFp32():
+        above = grpo_train(shapes, module, work, "bf16", optimizer, tracker=tracker)
+    resident = nbytes(module) + 3 * sum(nbytes(p) for p in trainable)  # + gradients, exp_avg, exp_avg_sq
+    per_block = {
+        n: nbytes(b) + 3 * sum(nbytes(p) for p in b.parameters() if p.requires_grad) for n, b in blocks.items()
+    }
+    kept = {n: marks[n + " out"] - marks[n + " in"] for n in blocks}
+    return {"resident": resident, "peak": resident + above, "kept": kept, "block": per_block}
+
+
+def cross_check() -> None:
+    """Two estimates of FLUX.1-dev LoRA training at 512 px, micro-batch 1, gradient checkpointing off and on: the
+    estimator's (fake tensors, 19 + 38 blocks), and a real CPU run of 1 + 1 blocks extrapolated per block: its peak
+    plus, for each of the 18 double and 37 single blocks it lacks, that block's weights, gradients and AdamW state
+    and what its forward keeps alive until the backward. Only the denoiser's micro-step is compared (no text
+    encoders, VAE, reward or rollout data). The extrapolation assumes the peak comes when the backward starts, with
+    every block's kept memory alive, as in a deep network it does."""
+    t0 = time.perf_counter()
+    n_double, n_single = FLUX_DEV["num_layers"], FLUX_DEV["num_single_layers"]
+    rows = []
+    for ckpt in (False, True):
+        flags = CROSS_CHECK_FLAGS + (["--gradient-checkpointing"] if ckpt else [])
+        train = lambda e: sum(e["gb"][k] for k in ("trainable", "frozen", "grads", "optimizer", "activations"))
+        fake_full, fake_two = (
+            train(estimate("dancegrpo", flags)),
+            train(estimate("dancegrpo", flags, model_config=TWO_BLOCKS)),
+        )
+        real = real_two_blocks(ckpt)
+        extra = {"double": n_double - 1, "single": n_single - 1}
+        full = real["peak"] + sum(n * (real["block"][k] + real["kept"][k]) for k, n in extra.items())
+        rows.append((ckpt, fake_two, real["peak"] / GB, fake_full, full / GB, real["kept"]))
+        print(f"checkpointing {'on' if ckpt else 'off'} done ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(
+        "\nFLUX.1-dev LoRA r128, 512 px, micro-batch 1: peak of one training micro-step of the denoiser (weights,"
+        " gradients, AdamW state, activations), GB\n"
+    )
+    print(
+        "| checkpointing | fake, 1+1 blocks | real, 1+1 blocks | fake, 19+38 blocks | real, extrapolated | fake / real |"
+    )
+    print("|---|---|---|---|---|---|")
+    for ckpt, fake_two, real_two, fake_full, real_full, _ in rows:
+        print(
+            f"| {'on' if ckpt else 'off'} | {fake_two:.2f} | {real_two:.2f} | {fake_full:.2f} | {real_full:.2f} | "
+            f"{fake_full / real_full:.3f} |"
+        )
+    for ckpt, *_, kept in rows:
+        print(
+            f"kept by each block's forward (real), checkpointing {'on' if ckpt else 'off'}: double "
+            f"{kept['double'] / GB:.3f} GB, single {kept['single'] / GB:.3f} GB"
+        )
+    print(f"({time.perf_counter() - t0:.0f} s)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------------------------
+MODEL_NAMES = {"flux": "FLUX.1-dev", "sd3": "SD3.5-M", "sd1": "SD1.5"}
+
+
+def setting(e: dict) -> str:
+    """One line of what a plan is for, e.g. 'FLUX.1-dev 720 px, LoRA r128, micro-batch 1, ckpt, offload, 8 x DDP'."""
+    mode = f"LoRA r{e['lora_rank']}" if e["lora"] else "full"
+    gpus = f"{e['num_processes']} x {'FSDP' if e['fsdp'] else 'DDP'}" if e["num_processes"] > 1 else "1 GPU"
+    flags = [f for f, on in (("ckpt", e["gradient_checkpointing"]), ("offload", e["offload_frozen"])) if on]
+    return ", ".join([f"{MODEL_NAMES[e['model']]} {e['resolution']} px", mode, f"rows {e['train_rows']}", *flags, gpus])
+
+
+def table(rows: list[tuple[str, dict]]) -> str:
+    """Markdown: one line per recipe, what each part holds per GPU, then the peak, its phase and the goal."""
+    head = (
+        "| recipe | setting | trainable | frozen base | grads | AdamW | train act. | text enc. | VAE + decode | "
+        "HPS + act. | grid | rollout data | DDP / FSDP | peak | phase | goal | fits |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, e in rows:
+        g = e["gb"]
+        cells = [
+            name, setting(e), g["trainable"], g["frozen"], g["grads"], g["optimizer"], g["activations"],
+            g["text_encoders"], f"{g['vae']:.1f} + {g['vae_decode']:.1f}",
+            f"{g['reward']:.1f} + {g['reward_activations']:.1f}", g["grid_activations"], g["rollout_data"],
+            g["dist_buffers"], f"**{e['peak']:.1f}**", e["peak_phase"], e["goal"], "yes" if e["fits"] else "**no**",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(f"{c:.1f}" if isinstance(c, float) else str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def phase_table(rows: list[tuple[str, dict]]) -> str:
+    phases = ["encode", "rollout", "decode", "train", "evaluate"]
+    lines = ["| recipe | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
+    for name, e in rows:
+        cells = [f"{e['phases'][p]:.1f}" if p in e["phases"] else "-" for p in phases]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(rows: list[tuple[str, dict]], seconds: float) -> str:
+    return (
+        "# Per-GPU memory plan of the GPU recipes\n\n"
+        f"Made by `python benchmarks/memory.py` ({seconds / 60:.0f} min on one CPU thread, no GPU): each recipe of "
+        "`run.sh` on FLUX.1-dev, SD3.5-Medium or SD1.5 with the flags `bash run.sh --print RECIPE` gives, the models "
+        "built from their published configs as fake tensors (method and assumptions: the script's docstring). "
+        "**GB = 10^9 bytes** per GPU, as `torch.cuda.max_memory_allocated` counts them (the CUDA allocator reserves "
+        "5-15% more). Goal: LoRA at 512 px within 48 GB; LoRA above 512 px and full fine-tuning (FSDP over 8 GPUs) "
+        "within 80 GB.\n\n"
+        "Resident parts: trainable weights, the frozen denoiser weights, gradients, AdamW state, the text encoders, "
+        "the VAE and HPSv2.1 weights, the rollout data (latents, conditioning, decoded images), DDP's gradient "
+        "buckets or FSDP's gathered units. Transient: `train act.` is one training micro-step's peak above them "
+        "(forward saved for backward, backward, AdamW step), `+ decode` and `+ act.` the VAE's decode and HPS's "
+        "scoring of their batches, `grid` the sample grid's forward or VAE decode of one rollout batch. `rows` is the denoiser "
+        "batch of a training forward (CFG included); ckpt = --gradient-checkpointing, offload = --offload-frozen. "
+        "The peak is the largest phase:\n\n"
+        + table(rows)
+        + "\n\nEach phase's total (GB; evaluate = the sample grid and the held-out evaluation):\n\n"
+        + phase_table(rows)
+        + "\n"
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="also write the report (markdown) here, e.g. docs/gpu_memory.md")
+    parser.add_argument("--recipes", nargs="+", help="these run.sh recipes only (default: every GPU recipe)")
+    parser.add_argument("--json", help="also write the estimates as JSON here")
+    parser.add_argument("--cross-check", action="store_true", help="compare with a real CPU run of a 2-block FLUX")
+    a = parser.parse_args()
+    if a.cross_check:
+        cross_check()
+        return
+    t0 = time.perf_counter()
+    rows = []
+    for name in a.recipes or gpu_recipes():
+        t = time.perf_counter()
+        e = recipe_estimate(recipe(name))
+        rows.append((name, e))
+        print(f"{name}: peak {e['peak']:.1f} GB in {e['peak_phase']} ({time.perf_counter() - t:.0f} s)", flush=True)
+    text = report(rows, time.perf_counter() - t0)
+    print("\n" + text)
+    if a.out:
+        Path(a.out).write_text(text)
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
