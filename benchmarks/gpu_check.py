@@ -47,25 +47,19 @@ PROMPTS = [
 # A FLUX.1-dev-shaped pipeline with random weights
 # ---------------------------------------------------------------------------------------------------
 def flux_configs(tiny: bool) -> dict:
-    """Keyword arguments of each part. Full: FLUX.1-dev's published configs (transformer/, text_encoder/ (CLIP-L),
-    text_encoder_2/ (T5-XXL encoder), vae/ of black-forest-labs/FLUX.1-dev). Tiny: the same classes, CPU-sized."""
-    if tiny:
-        return {
-            "transformer": dict(
-                in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-                joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8], guidance_embeds=True,
-            ),
-            "clip": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
-            "t5": dict(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2),
-            "vae": dict(block_out_channels=(16, 32), layers_per_block=1, norm_num_groups=8),
-            "hps": "tiny",
-        }  # fmt: skip
+    """Keyword arguments of each part: FLUX.1-dev's published configs, or the CPU-sized ones, as benchmarks/memory.py
+    has them (so its estimate is of the same model)."""
+    from benchmarks import memory
+
+    if not tiny:
+        return {"transformer": memory.FLUX_DEV, "clip": memory.CLIP_L, "t5": memory.T5_XXL, "vae": memory.VAE_16CH}
+    tiny_parts = memory.TINY_FLUX
+    (_, clip, _), (_, t5, _) = tiny_parts["text"]
     return {
-        "transformer": dict(guidance_embeds=True),  # diffusers' defaults are FLUX.1-dev's: 19 + 38 blocks, 3072 wide
-        "clip": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
-        "t5": dict(d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, feed_forward_proj="gated-gelu"),
-        "vae": dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32),
-        "hps": "ViT-H-14",
+        "transformer": {**memory.FLUX_DEV, **tiny_parts["denoiser"]},
+        "clip": clip,
+        "t5": t5,
+        "vae": {**memory.VAE_16CH, **tiny_parts["vae"]},
     }
 
 
@@ -96,15 +90,9 @@ def build_flux(folder: Path, tiny: bool, device) -> float:
     try:
         with torch.device(device):
             transformer = FluxTransformer2DModel(**cfg["transformer"])
-            clip = CLIPTextModel(
-                CLIPTextConfig(vocab_size=49408, max_position_embeddings=77, projection_dim=768, **cfg["clip"])
-            )
-            t5 = T5EncoderModel(T5Config(vocab_size=32128, **cfg["t5"]))
-            vae = AutoencoderKL(
-                latent_channels=16, down_block_types=("DownEncoderBlock2D",) * len(cfg["vae"]["block_out_channels"]),
-                up_block_types=("UpDecoderBlock2D",) * len(cfg["vae"]["block_out_channels"]), use_quant_conv=False,
-                use_post_quant_conv=False, shift_factor=0.1159, scaling_factor=0.3611, **cfg["vae"],
-            )  # fmt: skip
+            clip = CLIPTextModel(CLIPTextConfig(**cfg["clip"]))
+            t5 = T5EncoderModel(T5Config(**cfg["t5"]))
+            vae = AutoencoderKL(**cfg["vae"], shift_factor=0.1159, scaling_factor=0.3611)  # FLUX.1-dev's latent scaling
     finally:
         torch.set_default_dtype(default_dtype)
     pipe = FluxPipeline(FlowMatchEulerDiscreteScheduler(shift=3.0), vae, clip, clip_tok, t5, t5_tok, transformer)
@@ -212,7 +200,7 @@ def main():
     flops = build_flux(out / "flux", tiny, device)
     reward = ["--reward", "jpeg"]  # tiny: no registered tiny HPS architecture in the scripts' processes
     if not tiny:
-        build_hps(out / "hps.pt", flux_configs(tiny)["hps"], device)
+        build_hps(out / "hps.pt", "ViT-H-14", device)  # HPSv2.1's architecture
         reward = ["--reward", "hpsv2.1", "--reward-ckpt", f"hpsv2.1={out / 'hps.pt'}"]
         torch.cuda.empty_cache()  # the scripts run in their own processes: this one's GPU memory goes back
     (out / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
