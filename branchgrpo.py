@@ -468,8 +468,7 @@ def main(args: Args):
         f"{args.rollout_batch_size} nodes, fusion {args.fusion}, KL beta {args.kl_beta}, clip {args.clip_range}",
     ]
     run.banner(model, params, lines)
-    if start == 0:
-        evaluate(0)
+    evaluate(start, final=start == args.iterations)  # at the start; resumed: what the interrupted run missed
     n_groups = args.trees_per_device // args.trees_per_update
     for it in run.iterations(start):
         # ------------------------------------------------------------ SAMPLING
@@ -587,7 +586,7 @@ def main(args: Args):
         run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
         # ------------------------------------------------------------ CHECKPOINT (to the end: same as in dancegrpo.py)
-        run.checkpoint(it + 1, final=it + 1 == args.iterations)
+        run.checkpoint(it + 1, final=it + 1 == args.iterations)  # + on SIGTERM / Ctrl-C, then exits
 
         # ------------------------------------------------------------ EVAL
         evaluate(it + 1, final=it + 1 == args.iterations)

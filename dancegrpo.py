@@ -248,8 +248,7 @@ def main(args: Args):
         f"KL beta {args.kl_beta}, clip {args.clip_range}",
     ]
     run.banner(model, params, lines)
-    if start == 0:
-        evaluate(0)
+    evaluate(start, final=start == args.iterations)  # at the start; resumed: what the interrupted run missed
     for it in run.iterations(start):
         # ------------------------------------------------------------ SAMPLING
         # The same prompt draw on every process; process r owns global samples [r S, (r + 1) S).
@@ -369,7 +368,7 @@ def main(args: Args):
         run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
         # ------------------------------------------------------------ CHECKPOINT
-        run.checkpoint(it + 1, final=it + 1 == args.iterations)
+        run.checkpoint(it + 1, final=it + 1 == args.iterations)  # + on SIGTERM / Ctrl-C, then exits
 
         # ------------------------------------------------------------ EVAL
         evaluate(it + 1, final=it + 1 == args.iterations)

@@ -474,8 +474,7 @@ def main(args: Args):
         f"rollout batch {B}, one optimizer step per iteration",
     ]
     run.banner(model, params, [line for line in lines if line])
-    if start == 0:
-        evaluate(0)
+    evaluate(start, final=start == args.iterations)  # at the start; resumed: what the interrupted run missed
     for it in run.iterations(start):
         # ------------------------------------------------------------ SAMPLING
         # (with the first-order term: its backward runs per chunk right after the rollout, while the chunk's graph
@@ -582,7 +581,7 @@ def main(args: Args):
         run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
         # ------------------------------------------------------------ CHECKPOINT (to the end: same as in dancegrpo.py)
-        run.checkpoint(it + 1, final=it + 1 == args.iterations)
+        run.checkpoint(it + 1, final=it + 1 == args.iterations)  # + on SIGTERM / Ctrl-C, then exits
 
         # ------------------------------------------------------------ EVAL
         evaluate(it + 1, final=it + 1 == args.iterations)

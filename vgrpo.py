@@ -361,8 +361,7 @@ def main(args: Args):
         f"policy, adv soft clip {args.adv_soft_clip or 'off'}",
     ]
     run.banner(model, params, lines)
-    if start == 0:
-        evaluate(0)
+    evaluate(start, final=start == args.iterations)  # at the start; resumed: what the interrupted run missed
     for it in run.iterations(start):
         # ------------------------------------------------------------ SAMPLING
         # The same prompt draw on every process; process r owns global samples [r S, (r + 1) S).
@@ -482,7 +481,7 @@ def main(args: Args):
         run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
         # ------------------------------------------------------------ CHECKPOINT (to the end: same as in dancegrpo.py)
-        run.checkpoint(it + 1, final=it + 1 == args.iterations)
+        run.checkpoint(it + 1, final=it + 1 == args.iterations)  # + on SIGTERM / Ctrl-C, then exits
 
         # ------------------------------------------------------------ EVAL
         evaluate(it + 1, final=it + 1 == args.iterations)

@@ -23,6 +23,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from common.runs import read_metrics  # noqa: E402
 
 
 def rollout(repeats: int = 3) -> dict:
@@ -78,7 +79,7 @@ def timed_runs(runs: dict, common: list) -> dict:
             cmd = [sys.executable, *argv, *common, "--output-dir", tmp, "--exp-name", name]
             subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
             run = next(Path(tmp).glob(f"{name}__*"))  # the run folder: {exp_name}__{seed}__{unix time}
-            rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            rows = read_metrics(run)
             its = [r["perf/iteration_s"] for r in rows if "perf/iteration_s" in r][1:]
             out[name] = {"s_per_iteration": round(statistics.median(its), 2)}
             for key in ("tree/trained_edges_per_leaf", "tree/train_forwards_per_leaf", "perf/nfe_per_image"):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import platform
 import shutil
@@ -33,6 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from common.runs import read_metrics  # noqa: E402
+
 METHODS = {  # key: (label, script and flags)
     "dancegrpo": ("DanceGRPO", ["dancegrpo.py"]),
     "mixgrpo": ("MixGRPO", ["dancegrpo.py", "--sde-window", "4"]),
@@ -89,7 +90,7 @@ def run_one(key: str, argv: list[str], seed: int, out: Path, quick: bool, thread
 
 def curves(run: Path) -> dict:
     """Evaluation points (iteration, training seconds so far, metrics) and per-iteration figures of one run."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run)
     train = {r["iteration"]: r for r in rows if "perf/iteration_s" in r}
     elapsed, total = {0: 0.0}, 0.0
     for it in sorted(train):

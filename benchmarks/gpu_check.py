@@ -32,6 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from common.runs import read_metrics  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}  # dense bf16 tensor-core peak of the SXM parts (NVIDIA datasheets)
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -175,7 +176,7 @@ def run_script(script, flags, out: Path, tiny: bool, limit_s: float) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     run_dir = max((out / "runs").glob(f"{name}__*"))
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     train = [r for r in rows if "perf/iteration_s" in r]
     return {
         "wall_s": time.perf_counter() - t0,

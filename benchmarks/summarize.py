@@ -9,11 +9,14 @@ import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.runs import read_metrics  # noqa: E402
+
 KEYS = ["eval/shape_acc", "eval/colour_acc", "eval/clean_acc", "eval/all_acc", "eval/reward_mean", "eval/diversity"]
 
 
 def summarize(run: Path) -> dict:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run)
     train = [r for r in rows if "perf/iteration_s" in r]
     evals = [r for r in rows if "eval/reward" in r]
     out = {

@@ -15,10 +15,13 @@ What the scripts keep: the algorithm (rollout with log-probs, rewards to advanta
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import resource
+import shutil
+import signal
 import socket
 import sys
 import time
@@ -31,7 +34,7 @@ from typing import Literal, Optional
 import torch
 from tqdm import tqdm
 
-from common import InputError
+from common import InputError, RunError
 
 
 @dataclass
@@ -126,9 +129,14 @@ def need(ok: bool, message: str) -> None:
         raise InputError(message)
 
 
+# errors of the file system a run writes to: they are the machine's, not the code's, and need no traceback
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
 def cli(main, args_type) -> None:
     """`main(tyro.cli(args_type))`. An InputError (bad flag, file, folder) prints `error: ...` and exits with status
-    2, with no traceback; every other exception is a bug and keeps its traceback."""
+    2; a RunError or a write refused by the file system (full disk, no permission) prints `error: ...` and exits with
+    status 1; neither has a traceback. Every other exception is a bug and keeps its traceback."""
     import tyro
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -143,6 +151,14 @@ def cli(main, args_type) -> None:
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as e:
+        if e.errno not in DISK_ERRORS:
+            raise
+        print(f"error: cannot write {e.filename or 'the run folder'}: {e.strerror}", file=sys.stderr)
+        sys.exit(1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -259,7 +275,34 @@ def _load_trained_only(models, input_dir) -> None:
 
 
 def _newest_checkpoint(run_dir: Path) -> Path | None:
-    return max((run_dir / "checkpoints").glob("iter_*"), default=None)
+    """The newest complete checkpoint: checkpoints are written under a hidden name and renamed to iter_N when
+    complete (Run.checkpoint), so an iter_N folder is never a partial one."""
+    return max((d for d in (run_dir / "checkpoints").glob("iter_*") if d.is_dir()), default=None)
+
+
+def read_metrics(path) -> list[dict]:
+    """The records of a metrics.jsonl (a file or its run folder), in order. A last line cut short by a crash or a
+    full disk is skipped; after a resume the file holds each iteration once (Run.resume)."""
+    path = Path(path)
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    records = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def _fsync(*paths: Path) -> None:
+    """Flush files or folders (their entries) to disk: a checkpoint renamed complete must not lose its data to a
+    machine crash."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def resolve_resume(output_dir: str, exp_name: str, resume_from: str) -> tuple[Path, Path]:
@@ -296,8 +339,14 @@ class Run:
             events.out.tfevents* TensorBoard: the same scalars and the sample grids
             samples/             fixed-seed sample grids (PNG)
             checkpoints/iter_N/  accelerate save_state: trained weights (with --lora the adapter alone), optimizer,
-                                 RNG, the iteration (newest kept)
+                                 RNG, the iteration (newest kept); written whole or not at all
             final/               the trained weights, loadable by diffusers
+            wandb_run_id         with --track: the W&B run that a resumed run goes on logging to
+
+    What survives what (docs/runs.md): a crash or SIGKILL loses the iterations since the last checkpoint, and
+    --resume-from latest repeats them exactly (bitwise) while metrics.jsonl and TensorBoard keep one record per
+    iteration; SIGTERM or Ctrl-C finishes the iteration, writes a checkpoint and exits; a full disk or an
+    unwritable folder stops the run with one `error:` line and leaves the previous checkpoint intact.
     """
 
     def __init__(self, args, accelerator, title: str, frozen_copy: bool = False):
@@ -326,6 +375,8 @@ class Run:
             accelerator.register_save_state_pre_hook(_save_trained_only)
             accelerator.register_load_state_pre_hook(_load_trained_only)
         self.title, self._tb, self._wandb = title, None, None
+        self.resumed_at, self._on_record = None, set()  # what the interrupted run logged at the resume iteration
+        self._signal, self._handlers = 0, {}  # SIGTERM / SIGINT received (see iterations())
         self.grad_norms, self.skipped = [], 0  # this iteration's optimizer steps (see step())
         self.lr = args.learning_rate  # the last optimizer step's learning rate (see --lr-warmup)
         self.eval_line = "evaluation off (--eval-every 0)"  # set by the Evaluator
@@ -343,8 +394,35 @@ class Run:
                 f"--resume-from {self.args.resume_from}: {self.resume_path} is not a checkpoint of this "
                 f"script and settings ({type(e).__name__}: {msg[:300]})"
             ) from None
-        self.accelerator.print(f"resumed from {self.resume_path} at iteration {self.state.iteration}")
-        return self.state.iteration
+        from accelerate.utils import broadcast_object_list
+
+        self.resumed_at = it = self.state.iteration
+        on_record = [self._drop_records_after(it) if self.is_main else None]
+        self._on_record = broadcast_object_list(on_record)[0]  # the Evaluator's choices must agree on all processes
+        self.accelerator.print(f"resumed from {self.resume_path} at iteration {it}")
+        return it
+
+    def _drop_records_after(self, it: int) -> set[str]:
+        """Keep what the interrupted run logged up to iteration `it` (the checkpoint's), drop the rest: the resumed
+        run logs those iterations again. TensorBoard's events after `it` are dropped by its purge step (_writers).
+        Returns the keys on record at `it`, and 'samples' if its sample grid was written."""
+        path = self.dir / "metrics.jsonl"
+        records = read_metrics(path)
+        kept = [r for r in records if r["iteration"] <= it]
+        if path.is_file():
+            partial = path.with_name(".metrics.jsonl.partial")
+            partial.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(partial, path)
+        if len(kept) < len(records):
+            print(
+                f"metrics.jsonl: dropped {len(records) - len(kept)} record(s) of the interrupted run after iteration {it}"
+            )
+        grid = (self.dir / "samples" / f"samples_{it:06d}.png").is_file()
+        return {k for r in kept if r["iteration"] == it for k in r} | ({"samples"} if grid else set())
+
+    def on_record(self, step: int, key: str) -> bool:
+        """Whether the interrupted run this one resumes had already logged `key` at `step` (the resume iteration)."""
+        return step == self.resumed_at and key in self._on_record
 
     def banner(self, model, params, lines: list[str]) -> None:
         """Print the run's settings: the model and what is trained, the script's own `lines`, the run folder."""
@@ -363,7 +441,9 @@ class Run:
         )
 
     def iterations(self, start: int):
-        """The training iterations start..--iterations - 1 under a progress bar; times each one (t_iter)."""
+        """The training iterations start..--iterations - 1 under a progress bar; times each one (t_iter). While they
+        run, SIGTERM (a cluster's preemption) and SIGINT (Ctrl-C) are noted, not obeyed at once: the iteration
+        finishes and the next checkpoint() writes a checkpoint and exits. A second signal acts at once."""
         self.t_start = time.perf_counter()
         self.bar = tqdm(
             range(start, self.args.iterations),
@@ -372,9 +452,23 @@ class Run:
             desc="iterations",
             disable=not self.accelerator.is_local_main_process,
         )
-        for it in self.bar:
-            self.t_iter = time.perf_counter()
-            yield it
+        self._handlers = {s: signal.signal(s, self._note_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for it in self.bar:
+                self.t_iter = time.perf_counter()
+                yield it
+        finally:
+            for s, handler in self._handlers.items():
+                signal.signal(s, handler)
+
+    def _note_signal(self, signum, frame) -> None:
+        self._signal = signum
+        signal.signal(signum, self._handlers[signum])  # the next one is not caught
+        if self.accelerator.is_local_main_process:
+            tqdm.write(
+                f"{signal.Signals(signum).name}: the run stops after this iteration, with a checkpoint "
+                "(the same signal again stops it now, losing the iteration)"
+            )
 
     def step(self, optimizer, params) -> None:
         """One optimizer step (common.runs.optimizer_step: clipped, skipped on a non-finite gradient norm), recorded
@@ -415,16 +509,26 @@ class Run:
             from torch.utils.tensorboard import SummaryWriter
 
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._tb = SummaryWriter(str(self.dir))
+            # resumed at iteration N: TensorBoard hides the interrupted run's events after N (as _drop_records_after
+            # drops them from metrics.jsonl), so each step is shown once
+            purge = None if self.resumed_at is None else self.resumed_at + 1
+            self._tb = SummaryWriter(str(self.dir), purge_step=purge)
             if self.args.track:
                 import wandb
 
                 config = {
                     k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(self.args).items()
                 }
+                # the same W&B run across resumes: its id is stored in the run folder. W&B refuses steps below its
+                # last one, so it keeps the interrupted run's record of a repeated iteration (the same numbers but
+                # the timings: the repetition is bitwise)
+                id_file = self.dir / "wandb_run_id"
+                run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+                id_file.write_text(run_id)
                 self._wandb = wandb.init(
                     project=self.args.wandb_project_name,
                     name=self.dir.name,
+                    id=run_id,
                     config=config,
                     dir=str(self.dir),
                     resume="allow",
@@ -467,17 +571,72 @@ class Run:
 
     # ---------------------------------------------------------------- checkpoints and weights
     def checkpoint(self, iteration: int, final: bool) -> None:
-        """save_state every --save-every iterations and at the end (on every process: sharded states need it);
-        keep the newest --checkpoints-total-limit."""
-        if not ((self.args.save_every and iteration % self.args.save_every == 0) or final):
-            return
+        """save_state every --save-every iterations, at the end, and after SIGTERM or Ctrl-C, which then ends the run
+        here (exit status 128 + the signal's number) with a line saying how to resume; every process takes part."""
+        signum = self._stop_signal()
+        if (self.args.save_every and iteration % self.args.save_every == 0) or final or signum:
+            self._save_state(iteration)
+        if signum:
+            self.accelerator.print(
+                f"{signal.Signals(signum).name}: stopped after iteration {iteration}, checkpoint in {self.ckpt_dir}; "
+                f"to go on, run the same command with --resume-from {self.dir}"
+            )
+            self.close()
+            sys.exit(128 + signum)
+
+    def _stop_signal(self) -> int:
+        """The signal to stop on (0: none), the same on every process: one process's SIGTERM stops them all at the
+        same iteration."""
+        flag = torch.tensor([self._signal], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            flag = self.accelerator.gather(flag)
+        return int(flag.max())
+
+    def _save_state(self, iteration: int) -> None:
+        """A checkpoint written whole or not at all: every process writes its part into checkpoints/.partial_iter_N,
+        and the main process renames it to iter_N once all have finished, then deletes the oldest beyond
+        --checkpoints-total-limit. The run folder must be on one file system that every process sees (accelerate's
+        save_state assumes it too), where a rename is atomic (local disks, NFS, Lustre, GPFS). A failed write (full
+        disk, no permission) deletes the partial folder and stops the run with one error line."""
         self.state.iteration = iteration
-        self.accelerator.save_state(str(self.ckpt_dir / f"iter_{iteration:06d}"))
+        done = self.ckpt_dir / f"iter_{iteration:06d}"
+        partial = self.ckpt_dir / f".partial_{done.name}"
+        if self.is_main and self.ckpt_dir.is_dir():  # what a crash while saving or deleting left behind
+            for leftover in self.ckpt_dir.glob(".*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        try:
+            self.accelerator.save_state(str(partial))
+            if self.is_main:
+                _fsync(*sorted(partial.rglob("*")), partial)
+        except Exception as e:
+            if self.is_main:
+                shutil.rmtree(partial, ignore_errors=True)
+            previous = _newest_checkpoint(self.dir)
+            why = (str(e).splitlines() or [""])[0][:200]
+            raise RunError(
+                f"cannot write the checkpoint of iteration {iteration} into {self.ckpt_dir} ({type(e).__name__}: "
+                f"{why}); "
+                + (
+                    f"the previous checkpoint {previous.name} is intact: free some space or fix the folder's "
+                    f"permissions, then run the same command with --resume-from {self.dir}"
+                    if previous
+                    else "there is no earlier checkpoint: free some space or pass another --output-dir"
+                )
+            ) from None
+        self.accelerator.wait_for_everyone()
         if self.is_main:
+            stale = [done] if done.exists() else []  # an earlier save of this iteration, when resumed from before it
+            for old in stale:
+                old.rename(old.with_name(f".replaced_{old.name}"))
+            partial.rename(done)
+            _fsync(self.ckpt_dir)
             for old in sorted(self.ckpt_dir.glob("iter_*"))[: -self.args.checkpoints_total_limit]:
-                for f in sorted(old.rglob("*"), reverse=True):
-                    f.unlink() if f.is_file() else f.rmdir()
-                old.rmdir()
+                gone = old.rename(old.with_name(f".deleting_{old.name}"))  # never a half-deleted iter_N
+                shutil.rmtree(gone)
+            for old in stale:
+                shutil.rmtree(old.with_name(f".replaced_{old.name}"))
+        self.accelerator.wait_for_everyone()
 
     def save_final(self, model, prepared, lora: bool) -> None:
         """The trained weights into final/ (LoRA adapter or the full denoiser), loadable by diffusers."""
@@ -661,12 +820,13 @@ class Evaluator:
         self.run.log_grid(images, [f"{p}\nreward {x:.3f}" for p, x in zip(prompts, r.tolist())], ok, step)
 
     def __call__(self, step: int, final: bool = False) -> None:
-        """Evaluate and/or draw the grid if step is due (every N iterations, at the start and at the end)."""
-        due = lambda every: every > 0 and (step % every == 0 or final)  # noqa: E731
+        """Evaluate and/or draw the grid if step is due (every N iterations, at the start and at the end), unless
+        the interrupted run that this one resumes at `step` had done it already."""
+        due = lambda every, key: every > 0 and (step % every == 0 or final) and not self.run.on_record(step, key)  # noqa: E731
         with eval_mode(self.module):
-            if due(self.args.sample_every):
+            if due(self.args.sample_every, "samples"):
                 self.grid(step)
-            if due(self.args.eval_every):
+            if due(self.args.eval_every, "eval/reward"):
                 self.evaluate(step)
         self.model.park()  # --offload-frozen: the VAE and the reward models leave the GPU until they are needed
         self.reward_fn.park()

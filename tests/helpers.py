@@ -1,14 +1,17 @@
 """Helpers shared by the script tests: run a script or a run.sh recipe in a subprocess, read its metrics,
-compare the final weights of two runs."""
+compare the final weights of two runs, stop a run with a signal at a chosen moment."""
 
-import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from common.runs import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "common" / "shapesbench" / "assets" / "flow"
@@ -50,7 +53,7 @@ def find_run(path: Path) -> Path:
 
 
 def metrics(run_dir):
-    return [json.loads(line) for line in (find_run(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(find_run(run_dir))
 
 
 def assert_same_trained_weights(run_a, run_b):
@@ -65,3 +68,62 @@ def assert_same_trained_weights(run_a, run_b):
     else:
         base = load_file(SHIPPED / WEIGHTS)
         assert any(not torch.equal(a[k], base[k]) for k in a)
+
+
+def run_until(script, args, tmp_path, stop_when, sig=signal.SIGKILL, launcher=(sys.executable,), env=None, **popen):
+    """Start `python SCRIPT --output-dir TMP ARGS` (or under `launcher`) on one thread and send `sig` the moment
+    `stop_when(process)` holds (polled every millisecond) to the process, or to the pid that `stop_when` returns;
+    returns the exit status and the output. `popen`: more subprocess.Popen arguments."""
+    log = tmp_path / f"log_{time.monotonic_ns()}.txt"
+    cmd = [*launcher, str(ROOT / script), "--output-dir", str(tmp_path), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, **popen)
+        while proc.poll() is None:
+            target = stop_when(proc)
+            if target:
+                os.kill(proc.pid if target is True else target, sig)
+                break
+            time.sleep(0.001)
+        proc.wait(timeout=300)  # a process left waiting for another (a collective that never comes) fails here
+    return proc.returncode, log.read_text()
+
+
+def logged(run_dir, iteration) -> bool:
+    """Whether the newest run folder of `run_dir` (DIR / NAME) has logged the training record of `iteration`."""
+    runs = sorted(run_dir.parent.glob(f"{run_dir.name}__*"))
+    return bool(runs) and any(r["iteration"] == iteration and "perf/iteration_s" in r for r in read_metrics(runs[-1]))
+
+
+def checkpoint_begun(run_dir, iteration) -> bool:
+    """Whether the checkpoint of `iteration` has begun to be written (its folder, under any name, exists)."""
+    return any(run_dir.parent.glob(f"{run_dir.name}__*/checkpoints/*iter_{iteration:06d}"))
+
+
+def assert_survives_kills(script, args, tmp_path) -> None:
+    """A 4-iteration run (`args`: tiny settings, checkpoints every 2 iterations) killed by SIGKILL in iteration 4,
+    and again the moment the checkpoint of iteration 4 begins to be written, each time resumed with
+    `--resume-from latest`, ends with the weights of an uninterrupted run and logs each iteration once."""
+    args = [*args, "--iterations", "4", "--save-every", "2"]
+    run_script(script, [*args, "--exp-name", "straight"], tmp_path)
+    name, faulty = tmp_path / "faulty", [*args, "--exp-name", "faulty"]
+    status, out = run_until(script, faulty, tmp_path, lambda p: logged(name, 3))
+    assert status == -signal.SIGKILL, out[-2000:]
+    status, out = run_until(script, [*faulty, "--resume-from", "latest"], tmp_path, lambda p: checkpoint_begun(name, 4))
+    assert status == -signal.SIGKILL, out[-2000:]
+    run_script(script, [*faulty, "--resume-from", "latest"], tmp_path)
+    assert_same_trained_weights(tmp_path / "straight", name)
+    for run in ("straight", "faulty"):
+        assert [r["iteration"] for r in metrics(tmp_path / run) if "charts/lr" in r] == [1, 2, 3, 4]
+
+
+def worker_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of the process of `rank` started by `accelerate launch` (pid `launcher_pid`), if it is running."""
+    children = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout.split()
+    for pid in children:
+        try:
+            if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return int(pid)
+        except OSError:
+            continue
+    return None

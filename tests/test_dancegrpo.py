@@ -1,5 +1,7 @@
 """dancegrpo.py: the SDE log-prob, advantages, the MixGRPO window, ratio == 1, and the real script end to end."""
 
+import resource
+import signal
 import subprocess
 import sys
 
@@ -11,7 +13,16 @@ from safetensors.torch import load_file
 import dancegrpo as D
 from common import InputError
 from common.models import load_model
-from tests.helpers import ROOT, assert_same_trained_weights, find_run, metrics, run_recipe
+from tests.helpers import (
+    ROOT,
+    assert_same_trained_weights,
+    checkpoint_begun,
+    find_run,
+    logged,
+    metrics,
+    run_recipe,
+    run_until,
+)
 from tests.helpers import run_script as run
 from tests.tiny import build_flux, build_shapes, build_tiny_hps
 
@@ -150,17 +161,48 @@ def test_mixgrpo_end_to_end(tmp_path):
     assert all(r["perf/nfe_per_image"] == 4 + 2 and r["charts/window_start"] == 0 for r in train)
 
 
-def test_resume_gives_the_same_weights(tmp_path):
-    """Also under --lr-warmup: the optimizer-step counter is checkpointed, so the warmup continues where it was."""
-    common = TINY_RUN + ["--eval-every", "0", "--sample-every", "0", "--save-every", "2", "--lr-warmup", "100"]
-    run_script(common + ["--exp-name", "straight", "--iterations", "4"], tmp_path)
-    run_script(common + ["--exp-name", "resumed", "--iterations", "2"], tmp_path)
-    run_script(common + ["--exp-name", "resumed", "--iterations", "4", "--resume-from", "latest"], tmp_path)
-    assert_same_trained_weights(tmp_path / "straight", tmp_path / "resumed")
-    saved = load_file(find_run(tmp_path / "resumed") / "checkpoints" / "iter_000004" / "model.safetensors")
+def test_faults_a_cluster_delivers_change_nothing(tmp_path):
+    """SIGKILL mid-iteration, SIGKILL the moment a checkpoint begins, SIGTERM (preemption), a full disk: each time
+    `--resume-from latest` goes on, and the run ends with the weights of an uninterrupted one, each iteration and
+    each evaluation logged once, in metrics.jsonl and TensorBoard. Also under --lr-warmup: the optimizer-step
+    counter is checkpointed, so the warmup goes on where it was."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    common = TINY_RUN + ["--sample-every", "0", "--save-every", "2", "--lr-warmup", "100", "--iterations", "6"]
+    run_script(common + ["--exp-name", "straight"], tmp_path)
+    faulty, name = common + ["--exp-name", "faulty"], tmp_path / "faulty"
+    resume = faulty + ["--resume-from", "latest"]
+    # preempted: SIGTERM in iteration 4 -> it finishes the iteration (or the next), writes a checkpoint and exits
+    status, out = run_until("dancegrpo.py", faulty, tmp_path, lambda p: logged(name, 3), signal.SIGTERM)
+    assert status == 128 + signal.SIGTERM and "SIGTERM: stopped after iteration" in out, out[-2000:]
+    stopped, run = int(out.split("SIGTERM: stopped after iteration ")[1].split(",")[0]), find_run(name)
+    assert stopped in (3, 4) and (run / "checkpoints" / f"iter_{stopped:06d}").is_dir()  # 3 was not due
+    # killed mid-iteration: in iteration 6, after the checkpoint of iteration 4
+    status, _ = run_until("dancegrpo.py", resume, tmp_path, lambda p: logged(name, 5))
+    assert status == -signal.SIGKILL
+    # a full disk (here: a file-size limit) while the checkpoint of iteration 6 is written: one line, nothing partial
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # noqa: E731
+    status, out = run_until("dancegrpo.py", resume, tmp_path, lambda p: False, preexec_fn=limit)
+    assert status == 1 and "error: cannot write the checkpoint of iteration 6" in out, out[-2000:]
+    assert "the previous checkpoint iter_000004 is intact" in out and "Traceback" not in out
+    assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "iter_000004"
+    # killed the moment the checkpoint of iteration 6 begins to be written
+    status, _ = run_until("dancegrpo.py", resume, tmp_path, lambda p: checkpoint_begun(name, 6))
+    assert status == -signal.SIGKILL
+    run_script(resume, tmp_path)
+    assert_same_trained_weights(tmp_path / "straight", name)
+    saved = load_file(max((run / "checkpoints").glob("iter_*")) / "model.safetensors")
     assert saved and all("lora_" in k for k in saved)  # a LoRA checkpoint holds the adapter, not the frozen base
-    lrs = [[r["charts/lr"] for r in metrics(tmp_path / name) if "charts/lr" in r] for name in ("straight", "resumed")]
-    assert lrs[0] == lrs[1] and len(lrs[0]) == 4 and lrs[0] == sorted(set(lrs[0]))  # rising, never restarted
+    rows = {n: metrics(tmp_path / n) for n in ("straight", "faulty")}
+    for n in rows:  # each training iteration and each evaluation once, in order
+        assert [r["iteration"] for r in rows[n] if "charts/lr" in r] == [1, 2, 3, 4, 5, 6]
+        assert [r["iteration"] for r in rows[n] if "eval/reward" in r] == [0, 2, 4, 6]
+    lrs = [[r["charts/lr"] for r in rows[n] if "charts/lr" in r] for n in rows]
+    assert lrs[0] == lrs[1] and lrs[0] == sorted(set(lrs[0]))  # rising, never restarted
+    events = EventAccumulator(str(run))
+    events.Reload()
+    assert [e.step for e in events.Scalars("charts/lr")] == [1, 2, 3, 4, 5, 6]  # the purge step hides repeats
+    assert [e.step for e in events.Scalars("eval/reward")] == [0, 2, 4, 6]
 
 
 def test_two_processes_keep_identical_weights(tmp_path):

@@ -1,6 +1,7 @@
 """vgrpo.py: the solver, the (t, eps) pairs, the surrogate and its ablations, log ratio == 0, the script end to end."""
 
 import math
+import signal
 import sys
 from contextlib import nullcontext
 
@@ -11,7 +12,7 @@ import tyro
 import vgrpo as V
 from common import InputError
 from common.models import load_model
-from tests.helpers import assert_same_trained_weights, find_run, metrics, run_recipe
+from tests.helpers import assert_survives_kills, find_run, logged, metrics, run_recipe, run_until, worker_pid
 from tests.helpers import run_script as run
 from tests.tiny import build_flux, build_shapes, build_tiny_hps
 
@@ -324,7 +325,7 @@ def test_end_to_end_shapesbench(tmp_path):
     assert (run / "samples" / "samples_000002.png").is_file()
 
 
-def test_resume_gives_the_same_weights(tmp_path):
+def test_killed_runs_resume_to_the_same_weights(tmp_path):
     # with the soft clip on and the KL to the behaviour policy, so its stored x0_hat path is covered too (the
     # default KL, to the base, is covered by the tests that run the defaults)
     common = TINY_RUN + [
@@ -332,8 +333,6 @@ def test_resume_gives_the_same_weights(tmp_path):
         "0",
         "--sample-every",
         "0",
-        "--save-every",
-        "2",
         "--kl-beta",
         "0.1",
         "--kl-ref",
@@ -341,10 +340,7 @@ def test_resume_gives_the_same_weights(tmp_path):
         "--adv-soft-clip",
         "3",
     ]
-    run_script(common + ["--exp-name", "straight", "--iterations", "4"], tmp_path)
-    run_script(common + ["--exp-name", "resumed", "--iterations", "2"], tmp_path)
-    run_script(common + ["--exp-name", "resumed", "--iterations", "4", "--resume-from", "latest"], tmp_path)
-    assert_same_trained_weights(tmp_path / "straight", tmp_path / "resumed")
+    assert_survives_kills("vgrpo.py", common, tmp_path)
     rows = [r for r in metrics(tmp_path / "straight") if "losses/kl" in r]
     assert len(rows) == 4 and rows[0]["losses/kl"] >= 0
 
@@ -373,10 +369,16 @@ def test_two_processes_keep_identical_weights_and_pairs(tmp_path):
     assert all(r["losses/first_log_ratio_max_abs"] == 0 for r in train)
     last = [r for r in train if "charts/rank_weight_spread" in r][-1]
     assert last["iteration"] == 2 and last["charts/rank_weight_spread"] == 0
-    # a LoRA checkpoint (the adapter alone) written and read back under DDP
-    resume = ["--exp-name", "ddp", "--iterations", "3", "--resume-from", "latest", "--eval-every", "0"]
-    run_script(TINY_RUN + ddp + resume, tmp_path, launcher, {"ACCELERATE_USE_CPU": "1"})
-    assert [r["iteration"] for r in metrics(tmp_path / "ddp") if "losses/policy" in r][-1] == 3
+    # a LoRA checkpoint (the adapter alone) read back under DDP; then SIGTERM to rank 1 alone, in iteration 4: both
+    # processes stop after the same iteration (else one would wait forever), with a checkpoint, and rank 0 says so
+    resume = ["--exp-name", "ddp", "--iterations", "8", "--resume-from", "latest", "--eval-every", "0"]
+    name, env = tmp_path / "ddp", {"ACCELERATE_USE_CPU": "1"}
+    to_rank_1 = lambda p: logged(name, 3) and worker_pid(p.pid, rank=1)  # noqa: E731
+    status, out = run_until("vgrpo.py", TINY_RUN + ddp + resume, tmp_path, to_rank_1, signal.SIGTERM, launcher, env)
+    assert status != 0 and "SIGTERM: stopped after iteration" in out, out[-3000:]
+    stopped = int(out.split("SIGTERM: stopped after iteration ")[1].split(",")[0])
+    assert stopped in (3, 4) and (find_run(name) / "checkpoints" / f"iter_{stopped:06d}").is_dir()
+    assert [r["iteration"] for r in metrics(name) if "losses/policy" in r][-1] == stopped
 
 
 def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):

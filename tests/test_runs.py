@@ -1,0 +1,105 @@
+"""common/runs.py's run plumbing in-process: checkpoints written whole or not at all, rotation, one record per
+iteration after a resume, the W&B run id kept across resumes. The scripts' fault tests (SIGKILL, SIGTERM, a full
+disk) are in tests/test_<script>.py."""
+
+import errno
+import json
+import os
+import sys
+import types
+
+import pytest
+from accelerate import Accelerator
+
+from common import RunError
+from common.runs import Run, RunArgs, read_metrics, resolve_resume
+
+
+@pytest.fixture
+def make_run(tmp_path):
+    def make(**kw):
+        args = RunArgs(exp_name="t", output_dir=str(tmp_path), lora=False, **kw)
+        return Run(args, Accelerator(cpu=True), "test")
+
+    return make
+
+
+def test_checkpoints_are_renamed_complete_and_rotated(make_run):
+    run = make_run(save_every=1, checkpoints_total_limit=2)
+    for it in (1, 2, 3):
+        run.checkpoint(it, final=False)
+    assert sorted(p.name for p in run.ckpt_dir.iterdir()) == ["iter_000002", "iter_000003"]  # nothing hidden left
+    (run.ckpt_dir / ".partial_iter_000004").mkdir()  # what a crash while writing the next one leaves
+    assert resolve_resume(run.args.output_dir, "t", "latest") == (run.dir, run.ckpt_dir / "iter_000003")
+    run.checkpoint(4, final=False)  # the next save clears it
+    assert sorted(p.name for p in run.ckpt_dir.iterdir()) == ["iter_000003", "iter_000004"]
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint_and_says_so(make_run, monkeypatch):
+    run = make_run(save_every=1)
+    run.checkpoint(1, final=False)
+    real_save = run.accelerator.save_state
+
+    def full_disk(path):  # writes part of the checkpoint, then the disk is full
+        real_save(path)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(run.accelerator, "save_state", full_disk)
+    with pytest.raises(RunError, match="the previous checkpoint iter_000001 is intact") as e:
+        run.checkpoint(2, final=False)
+    assert "No space left on device" in str(e.value) and f"--resume-from {run.dir}" in str(e.value)
+    assert [p.name for p in run.ckpt_dir.iterdir()] == ["iter_000001"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders (the full-disk case is tested)")
+def test_an_unwritable_checkpoint_folder_is_one_error(make_run):
+    run = make_run(save_every=1)
+    run.checkpoint(1, final=False)
+    run.ckpt_dir.chmod(0o555)
+    try:
+        with pytest.raises(RunError, match="iter_000001 is intact"):
+            run.checkpoint(2, final=False)
+    finally:
+        run.ckpt_dir.chmod(0o755)
+
+
+def test_a_resume_drops_the_records_after_its_checkpoint(make_run):
+    run = make_run(save_every=2)
+    for it in range(5):  # the interrupted run: evaluations at 0, 2, 4, trained up to 4, checkpoint at 2
+        if it % 2 == 0:
+            run.log({"eval/reward": 0.1}, it)
+        run.log({"charts/lr": 1.0}, it + 1)
+    run.checkpoint(2, final=False)
+    with open(run.dir / "metrics.jsonl", "a") as f:
+        f.write('{"iteration": 6, "charts/l')  # cut short by the kill
+    assert len(read_metrics(run.dir)) == 8  # the torn line is skipped
+    run.close()
+    resumed = make_run(resume_from="latest")
+    assert resumed.dir == run.dir and resumed.resume() == 2
+    assert [tuple(r.items())[:2] for r in read_metrics(run.dir)] == [
+        (("iteration", 0), ("eval/reward", 0.1)),
+        (("iteration", 1), ("charts/lr", 1.0)),
+        (("iteration", 2), ("charts/lr", 1.0)),
+        (("iteration", 2), ("eval/reward", 0.1)),
+    ]
+    assert resumed.on_record(2, "eval/reward") and not resumed.on_record(2, "samples")
+    assert not resumed.on_record(0, "eval/reward")  # only the resume iteration's records count
+
+
+def test_wandb_goes_on_logging_to_the_same_run(make_run, monkeypatch):
+    calls = []
+    fake = types.SimpleNamespace(
+        init=lambda **kw: calls.append(kw) or types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None),
+        util=types.SimpleNamespace(generate_id=lambda: f"id{len(calls)}"),
+    )
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    run = make_run(track=True, save_every=1)
+    run.log({"charts/lr": 1.0}, 1)
+    run.checkpoint(1, final=False)
+    run.close()
+    resumed = make_run(track=True, resume_from="latest")
+    resumed.resume()
+    resumed.log({"charts/lr": 1.0}, 2)
+    assert [c["id"] for c in calls] == ["id0", "id0"] and calls[1]["resume"] == "allow"
+    assert (run.dir / "wandb_run_id").read_text() == "id0"
+    assert json.loads((run.dir / "metrics.jsonl").read_text().splitlines()[-1])["iteration"] == 2
