@@ -292,7 +292,9 @@ def test_end_to_end_shapesbench(tmp_path):
     run = find_run(tmp_path / "e2e")
     train = [r for r in metrics(run) if "losses/policy" in r]
     assert [r["iteration"] for r in train] == [1, 2]
-    assert all(r["losses/first_ratio_max_dev"] == 0 for r in train)  # ratio exactly 1 at the first update
+    # ratio 1 at the first update, to the float32 rounding of a forward whose batch differs from the rollout's
+    # (training packs rows across steps): exactly 0 on some CPUs, 1 ulp (1.2e-7) on AVX-512 ones
+    assert all(r["losses/first_ratio_max_dev"] < 1e-6 for r in train)
     forwards, edges = B.tree_counts(6, [0, 3], 2)
     assert all(r["tree/rollout_forwards_per_leaf"] == forwards / 4 for r in train)
     assert all(r["tree/trained_edges_per_leaf"] == (edges - 4) / 4 for r in train)
