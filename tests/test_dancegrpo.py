@@ -169,6 +169,7 @@ def test_faults_a_cluster_delivers_change_nothing(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     common = TINY_RUN + ["--sample-every", "0", "--save-every", "2", "--lr-warmup", "100", "--iterations", "6"]
+    common += ["--eval-max-prompts", "8"]  # evaluations of 8 held-out prompts: a record each is what counts here
     run_script(common + ["--exp-name", "straight"], tmp_path)
     faulty, name = common + ["--exp-name", "faulty"], tmp_path / "faulty"
     resume = faulty + ["--resume-from", "latest"]
