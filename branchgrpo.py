@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import groupby
 from operator import itemgetter
+from pathlib import Path
 from typing import Literal, Optional
 
 import torch
@@ -45,7 +46,8 @@ from accelerate.utils import set_seed
 from common import InputError
 from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser
 from common.rewards import build_reward
-from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need, ode_sampler
+from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need
+from common.sampling import ode_sampler
 
 
 @dataclass
@@ -99,7 +101,7 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
 
 
 # ---------------------------------------------------------------------------------------------------
-# ALGO LOGIC: schedule and SDE step (same as in dancegrpo.py), the tree, fusion, advantages, pruning
+# ALGO LOGIC: schedule and SDE step (copies of dancegrpo.py's), the tree, fusion, advantages, pruning
 # Notation (docs/math.md): T steps, K children per split, M = K ** splits leaves per tree, P trees in a batch,
 # n_d nodes at depth d, *L the latent shape
 # ---------------------------------------------------------------------------------------------------
@@ -371,7 +373,7 @@ def resolve_defaults(args: Args) -> None:
         "width_keep_ratio": 0.5,
         "window": 4,
         "window_shift_every": 30,
-        "exp_name": "branchgrpo" if args.pruning == "none" else f"branchgrpo_{args.pruning}",
+        "exp_name": Path(__file__).stem + ("" if args.pruning == "none" else f"_{args.pruning}"),  # a fork: its own
     }
     for name, value in defaults.items():
         if getattr(args, name) is None:
@@ -432,7 +434,7 @@ def main(args: Args):
     n_leaves = sizes[-1]  # M
     rho = 1 / (1 + args.branch_s)  # correlated branch noise: Var(branch-specific) / Var(shared) = s
 
-    # ---------------------------------------------------------------- MODELS (same as in dancegrpo.py to the Evaluator)
+    # ---------------------------------------------------------------- MODELS
     model = load_model(
         args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution, offload=args.offload_frozen
     )
@@ -585,7 +587,7 @@ def main(args: Args):
             log["losses/kl"] = torch.stack(stats["kl"]).mean().item()
         run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
-        # ------------------------------------------------------------ CHECKPOINT (to the end: same as in dancegrpo.py)
+        # ------------------------------------------------------------ CHECKPOINT
         run.checkpoint(it + 1, final=it + 1 == args.iterations)  # + on SIGTERM / Ctrl-C, then exits
 
         # ------------------------------------------------------------ EVAL

@@ -34,6 +34,7 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Optional
 
 import torch
@@ -42,7 +43,8 @@ from accelerate.utils import set_seed
 
 from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser
 from common.rewards import build_reward
-from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need, ode_sampler
+from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need
+from common.sampling import ode_sampler
 
 
 @dataclass
@@ -205,7 +207,7 @@ def main(args: Args):
         args.noise_level = 0.3 if args.sde_type == "dance" else 0.7
     if args.timestep_fraction is None:
         args.timestep_fraction = 1.0 if args.sde_window else 0.6
-    args.exp_name = args.exp_name or ("mixgrpo" if args.sde_window else "dancegrpo")
+    args.exp_name = args.exp_name or Path(__file__).stem + ("_mix" if args.sde_window else "")  # a fork: its own name
     train_prompts, eval_prompts = validate(args, world)
     frozen = args.kl_beta > 0 and not args.lora  # KL reference: a frozen copy of the base (LoRA: adapter off)
     run = Run(args, accelerator, "MixGRPO" if args.sde_window else "DanceGRPO", frozen_copy=frozen)

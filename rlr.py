@@ -47,6 +47,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Callable, Literal, Optional
 
 import torch
@@ -391,7 +392,7 @@ def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
 @torch.no_grad()
 def sample_images(model, module, sched, cond, noise, guidance_scale, autocast):
     """Deterministic samples (Euler ODE, or DDIM with eta 0) for evaluation and grids; noise (B, *L) -> (B, 3, H, W).
-    Adapted from dancegrpo.py's sample_ode (any sampler of this file)."""
+    Adapted from common/sampling.py's sample_ode (any sampler of this file)."""
     x = noise
     for i in range(len(sched["eta" if model.kind == "sd1" else "g"])):
         x, _ = transition(model, module, sched, i, x, cond, guidance_scale, autocast)
@@ -416,7 +417,7 @@ def main(args: Args):
         args.subchain_len = min(2, args.num_steps - 1)
     if args.zo_perturbations is None:
         args.zo_perturbations = args.samples_per_device // max(1, args.rollout_batch_size)  # one per rollout chunk
-    args.exp_name = args.exp_name or "rlr"
+    args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
     train_prompts, eval_prompts = validate(args, world)
     need(
         not (accelerator.distributed_type == DistributedType.FSDP and "zo" in args.terms),
@@ -479,7 +480,7 @@ def main(args: Args):
         # ------------------------------------------------------------ SAMPLING
         # (with the first-order term: its backward runs per chunk right after the rollout, while the chunk's graph
         # through the last step, the decoder and the reward exists; see TRAINING for the HO and ZO terms)
-        # The same prompt draw on every process; process r owns global samples [r S, (r + 1) S) (same as in dancegrpo.py).
+        # The same prompt draw on every process; process r owns global samples [r S, (r + 1) S), as in dancegrpo.py.
         drawn = draw_prompts(train_prompts, prompts_per_iter, args.seed, it)
         global_idx = range(rank * S, (rank + 1) * S)
         my_prompts = [drawn[k // G] for k in global_idx]
@@ -580,7 +581,7 @@ def main(args: Args):
         }
         run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
-        # ------------------------------------------------------------ CHECKPOINT (to the end: same as in dancegrpo.py)
+        # ------------------------------------------------------------ CHECKPOINT
         run.checkpoint(it + 1, final=it + 1 == args.iterations)  # + on SIGTERM / Ctrl-C, then exits
 
         # ------------------------------------------------------------ EVAL

@@ -52,6 +52,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -60,7 +61,8 @@ from accelerate.utils import set_seed
 
 from common.models import base_weights, frozen_copy, load_model, trainable_denoiser
 from common.rewards import build_reward, parse_reward_spec
-from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need, ode_sampler
+from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need
+from common.sampling import ode_sampler
 
 
 @dataclass
@@ -307,7 +309,7 @@ def main(args: Args):
     # ---------------------------------------------------------------- SETUP
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     world, rank = accelerator.num_processes, accelerator.process_index
-    args.exp_name = args.exp_name or "vgrpo"
+    args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
     train_prompts, eval_prompts = validate(args, world)
     base_kl = args.kl_beta > 0 and args.kl_ref == "base"
     run = Run(args, accelerator, "V-GRPO", frozen_copy=base_kl and not args.lora)
@@ -480,7 +482,7 @@ def main(args: Args):
             log["losses/kl"] = torch.stack(stats["kl"]).mean().item()
         run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
-        # ------------------------------------------------------------ CHECKPOINT (to the end: same as in dancegrpo.py)
+        # ------------------------------------------------------------ CHECKPOINT
         run.checkpoint(it + 1, final=it + 1 == args.iterations)  # + on SIGTERM / Ctrl-C, then exits
 
         # ------------------------------------------------------------ EVAL

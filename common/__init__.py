@@ -1,7 +1,21 @@
 """Shared plumbing for the four algorithm scripts: model loaders, rewards, prompts, run plumbing, ShapesBench.
 
-Algorithm logic (samplers with log-probs, advantages, losses) deliberately lives in the scripts.
+Algorithm logic (samplers with log-probs, advantages, losses) deliberately lives in the scripts. The modules form
+layers, each importing only from those above it in this list (tests/test_layout.py checks it):
+
+    common (this file)          the errors the scripts print as one line; whether the Hugging Face hub is reachable
+    common.offload, common.viz  parking frozen parts on the CPU; sample grids
+    common.sampling             the sigma schedule, keyed noise, the deterministic sampler of evaluation
+    common.shapesbench          the offline world: renderer, verifier, learned reward, tiny model builders
+    common.models, .rewards, .prompts   model loaders, reward wrappers, prompt sources
+    common.runs                 run plumbing: flags, run folder, checkpoints, logging, evaluation
+
+The command-line tools of ShapesBench (`python -m common.shapesbench eval`, its trainers) sit on top: they may use
+every layer, and no library module imports them. Nothing in common/ imports a top-level script.
 """
+
+import os
+import socket
 
 
 class InputError(ValueError):
@@ -12,3 +26,14 @@ class InputError(ValueError):
 class RunError(RuntimeError):
     """A failure of the run's surroundings, not of its code: a full disk, an unwritable folder. The scripts print its
     message, which names the folder and what is still intact, as one line and exit with status 1 (common.runs.cli)."""
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub can be reached: False at once under HF_HUB_OFFLINE=1, else one TCP connect."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False

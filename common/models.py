@@ -26,7 +26,7 @@ from huggingface_hub import hf_hub_download
 from peft import LoraConfig, get_peft_model_state_dict
 from transformers import AutoTokenizer, CLIPTextModel
 
-from common import InputError
+from common import InputError, hub_reachable
 from common.offload import Offloaded
 
 SHAPESBENCH_DIR = Path(__file__).parent / "shapesbench" / "assets" / "flow"  # what --model-id shapesbench loads
@@ -335,7 +335,6 @@ def _model_index(model_id: str) -> tuple[dict, str]:
         ), model_id
     except Exception:
         pass
-    from common.runs import hub_reachable
 
     if not hub_reachable():
         raise InputError(

@@ -16,7 +16,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from common import InputError
+from common import InputError, hub_reachable
 from common.offload import Offloaded
 
 
@@ -82,8 +82,6 @@ def _hub_file(name: str, download: bool = True) -> str | None:
     """Path of reward `name`'s hub file: from the local cache, else downloaded if the hub is reachable (download=False:
     None instead); InputError when neither works."""
     import huggingface_hub
-
-    from common.runs import hub_reachable
 
     repo, filename, example, how = HUB_WEIGHTS[name]
     try:

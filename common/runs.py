@@ -16,13 +16,11 @@ What the scripts keep: the algorithm (rollout with log-probs, rewards to advanta
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import resource
 import shutil
 import signal
-import socket
 import sys
 import time
 from contextlib import contextmanager
@@ -35,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from common import InputError, RunError
+from common.sampling import fixed_noise, keyed_generator, sample_prompts
 
 
 @dataclass
@@ -46,7 +45,7 @@ class RunArgs:
     recipes (run.sh, the scripts' docstrings) pass the papers' values."""
 
     exp_name: Optional[str] = None
-    """run name (if unset: the script's name and mode, e.g. mixgrpo, branchgrpo_depth); the run folder is {output_dir}/{exp_name}__{seed}__{unix time}"""
+    """run name (if unset: the script's file name and mode, e.g. dancegrpo_mix, branchgrpo_depth, so a copied script is its own run family); the run folder is {output_dir}/{exp_name}__{seed}__{unix time}"""
     seed: int = 0
     """seed of every random draw (prompts, noise, trained steps, initial weights of LoRA)"""
     output_dir: str = "runs"
@@ -164,17 +163,6 @@ def cli(main, args_type) -> None:
 # ---------------------------------------------------------------------------------------------------
 # Checks of the shared flags, before any model loads
 # ---------------------------------------------------------------------------------------------------
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hugging Face hub can be reached: False at once under HF_HUB_OFFLINE=1, else one TCP connect."""
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        return False
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 def check_run_args(args) -> tuple[list[str], list[str]]:
     """Check the flags every script shares. Returns (training prompts, held-out prompts), read here so that a bad
     prompt file fails before a model loads (the Evaluator takes its --eval-max-prompts subset)."""
@@ -536,7 +524,8 @@ class Run:
         return self._tb
 
     def log(self, scalars: dict, step: int, echo: bool = False) -> None:
-        """Scalars to metrics.jsonl (one line), TensorBoard and W&B; echo prints them above the progress bar."""
+        """Scalars to metrics.jsonl (one line), TensorBoard and W&B; echo prints the headline (headline()) above the
+        progress bar."""
         if not self.is_main:
             return
         tb = self._writers()
@@ -547,7 +536,24 @@ class Run:
         with open(self.dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"iteration": step, **scalars}) + "\n")
         if echo:
-            tqdm.write(f"eval @ {step}: " + json.dumps({k: round(v, 4) for k, v in scalars.items()}))
+            tqdm.write(self.headline(scalars, step))
+
+    HEADLINE = {
+        "eval/reward": "reward",
+        "eval/shape_acc": "shape",
+        "eval/all_acc": "all correct",
+        "eval/clean_acc": "clean",
+    }
+
+    def headline(self, metrics: dict, step: int) -> str:
+        """One line a person reads at a glance: the headline metrics, first evaluation -> this one (the full record is
+        in metrics.jsonl)."""
+        first = next((r for r in read_metrics(self.dir) if "eval/reward" in r), {"iteration": step})
+        keys = [k for k in self.HEADLINE if k in metrics]
+        if first["iteration"] == step:
+            return f"eval @ {step}: " + ", ".join(f"{self.HEADLINE[k]} {metrics[k]:.3f}" for k in keys)
+        shown = [f"{self.HEADLINE[k]} {first[k]:.3f} -> {metrics[k]:.3f}" for k in keys]
+        return f"eval @ {step} (from iteration {first['iteration']}): " + ", ".join(shown)
 
     def log_grid(self, images, captions, ok, step: int) -> None:
         """A sample grid PNG into samples/ and TensorBoard; `ok` (verifier verdicts or None) is drawn as a badge."""
@@ -648,7 +654,10 @@ class Run:
         state_dict = self.accelerator.get_state_dict(prepared) if sharded else None  # collective under FSDP
         if self.is_main:
             save_trained_weights(model, self.accelerator.unwrap_model(prepared), self.dir / "final", lora, state_dict)
-            print(f"trained weights in {self.dir / 'final'}")
+            minutes = (time.perf_counter() - self.t_start) / 60
+            print(
+                f"done: {self.args.iterations} iterations ({minutes:.1f} min here); trained weights in {self.dir / 'final'}"
+            )
         self.close()
 
     def weight_spread(self, params) -> float:
@@ -678,13 +687,6 @@ def optimizer_step(accelerator, optimizer, params, max_grad_norm: float) -> floa
 # ---------------------------------------------------------------------------------------------------
 # Evaluation and sample grids
 # ---------------------------------------------------------------------------------------------------
-def keyed_generator(*keys) -> torch.Generator:
-    """A CPU generator seeded by a stable hash of `keys`: the same hash as the scripts' rng(), so evaluation noise
-    does not depend on the process count or the batch size."""
-    digest = hashlib.sha256(repr(keys).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-
-
 def peak_memory_gb(device) -> float:
     """Peak memory in GB: on CUDA the allocator's peak since the previous call (then reset), else this process's
     max resident set size so far."""
@@ -704,22 +706,6 @@ def draw_prompts(prompts: list[str], n: int, seed: int, iteration: int) -> list[
     else:
         pick = torch.randint(len(prompts), (n,), generator=gen)
     return [prompts[i] for i in pick.tolist()]
-
-
-def ode_sampler(model, transformer, sigmas, guidance_scale, autocast):
-    """`sampler(cond, noise) -> images` for the Evaluator: sample_ode along `sigmas` with the training module."""
-    return partial(sample_ode, model, transformer, sigmas=sigmas, guidance_scale=guidance_scale, autocast=autocast)
-
-
-@torch.no_grad()
-def sample_ode(model, transformer, cond, noise, sigmas, guidance_scale, autocast):
-    """Deterministic Euler samples of a flow model along `sigmas`: noise (B, *L) -> images (B, 3, H, W)."""
-    x = noise
-    for i in range(len(sigmas) - 1):
-        with autocast():
-            v = model.velocity(transformer, x, sigmas[i].expand(len(x)).to(x.device), cond, guidance_scale)
-        x = x + (sigmas[i + 1] - sigmas[i]) * v.float()
-    return model.decode(x).float()
 
 
 @contextmanager
@@ -770,21 +756,11 @@ class Evaluator:
                 args.reward_checkpoints().get("shapes"), device=run.accelerator.device
             )
 
-    def _noise(self, tag: str, n: int, offset: int = 0) -> torch.Tensor:
-        shape = self.model.latent_shape()
-        return torch.stack(
-            [torch.randn(shape, generator=keyed_generator(self.args.seed, tag, offset + j)) for j in range(n)]
-        )
-
     def _sample(self, prompts: list[str], tag: str, desc: str) -> torch.Tensor:
-        """ODE samples (N, 3, H, W) of `prompts` from noise keyed on (seed, tag, index), in chunks of the batch size
-        (a VAE decode at 720 px needs most of a GB per image: docs/gpu.md)."""
-        device, images = self.run.accelerator.device, []
-        chunks = range(0, len(prompts), self.batch_size)
-        for i in tqdm(chunks, desc=desc, leave=False, disable=not self.run.accelerator.is_local_main_process):
-            chunk = prompts[i : i + self.batch_size]
-            images.append(self.sampler(self.model.encode_prompts(chunk), self._noise(tag, len(chunk), i).to(device)))
-        return torch.cat(images)
+        """ODE samples (N, 3, H, W) of `prompts` from noise keyed on (seed, tag, index), a batch at a time."""
+        noise = fixed_noise(self.args.seed, tag, self.model.latent_shape(), 0, len(prompts))
+        bar = partial(tqdm, desc=desc, leave=False, disable=not self.run.accelerator.is_local_main_process)
+        return sample_prompts(self.sampler, self.model, prompts, noise, self.batch_size, bar)
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict:

@@ -96,7 +96,7 @@ def test_rollout_matches_diffusers_dpm_solver_multistep_on_our_schedule():
         x = sched.step(FakeModel().velocity(None, x, sigmas[i].expand(3), {}), sched.timesteps[i], x).prev_sample
     ours = V.rollout(FakeModel(), None, {}, x0.clone(), sigmas, "dpm++2m", 1.0, nullcontext)
     torch.testing.assert_close(ours, x, atol=1e-5, rtol=1e-5)
-    # --solver euler is the plain Euler ODE of dancegrpo.py's sample_ode
+    # --solver euler is the plain Euler ODE of common/sampling.py's sample_ode
     e = x0.clone()
     for i in range(T):
         e = e + (sigmas[i + 1] - sigmas[i]) * FakeModel().velocity(None, e, sigmas[i].expand(3), {})

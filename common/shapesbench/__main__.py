@@ -4,8 +4,9 @@
     python -m common.shapesbench eval --grid docs/base_samples.png     # also a grid with the verifier's verdicts
     python -m common.shapesbench eval --trained runs/<run>/final       # a run's full or LoRA weights on top
 
-The sampler is the scripts' own: Euler ODE on the shifted schedule (dancegrpo.py's sigma_schedule, shift 3) with
-common.runs.sample_ode, one initial noise per sample from --seed. The JSON holds the verifier's accuracies, the
+The sampler and the noise are the scripts' Evaluator's (common/sampling.py): Euler ODE on the shifted schedule
+(shift 3), sample j from noise keyed on (--seed, 'eval', j), so a run's evaluation at iteration 0 and this command
+give the base model the same figures. The JSON holds the verifier's accuracies, the
 well-formed rate, the requested -> predicted shape confusion matrix, the learned reward, diversity, and the
 learned reward's checks (agreement with the verifier's shape class on the well-formed samples; how often a clean
 render beats its textured / blurred / blob version).
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from common.sampling import fixed_noise, ode_sampler, sample_prompts, sigma_schedule
 from common.shapesbench import reward as shapes_reward
 from common.shapesbench import verifier, world
 
@@ -42,20 +44,12 @@ def load_trained(model, trained: str) -> None:
 
 @torch.no_grad()
 def sample(model, prompts: list[str], seed: int, steps: int, guidance_scale: float, batch_size: int = 64):
-    """Euler ODE samples (N, 3, 32, 32) in [0, 1] of `prompts`, one initial noise per prompt from `seed`."""
-    from common.runs import sample_ode
-    from dancegrpo import sigma_schedule
-
-    noise = torch.randn((len(prompts), *model.latent_shape()), generator=torch.Generator().manual_seed(seed))
-    sigmas = sigma_schedule(steps, 3.0)
-    out = []
-    for i in range(0, len(prompts), batch_size):
-        cond = model.encode_prompts(prompts[i : i + batch_size])
-        x = sample_ode(
-            model, model.transformer, cond, noise[i : i + batch_size], sigmas, guidance_scale, contextlib.nullcontext
-        )
-        out.append(x.cpu())
-    return torch.cat(out)
+    """Euler ODE samples (N, 3, 32, 32) in [0, 1] of `prompts`: sample j starts from the noise the scripts' Evaluator
+    draws for its sample j, keyed on (seed, 'eval', j), on the scripts' default schedule (shift 3), so a model gets
+    the same held-out figures here as at a run's evaluation."""
+    noise = fixed_noise(seed, "eval", model.latent_shape(), 0, len(prompts))
+    sampler = ode_sampler(model, model.transformer, sigma_schedule(steps, 3.0), guidance_scale, contextlib.nullcontext)
+    return sample_prompts(sampler, model, prompts, noise, batch_size).cpu()
 
 
 def main(args) -> None:

@@ -23,6 +23,7 @@ The reward is the cosine similarity.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from common.sampling import ode_sampler, sample_prompts, sigma_schedule
 from common.shapesbench import builders, world
 from common.shapesbench.reward import REWARD_PATH, ShapesReward
 
@@ -56,12 +58,14 @@ def labelled_model_samples(n: int, seed: int) -> tuple[torch.Tensor, list[str]]:
     if n == 0:
         return torch.zeros(0, 3, world.SIZE, world.SIZE), []
     from common.models import load_model
-    from common.shapesbench.__main__ import sample
     from common.shapesbench.verifier import verify
 
     g = torch.Generator().manual_seed(seed)
     prompts = [world.all_prompts()[i] for i in torch.randint(168, (n,), generator=g).tolist()]
-    images = sample(load_model("shapesbench"), prompts, seed, steps=20, guidance_scale=1.0)
+    model = load_model("shapesbench")
+    noise = torch.randn((n, *model.latent_shape()), generator=torch.Generator().manual_seed(seed))
+    sampler = ode_sampler(model, model.transformer, sigma_schedule(20, 3.0), 1.0, contextlib.nullcontext)
+    images = sample_prompts(sampler, model, prompts, noise, batch_size=64).cpu()
     v = verify(images, prompts)
     keep = v["well_formed"].tolist()
     captions = []

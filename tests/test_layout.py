@@ -1,0 +1,103 @@
+"""The repository's shape: common/ in layers with no import cycle and no import of a script; every block marked
+`# same as in X.py` identical to X's."""
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ("dancegrpo", "branchgrpo", "vgrpo", "rlr")
+# common/'s layers, lowest first (common/__init__.py's docstring): a module imports only from its own layer or lower
+LAYERS = {
+    "common": 0,
+    "common.offload": 1,
+    "common.viz": 1,
+    "common.sampling": 2,
+    "common.shapesbench": 3,
+    "common.models": 4,
+    "common.rewards": 4,
+    "common.prompts": 4,
+    "common.runs": 5,
+}
+TOOLS = ("common.shapesbench.__main__", "common.shapesbench.train_flow", "common.shapesbench.train_reward")  # on top
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> int:
+    while module not in LAYERS:
+        module = module.rpartition(".")[0]
+    return LAYERS[module]
+
+
+def imports(path: Path, modules=()) -> set[str]:
+    """Every module `path` imports, at the top or inside a function; `from P import m` counts as importing P.m alone
+    when P.m is one of `modules`."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            subs = {f"{node.module}.{a.name}" for a in node.names} & set(modules)
+            out |= subs if len(subs) == len(node.names) else {node.module, *subs}
+    return out
+
+
+def test_common_is_layered_without_cycles_or_script_imports():
+    files = {module_name(p): p for p in (ROOT / "common").rglob("*.py")}
+    graph = {m: {i for i in imports(p, files) if i in files} - {m} for m, p in files.items()}
+    for module, deps in graph.items():
+        outside = {i.split(".")[0] for i in imports(files[module])} & {*SCRIPTS, "benchmarks", "tests"}
+        assert not outside, f"{module} imports {outside}: common/ must not depend on a script"
+        for dep in deps:
+            assert dep not in TOOLS, f"{module} imports the command-line tool {dep}"
+            if module not in TOOLS:
+                assert layer(dep) <= layer(module), f"{module} (layer {layer(module)}) imports {dep} ({layer(dep)})"
+    seen, stack = set(), []
+
+    def visit(m):  # depth-first search for a cycle
+        assert m not in stack, f"import cycle: {' -> '.join(stack[stack.index(m) :] + [m])}"
+        if m in seen:
+            return
+        stack.append(m)
+        for dep in graph[m]:
+            visit(dep)
+        stack.pop()
+        seen.add(m)
+
+    for m in graph:
+        visit(m)
+
+
+MARKER = re.compile(r"\s*# same as in (\w+\.py)$", re.M)
+
+
+def marked_copies():
+    """(file, function name, its source without the marker, the source file named by the marker) per marked def."""
+    for path in [*ROOT.glob("*.py"), *(ROOT / "common").rglob("*.py")]:
+        text = path.read_text()
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.FunctionDef):
+                first = text.splitlines()[node.lineno - 1]
+                if m := MARKER.search(first):
+                    yield path, node.name, MARKER.sub("", ast.get_source_segment(text, node)), ROOT / m[1]
+
+
+def function_source(path: Path, name: str) -> str:
+    text = path.read_text()
+    node = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    return MARKER.sub("", ast.get_source_segment(text, node))
+
+
+def test_blocks_marked_same_as_in_are_the_same():
+    copies = list(marked_copies())
+    assert len(copies) >= 10  # the schedule, the SDE step, the loss, the keyed RNG, ... in three scripts
+    for path, name, source, original in copies:
+        assert source == function_source(original, name), f"{path.name}: {name} differs from {original.name}'s"
+    for path in [*ROOT.glob("*.py"), *(ROOT / "common").rglob("*.py")]:  # no marker the test above does not check
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if "# same as in" in line and "`# same as in" not in line:  # a marker, not a mention of one
+                assert line.lstrip().startswith("def ") and MARKER.search(line), f"{path.name}:{n} marks no function"
