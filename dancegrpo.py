@@ -29,7 +29,6 @@ the same numbers as an uninterrupted single-process one.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from contextlib import nullcontext
@@ -44,7 +43,7 @@ from accelerate.utils import set_seed
 from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser
 from common.rewards import build_reward
 from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need
-from common.sampling import ode_sampler
+from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> a generator
 
 
 @dataclass
@@ -149,12 +148,6 @@ def sde_steps(num_steps: int, sde_window: int, window_shift_every: int, iteratio
     return list(range(start, start + sde_window))
 
 
-def rng(*keys) -> torch.Generator:
-    """A CPU generator seeded by a stable hash of `keys`, e.g. (seed, iteration, "noise", sample_index)."""
-    digest = hashlib.sha256(repr(keys).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-
-
 @torch.no_grad()
 def rollout(model, transformer, cond, x, step_noise, sigmas, g, sde_idx, guidance_scale, autocast):
     """Sample one chunk. x: (B, *L) initial noise, step_noise: (B, T, *L). SDE at steps in `sde_idx`, Euler elsewhere.
@@ -208,7 +201,7 @@ def main(args: Args):
     if args.timestep_fraction is None:
         args.timestep_fraction = 1.0 if args.sde_window else 0.6
     args.exp_name = args.exp_name or Path(__file__).stem + ("_mix" if args.sde_window else "")  # a fork: its own name
-    train_prompts, eval_prompts = validate(args, world)
+    prompt_lists = validate(args, world)  # every flag and input checked (prompt files read) before a model loads
     frozen = args.kl_beta > 0 and not args.lora  # KL reference: a frozen copy of the base (LoRA: adapter off)
     run = Run(args, accelerator, "MixGRPO" if args.sde_window else "DanceGRPO", frozen_copy=frozen)
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
@@ -217,6 +210,8 @@ def main(args: Args):
     prompts_per_iter = world * args.samples_per_device // args.group_size
     chunks_per_update = args.trajectories_per_update // args.rollout_batch_size
     updates_per_iter = args.samples_per_device // args.trajectories_per_update
+    sigmas = sigma_schedule(args.num_steps, args.shift)  # (T + 1,)
+    g = noise_g(sigmas, args.sde_type, args.noise_level)  # (T,)
 
     # ---------------------------------------------------------------- MODELS
     model = load_model(
@@ -226,6 +221,7 @@ def main(args: Args):
     ref = transformer if args.lora else frozen_copy(transformer, frozen_dtype) if frozen else None
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
+    train_prompts, eval_prompts = prompt_lists
     reward_fn = build_reward(args.reward, device, args.reward_checkpoints(), offload=args.offload_frozen)
 
     # ---------------------------------------------------------------- OPTIMIZER
@@ -233,14 +229,10 @@ def main(args: Args):
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     transformer, optimizer = accelerator.prepare(transformer, optimizer)
 
-    # ---------------------------------------------------------------- RESUME
-    start = run.resume()
-    sigmas = sigma_schedule(args.num_steps, args.shift)
-    g = noise_g(sigmas, args.sde_type, args.noise_level)
+    # ---------------------------------------------------------------- RESUME, EVALUATOR, BANNER
+    start = run.resume()  # 0, or the iteration of the --resume-from checkpoint (weights, optimizer, RNG, counters)
     latent_shape = model.latent_shape()
-    eval_sigmas = sigma_schedule(args.eval_steps, args.shift)
-    sampler = ode_sampler(model, transformer, eval_sigmas, args.guidance_scale, autocast)
-    evaluate = Evaluator(args, model, transformer, sampler, reward_fn, eval_prompts, run, args.rollout_batch_size)
+    evaluate = Evaluator(args, model, transformer, reward_fn, eval_prompts, run, args.rollout_batch_size)  # Euler ODE
     n_sde = len(sde_steps(args.num_steps, args.sde_window, args.window_shift_every, 0))
     n_train = max(1, int(n_sde * args.timestep_fraction))
     lines = [
@@ -344,7 +336,9 @@ def main(args: Args):
                     stats["ratio"].append(ratio.detach())
                     stats["clipfrac"].append(((ratio - 1).abs() > args.clip_range).float().mean().detach())
                     stats["approx_kl"].append((0.5 * (log_prob - ch["log_probs"][:, i]) ** 2).mean().detach())
-            run.step(optimizer, params)  # clipped; skipped if the gradient norm is not finite
+            # learning rate: linear warmup over the first --lr-warmup optimizer steps, then constant
+            lr_now = args.learning_rate * min(1.0, (run.state.optimizer_steps + 1) / max(1, args.lr_warmup))
+            run.step(optimizer, params, lr_now)  # clipped; skipped if the gradient norm is not finite
 
         # ------------------------------------------------------------ LOGGING
         ratios = torch.cat(stats["ratio"])

@@ -58,6 +58,7 @@ from common.models import load_model, trainable_denoiser
 from common.prompts import load_dcot
 from common.rewards import build_reward, parse_reward_spec
 from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need
+from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> a generator
 
 
 @dataclass
@@ -323,12 +324,6 @@ def key_seed(*keys) -> int:
     return int.from_bytes(hashlib.sha256(repr(keys).encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-def rng(*keys) -> torch.Generator:  # same as in dancegrpo.py
-    """A CPU generator seeded by a stable hash of `keys`, e.g. (seed, iteration, "noise", sample_index)."""
-    digest = hashlib.sha256(repr(keys).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-
-
 def staged_transition(
     model, module, sched: dict, conds: list[dict], num_steps: int, guidance_scale: float, autocast, i: int, x
 ):
@@ -418,7 +413,7 @@ def main(args: Args):
     if args.zo_perturbations is None:
         args.zo_perturbations = args.samples_per_device // max(1, args.rollout_batch_size)  # one per rollout chunk
     args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
-    train_prompts, eval_prompts = validate(args, world)
+    prompt_lists = validate(args, world)  # every flag and input checked (prompt files read) before a model loads
     need(
         not (accelerator.distributed_type == DistributedType.FSDP and "zo" in args.terms),
         "the ZO term perturbs whole parameter tensors in place, which FSDP shards; use DDP (e.g. --lora and "
@@ -445,6 +440,7 @@ def main(args: Args):
     denoiser = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
+    train_prompts, eval_prompts = prompt_lists
     dcot = load_dcot(args.dcot_prompts) if args.dcot_prompts else None
     reward_fn = build_reward(args.reward, device, args.reward_checkpoints(), offload=args.offload_frozen)
     need(reward_fn.differentiable, f"--reward {args.reward}: not differentiable; RLR's first-order term needs one")
@@ -455,15 +451,15 @@ def main(args: Args):
     denoiser, optimizer = accelerator.prepare(denoiser, optimizer)
     denoiser.eval()  # no dropout anywhere: the sampled and the differentiated policy must be the same function
 
-    # ---------------------------------------------------------------- RESUME
-    start = run.resume()
+    # ---------------------------------------------------------------- RESUME, EVALUATOR, BANNER
+    start = run.resume()  # 0, or the iteration of the --resume-from checkpoint (weights, optimizer, RNG, counters)
     sched = make_schedule(model, T, args)
     latent_shape = model.latent_shape()
     starts = window_starts(T, h, args.subchain_stage) if use_ho else [0]
     eval_sched = make_schedule(model, args.eval_steps, args, stochastic=False)
     sampler = partial(sample_images, model, denoiser, eval_sched, guidance_scale=args.guidance_scale, autocast=autocast)
     eval_batch = max(B, 16) if model.kind == "shapes" else B  # (CPU ShapesBench: batch up)
-    evaluate = Evaluator(args, model, denoiser, sampler, reward_fn, eval_prompts, run, eval_batch)
+    evaluate = Evaluator(args, model, denoiser, reward_fn, eval_prompts, run, eval_batch, sampler)
     noise = f"{'DDIM eta' if model.kind == 'sd1' else args.sde_type + ' SDE noise'} {args.noise_level}"
     biased = "" if args.terms in ("fo+ho+zo", "fo+zo") else " (biased ablation)"
     h_star = f" (h* for {args.memory_budget_gb} GB)" if args.memory_budget_gb is not None else ""
@@ -560,7 +556,9 @@ def main(args: Args):
                 )
             zo_norm = math.sqrt(sum(float((p.grad - g).double().square().sum()) for p, g in zip(params, before)))
             del before
-        run.step(optimizer, params)  # clipped; skipped if the gradient norm is not finite
+        # learning rate: linear warmup over the first --lr-warmup optimizer steps, then constant
+        lr_now = args.learning_rate * min(1.0, (run.state.optimizer_steps + 1) / max(1, args.lr_warmup))
+        run.step(optimizer, params, lr_now)  # clipped; skipped if the gradient norm is not finite
 
         # ------------------------------------------------------------ LOGGING
         log = {

@@ -46,7 +46,6 @@ Choices where the paper is silent, and deviations (docs/vgrpo.md explains each):
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from contextlib import nullcontext
@@ -62,7 +61,7 @@ from accelerate.utils import set_seed
 from common.models import base_weights, frozen_copy, load_model, trainable_denoiser
 from common.rewards import build_reward, parse_reward_spec
 from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need
-from common.sampling import ode_sampler
+from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> a generator
 
 
 @dataclass
@@ -115,12 +114,6 @@ def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:  # same as in 
     """linspace(1, 0, T + 1) warped by s' = k s / (1 + (k - 1) s) (SD3 shift); shape (T + 1,)."""
     s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
     return (shift * s / (1 + (shift - 1) * s)).float()
-
-
-def rng(*keys) -> torch.Generator:  # same as in dancegrpo.py
-    """A CPU generator seeded by a stable hash of `keys`, e.g. (seed, iteration, "noise", sample_index)."""
-    digest = hashlib.sha256(repr(keys).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
 def dpm_solver_2m_step(x, d, d_prev, sigma_prev, sigma, sigma_next):
@@ -310,7 +303,7 @@ def main(args: Args):
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     world, rank = accelerator.num_processes, accelerator.process_index
     args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
-    train_prompts, eval_prompts = validate(args, world)
+    prompt_lists = validate(args, world)  # every flag and input checked (prompt files read) before a model loads
     base_kl = args.kl_beta > 0 and args.kl_ref == "base"
     run = Run(args, accelerator, "V-GRPO", frozen_copy=base_kl and not args.lora)
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
@@ -321,6 +314,7 @@ def main(args: Args):
     mb = args.train_batch_size
     micro_per_update = args.images_per_update // mb
     updates_per_iter = args.samples_per_device // args.images_per_update
+    sigmas = sigma_schedule(args.num_steps, args.shift)  # (T + 1,)
 
     # ---------------------------------------------------------------- MODELS
     model = load_model(
@@ -331,6 +325,7 @@ def main(args: Args):
     ref = (transformer if args.lora else frozen_copy(transformer, frozen_dtype)) if base_kl else None
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
+    train_prompts, eval_prompts = prompt_lists
     reward_fn = build_reward(args.reward, device, args.reward_checkpoints(), offload=args.offload_frozen)
     reward_weights = dict(parse_reward_spec(args.reward))  # canonical name -> weight, the keys of reward_fn's parts
 
@@ -339,14 +334,11 @@ def main(args: Args):
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     transformer, optimizer = accelerator.prepare(transformer, optimizer)
 
-    # ---------------------------------------------------------------- RESUME
-    start = run.resume()
-    sigmas = sigma_schedule(args.num_steps, args.shift)
+    # ---------------------------------------------------------------- RESUME, EVALUATOR, BANNER
+    start = run.resume()  # 0, or the iteration of the --resume-from checkpoint (weights, optimizer, RNG, counters)
     grid = sigmas[:-1] if args.pair_times == "grid" else None  # the rollout schedule without t = 0 (x0_hat = x there)
     latent_shape = model.latent_shape()
-    eval_sigmas = sigma_schedule(args.eval_steps, args.shift)
-    sampler = ode_sampler(model, transformer, eval_sigmas, args.guidance_scale, autocast)
-    evaluate = Evaluator(args, model, transformer, sampler, reward_fn, eval_prompts, run, args.rollout_batch_size)
+    evaluate = Evaluator(args, model, transformer, reward_fn, eval_prompts, run, args.rollout_batch_size)  # Euler ODE
     # the surrogate on one micro-batch: surrogate_of(x, cond, t, eps) -> (values (B, N), x0_hat (B, N, *L))
     options = dict(guidance_scale=args.guidance_scale, autocast=autocast, prediction=args.prediction)
     surrogate_of = partial(surrogate, model, transformer, **options, self_normalize=args.self_normalize)
@@ -447,7 +439,9 @@ def main(args: Args):
                 stats["ratio"].append(ratio.detach())
                 stats["log_ratio"].append(log_ratio.detach())
                 stats["clipfrac"].append(((ratio - 1).abs() > args.clip_range).float().mean().detach())
-            run.step(optimizer, params)  # clipped; skipped if the gradient norm is not finite
+            # learning rate: linear warmup over the first --lr-warmup optimizer steps, then constant
+            lr_now = args.learning_rate * min(1.0, (run.state.optimizer_steps + 1) / max(1, args.lr_warmup))
+            run.step(optimizer, params, lr_now)  # clipped; skipped if the gradient norm is not finite
 
         # ------------------------------------------------------------ LOGGING
         ratios, log_ratios = torch.cat(stats["ratio"]), torch.cat(stats["log_ratio"])

@@ -98,7 +98,7 @@ def branch_cosine(model, tr, params, reward, prompts, d: int, n_prompts: int) ->
         states, log_probs = B.tree_rollout(model, tr, cond, roots, sigmas, g, splits, sde, noise_fn, args, nullcontext)
         leaf_prompts = [p for p in ps for _ in range(sizes[-1])]
         r = reward(model.decode(states[-1]).float(), leaf_prompts)[0].view(len(ps), sizes[-1])
-    values = B.node_values(r, log_probs, sizes, args.fusion, args.fusion_beta, args.fusion_temperature)
+    values = B.node_values(r, log_probs, sizes, args.fusion, args.fusion_gamma, args.fusion_temperature)
     adv = [a.clamp(-args.adv_clip_max, args.adv_clip_max) for a in B.depth_advantages(values)]
     keep = B.trained_edges(args, splits, sizes, sde, adv[1:], 0)
     halves = []

@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from common import InputError, RunError
-from common.sampling import fixed_noise, keyed_generator, sample_prompts
+from common.sampling import fixed_noise, keyed_generator, ode_sampler, sample_prompts, sigma_schedule
 
 
 @dataclass
@@ -196,6 +196,14 @@ def check_run_args(args) -> tuple[list[str], list[str]]:
         check_not_shapesbench(args)
     check_reward_weights(args.reward, args.reward_checkpoints())
     return load_prompts(args.prompts, "--prompts"), load_prompts(args.eval_prompts, "--eval-prompts")
+
+
+def check_mode_flags(args, mode_flags) -> None:
+    """No dead flags: each (flag, applies(args), mode) of `mode_flags` is an error if the flag is set to other than
+    its default while its mode is off."""
+    for flag, applies, mode in mode_flags:
+        default = type(args).__dataclass_fields__[flag].default
+        need(getattr(args, flag) == default or applies(args), f"--{flag.replace('_', '-')} only applies with {mode}")
 
 
 def check_not_shapesbench(args) -> None:
@@ -458,12 +466,12 @@ class Run:
                 "(the same signal again stops it now, losing the iteration)"
             )
 
-    def step(self, optimizer, params) -> None:
-        """One optimizer step (common.runs.optimizer_step: clipped, skipped on a non-finite gradient norm), recorded
-        for the iteration's log."""
-        self.lr = self.args.learning_rate * min(1.0, (self.state.optimizer_steps + 1) / max(1, self.args.lr_warmup))
+    def step(self, optimizer, params, lr: float) -> None:
+        """One optimizer step at learning rate `lr` (common.runs.optimizer_step: clipped, skipped on a non-finite
+        gradient norm), recorded for the iteration's log; counts optimizer steps (state.optimizer_steps)."""
+        self.lr = lr
         for group in optimizer.param_groups:
-            group["lr"] = self.lr
+            group["lr"] = lr
         self.state.optimizer_steps += 1
         grad_norm = optimizer_step(self.accelerator, optimizer, params, self.args.max_grad_norm)
         if grad_norm is None:
@@ -727,7 +735,11 @@ class Evaluator:
     are added to the reward (common.shapesbench.evaluate).
     """
 
-    def __init__(self, args, model, module, sampler, reward_fn, eval_prompts, run: Run, batch_size: int):
+    def __init__(self, args, model, module, reward_fn, eval_prompts, run: Run, batch_size: int, sampler=None):
+        """`sampler`: None for the Euler ODE of a flow model on sigma_schedule(--eval-steps, --shift)."""
+        if sampler is None:
+            sigmas = sigma_schedule(args.eval_steps, args.shift)
+            sampler = ode_sampler(model, module, sigmas, args.guidance_scale, run.accelerator.autocast)
         self.args, self.model, self.module, self.sampler, self.reward_fn, self.run = (
             args,
             model,

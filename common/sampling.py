@@ -22,8 +22,9 @@ def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:  # same as in 
 
 
 def keyed_generator(*keys) -> torch.Generator:
-    """A CPU generator seeded by a stable hash of `keys`: the same hash as the scripts' rng(), so evaluation noise
-    does not depend on the process count or the batch size."""
+    """A CPU generator seeded by a stable hash of `keys`, e.g. (seed, iteration, "noise", sample_index): the scripts'
+    rng(). Keyed draws depend on neither the process count nor the batch size, so resumed and multi-process runs
+    repeat them exactly."""
     digest = hashlib.sha256(repr(keys).encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 

@@ -278,8 +278,8 @@ def test_mix_trains_only_the_sliding_window_and_the_splits():
 def test_mode_specific_flags_fail_at_start_up():
     with pytest.raises(InputError, match="--width-mode only applies"):
         args_for(width_mode="extreme")
-    with pytest.raises(InputError, match="--fusion-beta only applies"):
-        args_for(fusion_beta=0.5)
+    with pytest.raises(InputError, match="--fusion-gamma only applies"):
+        args_for(fusion_gamma=0.5)
     with pytest.raises(InputError, match="--window only applies"):
         args_for(pruning="width", window=3)
     with pytest.raises(InputError, match="--trees-per-update"):

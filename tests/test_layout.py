@@ -94,7 +94,7 @@ def function_source(path: Path, name: str) -> str:
 
 def test_blocks_marked_same_as_in_are_the_same():
     copies = list(marked_copies())
-    assert len(copies) >= 10  # the schedule, the SDE step, the loss, the keyed RNG, ... in three scripts
+    assert len(copies) >= 9  # the schedule, the noise coefficient, the SDE step, the loss, ... in three scripts
     for path, name, source, original in copies:
         assert source == function_source(original, name), f"{path.name}: {name} differs from {original.name}'s"
     for path in [*ROOT.glob("*.py"), *(ROOT / "common").rglob("*.py")]:  # no marker the test above does not check
