@@ -19,7 +19,8 @@ flow (a = 0.7, Flow-GRPO's schedule), not constant eta 0.3; --clip-range 1e-3, n
 the D latent dimensions, so a ratio moves like 1/sqrt(D): D = 3072 here, 65536 for FLUX at 512 px, 4.6x apart);
 independent initial noise within a group (Flow-GRPO), not shared (--same-noise); the shared optimiser defaults of
 common/runs.py (LoRA r32, lr 3e-4, weight decay 10, 40 iterations), which keep the base model intact; in 40
-iterations neither method moves shape accuracy much, in 120 MixGRPO gains 14-16 points and DanceGRPO 7-10 (README).
+iterations neither method moves shape accuracy much, in 120 MixGRPO gains 14-16 points and DanceGRPO 7-10
+(docs/experiments.md).
 Deviations from the official code (docs/dancegrpo.md explains each): rollout chunks are the training micro-batches
 and the trained steps are drawn per chunk, so the first ratio of an iteration is exactly 1; the last step is a
 deterministic Euler step onto x0_hat, neither sampled nor trained; the optional KL is the exact Gaussian KL of one

@@ -1,5 +1,5 @@
-"""Fingerprint every default command: run each for a few iterations on ShapesBench and record what it computes (the
-hash of its final trained weights and every logged number but timings and memory), so that a restructuring of the
+"""Fingerprint every default command: run each for a few iterations on ShapesBench and record what it computes (a
+hash of its final trained tensors and every logged number but timings and memory), so that a restructuring of the
 code can be shown to change nothing, bitwise.
 
     python benchmarks/fingerprint.py --out /tmp/before.json            # at the old commit
@@ -24,6 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
 from benchmarks.compare import METHODS  # noqa: E402  (the default commands: one per method and mode)
 from common.runs import read_metrics  # noqa: E402
 
@@ -35,11 +38,15 @@ def fingerprint(key: str, argv: list[str], iterations: int, tmp: Path) -> dict:
     if out.returncode:
         raise SystemExit(f"{' '.join(argv)} failed:\n{out.stderr[-3000:]}")
     run = next(tmp.glob(f"{key}__*"))
-    weights = sorted((run / "final").rglob("*.safetensors"))
+    digest = hashlib.sha256()  # of the tensors, not the files (a LoRA file's metadata differs between runs)
+    for path in sorted((run / "final").rglob("*.safetensors")):
+        tensors = load_file(path)
+        for name in sorted(tensors):
+            digest.update(name.encode() + tensors[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     records = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(run)]  # no timings
     return {
         "command": " ".join(["python", *argv]),
-        "weights_sha256": hashlib.sha256(b"".join(w.read_bytes() for w in weights)).hexdigest(),
+        "weights_sha256": digest.hexdigest(),
         "records": records,
     }
 

@@ -41,11 +41,12 @@ class RunArgs:
     """The flags every script shares (the model, the reward, the prompts, the run around the algorithm); each
     script's Args adds its algorithm's flags. The optimiser defaults are ShapesBench's (LoRA r32, lr 3e-4, 10-step
     warmup, weight decay 10, 40 iterations): full fine-tuning there moves every weight by about the learning rate per
-    Adam step and paints a 4-pixel patch texture over the background within 10-40 iterations (README). The real-model
-    recipes (run.sh, the scripts' docstrings) pass the papers' values."""
+    Adam step and paints a 4-pixel patch texture over the background within 10-40 iterations (docs/experiments.md).
+    The real-model recipes (run.sh, the scripts' docstrings) pass the papers' values."""
 
     exp_name: Optional[str] = None
-    """run name (if unset: the script's file name and mode, e.g. dancegrpo_mix, branchgrpo_depth, so a copied script is its own run family); the run folder is {output_dir}/{exp_name}__{seed}__{unix time}"""
+    """run name (if unset: the script's file name and mode, e.g. dancegrpo_mix, branchgrpo_depth: a copied script is its
+    own run family); the run folder is {output_dir}/{exp_name}__{seed}__{unix time}"""
     seed: int = 0
     """seed of every random draw (prompts, noise, trained steps, initial weights of LoRA)"""
     output_dir: str = "runs"

@@ -162,7 +162,7 @@ def test_reward_model_missing_names_the_flag(tmp_path):
 
 
 def test_eval_command_prints_json_for_the_shipped_model():
-    """The README's eval command on a reduced setting; the full-setting figures are in the README."""
+    """The eval command on a reduced setting; the full-setting figures are in docs/shapesbench.md."""
     out = subprocess.run(
         [sys.executable, "-m", "common.shapesbench", "eval", "--samples-per-prompt", "2", "--steps", "4"],
         cwd=ROOT,
@@ -211,7 +211,7 @@ def test_eval_command_loads_a_runs_trained_weights(tmp_path):
 
 
 def test_shipped_model_leaves_room_for_rl():
-    """The base model's band at the README's eval setting (48 held-out prompts x 4 samples, 20 steps): crisp shapes
+    """The base model's band at the eval command's default setting (48 held-out prompts x 4 samples, 20 steps): crisp shapes
     in the right colours on clean backgrounds, following the shape word imperfectly (every class sometimes); and on
     its well-formed samples the learned reward's best shape prompt agrees with the verifier's shape class."""
     from common.models import load_model
