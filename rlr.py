@@ -344,11 +344,26 @@ def zo_perturbed(params, key: tuple, scale: float, i: int):
 NON_DIFFERENTIABLE_REWARDS = {"verifier", "jpeg"}  # common/rewards.py builds these with differentiable=False
 
 
+@torch.no_grad()
+def sample_images(model, module, sched, cond, noise, guidance_scale, autocast):
+    """Deterministic samples (Euler ODE, or DDIM with eta 0) for evaluation and grids; noise (B, *L) -> (B, 3, H, W).
+    Adapted from common/sampling.py's sample_ode (any sampler of this file)."""
+    x = noise
+    for i in range(len(sched["eta" if model.kind == "sd1" else "g"])):
+        x, _ = transition(model, module, sched, i, x, cond, guidance_scale, autocast)
+    return model.decode(x).float()
+
+
+def grad_norm(params) -> float:
+    """The L2 norm of the accumulated gradients of this process (unclipped, fp64)."""
+    return math.sqrt(sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None))
+
+
 def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
     """This script's flags, then the shared ones and every input checkable before a model loads (common.runs).
     Returns (training prompts, held-out prompts); the training prompts are the DCoT file's with --dcot-prompts."""
     T, h, S, G = args.num_steps, args.subchain_len, args.samples_per_device, args.group_size
-    B, K = args.rollout_batch_size, args.zo_perturbations
+    B, n_blocks = args.rollout_batch_size, args.zo_perturbations
     need(T >= 2, "--num-steps must be at least 2 (one stochastic step and the deterministic last step)")
     if "ho" in args.terms:
         budget = f" (h* of --memory-budget-gb {args.memory_budget_gb})" if args.memory_budget_gb is not None else ""
@@ -367,7 +382,7 @@ def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
     need(S * world % G == 0, f"--samples-per-device {S} x {world} processes must be a multiple of --group-size {G}")
     need(S % B == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
     need(
-        K > 0 and S % K == 0 and S // K % B == 0,
+        n_blocks > 0 and S % n_blocks == 0 and S // n_blocks % B == 0,
         "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size",
     )
     need(args.zo_scale > 0, "--zo-scale must be > 0")
@@ -382,21 +397,6 @@ def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
         need(args.prompts == "shapes-train", "--dcot-prompts replaces --prompts: give one of them")
         train_prompts = list(load_dcot(args.dcot_prompts))
     return train_prompts, eval_prompts
-
-
-@torch.no_grad()
-def sample_images(model, module, sched, cond, noise, guidance_scale, autocast):
-    """Deterministic samples (Euler ODE, or DDIM with eta 0) for evaluation and grids; noise (B, *L) -> (B, 3, H, W).
-    Adapted from common/sampling.py's sample_ode (any sampler of this file)."""
-    x = noise
-    for i in range(len(sched["eta" if model.kind == "sd1" else "g"])):
-        x, _ = transition(model, module, sched, i, x, cond, guidance_scale, autocast)
-    return model.decode(x).float()
-
-
-def grad_norm(params) -> float:
-    """The L2 norm of the accumulated gradients of this process (unclipped, fp64)."""
-    return math.sqrt(sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None))
 
 
 def main(args: Args):
@@ -424,12 +424,12 @@ def main(args: Args):
     device, autocast = accelerator.device, accelerator.autocast
     frozen_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
     T, S, B, G = args.num_steps, args.samples_per_device, args.rollout_batch_size, args.group_size
-    K = args.zo_perturbations  # perturbation blocks per process
+    n_blocks = args.zo_perturbations  # perturbation blocks per process
     use_ho, use_zo = "ho" in args.terms, "zo" in args.terms
     h = args.subchain_len if use_ho else 0  # h = 0: no window (ablations V1, V3)
     N, prompts_per_iter = world * S, world * S // G  # samples and prompts per iteration, all processes
     n_chunks = S // B  # rollout chunks per process; global chunk gc = rank * n_chunks + c: samples [gc B, (gc + 1) B)
-    chunks_per_block = S // K // B  # chunks sharing one parameter perturbation
+    chunks_per_block = S // n_blocks // B  # chunks sharing one parameter perturbation
 
     # ---------------------------------------------------------------- MODELS
     model = load_model(
@@ -467,7 +467,7 @@ def main(args: Args):
         f"{world} processes x {S} samples = {N} images / iteration = {prompts_per_iter} prompts x group {G}",
         f"{T} steps ({noise}), estimator terms {args.terms}{biased}" + (", DCoT prompts" if dcot else ""),
         f"sub-chain h = {h}{h_star}, window starts {starts[0]}..{starts[-1]} ({args.subchain_stage})" if use_ho else "",
-        f"ZO: {K} perturbation block(s) per process, scale {args.zo_scale:g}" if use_zo else "",
+        f"ZO: {n_blocks} perturbation block(s) per process, scale {args.zo_scale:g}" if use_zo else "",
         f"rollout batch {B}, one optimizer step per iteration",
     ]
     run.banner(model, params, [line for line in lines if line])
@@ -546,7 +546,7 @@ def main(args: Args):
         zo_norm = 0.0
         if use_zo:
             before = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
-            coef = zo_coefficients(adv_zo / N, sample_block, zo_mask, world * K)  # (blocks, T)
+            coef = zo_coefficients(adv_zo / N, sample_block, zo_mask, world * n_blocks)  # (blocks, T)
             for q, i in coef.nonzero().tolist():
                 add_zo_grad(
                     params,

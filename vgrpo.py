@@ -116,30 +116,30 @@ def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:  # same as in 
     return (shift * s / (1 + (shift - 1) * s)).float()
 
 
-def dpm_solver_2m_step(x, d, d_prev, sigma_prev, sigma, sigma_next):
+def dpm_solver_2m_step(x, x0_hat, x0_prev, sigma_prev, sigma, sigma_next):
     """One DPM-Solver++(2M) step of a flow model from sigma to sigma_next (Lu et al. 2022, multistep, midpoint).
 
-    x: (B, *L); d = x - sigma v is the data prediction at sigma, d_prev the one at sigma_prev (None at the first
-    step). With alpha = 1 - s and lambda(s) = log((1 - s) / s) the update
-    x' = (s'/s) x - alpha' (e^-h - 1) (d + (d - d_prev) / (2 r)),  h = lambda(s') - lambda(s),  r = (lambda(s) - lambda(s_prev)) / h
-    simplifies to x' = (s'/s) x + (1 - s'/s) (d + (d - d_prev) / (2 r)). First order (= DDIM = Euler) at the first
+    x: (B, *L); x0_hat = x - sigma v is the data prediction at sigma, x0_prev the one at sigma_prev (None at the
+    first step). With alpha = 1 - s and lambda(s) = log((1 - s) / s) the update
+    x' = (s'/s) x - alpha' (e^-h - 1) (x0_hat + (x0_hat - x0_prev) / (2 r)),  h = lambda(s') - lambda(s),  r = (lambda(s) - lambda(s_prev)) / h
+    simplifies to x' = (s'/s) x + (1 - s'/s) (x0_hat + (x0_hat - x0_prev) / (2 r)). First order (= DDIM = Euler) at the first
     step, after sigma_prev = 1 (lambda = -inf, so r = inf) and at the last step (s' = 0), as diffusers does.
     """
     ratio = sigma_next / sigma
-    if d_prev is None or sigma_prev >= 1 or sigma_next <= 0:
-        return ratio * x + (1 - ratio) * d
+    if x0_prev is None or sigma_prev >= 1 or sigma_next <= 0:
+        return ratio * x + (1 - ratio) * x0_hat
 
     def lam(s):
         return math.log((1 - s) / s)
 
     r = (lam(sigma) - lam(sigma_prev)) / (lam(sigma_next) - lam(sigma))
-    return ratio * x + (1 - ratio) * (d + (d - d_prev) / (2 * r))
+    return ratio * x + (1 - ratio) * (x0_hat + (x0_hat - x0_prev) / (2 * r))
 
 
 @torch.no_grad()
 def rollout(model, transformer, cond, x, sigmas, solver, guidance_scale, autocast):
     """ODE samples of one chunk: x (B, *L) initial noise -> final latents (B, *L) fp32 (no trajectory is kept)."""
-    d_prev, s_prev = None, 1.0
+    x0_prev, s_prev = None, 1.0
     for i in range(len(sigmas) - 1):
         s, s_next = float(sigmas[i]), float(sigmas[i + 1])
         with autocast():
@@ -148,9 +148,9 @@ def rollout(model, transformer, cond, x, sigmas, solver, guidance_scale, autocas
         if solver == "euler":
             x = x + (s_next - s) * v
         else:
-            d = x - s * v  # x0_hat, the data prediction DPM-Solver++ integrates
-            x = dpm_solver_2m_step(x, d, d_prev, s_prev, s, s_next)
-            d_prev, s_prev = d, s
+            x0_hat = x - s * v  # the data prediction DPM-Solver++ integrates
+            x = dpm_solver_2m_step(x, x0_hat, x0_prev, s_prev, s, s_next)
+            x0_prev, s_prev = x0_hat, s
     return x
 
 
