@@ -1,5 +1,6 @@
 """Builders of the tiny ShapesBench model components (tokenizer, CLIP text encoder, SD3 transformer, CLIP reward
-model), randomly initialised here, trained by `python -m common.shapesbench.train_flow` / `.train_reward`."""
+model), randomly initialised here, trained by `python -m common.shapesbench.train_flow` / `.train_reward`; the VAE
+(at VAE_PATH) is built and trained by `python -m common.shapesbench.train_vae`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from common.shapesbench.world import COLOUR_NAMES, SHAPES, SIZE
 
 FLOW_PATH = Path(__file__).resolve().parent / "assets" / "flow"
+VAE_PATH = Path(__file__).resolve().parent / "assets" / "vae"
 
 BOS, EOS, UNK = "<|startoftext|>", "<|endoftext|>", "<unk>"
 MAX_TOKENS = 12  # bos + 7 words + eos fits; longer prompts are truncated
