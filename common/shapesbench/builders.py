@@ -1,5 +1,6 @@
 """Builders of the tiny ShapesBench model components (tokenizer, CLIP text encoder, SD3 transformer, CLIP reward
-model), randomly initialised here, trained by `python -m common.shapesbench.train_flow` / `.train_reward`."""
+model, and the latent-space StableDiffusion3Pipeline parts), randomly initialised here, trained by
+`python -m common.shapesbench.train_flow` / `.train_reward` / `.train_vae` / `.train_latent`."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ import torch
 from common.shapesbench.world import COLOUR_NAMES, SHAPES, SIZE
 
 FLOW_PATH = Path(__file__).resolve().parent / "assets" / "flow"
+LATENT_PATH = Path(__file__).resolve().parent / "assets" / "latent"  # a StableDiffusion3Pipeline folder
+VAE_PATH = Path(__file__).resolve().parent / "assets" / "vae"
 
 BOS, EOS, UNK = "<|startoftext|>", "<|endoftext|>", "<unk>"
 MAX_TOKENS = 12  # bos + 7 words + eos fits; longer prompts are truncated
 
 
-def build_tokenizer():
-    """A word-level tokenizer over the ShapesBench vocabulary, built offline in memory (no merges to clash)."""
+def build_tokenizer(special_tokens: bool = True):
+    """A word-level tokenizer over the ShapesBench vocabulary, built offline in memory (no merges to clash).
+    special_tokens=False: no BOS / EOS around the words (then it truncates to any length, even 1)."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -26,7 +30,8 @@ def build_tokenizer():
     tk = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     tk.normalizer = normalizers.Lowercase()
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tk.post_processor = processors.TemplateProcessing(single=f"{BOS} $A {EOS}", special_tokens=[(BOS, 0), (EOS, 1)])
+    if special_tokens:
+        tk.post_processor = processors.TemplateProcessing(single=f"{BOS} $A {EOS}", special_tokens=[(BOS, 0), (EOS, 1)])
     return PreTrainedTokenizerFast(
         tokenizer_object=tk, bos_token=BOS, eos_token=EOS, pad_token=EOS, unk_token=UNK, model_max_length=MAX_TOKENS
     )
@@ -97,6 +102,71 @@ def build_reward_components(seed: int = 0):
     )
     config = CLIPConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=64)
     return tok, CLIPModel(config)
+
+
+def build_latent_components(vae_channels: int = 4, seed: int = 0, heads: int = 3, layers: int = 4) -> dict:
+    """Randomly initialised parts of the latent-space ShapesBench StableDiffusion3Pipeline (all but the VAE and the
+    scheduler), as a dict of its component names: tokenizer, text_encoder, tokenizer_2, text_encoder_2,
+    tokenizer_3, text_encoder_3, transformer.
+
+    The two tiny CLIP encoders (CLIPTextModelWithProjection) have builders' text config (width 64); the pipeline
+    concatenates their penultimate hidden states to 128 dims (= joint_attention_dim, so no padding) and their
+    projected pooled outputs to 128 dims (= pooled_projection_dim). The third encoder is build_null_t5(): SD3's T5
+    slot, holding a model whose output is exactly zero (its tokenizer adds no BOS / EOS, so that encode_prompt's
+    max_sequence_length can be 1). The transformer works on the 8x8 VAE latent with patch 1: 64 image tokens, as
+    many as the pixel model's patch-4 tokens; sample_size 8 is in latent pixels (the pipeline multiplies by the
+    VAE's factor 4 for its default 32x32 output).
+    """
+    from diffusers import SD3Transformer2DModel
+    from transformers import CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    parts = {"tokenizer": build_tokenizer(), "tokenizer_2": build_tokenizer(), "tokenizer_3": build_tokenizer(False)}
+    parts["text_encoder"] = CLIPTextModelWithProjection(_text_config(len(parts["tokenizer"]), 64))
+    parts["text_encoder_2"] = CLIPTextModelWithProjection(_text_config(len(parts["tokenizer_2"]), 64))
+    parts["text_encoder_3"] = build_null_t5(len(parts["tokenizer_3"]), 128)
+    latent = SIZE // 4
+    parts["transformer"] = SD3Transformer2DModel(
+        sample_size=latent,
+        patch_size=1,
+        in_channels=vae_channels,
+        out_channels=vae_channels,
+        num_layers=layers,
+        attention_head_dim=64,
+        num_attention_heads=heads,
+        joint_attention_dim=128,
+        caption_projection_dim=64 * heads,
+        pooled_projection_dim=128,
+        pos_embed_max_size=latent,
+    )
+    return parts
+
+
+def build_null_t5(vocab_size: int, width: int):
+    """A T5EncoderModel whose output is exactly zero (no blocks, final RMS-norm weight 0), width `width`.
+
+    It fills SD3's T5 slot: without a T5, StableDiffusion3Pipeline conditions on max_sequence_length zero tokens,
+    but a folder whose model_index.json has text_encoder_3 = null only loads with `text_encoder_3=None,
+    tokenizer_3=None` passed explicitly; with this one `StableDiffusion3Pipeline.from_pretrained(dir)` loads as is
+    and conditions exactly as without a T5. Its parameters must stay frozen (an optimizer would move the norm).
+    """
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=vocab_size,
+        d_model=width,
+        num_layers=0,
+        num_heads=1,
+        d_kv=8,
+        d_ff=8,
+        pad_token_id=1,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    model = T5EncoderModel(config)
+    with torch.no_grad():
+        model.encoder.final_layer_norm.weight.zero_()
+    return model.eval().requires_grad_(False)
 
 
 def save_flow_model(out_dir, transformer, text_encoder, tokenizer) -> None:

@@ -1,0 +1,280 @@
+"""Pretrain the latent-space ShapesBench base model on CPU and save it as a diffusers StableDiffusion3Pipeline.
+
+    python -m common.shapesbench.train_latent --threads 1                 # the shipped pipeline: 3800 steps
+    python -m common.shapesbench.train_latent --steps 300 --out /tmp/my-latent   # a quick look
+    python -m common.shapesbench.train_latent --eval-only DIR             # re-evaluate a pipeline folder
+
+The pixel model's recipe (train_flow.py) moved into the VAE latent, the way SD3 and FLUX are trained: ground truth
+from the ShapesBench renderer over all 168 captions, encoded by the frozen ShapesBench VAE (--vae) to the posterior
+mode and normalised as the pipeline un-normalises it, x0 = (z - shift_factor) * scaling_factor; rectified flow
+(x_s = (1 - s) x0 + s eps, target eps - x0) with logit-normal s; caption noise on the shape word (--caption-noise),
+caption dropout to "" (the pipeline's negative prompt, so classifier-free guidance works), an EMA of the weights.
+
+The text conditioning is the pipeline's own: the captions go through StableDiffusion3Pipeline.encode_prompt with
+the two tiny CLIP encoders (penultimate hidden states concatenated, projected pooled outputs concatenated) and, in
+T5's slot, a model that outputs zeros (builders.build_null_t5), so the pipeline appends max_sequence_length
+(default 256) all-zero tokens, as SD3 does without a T5. Those 256 tokens are
+identical all the way through the transformer (text tokens carry no position), so attention to them equals
+attention to one of them with its logit raised by log(256); training runs on one zero token with that bias (a
+training-only attention processor), which is exact and keeps a step as cheap as the pixel model's. The saved
+pipeline uses the stock processors, so `pipe(prompt)` with its default max_sequence_length sees what training saw.
+
+The eval samples the saved folder with StableDiffusion3Pipeline itself (its FlowMatchEulerDiscreteScheduler, shift
+3: the schedule of `python -m common.shapesbench eval`) on the held-out prompts, guidance 1 (off) as that eval's
+default, and judges the images with the verifier; the results go into train_log.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common.shapesbench import builders, verifier, world
+from common.shapesbench.train_flow import EMA, drop_captions, lr_lambda, noisy_captions
+
+T5_TOKENS = 256  # StableDiffusion3Pipeline's default max_sequence_length: the zero tokens it appends without a T5
+SHIFT = 3.0  # the scheduler's shift (SD3's), the same schedule as the pixel model's eval
+
+
+class RepeatedLastTokenJointAttention:
+    """Joint (image + text) attention in which the last text token stands for `repeats` identical copies of itself.
+
+    Attention over n identical keys / values is attention over one of them whose logit is raised by log(n), and
+    the n identical queries give n identical outputs; so this processor with one token is exact for the pipeline's
+    `repeats` zero T5 tokens. For training only: the saved model uses diffusers' stock joint attention.
+    """
+
+    def __init__(self, repeats: int):
+        self.log_repeats = math.log(repeats)
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
+        if encoder_hidden_states is None:
+            raise ValueError("RepeatedLastTokenJointAttention needs the text stream")
+        b, n_img = hidden_states.shape[:2]
+
+        def heads(x):
+            return x.view(b, -1, attn.heads, x.shape[-1] // attn.heads).transpose(1, 2)
+
+        q, k, v = (heads(f(hidden_states)) for f in (attn.to_q, attn.to_k, attn.to_v))
+        cq, ck, cv = (heads(f(encoder_hidden_states)) for f in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+        if attn.norm_q is not None:
+            q, k = attn.norm_q(q), attn.norm_k(k)
+        if attn.norm_added_q is not None:
+            cq, ck = attn.norm_added_q(cq), attn.norm_added_k(ck)
+        q, k, v = torch.cat([q, cq], 2), torch.cat([k, ck], 2), torch.cat([v, cv], 2)
+        bias = torch.zeros(k.shape[2], dtype=q.dtype, device=q.device)
+        bias[-1] = self.log_repeats
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.view(1, 1, 1, -1))
+        out = out.transpose(1, 2).reshape(b, -1, q.shape[1] * q.shape[3]).to(q.dtype)
+        img, txt = out[:, :n_img], out[:, n_img:]
+        img = attn.to_out[1](attn.to_out[0](img))
+        if not attn.context_pre_only:
+            txt = attn.to_add_out(txt)
+        return img, txt
+
+
+def make_pipeline(vae, parts: dict):
+    """A StableDiffusion3Pipeline of the VAE, the builders' parts (see builders.build_latent_components) and SD3's
+    scheduler (shift 3)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SHIFT)
+    return StableDiffusion3Pipeline(vae=vae, scheduler=scheduler, **parts)
+
+
+def encode_captions(pipe, captions: list[str]):
+    """The pipeline's own conditioning of `captions` with one zero T5 token (see RepeatedLastTokenJointAttention):
+    prompt_embeds (B, 12 + 1, 128), pooled (B, 128); differentiable in the text encoders."""
+    embeds, _, pooled, _ = pipe.encode_prompt(
+        captions, None, None, do_classifier_free_guidance=False, max_sequence_length=1
+    )
+    return embeds, pooled
+
+
+class LatentCache:
+    """Normalised VAE latents (posterior mode) of renders, computed once per distinct image (the world has few)."""
+
+    def __init__(self, vae):
+        self.vae, self.store = vae, {}
+        self.shift, self.scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
+
+    @torch.no_grad()
+    def __call__(self, images01: torch.Tensor) -> torch.Tensor:
+        keys = [x.numpy().tobytes() for x in images01]
+        new = [i for i, k in enumerate(keys) if k not in self.store]
+        if new:
+            z = self.vae.encode(images01[new] * 2 - 1).latent_dist.mode()
+            for i, zi in zip(new, (z - self.shift) * self.scale):
+                self.store[keys[i]] = zi
+        return torch.stack([self.store[k] for k in keys])
+
+
+@torch.no_grad()
+def evaluate_pipeline(
+    path, split="eval", samples_per_prompt=4, steps=20, guidance_scale=1.0, seed=0, batch_size=64
+) -> dict:
+    """Sample the pipeline folder at `path` with StableDiffusion3Pipeline on a split's prompts (default settings:
+    256 zero T5 tokens, its scheduler) and return the verifier's metrics plus the sampling time."""
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    prompts = [p for p in world.split_prompts(split) for _ in range(samples_per_prompt)]
+    g = torch.Generator().manual_seed(seed)
+    t0, images = time.perf_counter(), []
+    for i in range(0, len(prompts), batch_size):
+        out = pipe(
+            prompts[i : i + batch_size],
+            num_inference_steps=steps,
+            guidance_scale=guidance_scale,
+            generator=g,
+            output_type="pt",
+        )
+        images.append(out.images.float().cpu())
+    images = torch.cat(images)
+    metrics = verifier.evaluate(images, prompts)
+    return {
+        "split": split,
+        "n": len(prompts),
+        "steps": steps,
+        "guidance_scale": guidance_scale,
+        "seed": seed,
+        **{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()},
+        "confusion": {
+            "rows_requested_cols_predicted": list(world.SHAPES),
+            "matrix": verifier.confusion_matrix(metrics),
+        },
+        "sampling_seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def meets_target(m: dict) -> dict:
+    """The base model's intended operating point: colours and cleanliness near-perfect, crisp shapes, and shape
+    following imperfect (the room RL has) but above chance for every class."""
+    checks = {
+        "colour_acc>=0.95": m["colour_acc"] >= 0.95,
+        "clean_acc>=0.95": m["clean_acc"] >= 0.95,
+        "well_formed_acc>=0.90": m["well_formed_acc"] >= 0.90,
+        "0.40<=shape_acc<=0.65": 0.40 <= m["shape_acc"] <= 0.65,
+        "shape_acc_<each>>=0.30": all(m[f"shape_acc_{s}"] >= 0.30 for s in world.SHAPES),
+    }
+    return {**checks, "all": all(checks.values())}
+
+
+def main():
+    p = argparse.ArgumentParser(prog="python -m common.shapesbench.train_latent", description=__doc__.split("\n")[0])
+    p.add_argument("--vae", default=str(builders.VAE_PATH), help="the frozen ShapesBench VAE (AutoencoderKL folder)")
+    p.add_argument("--steps", type=int, default=3800)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--caption-dropout", type=float, default=0.1)
+    p.add_argument(
+        "--caption-noise", type=float, default=0.35, help="probability that the shape word is replaced by another shape"
+    )
+    p.add_argument("--radii", type=int, nargs="+", default=list(world.RADII), help="shape radii (default: the world's)")
+    p.add_argument("--jitter", type=int, default=world.JITTER, help="centre = 16 +- jitter px (default: the world's)")
+    p.add_argument("--heads", type=int, default=3, help="transformer width = 64 * heads")
+    p.add_argument("--layers", type=int, default=4, help="joint transformer blocks")
+    p.add_argument("--ema", type=float, default=0.999, help="EMA decay of the saved weights (0 = the raw weights)")
+    p.add_argument("--eval-steps", type=int, default=20, help="sampler steps of the final eval")
+    p.add_argument("--eval-samples-per-prompt", type=int, default=4)
+    p.add_argument("--eval-only", default="", help="only evaluate this pipeline folder and print JSON")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(builders.LATENT_PATH))
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.set_verbosity_error()  # encode_prompt warns at every step that max_sequence_length 1 truncates
+    if args.eval_only:
+        m = evaluate_pipeline(args.eval_only, steps=args.eval_steps, samples_per_prompt=args.eval_samples_per_prompt)
+        print(json.dumps({**m, "target": meets_target(m)}, indent=1))
+        return
+
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(args.vae).eval().requires_grad_(False)
+    parts = builders.build_latent_components(vae.config.latent_channels, args.seed, args.heads, args.layers)
+    te, te_2, transformer = parts["text_encoder"], parts["text_encoder_2"], parts["transformer"]
+    pipe = make_pipeline(vae, parts)
+    stock_processors = transformer.attn_processors
+    transformer.set_attn_processor(RepeatedLastTokenJointAttention(T5_TOKENS))
+    latents = LatentCache(vae)
+    modules = [te, te_2, transformer]
+    for m in modules:
+        m.train()
+    params = [q for m in modules for q in m.parameters()]
+    g = torch.Generator().manual_seed(args.seed)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, args.steps))
+    ema = EMA(modules, args.ema) if args.ema > 0 else None
+    t0, c0, history, loss_ema = time.perf_counter(), time.process_time(), [], None
+    for step in range(args.steps):
+        images, captions = world.sample_batch(args.batch_size, g, radii=tuple(args.radii), jitter=args.jitter)
+        captions = drop_captions(noisy_captions(captions, args.caption_noise, g), args.caption_dropout, g)
+        x0 = latents(images)
+        eps = torch.randn(x0.shape, generator=g)
+        s = torch.sigmoid(torch.randn(len(x0), generator=g)).view(-1, 1, 1, 1)
+        embeds, pooled = encode_captions(pipe, captions)
+        v = transformer(
+            hidden_states=(1 - s) * x0 + s * eps,
+            timestep=s.flatten() * 1000,
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+            return_dict=False,
+        )[0]
+        loss = F.mse_loss(v, eps - x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        if ema:
+            ema.update()
+        loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            rec = {
+                "step": step + 1,
+                "loss_ema": round(loss_ema, 5),
+                "lr": sched.get_last_lr()[0],
+                "seconds": round(time.perf_counter() - t0, 1),
+                "cpu_seconds": round(time.process_time() - c0, 1),
+            }
+            history.append(rec)
+            print(json.dumps(rec), flush=True)
+    train_seconds = time.perf_counter() - t0
+
+    te, te_2, transformer = ema.copy_to(modules) if ema else modules
+    transformer.set_attn_processor(stock_processors)
+    parts |= {"text_encoder": te, "text_encoder_2": te_2, "transformer": transformer}
+    out = Path(args.out)
+    make_pipeline(vae, parts).save_pretrained(out)
+    log = {
+        "command": "python -m common.shapesbench.train_latent " + " ".join(sys.argv[1:]),
+        **vars(args),
+        "params": sum(q.numel() for q in transformer.parameters()),
+        "final_loss_ema": round(loss_ema, 5) if loss_ema is not None else None,
+        "train_seconds": round(train_seconds, 1),
+        "train_cpu_seconds": round(time.process_time() - c0, 1),  # wall time counts a shared machine's other load
+        "threads": torch.get_num_threads(),
+    }
+    (out / "train_log.json").write_text(json.dumps({**log, "history": history}, indent=2) + "\n")
+    m = evaluate_pipeline(out, steps=args.eval_steps, samples_per_prompt=args.eval_samples_per_prompt)
+    log |= {"eval": m, "target": meets_target(m), "wall_seconds": round(time.perf_counter() - t0, 1)}
+    (out / "train_log.json").write_text(json.dumps({**log, "history": history}, indent=2) + "\n")
+    print(json.dumps(log))
+
+
+if __name__ == "__main__":
+    main()
