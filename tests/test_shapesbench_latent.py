@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -43,15 +44,35 @@ def test_training_conditioning_equals_the_pipelines():
     assert torch.allclose(ref, got, atol=1e-5)
 
 
-def test_train_latent_smoke(tmp_path):
-    """Two steps on the shipped VAE write a folder that StableDiffusion3Pipeline.from_pretrained loads as is."""
-    out = tmp_path / "latent"
-    cmd = [sys.executable, "-m", "common.shapesbench.train_latent", "--steps", "2", "--log-every", "1"]
-    cmd += ["--eval-steps", "2", "--eval-samples-per-prompt", "1", "--threads", "1", "--out", str(out)]
+def test_train_latent_smoke_and_resume(tmp_path):
+    """Four steps on the shipped VAE write a folder that StableDiffusion3Pipeline.from_pretrained loads as is; the
+    same training killed (SIGKILL) once its state of step 2 is saved, then run again, ends with the same weights."""
+    from safetensors.torch import load_file
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+
+    def train(out, kill_when=None):
+        cmd = [sys.executable, "-m", "common.shapesbench.train_latent", "--steps", "4", "--save-every", "2"]
+        cmd += ["--log-every", "1", "--eval-steps", "2", "--eval-samples-per-prompt", "1", "--threads", "1"]
+        proc = subprocess.Popen([*cmd, "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+        while kill_when is not None and proc.poll() is None and not kill_when():
+            time.sleep(0.001)
+        if kill_when is not None and proc.poll() is None:
+            proc.kill()
+        return proc.wait(timeout=300), proc.stdout.read()
+
+    out, killed = tmp_path / "latent", tmp_path / "killed"
+    status, _ = train(out)
     log = json.loads((out / "train_log.json").read_text())
-    assert log["steps"] == 2 and log["eval"]["n"] == 48 and set(log["target"]) >= {"all"}
+    assert status == 0 and log["steps"] == 4 and log["eval"]["n"] == 48 and set(log["target"]) >= {"all"}
+    assert not (out / "train_state.pt").exists()  # deleted once the pipeline is saved
+    state = killed / "train_state.pt"
+    assert train(killed, kill_when=state.exists)[0] == -9 and state.exists()
+    status, printed = train(killed)
+    assert status == 0 and "resumed from" in printed
+    weights = Path("transformer") / "diffusion_pytorch_model.safetensors"
+    a, b = load_file(out / weights), load_file(killed / weights)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     index = json.loads((out / "model_index.json").read_text())
     assert index["_class_name"] == "StableDiffusion3Pipeline"
     from diffusers import StableDiffusion3Pipeline

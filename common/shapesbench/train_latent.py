@@ -4,6 +4,11 @@
     python -m common.shapesbench.train_latent --steps 300 --out /tmp/my-latent   # a quick look
     python -m common.shapesbench.train_latent --eval-only DIR             # re-evaluate a pipeline folder
 
+An interrupted training goes on where it stopped: every --save-every steps the whole training state (weights, EMA,
+optimizer, schedule, random generator, loss history) is written to OUT/train_state.pt (through a temporary file and
+a rename), and the same command picks it up; the same steps follow, bitwise. The file is deleted once the pipeline
+is saved.
+
 The pixel model's recipe (train_flow.py) moved into the VAE latent, the way SD3 and FLUX are trained: ground truth
 from the ShapesBench renderer over all 168 captions, encoded by the frozen ShapesBench VAE (--vae) to the posterior
 mode and normalised as the pipeline un-normalises it, x0 = (z - shift_factor) * scaling_factor; rectified flow
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -109,8 +115,8 @@ class LatentCache:
     def __call__(self, images01: torch.Tensor) -> torch.Tensor:
         keys = [x.numpy().tobytes() for x in images01]
         new = [i for i, k in enumerate(keys) if k not in self.store]
-        if new:
-            z = self.vae.encode(images01[new] * 2 - 1).latent_dist.mode()
+        if new:  # one image at a time: a latent does not depend on its batch, so a resumed run repeats it bitwise
+            z = torch.cat([self.vae.encode(images01[i : i + 1] * 2 - 1).latent_dist.mode() for i in new])
             for i, zi in zip(new, (z - self.shift) * self.scale):
                 self.store[keys[i]] = zi
         return torch.stack([self.store[k] for k in keys])
@@ -189,6 +195,7 @@ def main():
     p.add_argument("--eval-only", default="", help="only evaluate this pipeline folder and print JSON")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--save-every", type=int, default=200, help="training state to OUT/train_state.pt (0 = never)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(builders.LATENT_PATH))
     args = p.parse_args()
@@ -219,8 +226,22 @@ def main():
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, args.steps))
     ema = EMA(modules, args.ema) if args.ema > 0 else None
-    t0, c0, history, loss_ema = time.perf_counter(), time.process_time(), [], None
-    for step in range(args.steps):
+    t0, c0, history, loss_ema, first = time.perf_counter(), time.process_time(), [], None, 0
+    out = Path(args.out)
+    state_path = out / "train_state.pt"
+    if state_path.is_file():  # an interrupted run of this command: go on from its last saved step
+        state = torch.load(state_path, weights_only=False)
+        for m, sd in zip(modules, state["modules"]):
+            m.load_state_dict(sd)
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        g.set_state(state["generator"])
+        if ema:
+            ema.n, ema.shadow = state["ema_n"], state["ema_shadow"]
+        first, history, loss_ema = state["step"], state["history"], state["loss_ema"]
+        t0, c0 = t0 - state["seconds"], c0 - state["cpu_seconds"]
+        print(f"resumed from {state_path} at step {first}", flush=True)
+    for step in range(first, args.steps):
         images, captions = world.sample_batch(args.batch_size, g, radii=tuple(args.radii), jitter=args.jitter)
         captions = drop_captions(noisy_captions(captions, args.caption_noise, g), args.caption_dropout, g)
         x0 = latents(images)
@@ -253,13 +274,30 @@ def main():
             }
             history.append(rec)
             print(json.dumps(rec), flush=True)
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            out.mkdir(parents=True, exist_ok=True)
+            state = {
+                "step": step + 1,
+                "modules": [m.state_dict() for m in modules],
+                "opt": opt.state_dict(),
+                "sched": sched.state_dict(),
+                "generator": g.get_state(),
+                "ema_n": ema.n if ema else 0,
+                "ema_shadow": ema.shadow if ema else [],
+                "history": history,
+                "loss_ema": loss_ema,
+                "seconds": time.perf_counter() - t0,
+                "cpu_seconds": time.process_time() - c0,
+            }
+            torch.save(state, out / "train_state.pt.partial")
+            os.replace(out / "train_state.pt.partial", state_path)  # a kill while saving leaves the previous state
     train_seconds = time.perf_counter() - t0
 
     te, te_2, transformer = ema.copy_to(modules) if ema else modules
     transformer.set_attn_processor(stock_processors)
     parts |= {"text_encoder": te, "text_encoder_2": te_2, "transformer": transformer}
-    out = Path(args.out)
     make_pipeline(vae, parts).save_pretrained(out)
+    state_path.unlink(missing_ok=True)
     log = {
         "command": "python -m common.shapesbench.train_latent " + " ".join(sys.argv[1:]),
         **vars(args),
