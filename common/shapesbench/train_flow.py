@@ -98,8 +98,9 @@ def lr_lambda(warmup, total):
     return lambda i: min((i + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(i, total) / total)))
 
 
-def main():
-    p = argparse.ArgumentParser(prog="python -m common.shapesbench.train_flow", description=__doc__.split("\n")[0])
+def add_recipe_args(p) -> None:
+    """The base model's recipe flags, shared by this trainer (pixel space) and train_latent.py (VAE latent): data and
+    captions, model size, optimisation, EMA."""
     p.add_argument("--steps", type=int, default=3800)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -113,6 +114,22 @@ def main():
     p.add_argument("--heads", type=int, default=3, help="transformer width = 64 * heads")
     p.add_argument("--layers", type=int, default=4, help="joint transformer blocks")
     p.add_argument("--ema", type=float, default=0.999, help="EMA decay of the saved weights (0 = the raw weights)")
+
+
+def update(loss, params, opt, sched, ema) -> None:
+    """One optimisation step of the ShapesBench trainers: gradient clipped to norm 1, AdamW, the schedule, the EMA."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+    if ema:
+        ema.update()
+
+
+def main():
+    p = argparse.ArgumentParser(prog="python -m common.shapesbench.train_flow", description=__doc__.split("\n")[0])
+    add_recipe_args(p)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
@@ -136,13 +153,7 @@ def main():
         captions = drop_captions(noisy_captions(captions, args.caption_noise, g), args.caption_dropout, g)
         x0, eps = x0 * 2 - 1, torch.randn(x0.shape, generator=g)
         loss = flow_loss(tokenizer, text_encoder, transformer, x0, eps, captions, g)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        if ema:
-            ema.update()
+        update(loss, params, opt, sched, ema)
         loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             rec = {

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from common.shapesbench import builders, verifier, world
-from common.shapesbench.train_flow import EMA, drop_captions, lr_lambda, noisy_captions
+from common.shapesbench.train_flow import EMA, add_recipe_args, drop_captions, lr_lambda, noisy_captions, update
 
 T5_TOKENS = 256  # StableDiffusion3Pipeline's default max_sequence_length: the zero tokens it appends without a T5
 SHIFT = 3.0  # the scheduler's shift (SD3's), the same schedule as the pixel model's eval
@@ -177,19 +177,7 @@ def meets_target(m: dict) -> dict:
 def main():
     p = argparse.ArgumentParser(prog="python -m common.shapesbench.train_latent", description=__doc__.split("\n")[0])
     p.add_argument("--vae", default=str(builders.VAE_PATH), help="the frozen ShapesBench VAE (AutoencoderKL folder)")
-    p.add_argument("--steps", type=int, default=3800)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--caption-dropout", type=float, default=0.1)
-    p.add_argument(
-        "--caption-noise", type=float, default=0.35, help="probability that the shape word is replaced by another shape"
-    )
-    p.add_argument("--radii", type=int, nargs="+", default=list(world.RADII), help="shape radii (default: the world's)")
-    p.add_argument("--jitter", type=int, default=world.JITTER, help="centre = 16 +- jitter px (default: the world's)")
-    p.add_argument("--heads", type=int, default=3, help="transformer width = 64 * heads")
-    p.add_argument("--layers", type=int, default=4, help="joint transformer blocks")
-    p.add_argument("--ema", type=float, default=0.999, help="EMA decay of the saved weights (0 = the raw weights)")
+    add_recipe_args(p)  # the pixel model's recipe (train_flow.py)
     p.add_argument("--eval-steps", type=int, default=20, help="sampler steps of the final eval")
     p.add_argument("--eval-samples-per-prompt", type=int, default=4)
     p.add_argument("--eval-only", default="", help="only evaluate this pipeline folder and print JSON")
@@ -256,13 +244,7 @@ def main():
             return_dict=False,
         )[0]
         loss = F.mse_loss(v, eps - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        if ema:
-            ema.update()
+        update(loss, params, opt, sched, ema)
         loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             rec = {

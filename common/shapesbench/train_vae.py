@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from common.shapesbench import builders, verifier, world
-from common.shapesbench.train_flow import EMA, lr_lambda
+from common.shapesbench.train_flow import EMA, lr_lambda, update
 
 
 def build_vae(widths=(32, 64, 64), latent_channels: int = 4, groups: int = 16, seed: int = 0):
@@ -154,13 +154,7 @@ def main():
         mse = ((rec - x) ** 2).mean()
         kl = 0.5 * (post.mean**2 + post.var - 1 - post.logvar).mean()
         loss = l1 + mse + args.kl_weight * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        if ema:
-            ema.update()
+        update(loss, params, opt, sched, ema)
         now = {"loss": loss.item(), "l1": l1.item(), "mse": mse.item(), "kl": kl.item()}
         avg = now if avg is None else {k: 0.98 * avg[k] + 0.02 * now[k] for k in now}
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
