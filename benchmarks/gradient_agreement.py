@@ -90,7 +90,7 @@ def branch_cosine(model, tr, params, reward, prompts, d: int, n_prompts: int) ->
     g = B.noise_g(sigmas, args.sde_type, args.noise_level)
     ps = [prompts[(7 * k + 13 * d) % len(prompts)] for k in range(n_prompts) for _ in range(2)]
     cond = model.encode_prompts(ps)
-    ids, shape = list(range(len(ps))), (3, 32, 32)
+    ids, shape = list(range(len(ps))), model.latent_shape()
     roots = torch.stack([torch.randn(shape, generator=B.rng(d, "root", t)) for t in ids])
     noise_fn = partial(B.tree_noise, args, d, ids, splits, shape, 1 / (1 + args.branch_s))
     sde = B.sde_steps(args, splits, 0)
@@ -140,7 +140,8 @@ def measure(draws=3, images=128, noise_level=0.7, same_noise=False, steps=tuple(
         ps = [prompts[(7 * k + 13 * d) % len(prompts)] for k in range(images // GROUP) for _ in range(GROUP)]
         cond = model.encode_prompts(ps)
         gen = torch.Generator().manual_seed(d)
-        init, noise = torch.randn(images, 3, 32, 32, generator=gen), torch.randn(images, 10, 3, 32, 32, generator=gen)
+        L = model.latent_shape()  # (4, 8, 8): the VAE latent
+        init, noise = torch.randn(images, *L, generator=gen), torch.randn(images, 10, *L, generator=gen)
         with torch.no_grad():
             start = init[::GROUP].repeat_interleave(GROUP, 0) if same_noise else init  # (images, *L)
             lat, lp = D.rollout(model, tr, cond, start, noise, sig, g, list(range(9)), 1.0, nullcontext)
@@ -155,7 +156,7 @@ def measure(draws=3, images=128, noise_level=0.7, same_noise=False, steps=tuple(
                 ]
             )  # fmt: skip
             adv_v = D.group_advantages(reward(model.decode(x).float(), ps)[0], GROUP)
-            t, eps = V.draw_pairs(sig[:-1], 4, (3, 32, 32), (0, d), range(images))
+            t, eps = V.draw_pairs(sig[:-1], 4, L, (0, d), range(images))
             old, _ = V.surrogate(model, tr, x, cond, t, eps, 1.0, nullcontext)
 
         out["V-GRPO"].append(round(cosine(partial(vgrpo_loss, model, tr, cond, x, t, eps, old, adv_v)), 4))

@@ -18,21 +18,19 @@ import torch
 from diffusers import (
     DDIMScheduler,
     FluxPipeline,
-    SD3Transformer2DModel,
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
 )
 from huggingface_hub import hf_hub_download
 from peft import LoraConfig, get_peft_model_state_dict
-from transformers import AutoTokenizer, CLIPTextModel
 
 from common import InputError, hub_reachable
 from common.offload import Offloaded
+from common.shapesbench.builders import SHAPESBENCH_KEY, T5_TOKENS, RepeatedLastTokenJointAttention
 
-SHAPESBENCH_DIR = Path(__file__).parent / "shapesbench" / "assets" / "flow"  # what --model-id shapesbench loads
-# model_index.json `_class_name` -> kind
+SHAPESBENCH_DIR = Path(__file__).parent / "shapesbench" / "assets" / "latent"  # what --model-id shapesbench loads
+# model_index.json `_class_name` -> kind; a StableDiffusion3Pipeline folder with the key "_shapesbench" is "shapes"
 KINDS = {
-    "ShapesBench": "shapes",
     "FluxPipeline": "flux",
     "StableDiffusion3Pipeline": "sd3",
     "StableDiffusionPipeline": "sd1",
@@ -158,6 +156,7 @@ class SD3Model(FlowModel):
     """SD3/SD3.5: latents (16, H/8, W/8), CLIP-L + CLIP-G + T5 text, classifier-free guidance."""
 
     kind = "sd3"
+    t5_tokens = 256  # StableDiffusion3Pipeline's default max_sequence_length
 
     def __init__(self, pipe: StableDiffusion3Pipeline, resolution: int | None):
         self.pipe = pipe  # kept for its encode_prompt (three tokenizers + encoders)
@@ -172,7 +171,12 @@ class SD3Model(FlowModel):
 
     def _encode(self, prompts):
         embeds, _, pooled, _ = self.pipe.encode_prompt(
-            prompts, None, None, device=self.device, do_classifier_free_guidance=False
+            prompts,
+            None,
+            None,
+            device=self.device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.t5_tokens,
         )
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}  # (B, 77+256, 4096), (B, 2048)
 
@@ -192,29 +196,19 @@ class SD3Model(FlowModel):
 
 
 class ShapesModel(SD3Model):
-    """ShapesBench: an SD3 transformer in pixel space (latent = image in [-1, 1]) with one CLIP text encoder."""
+    """ShapesBench: a tiny StableDiffusion3Pipeline (32x32 images, an 8x8x4 VAE latent, two tiny CLIP encoders, and
+    in T5's slot a model that outputs zeros), loaded and run as SD3 with one exact shortcut. The pipeline conditions
+    on 12 CLIP tokens and 256 identical zero T5 tokens; here the 256 are one token whose attention logit is raised
+    by log 256 (common.shapesbench.builders.RepeatedLastTokenJointAttention), which gives the same velocities with a
+    joint sequence of 64 + 13 tokens instead of 64 + 268. kind "shapes" also lets ShapesBench's prompts and rewards
+    through the scripts' start-up checks."""
 
     kind = "shapes"
+    t5_tokens = 1
 
-    def __init__(self, path: Path, resolution: int | None, dtype):
-        transformer = SD3Transformer2DModel.from_pretrained(path / "transformer", dtype=dtype)
-        self.text_encoder = CLIPTextModel.from_pretrained(path / "text_encoder", dtype=dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
-        size = resolution or transformer.config.sample_size  # pixel space: sample_size is in pixels
-        _check_multiple(size, transformer.config.patch_size, "shapes")
-        FlowModel.__init__(self, transformer, [self.text_encoder], None, size, size)  # no pipeline nor VAE
-
-    def latent_shape(self):
-        return (self.transformer.config.in_channels, self.height, self.width)
-
-    def _encode(self, prompts):
-        max_len = self.tokenizer.model_max_length
-        ids = self.tokenizer(prompts, padding="max_length", max_length=max_len, truncation=True, return_tensors="pt")
-        out = self.text_encoder(ids.input_ids.to(self.device))
-        return {"prompt_embeds": out.last_hidden_state, "pooled_prompt_embeds": out.pooler_output}  # (B, L, D), (B, D)
-
-    def decode(self, x):  # pixel space: the latent is the image in [-1, 1]
-        return ((x + 1) / 2).clamp(0, 1)
+    def __init__(self, pipe: StableDiffusion3Pipeline, resolution: int | None):
+        super().__init__(pipe, resolution)
+        self.transformer.set_attn_processor(RepeatedLastTokenJointAttention(T5_TOKENS))
 
 
 class FluxModel(FlowModel):
@@ -353,10 +347,14 @@ def _model_index(model_id: str) -> tuple[dict, str]:
 def check_model_id(model_id: str) -> str:
     """--model-id names a supported model that is here or downloadable; checked before anything loads. Returns its
     kind ('shapes', 'flux', 'sd3', 'sd1'), read from model_index.json alone."""
-    name = _model_index(model_id)[0].get("_class_name")
+    return _kind(_model_index(model_id)[0], model_id)
+
+
+def _kind(index: dict, model_id: str) -> str:
+    name = index.get("_class_name")
     if name not in KINDS:
         raise InputError(f"--model-id {model_id}: unsupported model class {name!r}; supported: {', '.join(KINDS)}")
-    return KINDS[name]
+    return "shapes" if index.get(SHAPESBENCH_KEY) and name == "StableDiffusion3Pipeline" else KINDS[name]
 
 
 def load_model(
@@ -374,19 +372,20 @@ def load_model(
     side in pixels; None = the model's native size. Frozen parts are eval() with requires_grad False; the
     denoiser keeps requires_grad (the script decides: LoRA via add_lora, or full fine-tuning).
     """
-    check_model_id(model_id)
     index, where = _model_index(model_id)
-    kind = KINDS[index["_class_name"]]
+    kind = _kind(index, model_id)
     try:
-        if kind == "shapes":
-            model = ShapesModel(Path(where), resolution, dtype)
-        elif kind == "sd1":
+        if kind == "sd1":
             pipe = StableDiffusionPipeline.from_pretrained(
                 where, dtype=dtype, safety_checker=None, requires_safety_checker=False
             )
             model = DDIMModel(pipe, resolution)
         else:
-            pipe_cls, model_cls = {"flux": (FluxPipeline, FluxModel), "sd3": (StableDiffusion3Pipeline, SD3Model)}[kind]
+            pipe_cls, model_cls = {
+                "flux": (FluxPipeline, FluxModel),
+                "sd3": (StableDiffusion3Pipeline, SD3Model),
+                "shapes": (StableDiffusion3Pipeline, ShapesModel),
+            }[kind]
             model = model_cls(pipe_cls.from_pretrained(where, dtype=dtype), resolution)
     except OSError as e:  # model_index.json found but weights not (partial download / cache)
         raise InputError(f"--model-id {model_id}: could not load the weights ({e}). {HOW_TO_GET_WEIGHTS}") from None
@@ -455,9 +454,8 @@ def add_lora(transformer, rank: int, alpha: float, target_modules: list[str] | N
 
 
 def save_trained_weights(model: FlowModel | DDIMModel, transformer, out_dir, lora: bool, state_dict=None):
-    """Save what was trained. LoRA: `<Pipeline>.from_pretrained(base).load_lora_weights(out_dir)` reads it;
-    ShapesBench has no pipeline and uses SD3's format: `transformer.load_lora_adapter(out_dir, prefix="transformer",
-    use_safetensors=True)`. Full: out_dir/transformer (out_dir/unet for sd1), for `<ModelClass>.from_pretrained`.
+    """Save what was trained. LoRA: `<Pipeline>.from_pretrained(base).load_lora_weights(out_dir)` reads it (ShapesBench:
+    StableDiffusion3Pipeline). Full: out_dir/transformer (out_dir/unet for sd1), for `<ModelClass>.from_pretrained`.
 
     Pass the unwrapped denoiser (`accelerator.unwrap_model`); a `.module` wrapper (DDP) is unwrapped here. Under
     FSDP pass `state_dict=accelerator.get_state_dict(prepared)` (gathered on every process, full on the main one).

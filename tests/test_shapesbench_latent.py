@@ -11,12 +11,8 @@ from pathlib import Path
 import torch
 
 from common.shapesbench import builders
-from common.shapesbench.train_latent import (
-    T5_TOKENS,
-    RepeatedLastTokenJointAttention,
-    encode_captions,
-    make_pipeline,
-)
+from common.shapesbench.builders import T5_TOKENS, RepeatedLastTokenJointAttention, make_pipeline
+from common.shapesbench.train_latent import encode_captions
 from common.shapesbench.train_vae import build_vae
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +70,7 @@ def test_train_latent_smoke_and_resume(tmp_path):
     a, b = load_file(out / weights), load_file(killed / weights)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     index = json.loads((out / "model_index.json").read_text())
-    assert index["_class_name"] == "StableDiffusion3Pipeline"
+    assert index["_class_name"] == "StableDiffusion3Pipeline" and builders.SHAPESBENCH_KEY in index
     from diffusers import StableDiffusion3Pipeline
 
     pipe = StableDiffusion3Pipeline.from_pretrained(out)

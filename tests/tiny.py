@@ -14,20 +14,18 @@ from diffusers import (
     StableDiffusionPipeline,
     UNet2DConditionModel,
 )
-from tokenizers import Tokenizer, pre_tokenizers, processors
-from tokenizers.models import WordLevel
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
-    PreTrainedTokenizerFast,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
 )
 
-from common.shapesbench.builders import save_flow_model
+from common.shapesbench.builders import build_latent_components, make_pipeline, mark_shapesbench
+from common.shapesbench.train_vae import build_vae
 
 PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
 RES = 32  # pixels; with the tiny VAEs (scale factor 2) the latents are 16x16
@@ -114,25 +112,12 @@ def build_sd1(path):
 
 
 def build_shapes(path):
-    torch.manual_seed(0)
-    words = "a red green blue white circle square triangle on background".split()
-    specials = ["[PAD]", "[UNK]", "[BOS]", "[EOS]"]
-    tk = Tokenizer(WordLevel({w: i for i, w in enumerate(specials + words)}, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    specials_ids = [("[BOS]", 2), ("[EOS]", 3)]
-    tk.post_processor = processors.TemplateProcessing(single="[BOS] $A [EOS]", special_tokens=specials_ids)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]",
-                                  unk_token="[UNK]", model_max_length=12)  # fmt: skip
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        max_position_embeddings=12, bos_token_id=2, eos_token_id=3, pad_token_id=0,
-    ))  # fmt: skip
-    transformer = SD3Transformer2DModel(
-        sample_size=32, patch_size=4, in_channels=3, out_channels=3, num_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32,
-        pos_embed_max_size=8,
-    )  # fmt: skip
-    save_flow_model(path, transformer, text_encoder, tok)
+    """The ShapesBench pipeline's architecture (builders.build_latent_components), one block, a narrow VAE."""
+    parts = build_latent_components(4, seed=0, heads=1, layers=1)
+    shapes_vae = build_vae(widths=(8, 16, 16), groups=8, seed=0)
+    shapes_vae.register_to_config(scaling_factor=0.6, shift_factor=0.2)
+    make_pipeline(shapes_vae, parts).save_pretrained(path)
+    mark_shapesbench(path)
 
 
 BUILDERS = {"flux": build_flux, "sd3": build_sd3, "shapes": build_shapes, "sd1": build_sd1}

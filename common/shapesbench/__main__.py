@@ -30,10 +30,10 @@ from common.shapesbench import verifier, world
 def load_trained(model, trained: str) -> None:
     """Put a run's final/ weights (transformer/ for full fine-tuning, or SD3-format LoRA weights) into `model`."""
     path = Path(trained)
-    if (path / "transformer").is_dir():
+    if (path / "transformer").is_dir():  # into the loaded transformer, which keeps ShapesModel's attention processor
         from diffusers import SD3Transformer2DModel
 
-        model.transformer = SD3Transformer2DModel.from_pretrained(path / "transformer")
+        model.transformer.load_state_dict(SD3Transformer2DModel.from_pretrained(path / "transformer").state_dict())
     elif (path / "pytorch_lora_weights.safetensors").is_file():
         model.transformer.load_lora_adapter(str(path), prefix="transformer", use_safetensors=True)
     else:

@@ -5,23 +5,77 @@ model, and the latent-space StableDiffusion3Pipeline parts), randomly initialise
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from common.shapesbench.world import COLOUR_NAMES, SHAPES, SIZE
 
 FLOW_PATH = Path(__file__).resolve().parent / "assets" / "flow"
 LATENT_PATH = Path(__file__).resolve().parent / "assets" / "latent"  # a StableDiffusion3Pipeline folder
 VAE_PATH = Path(__file__).resolve().parent / "assets" / "vae"
+# The key in a pipeline folder's model_index.json that says "a ShapesBench model": the scripts then accept ShapesBench's
+# prompts and rewards and compute its null T5 tokens as one (common.models.ShapesModel). Diffusers ignores keys that
+# start with "_", so the folder still loads with StableDiffusion3Pipeline.from_pretrained.
+SHAPESBENCH_KEY = "_shapesbench"
 
+T5_TOKENS = 256  # StableDiffusion3Pipeline's default max_sequence_length: the zero tokens it appends without a T5
+SHIFT = 3.0  # the scheduler's shift (SD3's), the schedule of the scripts' sampler and evaluation
 BOS, EOS, UNK = "<|startoftext|>", "<|endoftext|>", "<unk>"
 MAX_TOKENS = 12  # bos + 7 words + eos fits; longer prompts are truncated
 
 
-def build_tokenizer(special_tokens: bool = True):
-    """A word-level tokenizer over the ShapesBench vocabulary, built offline in memory (no merges to clash).
-    special_tokens=False: no BOS / EOS around the words (then it truncates to any length, even 1)."""
+class RepeatedLastTokenJointAttention:
+    """Joint (image + text) attention in which the last text token stands for `repeats` identical copies of itself.
+
+    Attention over n identical keys / values is attention over one of them whose logit is raised by log(n), and
+    the n identical queries give n identical outputs (text tokens carry no position); so this processor with one
+    zero T5 token is exact for the pipeline's `repeats` of them, with a text sequence of 13 tokens instead of 268.
+    train_latent.py and common.models.ShapesModel (the scripts) use it; a pipeline loaded from the folder runs
+    diffusers' stock joint attention over all the tokens and computes the same outputs.
+    """
+
+    def __init__(self, repeats: int):
+        self.log_repeats = math.log(repeats)
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
+        if encoder_hidden_states is None:
+            raise ValueError("RepeatedLastTokenJointAttention needs the text stream")
+        b, n_img = hidden_states.shape[:2]
+
+        def heads(x):
+            return x.view(b, -1, attn.heads, x.shape[-1] // attn.heads).transpose(1, 2)
+
+        q, k, v = (heads(f(hidden_states)) for f in (attn.to_q, attn.to_k, attn.to_v))
+        cq, ck, cv = (heads(f(encoder_hidden_states)) for f in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+        if attn.norm_q is not None:
+            q, k = attn.norm_q(q), attn.norm_k(k)
+        if attn.norm_added_q is not None:
+            cq, ck = attn.norm_added_q(cq), attn.norm_added_k(ck)
+        q, k, v = torch.cat([q, cq], 2), torch.cat([k, ck], 2), torch.cat([v, cv], 2)
+        bias = torch.zeros(k.shape[2], dtype=q.dtype, device=q.device)
+        bias[-1] = self.log_repeats
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.view(1, 1, 1, -1))
+        out = out.transpose(1, 2).reshape(b, -1, q.shape[1] * q.shape[3]).to(q.dtype)
+        img, txt = out[:, :n_img], out[:, n_img:]
+        img = attn.to_out[1](attn.to_out[0](img))
+        if not attn.context_pre_only:
+            txt = attn.to_add_out(txt)
+        return img, txt
+
+
+def make_pipeline(vae, parts: dict):
+    """A StableDiffusion3Pipeline of the VAE, build_latent_components' parts and SD3's scheduler (shift 3)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SHIFT)
+    return StableDiffusion3Pipeline(vae=vae, scheduler=scheduler, **parts)
+
+
+def build_tokenizer():
+    """A word-level tokenizer over the ShapesBench vocabulary, built offline in memory (no merges to clash)."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -30,8 +84,7 @@ def build_tokenizer(special_tokens: bool = True):
     tk = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     tk.normalizer = normalizers.Lowercase()
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    if special_tokens:
-        tk.post_processor = processors.TemplateProcessing(single=f"{BOS} $A {EOS}", special_tokens=[(BOS, 0), (EOS, 1)])
+    tk.post_processor = processors.TemplateProcessing(single=f"{BOS} $A {EOS}", special_tokens=[(BOS, 0), (EOS, 1)])
     return PreTrainedTokenizerFast(
         tokenizer_object=tk, bos_token=BOS, eos_token=EOS, pad_token=EOS, unk_token=UNK, model_max_length=MAX_TOKENS
     )
@@ -112,8 +165,7 @@ def build_latent_components(vae_channels: int = 4, seed: int = 0, heads: int = 3
     The two tiny CLIP encoders (CLIPTextModelWithProjection) have builders' text config (width 64); the pipeline
     concatenates their penultimate hidden states to 128 dims (= joint_attention_dim, so no padding) and their
     projected pooled outputs to 128 dims (= pooled_projection_dim). The third encoder is build_null_t5(): SD3's T5
-    slot, holding a model whose output is exactly zero (its tokenizer adds no BOS / EOS, so that encode_prompt's
-    max_sequence_length can be 1). The transformer works on the 8x8 VAE latent with patch 1: 64 image tokens, as
+    slot, holding a model whose output is exactly zero, with build_null_tokenizer() (no tokens for any text). The transformer works on the 8x8 VAE latent with patch 1: 64 image tokens, as
     many as the pixel model's patch-4 tokens; sample_size 8 is in latent pixels (the pipeline multiplies by the
     VAE's factor 4 for its default 32x32 output).
     """
@@ -121,10 +173,10 @@ def build_latent_components(vae_channels: int = 4, seed: int = 0, heads: int = 3
     from transformers import CLIPTextModelWithProjection
 
     torch.manual_seed(seed)
-    parts = {"tokenizer": build_tokenizer(), "tokenizer_2": build_tokenizer(), "tokenizer_3": build_tokenizer(False)}
+    parts = {"tokenizer": build_tokenizer(), "tokenizer_2": build_tokenizer(), "tokenizer_3": build_null_tokenizer()}
     parts["text_encoder"] = CLIPTextModelWithProjection(_text_config(len(parts["tokenizer"]), 64))
     parts["text_encoder_2"] = CLIPTextModelWithProjection(_text_config(len(parts["tokenizer_2"]), 64))
-    parts["text_encoder_3"] = build_null_t5(len(parts["tokenizer_3"]), 128)
+    parts["text_encoder_3"] = build_null_t5(len(parts["tokenizer"]), 128)  # (its vocab: the others')
     latent = SIZE // 4
     parts["transformer"] = SD3Transformer2DModel(
         sample_size=latent,
@@ -140,6 +192,17 @@ def build_latent_components(vae_channels: int = 4, seed: int = 0, heads: int = 3
         pos_embed_max_size=latent,
     )
     return parts
+
+
+def build_null_tokenizer():
+    """The T5 slot's tokenizer: every text becomes no tokens, so the pipeline's T5 input is max_sequence_length
+    paddings whatever the prompt (the null T5 ignores it anyway), and encode_prompt never warns that it truncated."""
+    from tokenizers import Regex, Tokenizer, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({UNK: 0, "<pad>": 1}, unk_token=UNK))
+    tk.normalizer = normalizers.Replace(Regex(r"[\s\S]+"), "")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token=UNK, model_max_length=T5_TOKENS)
 
 
 def build_null_t5(vocab_size: int, width: int):
@@ -167,6 +230,16 @@ def build_null_t5(vocab_size: int, width: int):
     with torch.no_grad():
         model.encoder.final_layer_norm.weight.zero_()
     return model.eval().requires_grad_(False)
+
+
+def mark_shapesbench(folder) -> None:
+    """Add SHAPESBENCH_KEY to the model_index.json of a pipeline folder that save_pretrained wrote."""
+    index_path = Path(folder) / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index[SHAPESBENCH_KEY] = (
+        "32x32 shapes; prompts 'a {colour} {shape} on a {colour} background'; rewards shapes, verifier"
+    )
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def save_flow_model(out_dir, transformer, text_encoder, tokenizer) -> None:

@@ -20,9 +20,11 @@ the two tiny CLIP encoders (penultimate hidden states concatenated, projected po
 T5's slot, a model that outputs zeros (builders.build_null_t5), so the pipeline appends max_sequence_length
 (default 256) all-zero tokens, as SD3 does without a T5. Those 256 tokens are
 identical all the way through the transformer (text tokens carry no position), so attention to them equals
-attention to one of them with its logit raised by log(256); training runs on one zero token with that bias (a
-training-only attention processor), which is exact and keeps a step as cheap as the pixel model's. The saved
-pipeline uses the stock processors, so `pipe(prompt)` with its default max_sequence_length sees what training saw.
+attention to one of them with its logit raised by log(256); training runs on one zero token with that bias
+(builders.RepeatedLastTokenJointAttention, as the RL scripts do), which is exact and keeps a step 4x shorter. The
+saved pipeline uses the stock processors, so `pipe(prompt)` with its default max_sequence_length sees what training
+saw. Its model_index.json carries a "_shapesbench" key (which diffusers ignores) that tells common.models the
+folder is a ShapesBench model.
 
 The eval samples the saved folder with StableDiffusion3Pipeline itself (its FlowMatchEulerDiscreteScheduler, shift
 3: the schedule of `python -m common.shapesbench eval`) on the held-out prompts, guidance 1 (off) as that eval's
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -43,56 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from common.shapesbench import builders, verifier, world
+from common.shapesbench.builders import T5_TOKENS, RepeatedLastTokenJointAttention, make_pipeline
 from common.shapesbench.train_flow import EMA, add_recipe_args, drop_captions, lr_lambda, noisy_captions, update
-
-T5_TOKENS = 256  # StableDiffusion3Pipeline's default max_sequence_length: the zero tokens it appends without a T5
-SHIFT = 3.0  # the scheduler's shift (SD3's), the same schedule as the pixel model's eval
-
-
-class RepeatedLastTokenJointAttention:
-    """Joint (image + text) attention in which the last text token stands for `repeats` identical copies of itself.
-
-    Attention over n identical keys / values is attention over one of them whose logit is raised by log(n), and
-    the n identical queries give n identical outputs; so this processor with one token is exact for the pipeline's
-    `repeats` zero T5 tokens. For training only: the saved model uses diffusers' stock joint attention.
-    """
-
-    def __init__(self, repeats: int):
-        self.log_repeats = math.log(repeats)
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
-        if encoder_hidden_states is None:
-            raise ValueError("RepeatedLastTokenJointAttention needs the text stream")
-        b, n_img = hidden_states.shape[:2]
-
-        def heads(x):
-            return x.view(b, -1, attn.heads, x.shape[-1] // attn.heads).transpose(1, 2)
-
-        q, k, v = (heads(f(hidden_states)) for f in (attn.to_q, attn.to_k, attn.to_v))
-        cq, ck, cv = (heads(f(encoder_hidden_states)) for f in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
-        if attn.norm_q is not None:
-            q, k = attn.norm_q(q), attn.norm_k(k)
-        if attn.norm_added_q is not None:
-            cq, ck = attn.norm_added_q(cq), attn.norm_added_k(ck)
-        q, k, v = torch.cat([q, cq], 2), torch.cat([k, ck], 2), torch.cat([v, cv], 2)
-        bias = torch.zeros(k.shape[2], dtype=q.dtype, device=q.device)
-        bias[-1] = self.log_repeats
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.view(1, 1, 1, -1))
-        out = out.transpose(1, 2).reshape(b, -1, q.shape[1] * q.shape[3]).to(q.dtype)
-        img, txt = out[:, :n_img], out[:, n_img:]
-        img = attn.to_out[1](attn.to_out[0](img))
-        if not attn.context_pre_only:
-            txt = attn.to_add_out(txt)
-        return img, txt
-
-
-def make_pipeline(vae, parts: dict):
-    """A StableDiffusion3Pipeline of the VAE, the builders' parts (see builders.build_latent_components) and SD3's
-    scheduler (shift 3)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
-
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SHIFT)
-    return StableDiffusion3Pipeline(vae=vae, scheduler=scheduler, **parts)
 
 
 def encode_captions(pipe, captions: list[str]):
@@ -189,9 +142,6 @@ def main():
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from diffusers.utils import logging as diffusers_logging
-
-    diffusers_logging.set_verbosity_error()  # encode_prompt warns at every step that max_sequence_length 1 truncates
     if args.eval_only:
         m = evaluate_pipeline(args.eval_only, steps=args.eval_steps, samples_per_prompt=args.eval_samples_per_prompt)
         print(json.dumps({**m, "target": meets_target(m)}, indent=1))
@@ -279,6 +229,7 @@ def main():
     transformer.set_attn_processor(stock_processors)
     parts |= {"text_encoder": te, "text_encoder_2": te_2, "transformer": transformer}
     make_pipeline(vae, parts).save_pretrained(out)
+    builders.mark_shapesbench(out)
     state_path.unlink(missing_ok=True)
     log = {
         "command": "python -m common.shapesbench.train_latent " + " ".join(sys.argv[1:]),
