@@ -31,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 GROUP = 8
+METHODS = ("DanceGRPO", "V-GRPO", "BranchGRPO")
 
 
 def dance_loss(model, tr, cond, lat, lp, adv, sig, g, steps, idx):
@@ -110,8 +111,19 @@ def branch_cosine(model, tr, params, reward, prompts, d: int, n_prompts: int) ->
     return float(torch.nn.functional.cosine_similarity(*halves, dim=0))
 
 
-def measure(draws=3, images=128, noise_level=0.7, same_noise=False, steps=tuple(range(9))) -> dict:
-    """DanceGRPO's variants: SDE noise a = noise_level, one initial noise per group (same_noise), trained steps."""
+def measure(
+    draws=3,
+    images=128,
+    noise_level=0.7,
+    same_noise=False,
+    steps=tuple(range(9)),
+    model_id="shapesbench",
+    methods=METHODS,
+) -> dict:
+    """DanceGRPO's variants: SDE noise a = noise_level, one initial noise per group (same_noise), trained steps.
+    Per method: the cosines of the draws, their mean, and n0 = images (1 - mean) / mean, the image count at which
+    the agreement would be 1/2 if the agreement of n images is n / (n + n0) (independent noise around a fixed
+    direction); None when the mean is not positive."""
     import dancegrpo as D
     import vgrpo as V
     from common.models import add_lora, load_model
@@ -119,7 +131,7 @@ def measure(draws=3, images=128, noise_level=0.7, same_noise=False, steps=tuple(
     from common.rewards import build_reward
 
     torch.manual_seed(0)
-    model = load_model("shapesbench")
+    model = load_model(model_id)
     tr = add_lora(model.transformer.float(), 32, 64.0)
     params = [p for p in tr.parameters() if p.requires_grad]
     reward, prompts = build_reward("shapes", "cpu"), load_prompts("shapes-train")
@@ -135,7 +147,7 @@ def measure(draws=3, images=128, noise_level=0.7, same_noise=False, steps=tuple(
         return float(torch.nn.functional.cosine_similarity(*halves, dim=0))
 
     out = {"images": images, "group": GROUP, "noise_level": noise_level, "same_noise": same_noise, "steps": list(steps)}
-    out.update({"DanceGRPO": [], "V-GRPO": [], "BranchGRPO": []})
+    out.update({k: [] for k in methods})
     for d in range(draws):
         ps = [prompts[(7 * k + 13 * d) % len(prompts)] for k in range(images // GROUP) for _ in range(GROUP)]
         cond = model.encode_prompts(ps)
@@ -147,26 +159,30 @@ def measure(draws=3, images=128, noise_level=0.7, same_noise=False, steps=tuple(
             lat, lp = D.rollout(model, tr, cond, start, noise, sig, g, list(range(9)), 1.0, nullcontext)
             adv = D.group_advantages(reward(model.decode(lat[:, -1]).float(), ps)[0], GROUP)
 
-        out["DanceGRPO"].append(round(cosine(partial(dance_loss, model, tr, cond, lat, lp, adv, sig, g, steps)), 4))
-        with torch.no_grad():
-            x = torch.cat(
-                [
-                    V.rollout(model, tr, {k: v[c : c + 16] for k, v in cond.items()}, init[c : c + 16], sig, "dpm++2m", 1.0, nullcontext)
-                    for c in range(0, images, 16)
-                ]
-            )  # fmt: skip
-            adv_v = D.group_advantages(reward(model.decode(x).float(), ps)[0], GROUP)
-            t, eps = V.draw_pairs(sig[:-1], 4, L, (0, d), range(images))
-            old, _ = V.surrogate(model, tr, x, cond, t, eps, 1.0, nullcontext)
+        if "DanceGRPO" in methods:
+            loss_of = partial(dance_loss, model, tr, cond, lat, lp, adv, sig, g, steps)
+            out["DanceGRPO"].append(round(cosine(loss_of), 4))
+        if "V-GRPO" in methods:
+            with torch.no_grad():
+                x = torch.cat(
+                    [
+                        V.rollout(model, tr, {k: v[c : c + 16] for k, v in cond.items()}, init[c : c + 16], sig, "dpm++2m", 1.0, nullcontext)
+                        for c in range(0, images, 16)
+                    ]
+                )  # fmt: skip
+                adv_v = D.group_advantages(reward(model.decode(x).float(), ps)[0], GROUP)
+                t, eps = V.draw_pairs(sig[:-1], 4, L, (0, d), range(images))
+                old, _ = V.surrogate(model, tr, x, cond, t, eps, 1.0, nullcontext)
 
-        out["V-GRPO"].append(round(cosine(partial(vgrpo_loss, model, tr, cond, x, t, eps, old, adv_v)), 4))
-        out["BranchGRPO"].append(round(branch_cosine(model, tr, params, reward, prompts, d, max(1, images // 32)), 4))
-        print(
-            f"draw {d}: " + ", ".join(f"{k} {out[k][-1]}" for k in ("DanceGRPO", "V-GRPO", "BranchGRPO")),
-            file=sys.stderr,
-        )
-    for k in ("DanceGRPO", "V-GRPO", "BranchGRPO"):
-        out[f"{k} mean"] = round(sum(out[k]) / len(out[k]), 4)
+            out["V-GRPO"].append(round(cosine(partial(vgrpo_loss, model, tr, cond, x, t, eps, old, adv_v)), 4))
+        if "BranchGRPO" in methods:
+            cos = branch_cosine(model, tr, params, reward, prompts, d, max(1, images // 32))
+            out["BranchGRPO"].append(round(cos, 4))
+        print(f"draw {d}: " + ", ".join(f"{k} {out[k][-1]}" for k in methods), file=sys.stderr)
+    for k in methods:
+        mean = sum(out[k]) / len(out[k])
+        out[f"{k} mean"] = round(mean, 4)
+        out[f"{k} n0"] = round(images * (1 - mean) / mean) if mean > 0 else None
     return out
 
 
@@ -177,6 +193,10 @@ def main():
     parser.add_argument("--noise-level", type=float, default=0.7, help="DanceGRPO's flow SDE noise a")
     parser.add_argument("--same-noise", action="store_true", help="DanceGRPO: one initial noise per group")
     parser.add_argument("--steps", default="0,1,2,3,4,5,6,7,8", help="DanceGRPO's trained steps (of 0..8)")
+    parser.add_argument(
+        "--model-id", default="shapesbench", help="a ShapesBench pipeline folder (default: the shipped)"
+    )
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="which to measure")
     a = parser.parse_args()
     if a.images % 16 or a.draws < 1:
         parser.error("--images must be a multiple of 16 and --draws >= 1")
@@ -184,7 +204,8 @@ def main():
     steps = [int(i) for i in a.steps.split(",")]
     if not steps or not all(0 <= i <= 8 for i in steps):
         parser.error("--steps: a comma-separated list of steps in 0..8")
-    print(json.dumps(measure(a.draws, a.images, a.noise_level, a.same_noise, steps), indent=1))
+    out = measure(a.draws, a.images, a.noise_level, a.same_noise, steps, a.model_id, a.methods)
+    print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -26,9 +26,9 @@ from peft import LoraConfig, get_peft_model_state_dict
 
 from common import InputError, hub_reachable
 from common.offload import Offloaded
-from common.shapesbench.builders import SHAPESBENCH_KEY, T5_TOKENS, RepeatedLastTokenJointAttention
+from common.shapesbench.builders import LATENT_PATH, SHAPESBENCH_KEY, T5_TOKENS, RepeatedLastTokenJointAttention
 
-SHAPESBENCH_DIR = Path(__file__).parent / "shapesbench" / "assets" / "latent"  # what --model-id shapesbench loads
+SHAPESBENCH_DIR = LATENT_PATH  # what --model-id shapesbench loads
 # model_index.json `_class_name` -> kind; a StableDiffusion3Pipeline folder with the key "_shapesbench" is "shapes"
 KINDS = {
     "FluxPipeline": "flux",

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from common.runs import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ROOT / "common" / "shapesbench" / "assets" / "flow"
+SHIPPED = ROOT / "common" / "shapesbench" / "assets" / "latent"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 WEIGHTS = Path("transformer") / "diffusion_pytorch_model.safetensors"  # a full fine-tuning run's final weights
 

@@ -19,9 +19,7 @@ LAYERS = {
     "common.prompts": 4,
     "common.runs": 5,
 }
-TOOLS = tuple(
-    f"common.shapesbench.{m}" for m in ("__main__", "train_flow", "train_reward", "train_vae", "train_latent")
-)
+TOOLS = tuple(f"common.shapesbench.{m}" for m in ("__main__", "train_reward", "train_vae", "train_latent"))
 
 
 def module_name(path: Path) -> str:

@@ -7,15 +7,16 @@ into 120 training and 48 held-out prompts. Images are 32x32 RGB, hard-edged (eve
     verifier.py      the programmatic verifier (colours, shape by template IoU, clean background) and the
                      held-out metrics (accuracies, well-formed rate, confusion matrix, diversity)
     reward.py        the learned reward (a tiny CLIP's cosine, "the HPS of ShapesBench") and its checks
-    builders.py      the tiny model components (tokenizer, CLIP text encoder, SD3 transformer, CLIP reward model)
-    train_flow.py    `python -m common.shapesbench.train_flow`: pretrain the base model (caption noise, EMA)
+    builders.py      the tiny model components (tokenizers, CLIP text encoders, null T5, SD3 transformer, CLIP reward
+                     model) and the attention processor that computes the pipeline's 256 zero T5 tokens as one
+    train_vae.py     `python -m common.shapesbench.train_vae`: the tiny AutoencoderKL (32x32x3 <-> 8x8x4), as SD3 /
+                     FLUX have one
+    train_latent.py  `python -m common.shapesbench.train_latent`: pretrain the base model in that latent (caption
+                     noise, EMA), saved as a StableDiffusion3Pipeline folder
     train_reward.py  `python -m common.shapesbench.train_reward`: train the learned reward
-    train_vae.py     `python -m common.shapesbench.train_vae`: the tiny AutoencoderKL (32x32x3 <-> 8x8x4) of the
-                     latent world, as SD3 / FLUX have one (not used by the scripts yet)
-    train_latent.py  `python -m common.shapesbench.train_latent`: the base model in that latent, saved as a
-                     StableDiffusion3Pipeline folder (not trained or shipped yet)
     __main__.py      `python -m common.shapesbench eval`: sample a model on the held-out prompts, print JSON
-    assets/          the shipped base model (flow/), reward (reward/) and VAE (vae/), each with its train_log.json
+    assets/          the shipped base model (latent/: a whole pipeline folder), the reward (reward/) and the VAE
+                     (vae/, also inside latent/), each with its train_log.json
 
 The base model is loaded like any diffusers model (`common.models.load_model("shapesbench")`), so the scripts
 run the same code path on ShapesBench as on FLUX or SD3. The names below are the package's public interface.

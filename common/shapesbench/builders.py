@@ -1,6 +1,7 @@
-"""Builders of the tiny ShapesBench model components (tokenizer, CLIP text encoder, SD3 transformer, CLIP reward
-model, and the latent-space StableDiffusion3Pipeline parts), randomly initialised here, trained by
-`python -m common.shapesbench.train_flow` / `.train_reward` / `.train_vae` / `.train_latent`."""
+"""Builders of the tiny ShapesBench model components, randomly initialised here: the StableDiffusion3Pipeline's parts
+(tokenizers, CLIP text encoders, the null T5, the SD3 transformer; the VAE is train_vae.build_vae) and the CLIP
+reward model, trained by `python -m common.shapesbench.train_latent` / `.train_vae` / `.train_reward`; and the
+attention processor with which ShapesBench computes the pipeline's 256 zero T5 tokens as one."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ import torch.nn.functional as F
 
 from common.shapesbench.world import COLOUR_NAMES, SHAPES, SIZE
 
-FLOW_PATH = Path(__file__).resolve().parent / "assets" / "flow"
-LATENT_PATH = Path(__file__).resolve().parent / "assets" / "latent"  # a StableDiffusion3Pipeline folder
-VAE_PATH = Path(__file__).resolve().parent / "assets" / "vae"
+LATENT_PATH = Path(__file__).resolve().parent / "assets" / "latent"  # the base model: a StableDiffusion3Pipeline folder
+VAE_PATH = LATENT_PATH / "vae"  # its VAE, trained first (train_vae.py), frozen while the rest trains (train_latent.py)
 # The key in a pipeline folder's model_index.json that says "a ShapesBench model": the scripts then accept ShapesBench's
 # prompts and rewards and compute its null T5 tokens as one (common.models.ShapesModel). Diffusers ignores keys that
 # start with "_", so the folder still loads with StableDiffusion3Pipeline.from_pretrained.
@@ -106,35 +106,6 @@ def _text_config(vocab_size: int, hidden: int):
         pad_token_id=1,
         projection_dim=hidden,
     )
-
-
-def build_flow_components(seed: int = 0, heads: int = 2, layers: int = 4):
-    """Randomly initialised (tokenizer, CLIPTextModel, SD3Transformer2DModel) for the ShapesBench flow model.
-
-    The transformer is the class SD3 uses, in pixel space: 3 channels, patch 4 -> 8x8 = 64 tokens,
-    width 64 * heads, `layers` joint blocks (defaults: width 128, 4 blocks, about 2.3M parameters; the ShapesBench
-    v2 candidate: 3 heads, 5.1M).
-    """
-    from diffusers import SD3Transformer2DModel
-    from transformers import CLIPTextModel
-
-    torch.manual_seed(seed)
-    tok = build_tokenizer()
-    text_encoder = CLIPTextModel(_text_config(len(tok), 64))
-    transformer = SD3Transformer2DModel(
-        sample_size=SIZE,
-        patch_size=4,
-        in_channels=3,
-        out_channels=3,
-        num_layers=layers,
-        attention_head_dim=64,
-        num_attention_heads=heads,
-        joint_attention_dim=64,
-        caption_projection_dim=64 * heads,
-        pooled_projection_dim=64,
-        pos_embed_max_size=SIZE // 4,
-    )
-    return tok, text_encoder, transformer
 
 
 def build_reward_components(seed: int = 0):
@@ -240,12 +211,3 @@ def mark_shapesbench(folder) -> None:
         "32x32 shapes; prompts 'a {colour} {shape} on a {colour} background'; rewards shapes, verifier"
     )
     index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def save_flow_model(out_dir, transformer, text_encoder, tokenizer) -> None:
-    """Write a ShapesBench model folder that `common.models.load_model(out_dir)` reads."""
-    out_dir = Path(out_dir)
-    transformer.save_pretrained(out_dir / "transformer")
-    text_encoder.save_pretrained(out_dir / "text_encoder")
-    tokenizer.save_pretrained(out_dir / "tokenizer")
-    (out_dir / "model_index.json").write_text(json.dumps({"_class_name": "ShapesBench"}, indent=2))

@@ -9,11 +9,15 @@ optimizer, schedule, random generator, loss history) is written to OUT/train_sta
 a rename), and the same command picks it up; the same steps follow, bitwise. The file is deleted once the pipeline
 is saved.
 
-The pixel model's recipe (train_flow.py) moved into the VAE latent, the way SD3 and FLUX are trained: ground truth
-from the ShapesBench renderer over all 168 captions, encoded by the frozen ShapesBench VAE (--vae) to the posterior
-mode and normalised as the pipeline un-normalises it, x0 = (z - shift_factor) * scaling_factor; rectified flow
-(x_s = (1 - s) x0 + s eps, target eps - x0) with logit-normal s; caption noise on the shape word (--caption-noise),
-caption dropout to "" (the pipeline's negative prompt, so classifier-free guidance works), an EMA of the weights.
+The recipe is SD3's and FLUX's, small: ground truth from the ShapesBench renderer over all 168 captions (sizes
+--radii, centres 16 +- --jitter, by default the world's), encoded by the frozen ShapesBench VAE (--vae) to the
+posterior mode and normalised as the pipeline un-normalises it, x0 = (z - shift_factor) * scaling_factor; rectified
+flow (x_s = (1 - s) x0 + s eps, target v = eps - x0) with logit-normal s; the text encoders trained jointly; 10% of
+captions dropped to "" (the pipeline's negative prompt, so classifier-free guidance works). Caption noise, the way
+web captions mislabel images: with probability --caption-noise the shape word of a caption is replaced by one of
+the two other shapes (uniformly), so that a perfect fit follows the shape word with accuracy 1 - p; colours stay
+right. The model draws crisp shapes that follow the prompt imperfectly, which is the room RL has. The saved weights
+are an EMA (--ema), which samples cleaner edges than the raw weights.
 
 The text conditioning is the pipeline's own: the captions go through StableDiffusion3Pipeline.encode_prompt with
 the two tiny CLIP encoders (penultimate hidden states concatenated, projected pooled outputs concatenated) and, in
@@ -34,7 +38,9 @@ default, and judges the images with the verifier; the results go into train_log.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import math
 import os
 import sys
 import time
@@ -45,7 +51,69 @@ import torch.nn.functional as F
 
 from common.shapesbench import builders, verifier, world
 from common.shapesbench.builders import T5_TOKENS, RepeatedLastTokenJointAttention, make_pipeline
-from common.shapesbench.train_flow import EMA, add_recipe_args, drop_captions, lr_lambda, noisy_captions, update
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: paths in train_log.json are relative to it
+
+
+def noisy_captions(captions: list[str], p: float, g: torch.Generator) -> list[str]:
+    """Replace the shape word with one of the other two shapes (uniformly) with probability p; colours untouched."""
+    out = []
+    flip = (torch.rand(len(captions), generator=g) < p).tolist()
+    other = torch.randint(1, len(world.SHAPES), (len(captions),), generator=g).tolist()
+    for c, f, o in zip(captions, flip, other):
+        if f:
+            s, fg, bg = world.parse_prompt(c)
+            c = world.make_prompt(
+                world.SHAPES[(s + o) % len(world.SHAPES)], world.COLOUR_NAMES[fg], world.COLOUR_NAMES[bg]
+            )
+        out.append(c)
+    return out
+
+
+def drop_captions(captions: list[str], p: float, g: torch.Generator) -> list[str]:
+    drop = (torch.rand(len(captions), generator=g) < p).tolist()
+    return ["" if d else c for c, d in zip(captions, drop)]
+
+
+class EMA:
+    """Exponential moving average of parameters, with the usual warm-up (decay min(d, (1 + n) / (10 + n)))."""
+
+    def __init__(self, modules, decay: float):
+        self.decay, self.n = decay, 0
+        self.params = [p for m in modules for p in m.parameters()]
+        self.shadow = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self):
+        self.n += 1
+        d = min(self.decay, (1 + self.n) / (10 + self.n))
+        for s, p in zip(self.shadow, self.params):
+            s.lerp_(p.detach(), 1 - d)
+
+    def copy_to(self, modules):
+        """Copies of `modules` holding the EMA weights (the training modules are untouched)."""
+        copies = [copy.deepcopy(m) for m in modules]
+        dst = [p for m in copies for p in m.parameters()]
+        with torch.no_grad():
+            for d, s in zip(dst, self.shadow):
+                d.copy_(s)
+        return copies
+
+
+def lr_lambda(warmup, total):
+    # linear warmup, then cosine decay to 0: a decayed model samples visibly cleaner than a constant-lr one
+    return lambda i: min((i + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(i, total) / total)))
+
+
+def update(loss, params, opt, sched, ema) -> None:
+    """One optimisation step of the ShapesBench trainers: gradient clipped to norm 1, AdamW, the schedule, the EMA."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+    if ema:
+        ema.update()
 
 
 def encode_captions(pipe, captions: list[str]):
@@ -130,7 +198,19 @@ def meets_target(m: dict) -> dict:
 def main():
     p = argparse.ArgumentParser(prog="python -m common.shapesbench.train_latent", description=__doc__.split("\n")[0])
     p.add_argument("--vae", default=str(builders.VAE_PATH), help="the frozen ShapesBench VAE (AutoencoderKL folder)")
-    add_recipe_args(p)  # the pixel model's recipe (train_flow.py)
+    p.add_argument("--steps", type=int, default=3800)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--caption-dropout", type=float, default=0.1)
+    p.add_argument(
+        "--caption-noise", type=float, default=0.35, help="probability that the shape word is replaced by another shape"
+    )
+    p.add_argument("--radii", type=int, nargs="+", default=list(world.RADII), help="shape radii (default: the world's)")
+    p.add_argument("--jitter", type=int, default=world.JITTER, help="centre = 16 +- jitter px (default: the world's)")
+    p.add_argument("--heads", type=int, default=3, help="transformer width = 64 * heads")
+    p.add_argument("--layers", type=int, default=4, help="joint transformer blocks")
+    p.add_argument("--ema", type=float, default=0.999, help="EMA decay of the saved weights (0 = the raw weights)")
     p.add_argument("--eval-steps", type=int, default=20, help="sampler steps of the final eval")
     p.add_argument("--eval-samples-per-prompt", type=int, default=4)
     p.add_argument("--eval-only", default="", help="only evaluate this pipeline folder and print JSON")
@@ -230,10 +310,19 @@ def main():
     parts |= {"text_encoder": te, "text_encoder_2": te_2, "transformer": transformer}
     make_pipeline(vae, parts).save_pretrained(out)
     builders.mark_shapesbench(out)
+    vae_config = out / "vae" / "config.json"  # loaded from --vae, it names that folder: keep machine paths out
+    vae_config.write_text(
+        json.dumps({k: v for k, v in json.loads(vae_config.read_text()).items() if k != "_name_or_path"})
+    )
     state_path.unlink(missing_ok=True)
     log = {
         "command": "python -m common.shapesbench.train_latent " + " ".join(sys.argv[1:]),
         **vars(args),
+        **{
+            k: os.path.relpath(getattr(args, k), ROOT)
+            for k in ("vae", "out")
+            if Path(getattr(args, k)).resolve().is_relative_to(ROOT)
+        },
         "params": sum(q.numel() for q in transformer.parameters()),
         "final_loss_ema": round(loss_ema, 5) if loss_ema is not None else None,
         "train_seconds": round(train_seconds, 1),

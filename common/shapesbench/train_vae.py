@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from common.shapesbench import builders, verifier, world
-from common.shapesbench.train_flow import EMA, lr_lambda, update
+from common.shapesbench.train_latent import EMA, lr_lambda, update
 
 
 def build_vae(widths=(32, 64, 64), latent_channels: int = 4, groups: int = 16, seed: int = 0):
