@@ -116,11 +116,12 @@ def test_ratio_is_exactly_one_before_the_first_update(tmp_path):
     sigmas = D.sigma_schedule(6, 3.0)
     g = D.noise_g(sigmas, "flow", 0.7)
     gen = torch.Generator().manual_seed(0)
-    x, noise = torch.randn(4, 3, 32, 32, generator=gen), torch.randn(4, 6, 3, 32, 32, generator=gen)
+    L = model.latent_shape()  # (4, 8, 8)
+    x, noise = torch.randn(4, *L, generator=gen), torch.randn(4, 6, *L, generator=gen)
     from contextlib import nullcontext
 
     latents, log_probs = D.rollout(model, model.transformer, cond, x, noise, sigmas, g, range(5), 1.0, nullcontext)
-    assert latents.shape == (4, 7, 3, 32, 32) and torch.all(log_probs[:, -1] == 0)
+    assert latents.shape == (4, 7, *L) and torch.all(log_probs[:, -1] == 0)
     for i in range(5):  # the training forward (with grad) on the same micro-batch
         v = model.velocity(model.transformer, latents[:, i], sigmas[i].expand(4), cond)
         _, logp, _, _ = D.sde_step(

@@ -183,7 +183,8 @@ def test_flow_transition_and_exact_recompute(tmp_path):
     sched = R.make_schedule(model, 5, args)
     cond = model.encode_prompts(["a red circle on a blue background", "a green square on a white background"])
     gen = torch.Generator().manual_seed(0)
-    x, noise = torch.randn(2, 3, 32, 32, generator=gen), torch.randn(2, 4, 3, 32, 32, generator=gen)
+    L = model.latent_shape()  # (4, 8, 8)
+    x, noise = torch.randn(2, *L, generator=gen), torch.randn(2, 4, *L, generator=gen)
 
     def mean_std(i, x):
         return R.transition(model, model.transformer, sched, i, x, cond, 1.0, nullcontext)
@@ -201,7 +202,7 @@ def test_flow_transition_and_exact_recompute(tmp_path):
             last, x - sched["sigmas"][4] * model.velocity(model.transformer, x, sched["sigmas"][4].expand(2), cond)
         )
     latents = R.rollout(mean_std, x, noise)
-    assert latents.shape == (2, 5, 3, 32, 32)
+    assert latents.shape == (2, 5, *L)
     for j, h in [(0, 1), (1, 2), (0, 4)]:
         log_prob, deviation = R.subchain_log_prob(mean_std, latents, noise, j, h)
         assert deviation == 0 and log_prob.requires_grad and log_prob.shape == (2,)

@@ -230,9 +230,8 @@ def test_shipped_model_leaves_room_for_rl():
     wf = v["well_formed"]
     well_formed = [p for p, k in zip(prompts, wf.tolist()) if k]
     reward = shapesbench.load_reward_model()
-    # 0.860 on these 171 well-formed samples (the evaluation's noise draw), 0.902 on the 533 of the reward's own
-    # training check: about +-0.03 of sampling noise at this size
-    assert shapesbench.shape_agreement(reward, images[wf], well_formed, v["shape_pred"][wf]) >= 0.85
+    # 0.995 on these 192 well-formed samples (the evaluation's noise draw)
+    assert shapesbench.shape_agreement(reward, images[wf], well_formed, v["shape_pred"][wf]) >= 0.90
 
 
 def test_trainers_write_loadable_models(tmp_path):

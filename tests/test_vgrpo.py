@@ -220,10 +220,11 @@ def test_log_ratio_is_exactly_zero_at_the_first_update(tmp_path):
     tr = model.transformer
     cond = model.encode_prompts(PROMPTS * 2)
     sigmas = V.sigma_schedule(6, 3.0)
-    init = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    L = model.latent_shape()  # (4, 8, 8)
+    init = torch.randn(4, *L, generator=torch.Generator().manual_seed(0))
     x = V.rollout(model, tr, cond, init, sigmas, "dpm++2m", 1.0, nullcontext)
-    assert x.shape == (4, 3, 32, 32) and x.dtype == torch.float32
-    t, eps = V.draw_pairs(sigmas[:-1], 3, (3, 32, 32), (0, 0), range(4))
+    assert x.shape == (4, *L) and x.dtype == torch.float32
+    t, eps = V.draw_pairs(sigmas[:-1], 3, L, (0, 0), range(4))
     tr.eval()
     with torch.no_grad():  # behaviour values, right after the rollout
         old, old_x0 = V.surrogate(model, tr, x, cond, t, eps, 1.0, nullcontext)
@@ -240,19 +241,24 @@ def test_positive_advantage_raises_the_surrogate(tmp_path):
     model = load_model(str(tmp_path))
     tr = model.transformer
     cond = model.encode_prompts(PROMPTS)
-    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)).clamp(-1, 1)
-    t, eps = V.draw_pairs(V.sigma_schedule(8, 3.0)[:-1], 4, (3, 32, 32), (0, 0), range(2))
+    L = model.latent_shape()
+    x = torch.randn(2, *L, generator=torch.Generator().manual_seed(0)).clamp(-1, 1)
+    t, eps = V.draw_pairs(V.sigma_schedule(8, 3.0)[:-1], 4, L, (0, 0), range(2))
     with torch.no_grad():
         old, _ = V.surrogate(model, tr, x, cond, t, eps, 1.0, nullcontext)
-    new, _ = V.surrogate(model, tr, x, cond, t, eps, 1.0, nullcontext)
-    loss, _, _ = V.vgrpo_loss(new, old, torch.tensor([1.0, -1.0]), 6e-3)
-    loss.mean().backward()
-    with torch.no_grad():
-        for p in tr.parameters():
-            if p.grad is not None:
-                p -= 1e-3 * p.grad
-        after, _ = V.surrogate(model, tr, x, cond, t, eps, 1.0, nullcontext)
-    assert after.mean(1)[0] > old.mean(1)[0] and after.mean(1)[1] < old.mean(1)[1]
+    start = {k: v.clone() for k, v in tr.state_dict().items()}
+    for advantage in (1.0, -1.0):  # one gradient step from the same weights for each sign, on the first sample
+        tr.load_state_dict(start)
+        tr.zero_grad()
+        new, _ = V.surrogate(model, tr, x, cond, t, eps, 1.0, nullcontext)
+        loss, _, _ = V.vgrpo_loss(new, old, torch.tensor([advantage, 0.0]), 6e-3)
+        loss.mean().backward()
+        with torch.no_grad():
+            for p in tr.parameters():
+                if p.grad is not None:
+                    p -= 1e-3 * p.grad
+            after, _ = V.surrogate(model, tr, x, cond, t, eps, 1.0, nullcontext)
+        assert (after.mean(1)[0] - old.mean(1)[0]) * advantage > 0
 
 
 # ---------------------------------------------------------------- advantages and loss
