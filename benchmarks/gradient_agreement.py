@@ -119,8 +119,10 @@ def measure(
     steps=tuple(range(9)),
     model_id="shapesbench",
     methods=METHODS,
+    sde_type="flow",
 ) -> dict:
-    """DanceGRPO's variants: SDE noise a = noise_level, one initial noise per group (same_noise), trained steps.
+    """DanceGRPO's variants: the SDE's g (sde_type 'flow': a sqrt(s / (1 - s)) with a = noise_level; 'dance':
+    constant eta = noise_level), one initial noise per group (same_noise), trained steps.
     Per method: the cosines of the draws, their mean, and n0 = images (1 - mean) / mean, the image count at which
     the agreement would be 1/2 if the agreement of n images is n / (n + n0) (independent noise around a fixed
     direction); None when the mean is not positive."""
@@ -136,7 +138,7 @@ def measure(
     params = [p for p in tr.parameters() if p.requires_grad]
     reward, prompts = build_reward("shapes", "cpu"), load_prompts("shapes-train")
     sig = D.sigma_schedule(10, 3.0)
-    g = D.noise_g(sig, "flow", noise_level)
+    g = D.noise_g(sig, sde_type, noise_level)
 
     def cosine(loss_of) -> float:
         halves = []
@@ -146,7 +148,14 @@ def measure(
             halves.append(torch.cat([p.grad.flatten() for p in params]))
         return float(torch.nn.functional.cosine_similarity(*halves, dim=0))
 
-    out = {"images": images, "group": GROUP, "noise_level": noise_level, "same_noise": same_noise, "steps": list(steps)}
+    out = {
+        "images": images,
+        "group": GROUP,
+        "sde_type": sde_type,
+        "noise_level": noise_level,
+        "same_noise": same_noise,
+        "steps": list(steps),
+    }
     out.update({k: [] for k in methods})
     for d in range(draws):
         ps = [prompts[(7 * k + 13 * d) % len(prompts)] for k in range(images // GROUP) for _ in range(GROUP)]
@@ -190,7 +199,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--draws", type=int, default=3, help="independent iterations")
     parser.add_argument("--images", type=int, default=128, help="images per iteration, a multiple of 16")
-    parser.add_argument("--noise-level", type=float, default=0.7, help="DanceGRPO's flow SDE noise a")
+    parser.add_argument("--sde-type", choices=["flow", "dance"], default="flow", help="DanceGRPO's g, as its flag")
+    parser.add_argument("--noise-level", type=float, help="DanceGRPO's a ('flow', default 0.7) or eta ('dance', 0.3)")
     parser.add_argument("--same-noise", action="store_true", help="DanceGRPO: one initial noise per group")
     parser.add_argument("--steps", default="0,1,2,3,4,5,6,7,8", help="DanceGRPO's trained steps (of 0..8)")
     parser.add_argument(
@@ -204,7 +214,8 @@ def main():
     steps = [int(i) for i in a.steps.split(",")]
     if not steps or not all(0 <= i <= 8 for i in steps):
         parser.error("--steps: a comma-separated list of steps in 0..8")
-    out = measure(a.draws, a.images, a.noise_level, a.same_noise, steps, a.model_id, a.methods)
+    level = a.noise_level if a.noise_level is not None else {"flow": 0.7, "dance": 0.3}[a.sde_type]
+    out = measure(a.draws, a.images, level, a.same_noise, steps, a.model_id, a.methods, a.sde_type)
     print(json.dumps(out, indent=1))
 
 
