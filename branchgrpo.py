@@ -1,28 +1,26 @@
 # BranchGRPO: docs/branchgrpo.md; paper: arXiv 2509.06040 (Li et al., "BranchGRPO: Stable and Efficient GRPO with Structured Branching")
 """GRPO on tree-structured SDE rollouts of a flow-matching text-to-image model, one file.
 
-Every prompt grows one tree: the trajectories share their early denoising prefix and split into K children
-at chosen steps, so 16 leaves cost 203 node forwards instead of 320 (20 steps, splits 0,3,6,9, K = 2). All
-nodes of a depth go through one batched forward. Leaf rewards are fused upward into node values, normalised
-per depth within the tree, and each edge parent -> child is trained with its child's advantage under the
-PPO-clipped ratio of its SDE step. Width pruning, depth pruning or a sliding ODE/SDE mix only change which
-edges are trained, never the rollout or the rewards.
+Every prompt grows one tree: the trajectories share their early denoising prefix and split into K children at chosen
+steps, so 16 leaves cost 203 node forwards instead of 320 (20 steps, splits 0,3,6,9, K = 2). All nodes of a depth go
+through one batched forward. Leaf rewards are fused upward into node values, normalised per depth within the tree, and
+each edge parent -> child is trained with its child's advantage under the PPO-clipped ratio of its SDE step. Width
+pruning, depth pruning or a sliding ODE/SDE mix only change which edges are trained, never the rollout or the rewards.
 
 Launch (run.sh has more):
-    python branchgrpo.py                                            # ShapesBench on CPU, ~4 min
-    python branchgrpo.py --pruning depth                            # depth pruning (4-step window, slides every 30 it.)
+    python branchgrpo.py                                            # ShapesBench on CPU, ~6 min
+    python branchgrpo.py --pruning depth                            # depth pruning (8-step window, slides every 30 it.)
     PROMPTS=prompts.txt bash run.sh branchgrpo-flux-8gpu            # FLUX.1-dev, depth pruning, 8 GPUs; docs/gpu.md: all of them
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 branchgrpo.py   # 2 CPU processes
     python branchgrpo.py --resume-from latest                       # continue the newest runs/branchgrpo__*
 
-ShapesBench defaults that differ from the paper (run.sh's GPU recipes use the paper's): --sde-type flow (a = 0.7), not
-constant eta 0.3; --clip-range 1e-3, not 1e-4 (log-probs are means over latent dimensions: ratios move ~4.6x more
-over ShapesBench's 3072 than FLUX's 65536); common/runs.py's optimiser defaults (LoRA r32, lr 3e-4, wd 10, 40 it.).
-Deviations from the official release (docs/branchgrpo.md explains each): the paper's correlated branch noise (the
-release's 4x scaled independent noise is --branch-noise scaled, scored under the std it uses); nodes batched per
-depth; path fusion as a softmax over descendant leaves; parent-top1 width pruning keeps each last-split parent's best
-chain; depth and Mix windows slide with iterations; the deterministic last step is not trained; optimizer steps
-counted in trees, not edges.
+ShapesBench defaults that differ from the paper (run.sh's GPU recipes use the paper's; docs/branchgrpo.md says why):
+--sde-type flow (a = 0.7), not eta 0.3; --clip-range 1e-3, not 1e-4 (log-probs are means over latent dimensions);
+4 trees per process, 2 per update, lr 6e-4 and an 8-step depth window, not 4; LoRA r32, weight decay 10, 40 iterations.
+Deviations from the release (docs/branchgrpo.md explains each): the paper's correlated branch noise (the release's 4x
+scaled independent noise is --branch-noise scaled); nodes batched per depth; path fusion as a softmax over descendant
+leaves; parent-top1 width pruning keeps each last-split parent's best chain; depth and Mix windows slide with
+iterations; the deterministic last step is not trained; optimizer steps counted in trees, not edges.
 """
 
 from __future__ import annotations
@@ -51,6 +49,7 @@ from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> 
 
 @dataclass
 class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/runs.py
+    learning_rate: float = 6e-4  # AdamW learning rate (constant after --lr-warmup); 2x the shared default (docstring)
     num_steps: int = 20
     """sampling steps T of a rollout (shifted sigma schedule), as the paper"""
     shift: float = 3.0
@@ -69,9 +68,9 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """'correlated': siblings share part of their noise, each child is an exact SDE step (paper); 'scaled': independent noise times s (release)"""
     branch_s: float = 4.0
     """correlated: ratio s of branch-specific to shared noise variance, rho = 1 / (1 + s); scaled: the noise multiplier"""
-    trees_per_device: int = 2
+    trees_per_device: int = 4
     """prompts (trees) per process per iteration"""
-    trees_per_update: int = 1
+    trees_per_update: int = 2
     """trees whose edges are accumulated into one optimizer step"""
     rollout_batch_size: int = 16
     """nodes per transformer forward (batched per depth); also the training micro-batch of parents"""
@@ -87,8 +86,8 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """--pruning width: each last-split parent keeps its best child's chain, or the extreme chains"""
     width_keep_ratio: float = 0.5
     """--width-mode extreme: fraction of post-split chains kept, half best and half worst"""
-    window: int = 4
-    """--pruning depth / mix: window size W in steps"""
+    window: Optional[int] = None
+    """--pruning depth / mix: window size W in steps (if unset: 8 for depth, 4, the paper's, for mix)"""
     window_shift_every: int = 30
     """--pruning depth / mix: the window moves one step deeper every E iterations"""
     clip_range: float = 1e-3
@@ -338,8 +337,7 @@ def pack_micro_batches(keep, splits, branch_factor: int, batch_size: int, device
 
 def micro_batch(grp, segments, sigmas, sizes, splits, args):
     """One micro-batch of update group `grp`: parents x (rows, *L), sigma (rows,), cond, per segment `masks` of the
-    trained children (len(parents) * n_children,), and for its E trained edges x_child (E, *L), old_log_prob, adv
-    (E,)."""
+    trained children (len(parents) * n_children,), and for its E trained edges x_child (E, *L), old_log_prob, adv."""
     device = grp["states"][0].device
     # nodes are tree-major: parent p at depth i belongs to tree p // n_i, whose prompt encoding it uses
     tree_of = torch.cat([parents // sizes[i] for i, parents in segments])
@@ -392,6 +390,8 @@ def resolve_defaults(args: Args) -> None:
     check_mode_flags(args, MODE_FLAGS)
     if args.noise_level is None:
         args.noise_level = 0.3 if args.sde_type == "dance" else 0.7
+    if args.window is None:
+        args.window = 8 if args.pruning == "depth" else 4
     args.exp_name = args.exp_name or Path(__file__).stem + ("" if args.pruning == "none" else f"_{args.pruning}")
 
 

@@ -100,7 +100,7 @@ FLUX_BRANCH=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution
   --num-steps 20 --split-schedule dense --num-splits 4 --branch-factor 2 --sde-type dance --noise-level 0.3
   --guidance-scale 3.5 --trees-per-device 2 --trees-per-update 1 --rollout-batch-size 8 --clip-range 1e-4
   --kl-beta 0 --iterations 300 --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10
-  --save-every 20 --pruning depth)
+  --save-every 20 --pruning depth --window 4)
 # V-GRPO's FLUX setting (arXiv 2604.23380, experiments and appendix): 720 px, 16-step DPM-Solver++ ODE, N_MC 4, 12
 # images per prompt (one prompt per GPU), clip 6e-3, no KL, embedded guidance 3.5, 3 optimizer steps per iteration.
 FLUX_VGRPO=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 "${GPU_COMMON[@]}"
@@ -152,7 +152,7 @@ case "$recipe" in
   dancegrpo-sd35-8gpu) go "${DDP8[@]}" dancegrpo.py "${SD35_DANCE[@]}" "$@" ;;
   branchgrpo-cpu) go "$PY" branchgrpo.py "$@" ;;
   branchgrpo-verifier-cpu) go "$PY" branchgrpo.py --exp-name branchgrpo-verifier --reward verifier "$@" ;;
-  branchgrpo-cpu-2proc) go "${CPU2[@]}" branchgrpo.py --trees-per-device 1 "$@" ;;
+  branchgrpo-cpu-2proc) go "${CPU2[@]}" branchgrpo.py --trees-per-device 2 "$@" ;;
   branchgrpo-flux-1gpu) go "${LAUNCH[@]}" --num_processes 1 branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
   branchgrpo-flux-8gpu) go "${DDP8[@]}" branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
   branchgrpo-flux-fsdp8) go "${FSDP8[@]}" branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_FULL[@]}" "$@" ;;

@@ -11,7 +11,7 @@ schedule. The PPO-clipped loss uses the whole-image ratio exp(S_theta - S_old), 
 the rollout; optional KL to the behaviour policy and a tanh soft clip of the advantages.
 
 Launch (run.sh has more):
-    python vgrpo.py                                                  # ShapesBench on CPU, ~4 min
+    python vgrpo.py                                                  # ShapesBench on CPU, ~6 min
     python vgrpo.py --no-stratified --no-shared-pairs --no-self-normalize   # the naive ELBO baseline
     PROMPTS=prompts.txt bash run.sh vgrpo-flux-8gpu                 # FLUX.1-dev, LoRA, 8 GPUs; docs/gpu.md: all of them
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 vgrpo.py   # 2 CPU processes
@@ -19,8 +19,8 @@ Launch (run.sh has more):
 
 Defaults tuned for ShapesBench that differ from the paper (the FLUX line above uses the paper's): the optimiser
 defaults of common/runs.py (LoRA r32, lr 3e-4, 10-step warmup, weight decay 10, 40 iterations), and KL beta 1 to
-the base model (--kl-ref base), not clip alone: full fine-tuning, or LoRA without the anchor, grows a 4-pixel patch
-texture over the background within 20-40 iterations (Adam's noise, which the per-iteration trust region does not undo).
+the base model (--kl-ref base), not clip alone: the per-iteration trust region does not undo Adam's drift, which
+the anchor and the weight decay hold near the base model (docs/experiments.md: reward hacking without them).
 Choices where the paper is silent, and deviations (docs/vgrpo.md explains each):
   * DPM-Solver++(2M) is written out (dpm_solver_2m_step, 8 lines; tested against diffusers'
     DPMSolverMultistepScheduler, whose flow schedule cannot reproduce sigma_schedule(T, shift));

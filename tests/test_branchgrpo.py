@@ -207,6 +207,7 @@ def test_no_pruning_trains_every_edge_but_the_last_step():
 
 
 def test_depth_pruning_skips_a_sliding_four_step_window():
+    assert args_for(pruning="depth").window == 8 and args_for(pruning="mix").window == 4  # ShapesBench's; 4 = paper
     for it, window in [
         (0, [10, 11, 12, 13]),
         (29, [10, 11, 12, 13]),
@@ -214,7 +215,7 @@ def test_depth_pruning_skips_a_sliding_four_step_window():
         (150, [15, 16, 17, 18]),
         (10_000, [15, 16, 17, 18]),
     ]:
-        keep, _ = masks("depth", it)
+        keep, _ = masks("depth", it, window=4)
         assert [i for i in range(19) if not keep[i].any()] == window, it
         assert count(keep) == 218 - 16 - 4 * 16
 
