@@ -40,9 +40,10 @@ from common.sampling import fixed_noise, keyed_generator, ode_sampler, sample_pr
 class RunArgs:
     """The flags every script shares (the model, the reward, the prompts, the run around the algorithm); each
     script's Args adds its algorithm's flags. The optimiser defaults are ShapesBench's (LoRA r32, lr 3e-4, 10-step
-    warmup, weight decay 10, 40 iterations): full fine-tuning there moves every weight by about the learning rate per
-    Adam step and paints a 4-pixel patch texture over the background within 10-40 iterations (docs/experiments.md).
-    The real-model recipes (run.sh, the scripts' docstrings) pass the papers' values."""
+    warmup, weight decay 10, 40 iterations; dancegrpo.py and branchgrpo.py double the learning rate): Adam moves every
+    trained weight by about the learning rate per step whatever the gradient, and LoRA with weight decay towards 0
+    keeps that drift near the base model (docs/experiments.md: what happens without them). The real-model recipes
+    (run.sh, the scripts' docstrings) pass the papers' values."""
 
     exp_name: Optional[str] = None
     """run name (if unset: the script's file name and mode, e.g. dancegrpo_mix, branchgrpo_depth: a copied script is its
