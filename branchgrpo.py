@@ -9,14 +9,14 @@ pruning, depth pruning or a sliding ODE/SDE mix only change which edges are trai
 
 Launch (run.sh has more):
     python branchgrpo.py                                            # ShapesBench on CPU, ~6 min
-    python branchgrpo.py --pruning depth                            # depth pruning (8-step window, slides every 30 it.)
+    python branchgrpo.py --pruning depth                            # depth pruning (every post-split step left out)
     PROMPTS=prompts.txt bash run.sh branchgrpo-flux-8gpu            # FLUX.1-dev, depth pruning, 8 GPUs; docs/gpu.md: all of them
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 branchgrpo.py   # 2 CPU processes
     python branchgrpo.py --resume-from latest                       # continue the newest runs/branchgrpo__*
 
 ShapesBench defaults that differ from the paper (run.sh's GPU recipes use the paper's; docs/branchgrpo.md says why):
 --sde-type flow (a = 0.7), not eta 0.3; --clip-range 1e-3, not 1e-4 (log-probs are means over latent dimensions);
-4 trees per process, 2 per update, lr 6e-4 and an 8-step depth window, not 4; LoRA r32, weight decay 10, 40 iterations.
+4 trees per process, 2 per update, lr 6e-4, a depth window of all 9 post-split steps, not 4; LoRA r32, wd 10, 40 it.
 Deviations from the release (docs/branchgrpo.md explains each): the paper's correlated branch noise (the release's 4x
 scaled independent noise is --branch-noise scaled); nodes batched per depth; path fusion as a softmax over descendant
 leaves; parent-top1 width pruning keeps each last-split parent's best chain; depth and Mix windows slide with
@@ -87,7 +87,7 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     width_keep_ratio: float = 0.5
     """--width-mode extreme: fraction of post-split chains kept, half best and half worst"""
     window: Optional[int] = None
-    """--pruning depth / mix: window size W in steps (if unset: 8 for depth, 4, the paper's, for mix)"""
+    """--pruning depth / mix: window size W in steps (unset: every step after the last split for depth, 4 for mix)"""
     window_shift_every: int = 30
     """--pruning depth / mix: the window moves one step deeper every E iterations"""
     clip_range: float = 1e-3
@@ -390,8 +390,9 @@ def resolve_defaults(args: Args) -> None:
     check_mode_flags(args, MODE_FLAGS)
     if args.noise_level is None:
         args.noise_level = 0.3 if args.sde_type == "dance" else 0.7
-    if args.window is None:
-        args.window = 8 if args.pruning == "depth" else 4
+    if args.window is None:  # depth: no post-split edge in the loss (docs/branchgrpo.md); mix: the paper's 4
+        last_split = max(split_steps(args.split_schedule, args.num_steps, args.num_splits), default=0)
+        args.window = max(1, args.num_steps - 2 - last_split) if args.pruning == "depth" else 4
     args.exp_name = args.exp_name or Path(__file__).stem + ("" if args.pruning == "none" else f"_{args.pruning}")
 
 
@@ -423,11 +424,10 @@ def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
     )
     need(args.trees_per_device % args.trees_per_update == 0, "--trees-per-update must divide --trees-per-device")
     need(min(args.trees_per_device, args.rollout_batch_size) >= 1, "--trees-per-device, --rollout-batch-size >= 1")
-    if args.pruning == "depth" and after < args.window + 1:
-        shrinks = f"shrinks to {after} step(s) and " if after < args.window else ""
+    if args.pruning == "depth" and after < args.window:
         print(
             f"warning: --pruning depth: {after} trainable step(s) follow the last split {max(splits)}, so the "
-            f"{args.window}-step window {shrinks}cannot slide; raise --num-steps or split earlier",
+            f"{args.window}-step window shrinks to {after} and cannot slide; raise --num-steps or split earlier",
             file=sys.stderr,
         )
     return check_run_args(args)
