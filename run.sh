@@ -4,7 +4,7 @@
 #
 #   dancegrpo-cpu          DanceGRPO on ShapesBench, 1 CPU process 
 #   dancegrpo-verifier-cpu DanceGRPO on ShapesBench rewarded by the programmatic verifier 
-#   mixgrpo-cpu            MixGRPO (4-step sliding SDE window) on ShapesBench, 120 iterations (it learns there)
+#   mixgrpo-cpu            MixGRPO (4-step sliding SDE window) on ShapesBench
 #   dancegrpo-cpu-2proc    the same, 2 CPU processes (gloo): groups span processes
 #   dancegrpo-flux-1gpu    FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 1 GPU; 41 GB per GPU
 #   dancegrpo-flux-8gpu    FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 8 GPUs (DDP); 42 GB per GPU
@@ -20,7 +20,7 @@
 #   branchgrpo-flux-multinode  LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
 #   vgrpo-cpu              V-GRPO on ShapesBench, 1 CPU process
 #   vgrpo-verifier-cpu     V-GRPO on ShapesBench rewarded by the programmatic verifier
-#   vgrpo-nokl-cpu         reward hacking on purpose: all weights, no KL, no weight decay (a background texture)
+#   vgrpo-nokl-cpu         over-optimisation on purpose: all weights, no KL, no weight decay (one image per prompt)
 #   vgrpo-naive-cpu        the naive ELBO surrogate (no stratification, no shared pairs, no self-normalisation)
 #   vgrpo-cpu-2proc        the same as vgrpo-cpu, 2 CPU processes (gloo): groups span processes
 #   vgrpo-flux-1gpu        FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 1 GPU; 41 GB per GPU
@@ -143,7 +143,7 @@ CPU2=(env ACCELERATE_USE_CPU=1 "${LAUNCH[@]}" --multi_gpu --num_processes 2)
 case "$recipe" in
   dancegrpo-cpu) go "$PY" dancegrpo.py "$@" ;;
   dancegrpo-verifier-cpu) go "$PY" dancegrpo.py --exp-name dancegrpo-verifier --reward verifier "$@" ;;
-  mixgrpo-cpu) go "$PY" dancegrpo.py --exp-name mixgrpo --sde-window 4 --iterations 120 "$@" ;;
+  mixgrpo-cpu) go "$PY" dancegrpo.py --exp-name mixgrpo --sde-window 4 "$@" ;;
   dancegrpo-cpu-2proc) go "${CPU2[@]}" dancegrpo.py --samples-per-device 32 "$@" ;;
   dancegrpo-flux-1gpu) go "${LAUNCH[@]}" --num_processes 1 dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
   dancegrpo-flux-8gpu) go "${DDP8[@]}" dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
@@ -159,8 +159,8 @@ case "$recipe" in
   branchgrpo-flux-multinode) multinode branchgrpo.py "${FLUX_BRANCH[@]}" "${FLUX_LORA[@]}" "$@" ;;
   vgrpo-cpu) go "$PY" vgrpo.py "$@" ;;
   vgrpo-verifier-cpu) go "$PY" vgrpo.py --exp-name vgrpo-verifier --reward verifier "$@" ;;
-  vgrpo-nokl-cpu) go "$PY" vgrpo.py --exp-name vgrpo-nokl --no-lora --learning-rate 1e-4 --weight-decay 0 --kl-beta 0 \
-    --iterations 20 --eval-every 20 "$@" ;;
+  vgrpo-nokl-cpu) go "$PY" vgrpo.py --exp-name vgrpo-nokl --no-lora --learning-rate 3e-4 --weight-decay 0 --kl-beta 0 \
+    --iterations 60 --eval-every 10 "$@" ;;
   vgrpo-naive-cpu) go "$PY" vgrpo.py --exp-name vgrpo-naive --no-stratified --no-shared-pairs --no-self-normalize "$@" ;;
   vgrpo-cpu-2proc) go "${CPU2[@]}" vgrpo.py --samples-per-device 32 --images-per-update 16 "$@" ;;
   vgrpo-flux-1gpu) go "${LAUNCH[@]}" --num_processes 1 vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;

@@ -20,7 +20,7 @@ Launch (run.sh has more):
 Defaults tuned for ShapesBench that differ from the paper (the FLUX line above uses the paper's): the optimiser
 defaults of common/runs.py (LoRA r32, lr 3e-4, 10-step warmup, weight decay 10, 40 iterations), and KL beta 1 to
 the base model (--kl-ref base), not clip alone: the per-iteration trust region does not undo Adam's drift, which
-the anchor and the weight decay hold near the base model (docs/experiments.md: reward hacking without them).
+the anchor and the weight decay hold near the base model (docs/experiments.md: one image per prompt without them).
 Choices where the paper is silent, and deviations (docs/vgrpo.md explains each):
   * DPM-Solver++(2M) is written out (dpm_solver_2m_step, 8 lines; tested against diffusers'
     DPMSolverMultistepScheduler, whose flow schedule cannot reproduce sigma_schedule(T, shift));

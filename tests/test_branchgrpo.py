@@ -209,7 +209,7 @@ def test_no_pruning_trains_every_edge_but_the_last_step():
 def test_depth_pruning_skips_a_sliding_four_step_window():
     assert args_for(pruning="depth").window == 9 and args_for(pruning="mix").window == 4  # ShapesBench's; 4 = paper
     assert args_for(pruning="depth", num_steps=12).window == 1  # splits 0,3,6,9: only step 10 follows the last split
-    for it in (0, 30, 10_000):  # the ShapesBench default: every post-split step out, only the 58 edges up to the last split
+    for it in (0, 30, 10_000):  # the ShapesBench default: all post-split steps out, 58 edges up to the last split
         keep, _ = masks("depth", it)
         assert [i for i in range(19) if not keep[i].any()] == list(range(10, 19)) and count(keep) == 58, it
     for it, window in [

@@ -448,7 +448,7 @@ def test_run_sh_verifier_recipe_trains_on_the_verifier(tmp_path):
 
 
 def test_run_sh_nokl_recipe_trains_every_weight_without_kl(tmp_path):
-    """`bash run.sh vgrpo-nokl-cpu` (the README's reward-hacking recipe) fine-tunes all weights with no KL term."""
+    """`bash run.sh vgrpo-nokl-cpu` (the KL-free over-optimisation recipe of docs/experiments.md) fine-tunes all weights with no KL term."""
     run_recipe("vgrpo-nokl-cpu", [*TINY_RUN, "--eval-every", "0", "--sample-every", "0"], tmp_path)
     train = [r for r in metrics(tmp_path / "vgrpo-nokl") if "losses/policy" in r]
     assert len(train) == 2 and all("losses/kl" not in r and r["perf/nfe_per_image"] == 4 + 2 * 3 for r in train)
