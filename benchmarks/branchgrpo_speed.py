@@ -139,6 +139,7 @@ def iteration(iterations: int = 4) -> dict:
                     "16",
                     "--pruning",
                     p,
+                    *(["--window", "4"] if p == "depth" else []),  # the paper's window, not ShapesBench's
                 ]
                 for p in ("none", "width", "depth", "mix")
             },
