@@ -16,7 +16,7 @@ Launch (run.sh has more):
 
 ShapesBench defaults that differ from the paper (run.sh's GPU recipes use the paper's; docs/branchgrpo.md says why):
 --sde-type flow (a = 0.7), not eta 0.3; --clip-range 1e-3, not 1e-4 (log-probs are means over latent dimensions);
-4 trees per process, 2 per update, lr 6e-4, a depth window of all 9 post-split steps, not 4; LoRA r32, wd 10, 40 it.
+4 trees per process, 2 per update, lr 6e-4, a depth window of all 9 post-split steps, not 4; LoRA r32, no KL, 40 it.
 Deviations from the release (docs/branchgrpo.md explains each): the paper's correlated branch noise (the release's 4x
 scaled independent noise is --branch-noise scaled); nodes batched per depth; path fusion as a softmax over descendant
 leaves; parent-top1 width pruning keeps each last-split parent's best chain; depth and Mix windows slide with
@@ -94,7 +94,7 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """PPO clip epsilon on the ratio (log-probs are means over latent dimensions, hence small)"""
     adv_clip_max: float = 5.0
     """advantages are clipped to +-this"""
-    kl_beta: float = 0.04
+    kl_beta: float = 0.0
     """weight beta of the per-step Gaussian KL to the frozen base model (0 = off, as the release)"""
 
 

@@ -18,7 +18,7 @@ Defaults tuned for ShapesBench that differ from the paper (run.sh's GPU recipes 
 flow (a = 0.7, Flow-GRPO's schedule), not constant eta 0.3; --clip-range 1e-3, not 1e-4 (the log-prob is a mean over
 the D latent dimensions, so a ratio moves like 1/sqrt(D): D = 256 here, 65536 for FLUX at 512 px);
 independent initial noise within a group (Flow-GRPO), not shared (--same-noise); the shared optimiser defaults of
-common/runs.py (LoRA r32, weight decay 10, 40 iterations), which keep the base model intact, but lr 6e-4: the
+common/runs.py (LoRA r32, no weight decay or KL, 40 iterations), which keep images clean, but lr 6e-4: the
 per-step estimator's update direction is mostly noise (docs/experiments.md), and at 3e-4 DanceGRPO gains 14 points
 of shape accuracy in 40 iterations where it gains 25 at 6e-4.
 Deviations from the official code (docs/dancegrpo.md explains each): rollout chunks are the training micro-batches
@@ -75,8 +75,8 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """PPO clip epsilon on the ratio (log-probs are means over latent dimensions, hence small)"""
     adv_clip_max: float = 5.0
     """advantages are clipped to +-this"""
-    kl_beta: float = 0.04
-    """weight of the per-step Gaussian KL to the frozen base model (0 = off, as upstream DanceGRPO)"""
+    kl_beta: float = 0.0
+    """weight of the per-step Gaussian KL to the frozen base model (0 = off, as upstream DanceGRPO and ShapesBench)"""
     sde_window: int = 0
     """MixGRPO: SDE (and training) only inside a window of W steps, ODE elsewhere; 0 = SDE everywhere"""
     window_shift_every: int = 25

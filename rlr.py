@@ -31,7 +31,7 @@ Launch (run.sh has more):
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 rlr.py --samples-per-device 4  # 2 CPU processes
     python rlr.py --resume-from latest                               # continue the newest runs/rlr__*
 
-ShapesBench uses the optimiser defaults of common/runs.py (LoRA r32, lr 3e-4, weight decay 10, 40 iterations).
+ShapesBench uses the optimiser defaults of common/runs.py (LoRA r32, lr 3e-4, no weight decay, 40 iterations).
 Deviations from the public code, which implements neither the sub-chain nor the ZO term (docs/rlr.md explains
 each): the estimator is the paper's eq. 6 with unit weights and baselines that keep it unbiased; one optimizer step
 per iteration on the sum of the terms (--terms selects the paper's ablations V1 = fo, V2 = fo+ho, V3 = fo+zo); the

@@ -18,9 +18,9 @@ Launch (run.sh has more):
     python vgrpo.py --resume-from latest                             # continue the newest runs/vgrpo__*
 
 Defaults tuned for ShapesBench that differ from the paper (the FLUX line above uses the paper's): the optimiser
-defaults of common/runs.py (LoRA r32, lr 3e-4, 10-step warmup, weight decay 10, 40 iterations), and KL beta 1 to
-the base model (--kl-ref base), not clip alone: the per-iteration trust region does not undo Adam's drift, which
-the anchor and the weight decay hold near the base model (docs/experiments.md: one image per prompt without them).
+defaults of common/runs.py (LoRA r32, lr 3e-4, 10-step warmup, no weight decay, 40 iterations) and, as the paper's
+FLUX run, no KL term (docs/experiments.md; full fine-tuning without LoRA, KL or weight decay collapses to one image
+per prompt).
 Choices where the paper is silent, and deviations (docs/vgrpo.md explains each):
   * DPM-Solver++(2M) is written out (dpm_solver_2m_step, 8 lines; tested against diffusers'
     DPMSolverMultistepScheduler, whose flow schedule cannot reproduce sigma_schedule(T, shift));
@@ -100,7 +100,7 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """advantages are clipped to +-this (before the optional soft clip)"""
     adv_soft_clip: float = 0.0
     """eta of the tanh advantage soft clip A -> eta tanh(A / eta); 0 = off"""
-    kl_beta: float = 1.0
+    kl_beta: float = 0.0
     """weight of D_simple, the x0-prediction MSE to the --kl-ref policy on the stored pairs (0 = off)"""
     kl_ref: Literal["behaviour", "base"] = "base"
     """KL reference: 'behaviour' = the policy that sampled this iteration (paper); 'base' = the model before training

@@ -40,9 +40,9 @@ from common.sampling import fixed_noise, keyed_generator, ode_sampler, sample_pr
 class RunArgs:
     """The flags every script shares (the model, the reward, the prompts, the run around the algorithm); each
     script's Args adds its algorithm's flags. The optimiser defaults are ShapesBench's (LoRA r32, lr 3e-4, 10-step
-    warmup, weight decay 10, 40 iterations; dancegrpo.py and branchgrpo.py double the learning rate): Adam moves every
-    trained weight by about the learning rate per step whatever the gradient, and LoRA with weight decay towards 0
-    keeps that drift near the base model (docs/experiments.md: what happens without them). The real-model recipes
+    warmup, no weight decay, 40 iterations; dancegrpo.py and branchgrpo.py double the learning rate): Adam moves every
+    trained weight by about the learning rate per step whatever the gradient, and the low-rank adapter keeps that
+    drift near the base model where full fine-tuning collapses it (docs/experiments.md). The real-model recipes
     (run.sh, the scripts' docstrings) pass the papers' values."""
 
     exp_name: Optional[str] = None
@@ -92,8 +92,8 @@ class RunArgs:
     lr_warmup: int = 10
     """linear learning-rate warmup over the first N optimizer steps (0 = none): Adam's first steps move every weight
     by about the learning rate whatever the gradient, which can knock a small model out of its skills"""
-    weight_decay: float = 10.0
-    """AdamW weight decay; with LoRA it pulls the adapter towards 0, i.e. the model towards the base model"""
+    weight_decay: float = 0.0
+    """AdamW weight decay; with LoRA it pulls the adapter towards 0, i.e. the model towards the base model (0 = off)"""
     max_grad_norm: float = 1.0
     """gradient clipping norm per optimizer step"""
     guidance_scale: float = 1.0

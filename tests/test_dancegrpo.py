@@ -141,7 +141,7 @@ def test_validation_names_the_flag():
 
 
 def test_end_to_end_shapesbench(tmp_path):
-    run_script(TINY_RUN + ["--exp-name", "e2e", "--save-every", "1"], tmp_path)
+    run_script(TINY_RUN + ["--exp-name", "e2e", "--save-every", "1", "--kl-beta", "0.04"], tmp_path)  # KL path too
     run = find_run(tmp_path / "e2e")
     rows = metrics(run)
     train = [r for r in rows if "losses/policy" in r]

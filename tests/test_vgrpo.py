@@ -311,14 +311,14 @@ def test_validation_names_the_flag():
 
 # ---------------------------------------------------------------- the script
 def test_end_to_end_shapesbench(tmp_path):
-    run_script(TINY_RUN + ["--exp-name", "e2e", "--save-every", "1"], tmp_path)
+    run_script(TINY_RUN + ["--exp-name", "e2e", "--save-every", "1", "--kl-beta", "1"], tmp_path)  # KL path too
     run = find_run(tmp_path / "e2e")
     rows = metrics(run)
     train = [r for r in rows if "losses/policy" in r]
     assert [r["iteration"] for r in train] == [1, 2]
     assert all(r["losses/first_log_ratio_max_abs"] == 0 for r in train)  # log ratio exactly 0 at the first update
     assert any(r["losses/ratio_max_dev"] > 0 for r in train)  # and the second optimizer step sees a moved policy
-    # 4 rollout steps + 3 pairs x (behaviour, base for the default KL, policy)
+    # 4 rollout steps + 3 pairs x (behaviour, base for the KL, policy)
     assert all(r["perf/nfe_per_image"] == 4 + 3 * 3 for r in train)
     assert 0 < train[0]["charts/lr"] < train[1]["charts/lr"] <= 3e-4  # the default linear warmup
     assert all(r["losses/kl"] > 0 for r in train)  # KL to the base (the second optimizer step has moved away)
