@@ -8,7 +8,7 @@ each edge parent -> child is trained with its child's advantage under the PPO-cl
 pruning, depth pruning or a sliding ODE/SDE mix only change which edges are trained, never the rollout or the rewards.
 
 Launch (run.sh has more):
-    python branchgrpo.py                                            # ShapesBench on CPU, ~6 min
+    python branchgrpo.py                                            # ShapesBench on CPU, ~8 min
     python branchgrpo.py --pruning depth                            # depth pruning (every post-split step left out)
     PROMPTS=prompts.txt bash run.sh branchgrpo-flux-8gpu            # FLUX.1-dev, depth pruning, 8 GPUs; docs/gpu.md: all of them
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 branchgrpo.py   # 2 CPU processes

@@ -8,8 +8,8 @@ the per-step likelihood ratio is optimised over a random fraction of the steps (
 --window-shift-every iterations and every other step is a deterministic ODE step (MixGRPO).
 
 Launch (run.sh has more):
-    python dancegrpo.py                                              # ShapesBench on CPU, ~6 min
-    python dancegrpo.py --sde-window 4                               # MixGRPO on ShapesBench, ~5 min
+    python dancegrpo.py                                              # ShapesBench on CPU, ~4 min
+    python dancegrpo.py --sde-window 4                               # MixGRPO on ShapesBench, ~4 min
     PROMPTS=prompts.txt bash run.sh dancegrpo-flux-8gpu             # FLUX.1-dev, LoRA, 8 GPUs; docs/gpu.md: all of them
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 dancegrpo.py   # 2 CPU processes
     python dancegrpo.py --resume-from latest                         # continue the newest runs/dancegrpo__*
@@ -19,8 +19,8 @@ flow (a = 0.7, Flow-GRPO's schedule), not constant eta 0.3; --clip-range 1e-3, n
 the D latent dimensions, so a ratio moves like 1/sqrt(D): D = 256 here, 65536 for FLUX at 512 px);
 independent initial noise within a group (Flow-GRPO), not shared (--same-noise); the shared optimiser defaults of
 common/runs.py (LoRA r32, no weight decay or KL, 40 iterations), which keep images clean, but lr 6e-4: the
-per-step estimator's update direction is mostly noise (docs/experiments.md), and at 3e-4 DanceGRPO gains 14 points
-of shape accuracy in 40 iterations where it gains 25 at 6e-4.
+per-step estimator's update direction is mostly noise (docs/experiments.md), and at 3e-4 DanceGRPO gained 14 points
+of shape accuracy in 40 iterations where it gained 25 at 6e-4 (seed 0, with the earlier weight decay 10 and KL).
 Deviations from the official code (docs/dancegrpo.md explains each): rollout chunks are the training micro-batches
 and the trained steps are drawn per chunk, so the first ratio of an iteration is exactly 1; the last step is a
 deterministic Euler step onto x0_hat, neither sampled nor trained; the optional KL is the exact Gaussian KL of one

@@ -24,7 +24,7 @@ eq. 1); it differs from the unperturbed one by O(sigma^2). tests/test_rlr.py che
 closed-form gradient of a linear-Gaussian chain. h is --subchain-len, or the paper's h* for --memory-budget-gb.
 
 Launch (run.sh has more):
-    python rlr.py                                                    # ShapesBench on CPU, ~2 min
+    python rlr.py                                                    # ShapesBench on CPU, ~1 min
     python rlr.py --terms fo+ho                                      # the paper's ablation V2 (no ZO term)
     python rlr.py --subchain-stage coarse                            # restrict the sub-chain to the coarse steps
     PROMPTS=prompts.txt bash run.sh rlr-sd15-8gpu                   # SD1.5, LoRA r4, 8 GPUs; docs/gpu.md: all of them

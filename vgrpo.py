@@ -11,7 +11,7 @@ schedule. The PPO-clipped loss uses the whole-image ratio exp(S_theta - S_old), 
 the rollout; optional KL to the behaviour policy and a tanh soft clip of the advantages.
 
 Launch (run.sh has more):
-    python vgrpo.py                                                  # ShapesBench on CPU, ~6 min
+    python vgrpo.py                                                  # ShapesBench on CPU, ~4 min
     python vgrpo.py --no-stratified --no-shared-pairs --no-self-normalize   # the naive ELBO baseline
     PROMPTS=prompts.txt bash run.sh vgrpo-flux-8gpu                 # FLUX.1-dev, LoRA, 8 GPUs; docs/gpu.md: all of them
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 vgrpo.py   # 2 CPU processes
