@@ -452,9 +452,7 @@ def main(args: Args):
     rho = 1 / (1 + args.branch_s)  # correlated branch noise: Var(branch-specific) / Var(shared) = s
 
     # ---------------------------------------------------------------- MODELS
-    model = load_model(
-        args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution, offload=args.offload_frozen
-    )
+    model = load_model(args.model_id, device, frozen_dtype, args.resolution, args.num_frames, args.offload_frozen)
     transformer = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
     # KL reference policy: with LoRA this module itself (unwrapped) with the adapter off, else a frozen copy of the base
     ref = transformer if args.lora else frozen_copy(transformer, frozen_dtype) if args.kl_beta > 0 else None
@@ -462,7 +460,7 @@ def main(args: Args):
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
     train_prompts, eval_prompts = prompt_lists
-    reward_fn = build_reward(args.reward, device, args.reward_checkpoints(), offload=args.offload_frozen)
+    reward_fn = build_reward(args.reward, device, args.reward_checkpoints(), args.offload_frozen, args.reward_frames)
 
     # ---------------------------------------------------------------- OPTIMIZER
     params = [p for p in transformer.parameters() if p.requires_grad]

@@ -217,15 +217,13 @@ def main(args: Args):
     g = noise_g(sigmas, args.sde_type, args.noise_level)  # (T,)
 
     # ---------------------------------------------------------------- MODELS
-    model = load_model(
-        args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution, offload=args.offload_frozen
-    )
+    model = load_model(args.model_id, device, frozen_dtype, args.resolution, args.num_frames, args.offload_frozen)
     transformer = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
     ref = transformer if args.lora else frozen_copy(transformer, frozen_dtype) if frozen else None
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
     train_prompts, eval_prompts = prompt_lists
-    reward_fn = build_reward(args.reward, device, args.reward_checkpoints(), offload=args.offload_frozen)
+    reward_fn = build_reward(args.reward, device, args.reward_checkpoints(), args.offload_frozen, args.reward_frames)
 
     # ---------------------------------------------------------------- OPTIMIZER
     params = [p for p in transformer.parameters() if p.requires_grad]

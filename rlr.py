@@ -392,7 +392,7 @@ def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
         f"--reward {args.reward}: {', '.join(bad)} is not differentiable, and RLR's first-order term backpropagates "
         f"through the reward; use shapes, hpsv2.1, pickscore or clip, or give {bad[0] if bad else ''} weight 0 to log it",
     )
-    train_prompts, eval_prompts = check_run_args(args)
+    train_prompts, eval_prompts = check_run_args(args, video=False)  # RLR's paper trains images
     if args.dcot_prompts is not None:
         need(args.prompts == "shapes-train", "--dcot-prompts replaces --prompts: give one of them")
         train_prompts = list(load_dcot(args.dcot_prompts))

@@ -28,6 +28,11 @@
 #   vgrpo-flux-fsdp8       FLUX.1-dev + HPSv2.1, full fine-tuning, 720 px, 8 GPUs (FSDP); 34 GB per GPU
 #   vgrpo-sd35-8gpu        SD3.5-Medium + HPSv2.1 (the paper's stage 1), LoRA r32, 512 px, 8 GPUs (DDP); 24 GB per GPU
 #   vgrpo-flux-multinode   LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
+#   dancegrpo-wan-1gpu     Wan2.1-T2V-1.3B video + HPSv2.1 on 4 frames + temporal, LoRA r128, 480x832, 33 frames, 1 GPU
+#   dancegrpo-wan-8gpu     the same on 8 GPUs (DDP)
+#   branchgrpo-wan-1gpu    Wan2.1-T2V-1.3B video, 16-leaf trees, depth pruning, LoRA r128, 480x832, 33 frames, 1 GPU
+#   branchgrpo-wan-8gpu    the same on 8 GPUs (DDP)
+#   vgrpo-wan-8gpu         Wan2.1-T2V-1.3B video, V-GRPO, LoRA r128, 480x832, 33 frames, 8 GPUs (DDP)
 #   rlr-cpu                RLR on ShapesBench, 1 CPU process
 #   rlr-v1-cpu             RLR ablation V1: first-order term only (AlignProp with K = 1)
 #   rlr-v2-cpu             RLR ablation V2: no zero-order term (biased)
@@ -37,7 +42,7 @@
 #   rlr-sd15-multinode     LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
 #   compare                every method at its defaults, side by side (benchmarks/compare.py); add --quick
 #
-# GPU recipes (flux, sd35, sd15) need:
+# GPU recipes (flux, sd35, sd15, wan) need:
 #   PROMPTS       training prompts, one per line (required). HPDv2's 3200 test prompts (Hugging Face dataset
 #                 zhwang/HPDv2, benchmark/*.json) make one: python -m common.prompts hpdv2 prompts/hpdv2_test.txt
 #   EVAL_PROMPTS  held-out prompts (default: PROMPTS); evaluation uses a fixed subset of 48 (--eval-max-prompts)
@@ -74,15 +79,16 @@ need_env() {  # a GPU recipe's required variable; --print shows $NAME in its pla
   fi
 }
 
-case "$recipe" in *flux*|*sd35*|*sd15*)
+case "$recipe" in *flux*|*sd35*|*sd15*|*wan*)
   need_env PROMPTS "a prompt file, one prompt per line; HPDv2's 3200 test prompts, from the Hugging Face dataset \
 zhwang/HPDv2 (benchmark/*.json), are written to one by: python -m common.prompts hpdv2 prompts/hpdv2_test.txt"
   EVAL_PROMPTS=${EVAL_PROMPTS:-$PROMPTS} ;;
 esac
 HPS_CKPT=()  # without HPS the reward downloads its checkpoint from the hub
 [ -n "${HPS:-}" ] && HPS_CKPT=(--reward-ckpt "hpsv2.1=$HPS")
-GPU_COMMON=(--mixed-precision bf16 --gradient-checkpointing --reward hpsv2.1 "${HPS_CKPT[@]}"
-  --prompts "${PROMPTS:-}" --eval-prompts "${EVAL_PROMPTS:-}" --weight-decay 0 --lr-warmup 0)
+GPU_MEMORY=(--mixed-precision bf16 --gradient-checkpointing)
+GPU_PROMPTS=(--prompts "${PROMPTS:-}" --eval-prompts "${EVAL_PROMPTS:-}" --weight-decay 0 --lr-warmup 0)
+GPU_COMMON=("${GPU_MEMORY[@]}" --reward hpsv2.1 "${HPS_CKPT[@]}" "${GPU_PROMPTS[@]}")
 
 # DanceGRPO's FLUX setting (https://github.com/XueZeyue/DanceGRPO, scripts/finetune/finetune_flux_grpo*.sh), LoRA
 # variant: 720 px, 16 steps, constant eta 0.3, 12 images per prompt sharing their initial noise, rollout batch 1,
@@ -129,6 +135,22 @@ SD15_RLR=(--model-id "${MODEL_ID:-stable-diffusion-v1-5/stable-diffusion-v1-5}" 
   --subchain-len 2 --lora --lora-rank 4 --lora-alpha 4 --learning-rate 1e-4
   --iterations 100 --eval-every 10 --eval-samples-per-prompt 1 --eval-steps 50 --sample-every 5 --save-every 10)
 
+# Wan2.1 text-to-video 1.3B (docs/video.md). BranchGRPO's paper (§4.6) trains it with VideoAlign's motion-quality
+# reward and gives no other video setting; here: Wan's 480p (480 x 832, the pipeline's default size) and 33 frames
+# (2 s at 16 fps; latents 16 x 9 x 60 x 104), 20 steps with Wan2.1's flow shift 3, CFG 5 as WanPipeline, constant
+# eta 0.3 (the image recipes'), HPSv2.1 on 4 evenly spaced frames plus the temporal term at weight 0.5, clip 1e-3
+# (Flow-GRPO's Wan setting), LoRA r128, 16 videos per prompt and per GPU.
+WAN=(--model-id "${MODEL_ID:-Wan-AI/Wan2.1-T2V-1.3B-Diffusers}" --num-frames 33 "${GPU_MEMORY[@]}"
+  --reward hpsv2.1,temporal:0.5 "${HPS_CKPT[@]}" "${GPU_PROMPTS[@]}" --reward-frames 4 --shift 3 --guidance-scale 5 --clip-range 1e-3 --kl-beta 0
+  --lora --lora-rank 128 --lora-alpha 256 --learning-rate 3e-4 --offload-frozen --iterations 200
+  --eval-every 20 --eval-max-prompts 16 --eval-samples-per-prompt 1 --eval-steps 30 --sample-every 10 --save-every 20)
+WAN_DANCE=("${WAN[@]}" --num-steps 20 --sde-type dance --noise-level 0.3 --group-size 16 --samples-per-device 16
+  --rollout-batch-size 4 --trajectories-per-update 4)
+WAN_BRANCH=("${WAN[@]}" --num-steps 20 --split-schedule dense --num-splits 4 --branch-factor 2 --sde-type dance
+  --noise-level 0.3 --trees-per-device 1 --trees-per-update 1 --rollout-batch-size 8 --pruning depth --window 4)
+WAN_VGRPO=("${WAN[@]}" --num-steps 16 --solver dpm++2m --n-mc 4 --group-size 16 --samples-per-device 16
+  --rollout-batch-size 4 --train-batch-size 1 --images-per-update 16)
+
 multinode() {  # SCRIPT FLAGS...: DDP on NUM_MACHINES x 8 GPUs, launched once per machine
   for v in MAIN_IP MACHINE_RANK NUM_MACHINES; do need_env "$v" "multi-node recipes: MAIN_IP, MACHINE_RANK, NUM_MACHINES"; done
   local procs='$((8*NUM_MACHINES))'
@@ -168,6 +190,11 @@ case "$recipe" in
   vgrpo-flux-fsdp8) go "${FSDP8[@]}" vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_FULL[@]}" "$@" ;;
   vgrpo-flux-multinode) multinode vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;
   vgrpo-sd35-8gpu) go "${DDP8[@]}" vgrpo.py "${SD35_VGRPO[@]}" "$@" ;;
+  dancegrpo-wan-1gpu) go "${LAUNCH[@]}" --num_processes 1 dancegrpo.py "${WAN_DANCE[@]}" "$@" ;;
+  dancegrpo-wan-8gpu) go "${DDP8[@]}" dancegrpo.py "${WAN_DANCE[@]}" "$@" ;;
+  branchgrpo-wan-1gpu) go "${LAUNCH[@]}" --num_processes 1 branchgrpo.py "${WAN_BRANCH[@]}" "$@" ;;
+  branchgrpo-wan-8gpu) go "${DDP8[@]}" branchgrpo.py "${WAN_BRANCH[@]}" "$@" ;;
+  vgrpo-wan-8gpu) go "${DDP8[@]}" vgrpo.py "${WAN_VGRPO[@]}" "$@" ;;
   rlr-cpu) go "$PY" rlr.py "$@" ;;
   rlr-v1-cpu) go "$PY" rlr.py --exp-name rlr-v1 --terms fo "$@" ;;
   rlr-v2-cpu) go "$PY" rlr.py --exp-name rlr-v2 --terms fo+ho "$@" ;;

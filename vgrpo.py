@@ -317,16 +317,14 @@ def main(args: Args):
     sigmas = sigma_schedule(args.num_steps, args.shift)  # (T + 1,)
 
     # ---------------------------------------------------------------- MODELS
-    model = load_model(
-        args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution, offload=args.offload_frozen
-    )
+    model = load_model(args.model_id, device, frozen_dtype, args.resolution, args.num_frames, args.offload_frozen)
     transformer = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
     # the KL to the behaviour policy needs no reference model (its outputs are stored); the KL to the base does
     ref = (transformer if args.lora else frozen_copy(transformer, frozen_dtype)) if base_kl else None
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
     train_prompts, eval_prompts = prompt_lists
-    reward_fn = build_reward(args.reward, device, args.reward_checkpoints(), offload=args.offload_frozen)
+    reward_fn = build_reward(args.reward, device, args.reward_checkpoints(), args.offload_frozen, args.reward_frames)
     reward_weights = dict(parse_reward_spec(args.reward))  # canonical name -> weight, the keys of reward_fn's parts
 
     # ---------------------------------------------------------------- OPTIMIZER

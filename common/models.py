@@ -1,8 +1,9 @@
 """Text-to-image models behind one small interface, for the RL scripts' own samplers.
 
-Flow models (ShapesBench, SD3/SD3.5, FLUX.1) share one convention, whatever the checkpoint's:
+Flow models (ShapesBench, SD3/SD3.5, FLUX.1, Wan2.1 text-to-video) share one convention, whatever the checkpoint's:
     x_s = (1 - s) x0 + s eps,   v = eps - x0,   s in [0, 1],   s = 1 is pure noise.
-`FlowModel.velocity(transformer, x, sigma, cond)` returns v; the scripts integrate it themselves.
+`FlowModel.velocity(transformer, x, sigma, cond)` returns v; the scripts integrate it themselves. A video model's
+decode gives (B, F, 3, H, W) where an image model's gives (B, 3, H, W); the rewards take either (common/rewards.py).
 SD1.x/2.x (for RLR) is a DDPM-style eps model, so it gets its own `DDIMModel`.
 
 The trainable denoiser is passed *into* `velocity`/`eps` rather than read from the object, so scripts
@@ -20,6 +21,7 @@ from diffusers import (
     FluxPipeline,
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
+    WanPipeline,
 )
 from huggingface_hub import hf_hub_download
 from peft import LoraConfig, get_peft_model_state_dict
@@ -34,7 +36,9 @@ KINDS = {
     "FluxPipeline": "flux",
     "StableDiffusion3Pipeline": "sd3",
     "StableDiffusionPipeline": "sd1",
+    "WanPipeline": "wan",
 }
+VIDEO_KINDS = ("wan",)
 HOW_TO_GET_WEIGHTS = (
     "To run without hub access: on a machine with internet run `hf download <hub-id> --local-dir /path` "
     "(e.g. black-forest-labs/FLUX.1-dev; gated models need their licence accepted and `hf auth login`), copy /path "
@@ -261,6 +265,71 @@ class FluxModel(FlowModel):
         return FluxPipeline._unpack_latents(x, self.height, self.width, self.vae_scale)  # (B, 16, H/8, W/8)
 
 
+class WanModel(FlowModel):
+    """Wan2.1 text-to-video: latents (16, F', H/8, W/8) with F' = (F - 1) / 4 + 1 (the VAE keeps the first frame
+    and packs every 4 after it into one latent frame), 1x2x2 patches, UMT5 text, classifier-free guidance."""
+
+    kind = "wan"
+    text_tokens = 512  # WanPipeline's default max_sequence_length
+    native_size = (480, 832)  # WanPipeline's default height and width (Wan2.1's 480p)
+    native_frames = 81  # WanPipeline's default num_frames (5 s at 16 fps)
+
+    def __init__(self, pipe: WanPipeline, resolution: int | None, num_frames: int | None):
+        if pipe.transformer_2 is not None or pipe.config.boundary_ratio is not None or pipe.config.expand_timesteps:
+            raise InputError(
+                "--model-id: a Wan2.2 pipeline (two experts or per-token timesteps); give a Wan2.1 text-to-video "
+                "checkpoint, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+            )
+        self.pipe = pipe
+        self.vae_scale, self.vae_scale_t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+        height, width = (resolution, resolution) if resolution else self.native_size
+        _check_multiple(height, self.vae_scale * pipe.transformer.config.patch_size[1], "wan")
+        self.num_frames = num_frames or self.native_frames
+        check_num_frames(self.num_frames, self.vae_scale_t)
+        super().__init__(pipe.transformer, [pipe.text_encoder], pipe.vae, height, width)
+
+    def latent_shape(self):
+        frames = (self.num_frames - 1) // self.vae_scale_t + 1
+        return (self.vae.config.z_dim, frames, self.height // self.vae_scale, self.width // self.vae_scale)
+
+    def to(self, device=None, dtype=None, offload=None):
+        super().to(device, dtype, offload)
+        self.vae.float()  # the Wan authors and diffusers' Wan examples decode in fp32 (127M weights: 0.5 GB)
+        return self
+
+    def _encode(self, prompts):
+        embeds, _ = self.pipe.encode_prompt(
+            prompts, do_classifier_free_guidance=False, max_sequence_length=self.text_tokens, device=self.device
+        )
+        return {"prompt_embeds": embeds}  # (B, 512, 4096), zero past each prompt's tokens as WanPipeline pads
+
+    def velocity(self, transformer, x, sigma, cond, guidance_scale=1.0):
+        # WanPipeline: timestep = 1000 sigma, CFG with the negative prompt "" (two forwards there, one batch here)
+        dt = self._io_dtype()
+
+        def forward(x, sigma, cond):
+            return transformer(
+                hidden_states=x.to(dt),
+                timestep=sigma * 1000,
+                encoder_hidden_states=cond["prompt_embeds"].to(dt),
+                return_dict=False,
+            )[0]
+
+        return _cfg(forward, x, sigma, cond, self.uncond, guidance_scale).to(x.dtype)
+
+    def decode(self, x) -> torch.Tensor:
+        """(B, 16, F', h, w) -> video (B, F, 3, H, W) in [0, 1] (frames first, as WanPipeline's output), differentiable.
+        The latents are normalised per channel: z = x * latents_std + latents_mean, as WanPipeline un-normalises."""
+        self._vae.fetch()
+        cfg, view = self.vae.config, (1, -1, 1, 1, 1)
+        mean = torch.tensor(cfg.latents_mean, device=x.device).view(view)
+        std = torch.tensor(cfg.latents_std, device=x.device).view(view)
+        z = (x * std + mean).to(self.vae.dtype)
+        # one video at a time: the VAE's activations grow with the frames, a batch of videos multiplies them
+        video = torch.cat([self.vae.decode(z[i : i + 1]).sample for i in range(len(z))])  # (B, 3, F, H, W), [-1, 1]
+        return ((video + 1) / 2).clamp(0, 1).to(x.dtype).transpose(1, 2)
+
+
 class DDIMModel(_Parts):
     """SD1.x/2.x: UNet eps-prediction on latents (4, H/8, W/8), CLIP text, CFG. Not a flow model.
 
@@ -300,6 +369,16 @@ class DDIMModel(_Parts):
             a = self.alphas_cumprod.to(x.device)[t].view(-1, *[1] * (x.ndim - 1)).to(x.dtype)
             out = a.sqrt() * out + (1 - a).sqrt() * x
         return out
+
+
+def check_num_frames(num_frames: int, temporal_scale: int = 4) -> None:
+    """--num-frames of a Wan2.1 video: its VAE (temporal_scale 4) keeps the first frame and packs the others 4 to a
+    latent frame, so the count is 4k + 1."""
+    if num_frames < 1 or (num_frames - 1) % temporal_scale:
+        raise InputError(
+            f"--num-frames {num_frames}: must be {temporal_scale}k + 1 (Wan's VAE keeps the first frame and "
+            f"compresses the rest {temporal_scale}x in time), e.g. 33 or 81"
+        )
 
 
 def _check_multiple(size, multiple, kind):
@@ -346,7 +425,7 @@ def _model_index(model_id: str) -> tuple[dict, str]:
 
 def check_model_id(model_id: str) -> str:
     """--model-id names a supported model that is here or downloadable; checked before anything loads. Returns its
-    kind ('shapes', 'flux', 'sd3', 'sd1'), read from model_index.json alone."""
+    kind ('shapes', 'flux', 'sd3', 'sd1', 'wan'), read from model_index.json alone."""
     return _kind(_model_index(model_id)[0], model_id)
 
 
@@ -359,27 +438,32 @@ def _kind(index: dict, model_id: str) -> str:
 
 def load_model(
     model_id: str = "shapesbench",
-    *,
     device="cpu",
     dtype=torch.float32,
     resolution: int | None = None,
+    num_frames: int | None = None,
     offload: bool = False,
 ) -> FlowModel | DDIMModel:
     """Load a model by hub id or local path (`--model-id`), all parts in `dtype` on `device` (with `offload`,
     --offload-frozen, the text encoders and the VAE on the CPU until they work: common/offload.py).
 
     The kind comes from model_index.json's `_class_name`. `resolution` (`--resolution`) is the square image
-    side in pixels; None = the model's native size. Frozen parts are eval() with requires_grad False; the
+    side in pixels; None = the model's native size (Wan2.1: 480 x 832). `num_frames` (`--num-frames`, video models
+    only): frames of each video; None = the model's native count (Wan2.1: 81). Frozen parts are eval() with requires_grad False; the
     denoiser keeps requires_grad (the script decides: LoRA via add_lora, or full fine-tuning).
     """
     index, where = _model_index(model_id)
     kind = _kind(index, model_id)
+    if num_frames is not None and kind not in VIDEO_KINDS:
+        raise InputError(f"--num-frames only applies to a video model (Wan2.1); --model-id {model_id} is {kind}")
     try:
         if kind == "sd1":
             pipe = StableDiffusionPipeline.from_pretrained(
                 where, dtype=dtype, safety_checker=None, requires_safety_checker=False
             )
             model = DDIMModel(pipe, resolution)
+        elif kind == "wan":
+            model = WanModel(WanPipeline.from_pretrained(where, dtype=dtype), resolution, num_frames)
         else:
             pipe_cls, model_cls = {
                 "flux": (FluxPipeline, FluxModel),
@@ -471,5 +555,5 @@ def save_trained_weights(model: FlowModel | DDIMModel, transformer, out_dir, lor
     if model.kind == "sd1":
         StableDiffusionPipeline.save_lora_weights(out_dir, unet_lora_layers=layers, unet_lora_adapter_metadata=metadata)
     else:
-        pipe_cls = FluxPipeline if model.kind == "flux" else StableDiffusion3Pipeline
+        pipe_cls = {"flux": FluxPipeline, "wan": WanPipeline}.get(model.kind, StableDiffusion3Pipeline)
         pipe_cls.save_lora_weights(out_dir, transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata)

@@ -6,6 +6,10 @@
 Every reward maps images (B,3,H,W) float in [0,1] and one prompt per image to (B,) float32 scores on
 images.device. `differentiable` says whether gradients reach the images (RLR's first-order term needs it;
 GRPO-style methods do not). Heavy imports live inside the factories, so importing this module is cheap.
+
+Videos (B,F,3,H,W) (a video model's decode, frames first): CompositeReward scores an image reward on `frames`
+evenly spaced frames of each video (the first and the last among them) and takes the mean over them; a video
+reward (`video = True`, e.g. 'temporal') sees the whole video. docs/video.md says why and what each one rewards.
 """
 
 import io
@@ -22,6 +26,7 @@ from common.offload import Offloaded
 
 class Reward(Protocol):
     differentiable: bool
+    video: bool  # scores videos (B,F,3,H,W), not images
     parts: Offloaded  # its networks, for --offload-frozen
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor: ...
@@ -32,11 +37,12 @@ class ScoreFn:
     `parts` (common.offload.Offloaded) holds the reward's networks: with --offload-frozen they wait on the CPU and
     come to the GPU when scoring, until park()."""
 
-    def __init__(self, fn: Callable, differentiable: bool, parts: Offloaded | None = None):
+    def __init__(self, fn: Callable, differentiable: bool, parts: Offloaded | None = None, video: bool = False):
         self.fn, self.differentiable, self.parts = fn, differentiable, parts or Offloaded([], "cpu", False)
+        self.video = video
 
     def __call__(self, images, prompts):
-        assert images.ndim == 4 and len(prompts) == len(images), (images.shape, len(prompts))
+        assert images.ndim == (5 if self.video else 4) and len(prompts) == len(images), (images.shape, len(prompts))
         self.parts.fetch()
         # a non-differentiable reward never needs the autograd graph of the images
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.differentiable):
@@ -252,6 +258,34 @@ def clip_score(device, checkpoint=None) -> Reward:
     )
 
 
+# ---------------------------------------------------------------- video: motion without flicker
+def temporal(device, checkpoint=None) -> Reward:
+    """Smooth motion of a video, differentiable: mean |x_{f+1} - x_f| - mean |x_{f+1} - 2 x_f + x_{f-1}| over
+    frames (B,F,3,H,W) average-pooled to at most 64 px (the pixel noise of one frame averages out). A still video
+    scores 0, steady motion about its speed (its second differences vanish), flicker and noise below 0 (frames that
+    alternate A, B, A: first differences d, second 2d). Alone it rewards any smooth motion, fast or slow: weight
+    it next to an image reward (docs/video.md)."""
+    _no_ckpt("temporal", checkpoint)
+
+    def score(videos, prompts):
+        B, n = videos.shape[:2]
+        assert n >= 3, "a second difference needs 3 frames"  # checked at start-up (common.runs.check_run_args)
+        x = videos.flatten(0, 1)  # (B F, 3, H, W)
+        side = min(64, *x.shape[-2:])
+        x = F.adaptive_avg_pool2d(x, (side, side * x.shape[-1] // x.shape[-2])).view(B, n, -1)
+        d1, d2 = x.diff(dim=1), x.diff(n=2, dim=1)
+        return d1.abs().mean((1, 2)) - d2.abs().mean((1, 2))
+
+    return ScoreFn(score, differentiable=True, video=True)
+
+
+def frame_subset(num_frames: int, k: int) -> list[int]:
+    """k evenly spaced frame indices of num_frames, the first and the last among them (all when k >= num_frames)."""
+    if k >= num_frames:
+        return list(range(num_frames))
+    return [round(i * (num_frames - 1) / (k - 1)) for i in range(k)] if k > 1 else [num_frames // 2]
+
+
 # ---------------------------------------------------------------- registry, spec parsing, composite
 REWARDS: dict[str, Callable[..., Reward]] = {
     "shapes": shapes_reward,
@@ -260,6 +294,7 @@ REWARDS: dict[str, Callable[..., Reward]] = {
     "hpsv2.1": hpsv2_1,
     "pickscore": pickscore,
     "clip": clip_score,
+    "temporal": temporal,
 }
 ALIASES = {"hps": "hpsv2.1"}
 SHAPESBENCH_REWARDS = ("shapes", "verifier")  # they score 32 px ShapesBench images against ShapesBench prompts
@@ -296,20 +331,28 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
 class CompositeReward:
     """Weighted sum of rewards; also returns each component's raw scores (detached, for logging/advantages).
 
-    A component with weight 0 is computed for logging only, without autograd.
+    A component with weight 0 is computed for logging only, without autograd. Videos (B,F,3,H,W): an image reward
+    scores `frames` evenly spaced frames of each (frame_subset) and gives their mean.
     """
 
-    def __init__(self, components: list[tuple[str, float, Reward]]):
-        self.components = components
+    def __init__(self, components: list[tuple[str, float, Reward]], frames: int = 4):
+        self.components, self.frames = components, frames
         self.weights = {name: w for name, w, _ in components}
         self.differentiable = all(r.differentiable for _, w, r in components if w != 0)
+
+    def _score(self, reward, images, prompts):
+        if images.ndim == 4 or reward.video:
+            return reward(images, prompts)
+        idx = frame_subset(images.shape[1], self.frames)
+        frames = images[:, idx].flatten(0, 1)  # (B k, 3, H, W): video-major, so prompts repeat k times each
+        return reward(frames, [p for p in prompts for _ in idx]).view(len(images), len(idx)).mean(1)
 
     def __call__(self, images, prompts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         total = torch.zeros(len(images), device=images.device)  # (B,)
         scores = {}
         for name, w, reward in self.components:
             with torch.set_grad_enabled(torch.is_grad_enabled() and w != 0):
-                r = reward(images, prompts)  # (B,)
+                r = self._score(reward, images, prompts)  # (B,)
             if w != 0:
                 total = total + w * r
             scores[name] = r.detach()
@@ -329,12 +372,18 @@ def _checkpoints(parsed: list[tuple[str, float]], spec: str, checkpoints: dict[s
     return checkpoints
 
 
-def check_reward_weights(spec: str, checkpoints: dict[str, str] | None = None) -> None:
-    """--reward and --reward-ckpt before anything loads: names and weights, that each checkpoint path exists, and
-    that hub-hosted weights are cached or downloadable (one quick check, no retries)."""
+VIDEO_REWARDS = ("temporal",)  # they score videos (B,F,3,H,W) and need a video model
+
+
+def check_reward_weights(spec: str, checkpoints: dict[str, str] | None = None, video: bool = False) -> None:
+    """--reward and --reward-ckpt before anything loads: names and weights, that each checkpoint path exists, that
+    hub-hosted weights are cached or downloadable (one quick check, no retries), and that a video reward comes with
+    a video model (`video`)."""
     parsed = parse_reward_spec(spec)
     checkpoints = _checkpoints(parsed, spec, checkpoints)
     for name, _ in parsed:
+        if name in VIDEO_REWARDS and not video:
+            raise InputError(f"--reward {spec}: '{name}' scores videos, and --model-id gives images")
         path = checkpoints.get(name)
         if path is not None and not os.path.exists(path):
             raise InputError(f"--reward-ckpt {name}={path}: no such file or folder")
@@ -343,13 +392,15 @@ def check_reward_weights(spec: str, checkpoints: dict[str, str] | None = None) -
 
 
 def build_reward(
-    spec: str, device, checkpoints: dict[str, str] | None = None, offload: bool = False
+    spec: str, device, checkpoints: dict[str, str] | None = None, offload: bool = False, frames: int = 4
 ) -> CompositeReward:
     """Build the composite of `--reward spec`; `checkpoints` comes from `--reward-ckpt NAME=PATH` flags. With
-    `offload` (--offload-frozen) the reward networks wait on the CPU between scorings (common/offload.py)."""
+    `offload` (--offload-frozen) the reward networks wait on the CPU between scorings (common/offload.py).
+    `frames` (--reward-frames): frames of each video that an image reward scores."""
     parsed = parse_reward_spec(spec)
     checkpoints = _checkpoints(parsed, spec, checkpoints)
-    composite = CompositeReward([(name, w, REWARDS[name](device, checkpoints.get(name))) for name, w in parsed])
+    components = [(name, w, REWARDS[name](device, checkpoints.get(name))) for name, w in parsed]
+    composite = CompositeReward(components, frames)
     for _, _, reward in composite.components:
         reward.parts.enabled = offload
     composite.park()

@@ -53,10 +53,16 @@ class RunArgs:
     output_dir: str = "runs"
     """parent folder of the run folder (TensorBoard logs, sample grids, checkpoints, final weights)"""
     model_id: str = "shapesbench"
-    """'shapesbench' (shipped, CPU-sized), or a diffusers FLUX.1 / SD3.5 (SD1.x for rlr.py) folder or hub id; any
-    other model needs --prompts, --eval-prompts and --reward (the ShapesBench defaults are refused)"""
+    """'shapesbench' (shipped, CPU-sized), or a diffusers FLUX.1 / SD3.5 / Wan2.1 text-to-video (SD1.x for rlr.py)
+    folder or hub id; any other model needs --prompts, --eval-prompts and --reward (the ShapesBench defaults are
+    refused)"""
     resolution: Optional[int] = None
-    """square image side in pixels; None = the model's native size"""
+    """square image side in pixels; None = the model's native size (Wan2.1: 480 x 832)"""
+    num_frames: Optional[int] = None
+    """video models (Wan2.1) only: frames per video, 4k + 1 (if unset: the model's own, 81 = 5 s at 16 fps)"""
+    reward_frames: int = 4
+    """video models only: an image reward (hpsv2.1, clip, ...) scores this many evenly spaced frames of each video,
+    the first and the last among them, and gives their mean"""
     lora: bool = True
     """train a LoRA adapter (peft) instead of all transformer weights (--no-lora: all of them)"""
     lora_rank: int = 32
@@ -165,12 +171,13 @@ def cli(main, args_type) -> None:
 # ---------------------------------------------------------------------------------------------------
 # Checks of the shared flags, before any model loads
 # ---------------------------------------------------------------------------------------------------
-def check_run_args(args) -> tuple[list[str], list[str]]:
-    """Check the flags every script shares. Returns (training prompts, held-out prompts), read here so that a bad
-    prompt file fails before a model loads (the Evaluator takes its --eval-max-prompts subset)."""
-    from common.models import check_model_id
+def check_run_args(args, video: bool = True) -> tuple[list[str], list[str]]:
+    """Check the flags every script shares; `video`: whether the script trains video models. Returns (training
+    prompts, held-out prompts), read here so that a bad prompt file fails before a model loads (the Evaluator takes
+    its --eval-max-prompts subset)."""
+    from common.models import VIDEO_KINDS, check_model_id, check_num_frames
     from common.prompts import load_prompts
-    from common.rewards import check_reward_weights
+    from common.rewards import VIDEO_REWARDS, check_reward_weights, parse_reward_spec
 
     need(args.iterations >= 1, f"--iterations must be >= 1 (got {args.iterations})")
     need(args.learning_rate > 0, f"--learning-rate must be > 0 (got {args.learning_rate})")
@@ -194,9 +201,25 @@ def check_run_args(args) -> tuple[list[str], list[str]]:
             f"--resume-from {args.resume_from}: no such folder (give 'latest', a run "
             "folder or one of its checkpoints/iter_* folders)",
         )
-    if check_model_id(args.model_id) != "shapes":
+    kind = check_model_id(args.model_id)
+    if kind != "shapes":
         check_not_shapesbench(args)
-    check_reward_weights(args.reward, args.reward_checkpoints())
+    is_video = kind in VIDEO_KINDS
+    need(
+        video or not is_video,
+        f"--model-id {args.model_id} is a video model ({kind}), and {Path(sys.argv[0]).name} trains image models only "
+        "(as its paper); train video with dancegrpo.py, branchgrpo.py or vgrpo.py",
+    )
+    check_mode_flags(args, [(f, lambda a: is_video, "a video model (Wan2.1)") for f in ("num_frames", "reward_frames")])
+    need(args.reward_frames >= 1, "--reward-frames must be >= 1")
+    if args.num_frames is not None:
+        check_num_frames(args.num_frames)
+    check_reward_weights(args.reward, args.reward_checkpoints(), video=is_video)
+    moving = [name for name, _ in parse_reward_spec(args.reward) if name in VIDEO_REWARDS]
+    need(
+        not moving or args.num_frames != 1,
+        f"--reward {args.reward}: {' and '.join(moving)} compares neighbouring frames, and --num-frames 1 gives one",
+    )
     return load_prompts(args.prompts, "--prompts"), load_prompts(args.eval_prompts, "--eval-prompts")
 
 
@@ -415,7 +438,7 @@ class Run:
             print(
                 f"metrics.jsonl: dropped {len(records) - len(kept)} record(s) of the interrupted run after iteration {it}"
             )
-        grid = (self.dir / "samples" / f"samples_{it:06d}.png").is_file()
+        grid = any((self.dir / "samples").glob(f"samples_{it:06d}.*"))  # .png, or .gif for videos
         return {k for r in kept if r["iteration"] == it for k in r} | ({"samples"} if grid else set())
 
     def on_record(self, step: int, key: str) -> bool:
@@ -566,7 +589,8 @@ class Run:
         return f"eval @ {step} (from iteration {first['iteration']}): " + ", ".join(shown)
 
     def log_grid(self, images, captions, ok, step: int) -> None:
-        """A sample grid PNG into samples/ and TensorBoard; `ok` (verifier verdicts or None) is drawn as a badge."""
+        """A sample grid PNG into samples/ and TensorBoard; `ok` (verifier verdicts or None) is drawn as a badge.
+        Videos (N, F, 3, H, W): the same grid as an animated GIF (log_video_grid)."""
         if not self.is_main:
             return
         import numpy as np
@@ -578,12 +602,32 @@ class Run:
         title = f"{self.title}, iteration {step}" + (
             ": badge = verifier verdict (right colours, shape, clean background)" if ok is not None else ""
         )
+        if images.ndim == 5:
+            return self.log_video_grid(images, captions, step, title)
         path = save_grid(self.dir / "samples" / f"samples_{step:06d}.png", images, captions, ok, ncol=8, title=title)
         tb.add_image("samples", np.asarray(Image.open(path)), step, dataformats="HWC")
         if self._wandb is not None:
             import wandb
 
             self._wandb.log({"samples": wandb.Image(str(path))}, step=step)
+
+    def log_video_grid(self, videos, captions, step: int, title: str) -> None:
+        """samples/samples_N.gif, logged to TensorBoard as an animated image (what its add_video writes, without
+        the moviepy it needs) and to W&B as a video."""
+        from PIL import Image
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        from common.viz import save_video_grid
+
+        path = save_video_grid(self.dir / "samples" / f"samples_{step:06d}.gif", videos, captions, title=title)
+        with Image.open(path) as gif:
+            width, height = gif.size
+        image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=path.read_bytes())
+        self._writers()._get_file_writer().add_summary(Summary(value=[Summary.Value(tag="samples", image=image)]), step)
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({"samples": wandb.Video(str(path), format="gif")}, step=step)
 
     # ---------------------------------------------------------------- checkpoints and weights
     def checkpoint(self, iteration: int, final: bool) -> None:

@@ -1,4 +1,5 @@
-"""Picture helpers: a captioned PNG grid of samples, with an optional pass / fail badge under each image."""
+"""Picture helpers: a captioned PNG grid of samples, with an optional pass / fail badge under each image, and the
+same grid of videos as an animated GIF."""
 
 from __future__ import annotations
 
@@ -25,6 +26,26 @@ def save_grid(
     verdict), apart from the image so that it stays visible on any background colour; say what it means in `title`.
     Captions may hold several lines (prompt, reward); long lines are wrapped to the cell width.
     """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid_image(images, captions, ok, ncol, cell, title).save(path)
+    return path
+
+
+def save_video_grid(
+    path: str | Path, videos: torch.Tensor, captions: list[str], fps: int = 16, ncol: int = 8, cell: int = 128, title=""
+) -> Path:
+    """Write videos (N, F, 3, H, W) in [0, 1] as one animated GIF of the save_grid layout, `fps` frames a second
+    (Wan2.1 makes 16), looping."""
+    frames = [grid_image(videos[:, f], captions, None, ncol, cell, title) for f in range(videos.shape[1])]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
+    return path
+
+
+def grid_image(images, captions, ok=None, ncol=8, cell=128, title="") -> Image.Image:
+    """The save_grid picture: cells `cell` px wide, as high as the images' aspect ratio makes them."""
     n = len(images)
     ncol = max(1, min(ncol, n))
     nrow = (n + ncol - 1) // ncol
@@ -34,23 +55,21 @@ def save_grid(
     badge = 14 if ok is not None else 0
     text_h = 13 * max(c.count("\n") + 1 for c in wrapped) + 4 + badge
     pad, top = 4, (18 if title else 0)
-    grid = Image.new("RGB", (ncol * (cell + pad) + pad, top + nrow * (cell + text_h + pad) + pad), "white")
+    cell_h = round(cell * images.shape[-2] / images.shape[-1])  # Wan2.1's 480 x 832 videos are wider than high
+    grid = Image.new("RGB", (ncol * (cell + pad) + pad, top + nrow * (cell_h + text_h + pad) + pad), "white")
     draw = ImageDraw.Draw(grid)
     if title:
         draw.text((pad, 3), title, fill="black", font=font)
     pixels = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
     for i in range(n):
         r, c = divmod(i, ncol)
-        x0, y0 = pad + c * (cell + pad), top + pad + r * (cell + text_h + pad)
-        grid.paste(Image.fromarray(pixels[i]).resize((cell, cell), Image.NEAREST), (x0, y0))
+        x0, y0 = pad + c * (cell + pad), top + pad + r * (cell_h + text_h + pad)
+        grid.paste(Image.fromarray(pixels[i]).resize((cell, cell_h), Image.NEAREST), (x0, y0))
         if ok is not None:
             draw.rectangle(
-                [x0, y0 + cell + 1, x0 + cell - 1, y0 + cell + badge - 1],
+                [x0, y0 + cell_h + 1, x0 + cell - 1, y0 + cell_h + badge - 1],
                 fill=(30, 150, 60) if ok[i] else (200, 30, 30),
             )
-            draw.text((x0 + 3, y0 + cell + 1), "pass" if ok[i] else "fail", fill="white", font=font)
-        draw.multiline_text((x0, y0 + cell + 2 + badge), wrapped[i], fill="black", font=font, spacing=1)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(path)
-    return path
+            draw.text((x0 + 3, y0 + cell_h + 1), "pass" if ok[i] else "fail", fill="white", font=font)
+        draw.multiline_text((x0, y0 + cell_h + 2 + badge), wrapped[i], fill="black", font=font, spacing=1)
+    return grid

@@ -1,10 +1,16 @@
-"""common/models.py on tiny random-weight FLUX, SD3, SD1.x and ShapesBench models built from configs (offline)."""
+"""common/models.py on tiny random-weight FLUX, SD3, SD1.x, Wan2.1 and ShapesBench models built from configs (offline)."""
 
 import json
 
 import pytest
 import torch
-from diffusers import FluxPipeline, SD3Transformer2DModel, StableDiffusion3Pipeline, StableDiffusionPipeline
+from diffusers import (
+    FluxPipeline,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+    StableDiffusionPipeline,
+    WanPipeline,
+)
 
 from common import InputError, models
 from common.models import DDIMModel, FlowModel, SD3Model, add_lora, load_model, save_trained_weights
@@ -145,7 +151,7 @@ def test_ddim_v_prediction_gives_eps(tiny_dir):
 
 
 # ---------------------------------------------------------------- LoRA and saving
-@pytest.mark.parametrize("kind", ["flux", "sd3", "shapes", "sd1"])
+@pytest.mark.parametrize("kind", ["flux", "sd3", "shapes", "sd1", "wan"])
 def test_lora_save_and_reload(kind, tiny_dir, tmp_path):
     model = load_model(str(tiny_dir(kind)), resolution=RES)
     net = model.unet if kind == "sd1" else model.transformer
@@ -170,7 +176,12 @@ def test_lora_save_and_reload(kind, tiny_dir, tmp_path):
     assert not torch.allclose(tuned, base, atol=1e-4)
 
     save_trained_weights(model, net, tmp_path, lora=True)
-    pipe_cls = {"flux": FluxPipeline, "sd3": StableDiffusion3Pipeline, "sd1": StableDiffusionPipeline}
+    pipe_cls = {
+        "flux": FluxPipeline,
+        "sd3": StableDiffusion3Pipeline,
+        "sd1": StableDiffusionPipeline,
+        "wan": WanPipeline,
+    }
     pipe = pipe_cls.get(kind, StableDiffusion3Pipeline).from_pretrained(tiny_dir(kind))
     pipe.load_lora_weights(str(tmp_path))
     fresh = pipe.unet if kind == "sd1" else pipe.transformer

@@ -118,15 +118,19 @@ def denoiser_args(lora=True, checkpointing=False):
     return SimpleNamespace(lora=lora, lora_rank=4, lora_alpha=4.0, gradient_checkpointing=checkpointing)
 
 
-@pytest.mark.parametrize("kind", ["flux", "sd3", "sd1"])
+@pytest.mark.parametrize("kind", ["flux", "sd3", "sd1", "wan"])
 def test_lora_keeps_the_frozen_base_in_bf16_and_the_adapter_in_fp32(kind, tiny_dir):
     model = load_model(str(tiny_dir(kind)), dtype=torch.bfloat16, resolution=RES)
     denoiser = trainable_denoiser(model, denoiser_args())
     trained = [p for p in denoiser.parameters() if p.requires_grad]
     frozen = [p for p in denoiser.parameters() if not p.requires_grad]
     assert trained and all(p.dtype == torch.float32 for p in trained)
-    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
-    assert all(p.dtype == torch.bfloat16 for m in [*model.text_encoders, model.vae] for p in m.parameters())
+    fp32 = denoiser._keep_in_fp32_modules or []  # diffusers keeps Wan's time embedding and modulation in fp32
+    assert frozen and all(p.dtype == torch.bfloat16 for n, p in denoiser.named_parameters()
+                          if not p.requires_grad and not any(k in n.split(".") for k in fp32))  # fmt: skip
+    assert all(p.dtype == torch.bfloat16 for m in model.text_encoders for p in m.parameters())
+    vae_dtype = torch.float32 if kind == "wan" else torch.bfloat16  # Wan decodes in fp32, as its authors do
+    assert all(p.dtype == vae_dtype for p in model.vae.parameters())
     # full fine-tuning: fp32 master weights for the optimizer
     full = trainable_denoiser(
         load_model(str(tiny_dir(kind)), dtype=torch.bfloat16, resolution=RES), denoiser_args(False)
@@ -134,7 +138,7 @@ def test_lora_keeps_the_frozen_base_in_bf16_and_the_adapter_in_fp32(kind, tiny_d
     assert all(p.dtype == torch.float32 and p.requires_grad for p in full.parameters())
 
 
-@pytest.mark.parametrize("kind", ["flux", "sd3"])
+@pytest.mark.parametrize("kind", ["flux", "sd3", "wan"])
 def test_gradient_checkpointing_gives_ratio_one_and_the_same_gradient(kind, tiny_dir):
     """One DanceGRPO micro-batch (rollout, then the clipped loss on two SDE steps), with and without checkpointing:
     the first ratio is exactly 1 and the LoRA gradients are equal."""
@@ -217,7 +221,7 @@ def recipe(name, **env):
 
 def gpu_recipes():
     names = subprocess.run(["bash", "run.sh", "--list"], cwd=ROOT, capture_output=True, text=True).stdout.split()
-    return [n for n in names if re.search("flux|sd35|sd15", n)]
+    return [n for n in names if re.search("flux|sd35|sd15|wan", n)]
 
 
 def test_every_gpu_recipe_parses_and_uses_the_memory_settings():
@@ -228,8 +232,9 @@ def test_every_gpu_recipe_parses_and_uses_the_memory_settings():
         flags = words[words.index(script) + 1 :]
         args = tyro.cli(SCRIPTS[script].Args, args=flags)  # a typo in a recipe fails here
         assert args.gradient_checkpointing and args.mixed_precision == "bf16", name
-        assert args.prompts == args.eval_prompts == "p.txt" and args.reward == "hpsv2.1" and not args.reward_ckpt
-        assert args.model_id != "shapesbench"
+        assert args.prompts == args.eval_prompts == "p.txt" and not args.reward_ckpt
+        assert args.reward == ("hpsv2.1,temporal:0.5" if "wan" in name else "hpsv2.1"), name
+        assert args.model_id != "shapesbench" and (args.num_frames is not None) == ("wan" in name)
 
 
 def test_gpu_recipe_without_prompts_says_where_to_get_them(tmp_path):
@@ -251,7 +256,7 @@ def print_blocks(text):
 
 
 def test_docs_show_each_gpu_command_as_run_sh_prints_it():
-    """Every FLUX / SD3.5 / SD1.5 command in the README, docs/ and the scripts is run.sh's own, printed by
+    """Every FLUX / SD3.5 / SD1.5 / Wan2.1 command in the README, docs/ and the scripts is run.sh's own, printed by
     `bash run.sh --print RECIPE`; no hand-copied variant."""
     files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *(ROOT / s for s in SCRIPTS)]
     shown = 0
@@ -262,6 +267,6 @@ def test_docs_show_each_gpu_command_as_run_sh_prints_it():
             assert command == recipe(name), f"{f.name}: the command under `bash run.sh --print {name}` is stale"
         shown += len(printed)
         for line in text.splitlines():  # any other launch line with a real model would be a hand copy
-            if re.search(r"--model-id (black-forest-labs|stabilityai|stable-diffusion-v1-5)/", line):
+            if re.search(r"--model-id (black-forest-labs|stabilityai|stable-diffusion-v1-5|Wan-AI)/", line):
                 assert line.strip() in printed.values(), f"{f.name}: a GPU command that is not a run.sh recipe: {line}"
     assert shown >= 3

@@ -1,10 +1,12 @@
-"""Tiny random-weight FLUX, SD3, SD1.x and ShapesBench models and a tiny HPS reward, built from configs, offline."""
+"""Tiny random-weight FLUX, SD3, SD1.x, Wan2.1 and ShapesBench models and a tiny HPS reward, built from configs,
+offline."""
 
 import json
 
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLWan,
     DDIMScheduler,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
@@ -13,6 +15,8 @@ from diffusers import (
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
     UNet2DConditionModel,
+    WanPipeline,
+    WanTransformer3DModel,
 )
 from transformers import (
     CLIPTextConfig,
@@ -22,6 +26,8 @@ from transformers import (
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
+    UMT5Config,
+    UMT5EncoderModel,
 )
 
 from common.shapesbench.builders import build_latent_components, make_pipeline, mark_shapesbench
@@ -111,6 +117,24 @@ def build_sd1(path):
     ).save_pretrained(path)  # fmt: skip
 
 
+def build_wan(path):
+    """Wan2.1 text-to-video: UMT5 text encoder, a 3D transformer with 1x2x2 patches, the causal video VAE (8x in
+    space, 4x in time after the first frame); 5 frames at 32 px give latents (16, 2, 4, 4)."""
+    torch.manual_seed(0)
+    tok, _ = t5(32)
+    te = UMT5EncoderModel(UMT5Config(vocab_size=len(tok), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2,
+                                     pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))  # fmt: skip
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=32,
+    )  # fmt: skip
+    wan_vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+    WanPipeline(
+        tokenizer=tok, text_encoder=te, transformer=transformer, vae=wan_vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+    ).save_pretrained(path)  # fmt: skip
+
+
 def build_shapes(path):
     """The ShapesBench pipeline's architecture (builders.build_latent_components), one block, a narrow VAE."""
     parts = build_latent_components(4, seed=0, heads=1, layers=1)
@@ -120,7 +144,7 @@ def build_shapes(path):
     mark_shapesbench(path)
 
 
-BUILDERS = {"flux": build_flux, "sd3": build_sd3, "shapes": build_shapes, "sd1": build_sd1}
+BUILDERS = {"flux": build_flux, "sd3": build_sd3, "shapes": build_shapes, "sd1": build_sd1, "wan": build_wan}
 
 
 # HPSv2.1 architecture shrunk: open_clip config 'tiny-hps' (the real one is ViT-H-14)

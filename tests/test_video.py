@@ -1,0 +1,174 @@
+"""Video (Wan2.1 text-to-video) on a tiny random-weight pipeline built from configs: the model against the stock
+WanPipeline, the video rewards, and dancegrpo.py, branchgrpo.py and vgrpo.py end to end (2 iterations, ratio 1 at
+the first update, resume bit-equal, rewards logged per component, sample videos written); rlr.py refuses video."""
+
+import pytest
+import torch
+import tyro
+from diffusers import WanPipeline
+from PIL import Image
+
+import dancegrpo as D
+import rlr
+from common import InputError
+from common.models import load_model
+from common.rewards import CompositeReward, ScoreFn, build_reward, frame_subset
+from common.runs import check_run_args
+from common.sampling import sample_ode
+from tests.helpers import assert_same_trained_weights, find_run, metrics, run_script
+from tests.tiny import build_shapes, build_wan
+
+RES, FRAMES = 32, 5  # latents (16, 2, 4, 4): 2 latent frames of 2 x 2 tokens
+
+
+@pytest.fixture(scope="module")
+def wan_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("wan")
+    build_wan(path)
+    (path / "prompts.txt").write_text("a cat walks\na red car drives\n")
+    return path
+
+
+# ---------------------------------------------------------------- the model
+def test_wan_samples_what_the_stock_pipeline_samples(wan_dir):
+    """Our Euler sampler on WanModel's velocity and decode, along the pipeline scheduler's sigmas, gives WanPipeline's
+    frames: the same timestep scale (1000 sigma), CFG (negative prompt ""), latent normalisation and frame layout."""
+    model = load_model(str(wan_dir), resolution=RES, num_frames=FRAMES)
+    assert model.kind == "wan" and model.latent_shape() == (16, 2, RES // 8, RES // 8)
+    pipe = WanPipeline.from_pretrained(wan_dir)
+    pipe.set_progress_bar_config(disable=True)
+    prompts, noise = ["a cat walks", "a red car drives"], torch.randn(2, *model.latent_shape())
+    for scale in (1.0, 5.0):
+        stock = pipe(prompts, height=RES, width=RES, num_frames=FRAMES, num_inference_steps=4, guidance_scale=scale,
+                     latents=noise.clone(), output_type="pt").frames  # fmt: skip
+        sigmas = pipe.scheduler.sigmas  # set by the call above: 4 shifted steps and the final 0
+        ours = sample_ode(model, model.transformer, model.encode_prompts(prompts), noise, sigmas, scale)
+        assert ours.shape == stock.shape == (2, FRAMES, 3, RES, RES)
+        torch.testing.assert_close(ours, stock, atol=2e-5, rtol=1e-4)
+
+
+def test_wan_decode_is_differentiable_and_the_vae_stays_fp32(wan_dir):
+    model = load_model(str(wan_dir), dtype=torch.bfloat16, resolution=RES, num_frames=FRAMES)
+    assert model.vae.dtype == torch.float32 and model.transformer.dtype == torch.bfloat16
+    x = torch.randn(1, *model.latent_shape(), requires_grad=True)
+    video = model.decode(x)
+    assert video.shape == (1, FRAMES, 3, RES, RES) and video.dtype == torch.float32
+    video.mean().backward()
+    assert x.grad.abs().sum() > 0
+
+
+def test_wan_flags_fail_at_start_up(wan_dir):
+    def args(*flags, model=str(wan_dir)):
+        p = str(wan_dir / "prompts.txt")
+        return ["--model-id", model, "--prompts", p, "--eval-prompts", p, "--reward", "jpeg", *flags]
+
+    cases = {
+        "--num-frames 6: must be 4k + 1": args("--num-frames", "6"),
+        "--num-frames only applies with a video model": args("--num-frames", "5", model="shapesbench"),
+        "--reward-frames only applies with a video model": args("--reward-frames", "2", model="shapesbench"),
+        "--reward jpeg,temporal: temporal compares neighbouring frames": args(
+            "--num-frames", "1", "--reward", "jpeg,temporal"
+        ),
+    }
+    for message, argv in cases.items():
+        with pytest.raises(InputError) as e:
+            check_run_args(tyro.cli(D.Args, args=argv))
+        assert str(e.value).startswith(message), str(e.value)
+    with pytest.raises(InputError, match="'temporal' scores videos"):
+        check_run_args(tyro.cli(D.Args, args=["--reward", "temporal"]))
+    with pytest.raises(InputError, match="is a video model .* trains image models only"):
+        rlr.validate(
+            tyro.cli(rlr.Args, args=args("--reward", "temporal", "--subchain-len", "2", "--zo-perturbations", "1")), 1
+        )
+    with pytest.raises(InputError, match="--num-frames 7: must be 4k"):
+        load_model(str(wan_dir), resolution=RES, num_frames=7)
+
+
+# ---------------------------------------------------------------- rewards of videos
+def test_image_rewards_score_a_fixed_subset_of_frames():
+    assert (
+        frame_subset(81, 4) == [0, 27, 53, 80] and frame_subset(5, 8) == [0, 1, 2, 3, 4] and frame_subset(9, 1) == [4]
+    )
+    mean_red = ScoreFn(lambda im, p: im[:, 0].mean((1, 2)), differentiable=True)
+    videos = torch.rand(3, 9, 3, 8, 8, requires_grad=True)
+    total, parts = CompositeReward([("red", 2.0, mean_red)], frames=3)(videos, ["a", "b", "c"])
+    expected = videos[:, [0, 4, 8], 0].mean((1, 2, 3))  # frames 0, 4, 8
+    torch.testing.assert_close(parts["red"], expected.detach())
+    torch.testing.assert_close(total, 2 * expected)
+    total.sum().backward()
+    assert videos.grad[:, [1, 2, 3, 5, 6, 7]].abs().sum() == 0 and videos.grad[:, [0, 4, 8]].abs().sum() > 0
+
+
+def test_temporal_reward_prefers_smooth_motion_to_stills_and_flicker():
+    temporal = build_reward("temporal", "cpu")
+    frames, size = 9, 16
+    still = torch.rand(1, 1, 3, size, size).expand(1, frames, 3, size, size)
+    ramp = torch.linspace(0, 1, size).view(1, 1, 1, 1, size)
+    moving = (ramp + 0.05 * torch.arange(frames).view(1, frames, 1, 1, 1)).clamp(0, 1).expand(1, frames, 3, size, size)
+    a, b = torch.rand(2, 1, 1, 3, size, size)
+    flicker = torch.cat([a if f % 2 == 0 else b for f in range(frames)], 1)
+    noise = torch.rand(1, frames, 3, size, size)
+    score = {name: temporal(v, [""])[1]["temporal"].item() for name, v in
+             {"still": still, "moving": moving, "flicker": flicker, "noise": noise}.items()}  # fmt: skip
+    assert score["still"] == 0
+    assert score["moving"] > 0.02 and score["flicker"] < -0.1 and score["noise"] < -0.1
+    # flicker between A and B: first differences |A - B|, second differences 2 |A - B|
+    torch.testing.assert_close(score["flicker"], -(a - b).abs().mean().item(), atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- the scripts end to end
+TINY = {
+    "dancegrpo.py": ["--samples-per-device", "8", "--group-size", "4", "--rollout-batch-size", "4",
+                     "--trajectories-per-update", "4", "--num-steps", "4"],
+    "branchgrpo.py": ["--pruning", "depth", "--trees-per-device", "2", "--trees-per-update", "1", "--num-steps", "6",
+                      "--num-splits", "2", "--rollout-batch-size", "4"],
+    "vgrpo.py": ["--samples-per-device", "8", "--group-size", "4", "--rollout-batch-size", "4", "--train-batch-size",
+                 "2", "--images-per-update", "4", "--num-steps", "4", "--n-mc", "3"],
+}  # fmt: skip
+
+
+def tree_counts(records):
+    return [{k: v for k, v in r.items() if k.startswith("tree/")} for r in records if "rewards/mean" in r]
+
+
+@pytest.mark.parametrize("script", TINY)
+def test_script_trains_video_resumes_bit_equal_and_writes_videos(script, wan_dir, tmp_path):
+    prompts = str(wan_dir / "prompts.txt")
+    flags = [*TINY[script], "--model-id", str(wan_dir), "--resolution", str(RES), "--num-frames", str(FRAMES),
+             "--prompts", prompts, "--eval-prompts", prompts, "--reward", "jpeg,temporal:0.5", "--guidance-scale", "5",
+             "--eval-every", "2", "--eval-samples-per-prompt", "1", "--eval-steps", "4", "--sample-every", "2",
+             "--lora-rank", "4"]  # fmt: skip
+    run_script(script, [*flags, "--iterations", "2", "--exp-name", "whole"], tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    for extra in (["--iterations", "1"], ["--iterations", "2", "--resume-from", "latest"]):
+        run_script(script, [*flags, *extra, "--exp-name", "resumed"], tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    assert_same_trained_weights(find_run(tmp_path / "whole"), find_run(tmp_path / "resumed"))
+
+    records = metrics(tmp_path / "whole")
+    train = [r for r in records if "rewards/mean" in r]
+    assert len(train) == 2 and all("rewards/jpeg" in r and "rewards/temporal" in r for r in train)
+    # ratio 1 at the first update: exactly, but for BranchGRPO's packed micro-batches that span two steps with pruning
+    # (floating-point batch effects, docs/branchgrpo.md)
+    first = "losses/first_log_ratio_max_abs" if script == "vgrpo.py" else "losses/first_ratio_max_dev"
+    assert all(r[first] < 1e-6 if script == "branchgrpo.py" else r[first] == 0 for r in train)
+    evals = [r for r in records if "eval/reward" in r]
+    assert [r["iteration"] for r in evals] == [0, 2] and all("eval/reward_temporal" in r for r in evals)
+    run = find_run(tmp_path / "whole")
+    gifs = sorted((run / "samples").glob("samples_*.gif"))
+    assert [g.name for g in gifs] == ["samples_000000.gif", "samples_000002.gif"]
+    with Image.open(gifs[-1]) as gif:
+        assert gif.n_frames == FRAMES
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run), size_guidance={"images": 0})
+    events.Reload()  # TensorBoard shows the GIF animated, as the videos its add_video writes
+    assert [e.encoded_image_string[:6] for e in events.Images("samples")] == [b"GIF89a"] * 2
+    assert (run / "final" / "pytorch_lora_weights.safetensors").is_file()
+    if script == "branchgrpo.py":  # the same tree as an image run's: 6 steps, splits [0, 3], K 2 -> 4 leaves
+        build_shapes(tmp_path / "shapes")
+        image_flags = [*TINY[script], "--model-id", str(tmp_path / "shapes"), "--iterations", "2", "--eval-every", "0",
+                       "--sample-every", "0", "--exp-name", "image"]  # fmt: skip
+        run_script(script, image_flags, tmp_path)
+        video_tree, image_tree = tree_counts(records), tree_counts(metrics(tmp_path / "image"))
+        assert (
+            video_tree == image_tree and video_tree[0]["tree/rollout_forwards_per_leaf"] == (1 + 2 + 2 + 2 + 4 + 4) / 4
+        )
