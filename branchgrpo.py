@@ -11,6 +11,7 @@ Launch (run.sh has more):
     python branchgrpo.py                                            # ShapesBench on CPU, ~8 min
     python branchgrpo.py --pruning depth                            # depth pruning (every post-split step left out)
     PROMPTS=prompts.txt bash run.sh branchgrpo-flux-8gpu            # FLUX.1-dev, depth pruning, 8 GPUs; docs/gpu.md: all of them
+    PROMPTS=prompts.txt bash run.sh branchgrpo-wan-8gpu             # Wan2.1 text-to-video, 8 GPUs; docs/video.md
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 branchgrpo.py   # 2 CPU processes
     python branchgrpo.py --resume-from latest                       # continue the newest runs/branchgrpo__*
 

@@ -11,6 +11,7 @@ Launch (run.sh has more):
     python dancegrpo.py                                              # ShapesBench on CPU, ~4 min
     python dancegrpo.py --sde-window 4                               # MixGRPO on ShapesBench, ~4 min
     PROMPTS=prompts.txt bash run.sh dancegrpo-flux-8gpu             # FLUX.1-dev, LoRA, 8 GPUs; docs/gpu.md: all of them
+    PROMPTS=prompts.txt bash run.sh dancegrpo-wan-8gpu              # Wan2.1 text-to-video, 8 GPUs; docs/video.md
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 dancegrpo.py   # 2 CPU processes
     python dancegrpo.py --resume-from latest                         # continue the newest runs/dancegrpo__*
 

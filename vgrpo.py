@@ -14,6 +14,7 @@ Launch (run.sh has more):
     python vgrpo.py                                                  # ShapesBench on CPU, ~4 min
     python vgrpo.py --no-stratified --no-shared-pairs --no-self-normalize   # the naive ELBO baseline
     PROMPTS=prompts.txt bash run.sh vgrpo-flux-8gpu                 # FLUX.1-dev, LoRA, 8 GPUs; docs/gpu.md: all of them
+    PROMPTS=prompts.txt bash run.sh vgrpo-wan-8gpu                  # Wan2.1 text-to-video, 8 GPUs; docs/video.md
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 vgrpo.py   # 2 CPU processes
     python vgrpo.py --resume-from latest                             # continue the newest runs/vgrpo__*
 

@@ -775,7 +775,7 @@ def eval_mode(module):
 class Evaluator:
     """Held-out evaluation (--eval-every) and the fixed-seed sample grid (--sample-every).
 
-    `sampler(cond, noise) -> images (B, 3, H, W)` is the script's deterministic sampler. Every process computes the
+    `sampler(cond, noise) -> images (B, 3, H, W)` (videos (B, F, 3, H, W)) is the script's deterministic sampler. Every process computes the
     same images with the prepared module (FSDP needs all ranks in each forward; under DDP the others would only
     wait); the main process logs them. On ShapesBench the verifier's accuracies, the learned reward and diversity
     are added to the reward (common.shapesbench.evaluate).

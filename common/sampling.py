@@ -37,7 +37,8 @@ def fixed_noise(seed: int, tag: str, shape, start: int, n: int) -> torch.Tensor:
 
 @torch.no_grad()
 def sample_ode(model, transformer, cond, noise, sigmas, guidance_scale, autocast=contextlib.nullcontext):
-    """Deterministic Euler samples of a flow model along `sigmas`: noise (B, *L) -> images (B, 3, H, W)."""
+    """Deterministic Euler samples of a flow model along `sigmas`: noise (B, *L) -> images (B, 3, H, W) (videos:
+    (B, F, 3, H, W))."""
     x = noise
     for i in range(len(sigmas) - 1):
         with autocast():
@@ -52,7 +53,7 @@ def ode_sampler(model, transformer, sigmas, guidance_scale, autocast):
 
 
 def sample_prompts(sampler, model, prompts: list[str], noise: torch.Tensor, batch_size: int, progress=iter):
-    """Images (N, 3, H, W) of `prompts` from `noise` (N, *L), `batch_size` at a time through `sampler(cond, noise)`
+    """Images (N, 3, H, W) (videos (N, F, 3, H, W)) of `prompts` from `noise` (N, *L), `batch_size` at a time through `sampler(cond, noise)`
     (a VAE decode at 720 px needs most of a GB per image: docs/gpu.md); `progress` wraps the batch starts."""
     starts = range(0, len(prompts), batch_size)
     return torch.cat(
