@@ -28,11 +28,11 @@
 #   vgrpo-flux-fsdp8       FLUX.1-dev + HPSv2.1, full fine-tuning, 720 px, 8 GPUs (FSDP); 34 GB per GPU
 #   vgrpo-sd35-8gpu        SD3.5-Medium + HPSv2.1 (the paper's stage 1), LoRA r32, 512 px, 8 GPUs (DDP); 24 GB per GPU
 #   vgrpo-flux-multinode   LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
-#   dancegrpo-wan-1gpu     Wan2.1-T2V-1.3B video + HPSv2.1 on 4 frames + temporal, LoRA r128, 480x832, 33 frames, 1 GPU
-#   dancegrpo-wan-8gpu     the same on 8 GPUs (DDP)
-#   branchgrpo-wan-1gpu    Wan2.1-T2V-1.3B video, 16-leaf trees, depth pruning, LoRA r128, 480x832, 33 frames, 1 GPU
-#   branchgrpo-wan-8gpu    the same on 8 GPUs (DDP)
-#   vgrpo-wan-8gpu         Wan2.1-T2V-1.3B video, V-GRPO, LoRA r128, 480x832, 33 frames, 8 GPUs (DDP)
+#   dancegrpo-wan-1gpu     Wan2.1-T2V-1.3B video + HPSv2.1 on 4 frames + temporal, LoRA r128, 480x832, 33 frames, 1 GPU; 34 GB per GPU
+#   dancegrpo-wan-8gpu     the same on 8 GPUs (DDP); 34 GB per GPU
+#   branchgrpo-wan-1gpu    Wan2.1-T2V-1.3B video, 16-leaf trees, depth pruning, LoRA r128, 480x832, 33 frames, 1 GPU; 58 GB per GPU
+#   branchgrpo-wan-8gpu    the same on 8 GPUs (DDP); 59 GB per GPU
+#   vgrpo-wan-8gpu         Wan2.1-T2V-1.3B video, V-GRPO, LoRA r128, 480x832, 33 frames, 8 GPUs (DDP); 33 GB per GPU
 #   rlr-cpu                RLR on ShapesBench, 1 CPU process
 #   rlr-v1-cpu             RLR ablation V1: first-order term only (AlignProp with K = 1)
 #   rlr-v2-cpu             RLR ablation V2: no zero-order term (biased)

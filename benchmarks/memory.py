@@ -1,32 +1,38 @@
 """Per-GPU memory plan of every GPU recipe in run.sh, measured without a GPU: fake tensors, real architectures.
 
-    python benchmarks/memory.py                                # every GPU recipe: a markdown table (~7 min)
+    python benchmarks/memory.py                                # every GPU recipe: a markdown table (~3 min)
     python benchmarks/memory.py --out docs/gpu_memory.md       # the same, also written to a file
-    python benchmarks/memory.py --recipes vgrpo-flux-8gpu      # some recipes only
+    python benchmarks/memory.py --recipes vgrpo-flux-8gpu vgrpo-wan-8gpu   # some recipes only
     OMP_NUM_THREADS=1 python benchmarks/memory.py --cross-check   # the estimate against a real CPU run (~4 min)
 
 Each recipe's command comes from `bash run.sh --print NAME` (`--list` names them; GPU recipes are those on flux,
-sd35 or sd15, less the multi-node ones, whose per-GPU memory is their 8-GPU twin's); its flags are parsed by the
+sd35, sd15 or wan, less the multi-node ones, whose per-GPU memory is their 8-GPU twin's); its flags are parsed by the
 script's own `Args` (tyro), and the process count and FSDP come from the accelerate config it names. The models are
 built from their published configs (the constants below) inside `FakeTensorMode`: every tensor has a shape, a dtype
 and a size but no data, so FLUX.1-dev's 12B parameters cost nothing, and `MemTracker` (torch.distributed._tools)
 follows every storage that each phase allocates and frees. What the repository decides comes from its code:
 `common.models.trainable_denoiser` (the LoRA adapter via `add_lora` and `LORA_TARGETS`, which weights are fp32 and
-which stay bf16, gradient checkpointing), `common.rewards.hps_pixels`, each script's `Args` and tree sizes.
+which stay bf16, gradient checkpointing), `common.models.WanModel.decode` (Wan2.1's fp32 VAE, one video at a time),
+`common.rewards` (`hps_pixels`, `CompositeReward`'s frames of a video, `temporal`), each script's `Args` and tree
+sizes.
 `estimate()` is the same plan for any script and flags (benchmarks/gpu_check.py prints it next to a measured peak).
 
 An iteration is modelled in phases; the peak is the largest:
     encode      the text encoders on the prompt batch (no grad)
     rollout     no-grad denoiser forwards of the rollout batch (V-GRPO: also its behaviour pass, train-batch x N_MC)
-    decode      the VAE on the decode batch, then HPSv2.1 on the reward batch (no grad)
+    decode      the VAE on each decode batch (Wan2.1: a video at a time, fp32), the earlier batches' samples kept;
+                their torch.cat (the previous iteration's samples are still referenced); then the reward on all of
+                them (no grad): HPSv2.1, on a video's --reward-frames frames, and 'temporal' on videos
     train       one training micro-step: the micro-batch's forward (and the KL reference's), backward, AdamW step,
                 with the gradients of the earlier micro-steps accumulated; RLR: its first-order term (the last step,
                 the VAE and HPS with a graph), then its half-order sub-chain
-    evaluate    Evaluator: the sample grid (16 images, sampled and decoded a rollout batch at a time) and the held-out
-                evaluation (every image kept, concatenated and scored at once; at most --eval-max-prompts)
+    evaluate    Evaluator: the sample grid (16 samples) and the held-out evaluation (at most --eval-max-prompts x
+                --eval-samples-per-prompt), each sampled and decoded a rollout batch at a time, kept, concatenated
+                and scored at once
 Resident in every phase: the trainable weights, the frozen denoiser weights, the AdamW state (2 fp32 tensors per
 trainable parameter), DDP's gradient buckets (one more fp32 copy of the gradients), the rollout data (latents of every
-trajectory or tree node, conditioning, decoded images, in the dtypes the scripts keep them) and the frozen parts.
+trajectory or tree node, conditioning, decoded images or videos (fp32), in the dtypes the scripts keep them) and the
+frozen parts. A video model (Wan2.1) has latents (16, F', H/8, W/8), F' = (F - 1) / 4 + 1, and CFG rows as SD3.
 With --offload-frozen the text encoders are on the GPU only while encoding; the VAE and the reward model leave it
 before each training phase and after each evaluation (the scripts and the Evaluator park them) and come back for
 decoding and scoring.
@@ -47,7 +53,10 @@ Modelling assumptions (each moves a figure by a few percent at most):
     reduce-scatters it); the config's fsdp_activation_checkpointing counts as --gradient-checkpointing;
   * the GRPO scripts' loss maths (log-probs and ratios on (micro-batch, *latent) fp32 tensors, a few MB) is a mean
     square of the denoiser output here; RLR's loss runs in full, through the VAE and HPS;
-  * the held-out evaluation is sized for --eval-max-prompts prompts (fewer if the prompt file is shorter).
+  * the held-out evaluation is sized for --eval-max-prompts prompts (fewer if the prompt file is shorter);
+  * Wan2.1: the VAE's causal 3D convolutions count what PyTorch allocates (outputs, padding copies, the frame cache),
+    not cuDNN's conv3d workspace; the transformer's few modules that diffusers keeps in fp32 on loading (time
+    embedder, norms, modulation tables: a few MB) are bf16 here.
 The cross-check (--cross-check) runs one training micro-step of a real FLUX.1-dev with 1 double + 1 single block at
 full width on the CPU and extrapolates it per block to 19 + 38 blocks: it came within 0.5% of the estimate, with
 gradient checkpointing and without.
@@ -131,6 +140,22 @@ VAE_4CH = dict(
     latent_channels=4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
     down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
 )  # fmt: skip
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json (1.42B parameters built from it): the values of diffusers'
+# scripts/convert_wan_to_diffusers.py for Wan-T2V-1.3B; rope_max_seq_len is WanTransformer3DModel's default (not in
+# that script's dict, so not checked against the hub file)
+WAN_T2V_1_3B = dict(
+    patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+    text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+    eps=1e-6, rope_max_seq_len=1024,
+)  # fmt: skip
+# Wan2.1 text_encoder/config.json: google/umt5-xxl's encoder (5.68B; every layer has its own relative position bias)
+UMT5_XXL = dict(
+    vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, feed_forward_proj="gated-gelu",
+    relative_attention_num_buckets=32, relative_attention_max_distance=128,
+)  # fmt: skip
+# Wan2.1 vae/config.json: AutoencoderKLWan's defaults (127M), 8x in space, 4x in time after the first frame; kept in
+# fp32 by common.models.WanModel, which decodes one video at a time
+VAE_WAN = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
 # HPSv2.1 is open_clip's ViT-H-14 (986M), kept in fp32 by common/rewards.py; None = open_clip's registered config
 HPS = None
 
@@ -155,9 +180,21 @@ TINY_FLUX = {
         "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
     },
 }  # fmt: skip
+# A CPU-sized Wan2.1 (tests/tiny.py's build_wan: 1 block of width 16, a 1-layer UMT5 of width 32, a VAE of base width
+# 3), the same classes; as TINY_FLUX, for tests and `benchmarks/gpu_check.py --tiny`
+TINY_WAN = {
+    "denoiser": dict(
+        num_attention_heads=2, attention_head_dim=8, text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1,
+        rope_max_seq_len=32,
+    ),
+    "text": [("umt5", dict(UMT5_XXL, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2), 512)],
+    "vae": dict(base_dim=3, dim_mult=[1, 1, 1, 1], num_res_blocks=1),
+    "reward": TINY_FLUX["reward"],
+}  # fmt: skip
 
 # Per model kind: the denoiser, its text encoders (family, config, tokens per prompt as the pipeline pads them), the
-# VAE, the reward model, the native resolution, and the FSDP units when no accelerate config names them.
+# VAE, the reward model, the native resolution (side, or (height, width)), the native frame count of a video model,
+# and the FSDP units when no accelerate config names them.
 MODELS = {
     "flux": dict(
         denoiser=FLUX_DEV, text=[("clip", CLIP_L, 77), ("t5", T5_XXL, 512)], vae=VAE_16CH, reward=HPS,
@@ -171,11 +208,24 @@ MODELS = {
         denoiser=SD15_UNET, text=[("clip", CLIP_L, 77)], vae=VAE_4CH, reward=HPS, resolution=512,
         fsdp_units=("BasicTransformerBlock", "ResnetBlock2D"),
     ),
+    "wan": dict(
+        denoiser=WAN_T2V_1_3B, text=[("umt5", UMT5_XXL, 512)], vae=VAE_WAN, reward=HPS, resolution=(480, 832),
+        frames=81, fsdp_units=("WanTransformerBlock",),
+    ),  # WanPipeline: 512 UMT5 tokens, 480 x 832, 81 frames by default
 }  # fmt: skip
+VIDEO_KINDS = ("wan",)
 
 
 def model_kind(model_id: str) -> str:
-    """--model-id -> 'flux' / 'sd3' / 'sd1', by name (nothing is read from the hub)."""
+    """--model-id -> 'flux' / 'sd3' / 'sd1' / 'wan': a local folder's model_index.json says, else the name (nothing
+    is read from the hub)."""
+    index = Path(model_id) / "model_index.json"
+    if index.is_file():
+        from common.models import KINDS
+
+        kind = KINDS.get(json.loads(index.read_text()).get("_class_name"))
+        if kind in MODELS:
+            return kind
     low = model_id.lower()
     if "flux" in low:
         return "flux"
@@ -183,7 +233,11 @@ def model_kind(model_id: str) -> str:
         return "sd3"
     if "stable-diffusion-v1" in low:
         return "sd1"
-    raise ValueError(f"--model-id {model_id}: not FLUX.1, SD3.5-Medium or SD1.5, whose published configs are here")
+    if "wan" in low and not any(k in low for k in ("14b", "wan2.2", "i2v")):
+        return "wan"
+    raise ValueError(
+        f"--model-id {model_id}: not FLUX.1, SD3.5-Medium, SD1.5 or Wan2.1-T2V-1.3B, whose published configs are here"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -194,9 +248,10 @@ def _run_sh(*args: str) -> str:
 
 
 def gpu_recipes() -> list[str]:
-    """run.sh's recipes on FLUX / SD3.5 / SD1.5 GPUs; multi-node ones are left out (per GPU as their 8-GPU twin)."""
+    """run.sh's recipes on FLUX / SD3.5 / SD1.5 / Wan2.1 GPUs; multi-node ones are left out (per GPU as their 8-GPU
+    twin)."""
     names = _run_sh("--list").split()
-    return [n for n in names if any(k in n for k in ("flux", "sd35", "sd15")) and not n.endswith("-multinode")]
+    return [n for n in names if any(k in n for k in ("flux", "sd35", "sd15", "wan")) and not n.endswith("-multinode")]
 
 
 @dataclass
@@ -370,24 +425,37 @@ def nbytes(*tensors_or_modules) -> int:
 # Building the parts (inside fake_world)
 # ---------------------------------------------------------------------------------------------------
 def build_denoiser(kind: str, config: dict, dtype):
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel, WanTransformer3DModel
 
-    cls = {"flux": FluxTransformer2DModel, "sd3": SD3Transformer2DModel, "sd1": UNet2DConditionModel}[kind]
-    return cls(**config).to(dtype)
+    classes = {"flux": FluxTransformer2DModel, "sd3": SD3Transformer2DModel, "sd1": UNet2DConditionModel}
+    return (classes | {"wan": WanTransformer3DModel})[kind](**config).to(dtype)
 
 
 def build_text_encoder(family: str, config: dict, dtype, with_projection: bool):
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModel,
+        CLIPTextModelWithProjection,
+        T5Config,
+        T5EncoderModel,
+        UMT5Config,
+        UMT5EncoderModel,
+    )
 
     if family == "t5":
         return T5EncoderModel(T5Config(**config)).to(dtype).eval()
+    if family == "umt5":
+        return UMT5EncoderModel(UMT5Config(**config)).to(dtype).eval()
     cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel  # SD3's CLIPs have a projection
     return cls(CLIPTextConfig(**config)).to(dtype).eval()
 
 
-def build_vae(config: dict, dtype):
-    from diffusers import AutoencoderKL
+def build_vae(kind: str, config: dict, dtype):
+    """The VAE in the dtype the scripts decode in: the frozen dtype, fp32 for Wan2.1 (common.models.WanModel.to)."""
+    from diffusers import AutoencoderKL, AutoencoderKLWan
 
+    if kind == "wan":
+        return AutoencoderKLWan(**config).float().eval()
     return AutoencoderKL(**config).to(dtype).eval()
 
 
@@ -425,19 +493,32 @@ def trained_module(kind: str, config: dict, args, frozen_dtype, checkpointing: b
 # ---------------------------------------------------------------------------------------------------
 @dataclass
 class Shapes:
-    """Tensor shapes of one model at one resolution."""
+    """Tensor shapes of one model at one resolution (and frame count, for a video model)."""
 
     kind: str
-    latent: tuple  # one image's latent as the scripts hold it (FLUX: packed tokens)
+    latent: tuple  # one image's latent as the scripts hold it (FLUX: packed tokens; Wan: (16, F', h, w))
     vae_latent: tuple  # what the VAE decodes
     image: tuple  # (3, H, W)
     cond: dict  # name -> per-prompt shape of the conditioning tensors
+    frames: int | None = None  # a video's frames (video models); None for images
+
+    @property
+    def sample(self) -> tuple:
+        """One decoded sample as the scripts keep it: an image (3, H, W), or a video (F, 3, H, W), fp32."""
+        return self.image if self.frames is None else (self.frames, *self.image)
 
     @staticmethod
-    def of(kind: str, parts: dict, resolution: int) -> "Shapes":
+    def of(kind: str, parts: dict, resolution, frames: int | None = None) -> "Shapes":
+        """`resolution`: the side of a square image, or (height, width); `frames`: a video model's frame count."""
+        height, width = (resolution, resolution) if isinstance(resolution, int) else resolution
         den, vae = parts["denoiser"], parts["vae"]
+        if kind == "wan":  # WanPipeline: vae_scale_factor_spatial / _temporal from the VAE's downsampling
+            scale, t_scale = 2 ** len(vae["temperal_downsample"]), 2 ** sum(vae["temperal_downsample"])
+            latent = (vae["z_dim"], (frames - 1) // t_scale + 1, height // scale, width // scale)
+            cond = {"prompt_embeds": (parts["text"][0][2], den["text_dim"])}  # UMT5 tokens, padded with zeros
+            return Shapes(kind, latent, latent, (3, height, width), cond, frames)
         scale = 2 ** (len(vae["block_out_channels"]) - 1)
-        side = resolution // scale
+        side = height // scale
         vae_latent = (vae["latent_channels"], side, side)
         if kind == "flux":
             latent = ((side // 2) ** 2, den["in_channels"])  # 2x2 patches packed into tokens
@@ -450,7 +531,7 @@ class Shapes:
         else:
             latent = vae_latent
             cond = {"prompt_embeds": (77, den.get("cross_attention_dim", 1280))}
-        return Shapes(kind, latent, vae_latent, (3, resolution, resolution), cond)
+        return Shapes(kind, latent, vae_latent, (3, height, width), cond)
 
 
 def denoise(shapes: Shapes, module, x):
@@ -471,6 +552,11 @@ def denoise(shapes: Shapes, module, x):
             hidden_states=x.to(dt), timestep=torch.full((rows,), 500.0), encoder_hidden_states=cond["prompt_embeds"],
             pooled_projections=cond["pooled"], return_dict=False,
         )[0]  # fmt: skip
+    elif shapes.kind == "wan":  # WanModel.velocity: timestep = 1000 sigma (fp32), UMT5 embeddings
+        out = module(
+            hidden_states=x.to(dt), timestep=torch.full((rows,), 500.0), encoder_hidden_states=cond["prompt_embeds"],
+            return_dict=False,
+        )[0]  # fmt: skip
     else:
         t = torch.full((rows,), 500, dtype=torch.long)
         out = module(x.to(dt), t, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
@@ -482,11 +568,21 @@ def encode_text(encoders, batch: int):
     with torch.no_grad():
         for family, module, tokens in encoders:
             ids = torch.zeros(batch, tokens, dtype=torch.long)
+            if family == "umt5":  # WanPipeline passes the attention mask, then zeroes the embeddings past each prompt
+                out = module(ids, torch.ones_like(ids)).last_hidden_state
+                torch.stack([torch.cat([u[:1], u.new_zeros(tokens - 1, u.shape[1])]) for u in out])
+                continue
             module(ids, output_hidden_states=family == "clip")  # SD3 reads CLIP's penultimate hidden states
 
 
 def vae_decode(vae, shapes: Shapes, latents):
-    """common.models._vae_decode: (B, *latent) fp32 -> images (B, 3, H, W) fp32 in [0, 1]."""
+    """common.models._vae_decode: (B, *latent) fp32 -> images (B, 3, H, W) fp32 in [0, 1]. Wan2.1: WanModel.decode
+    itself (one video at a time, fp32) -> videos (B, F, 3, H, W)."""
+    if shapes.kind == "wan":
+        from common.models import WanModel
+        from common.offload import Offloaded
+
+        return WanModel.decode(types.SimpleNamespace(vae=vae, _vae=Offloaded([vae], "cpu", False)), latents)
     if shapes.kind == "flux":
         from diffusers import FluxPipeline
 
@@ -504,6 +600,22 @@ def hps_score(reward, images):
     image = reward.encode_image(hps_pixels(images.float(), reward.visual.image_size[0]), normalize=True)
     text = reward.encode_text(torch.zeros(len(images), 77, dtype=torch.long), normalize=True)
     return (image * text).sum(-1)
+
+
+def score_samples(reward, spec: str, frames: int, samples):
+    """The scripts' reward call (common.rewards.CompositeReward, no grad) on decoded samples, images (n, 3, H, W) or
+    videos (n, F, 3, H, W), with the components that hold GPU memory: HPSv2.1 (`reward`, its network), on `frames`
+    evenly spaced frames of each video (--reward-frames), and 'temporal' (videos). Others (jpeg, ...) are left out:
+    they work on the CPU or are not modelled (reward_model refuses pickscore and clip)."""
+    from common.rewards import CompositeReward, ScoreFn, parse_reward_spec, temporal
+
+    parts = []
+    for name, weight in parse_reward_spec(spec):
+        if name == "hpsv2.1" and reward is not None:
+            parts.append((name, weight, ScoreFn(lambda x, prompts: hps_score(reward, x), differentiable=True)))
+        elif name == "temporal":
+            parts.append((name, weight, temporal("cpu")))
+    return CompositeReward(parts, frames)(samples, [""] * len(samples))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -532,10 +644,10 @@ def _bytes(shape, count=1, element=4) -> int:
 
 
 def workload(script: str, args, shapes: Shapes, cfg: bool, frozen_bytes: int) -> Workload:
-    """From the script's parsed Args: its batches and the tensors it keeps (fp32 latents and images, conditioning
-    in the text encoders' dtype), read off its main loop."""
+    """From the script's parsed Args: its batches and the tensors it keeps (fp32 latents and images or videos,
+    conditioning in the text encoders' dtype), read off its main loop."""
     mult = 2 if cfg else 1
-    L, img = shapes.latent, shapes.image
+    L, img = shapes.latent, shapes.sample  # an image, or a video (F, 3, H, W)
     cond = sum(_bytes(s, element=frozen_bytes) for s in shapes.cond.values())  # per prompt (CFG's uncond: one more)
     if script == "dancegrpo":
         S, R, T = args.samples_per_device, args.rollout_batch_size, args.num_steps
@@ -692,34 +804,41 @@ def estimate(
     """Per-GPU memory plan of `script` ("dancegrpo" or "dancegrpo.py", ...) run with `flags` on `num_processes` GPUs:
     data parallel, or FSDP (FULL_SHARD) with `fsdp`, `fsdp_config` being the accelerate config's fsdp_config (units to
     wrap, activation checkpointing). `model_config` overrides parts of the --model-id kind's published configuration
-    (keys of MODELS[kind]: `denoiser` and `vae` are merged into the published dicts, `text`, `reward` and
-    `resolution` replace them), e.g. TINY_FLUX.
+    (keys of MODELS[kind]: `denoiser` and `vae` are merged into the published dicts, `text`, `reward`,
+    `resolution` and `frames` replace them), e.g. TINY_FLUX or TINY_WAN. A video model (Wan2.1) decodes, keeps and
+    scores videos of --num-frames frames.
 
     Returns {"peak": GB, "peak_phase", "phases": {phase: GB}, "gb": {component: GB}, "goal": GB, "fits", "params":
-    {"denoiser", "trainable"}, and the setting (model, resolution, lora, checkpointing, offload, batches, ...)}."""
+    {"denoiser", "trainable"}, and the setting (model, resolution, frames, lora, checkpointing, offload, batches,
+    ...)}."""
     script = Path(script).stem
     args = parse_args(script, flags)
     kind = model_kind(args.model_id)
     parts = dict(MODELS[kind])
     for name, value in (model_config or {}).items():
         parts[name] = {**parts[name], **value} if name in ("denoiser", "vae") else value
-    resolution = args.resolution or parts["resolution"]
-    shapes = Shapes.of(kind, parts, resolution)
+    if script == "rlr" and kind in VIDEO_KINDS:
+        raise ValueError(f"rlr.py trains image models only; --model-id {args.model_id} is a video model")
+    resolution = args.resolution or parts["resolution"]  # a side, or (height, width) (Wan2.1's native 480 x 832)
+    frames = (args.num_frames or parts["frames"]) if kind in VIDEO_KINDS else None
+    shapes = Shapes.of(kind, parts, resolution, frames)
+    height, width = shapes.image[1:]
     mp = args.mixed_precision
     frozen_dtype, esize = (torch.bfloat16, 2) if mp == "bf16" else (torch.float32, 4)  # load_model's dtype
     fsdp_config = fsdp_config or {}
     checkpointing = args.gradient_checkpointing or (fsdp and bool(fsdp_config.get("fsdp_activation_checkpointing")))
     offload, ddp = args.offload_frozen, num_processes > 1 and not fsdp
-    cfg = kind in ("sd3", "sd1") and args.guidance_scale > 1  # FLUX.1-dev's guidance is embedded: no CFG rows
+    cfg = kind in ("sd3", "sd1", "wan") and args.guidance_scale > 1  # FLUX.1-dev's guidance is embedded: no CFG
     work = workload(script, args, shapes, cfg, esize)
     if fsdp and work.kl_copy:
         raise ValueError("the scripts refuse a frozen KL reference copy under FSDP (--kl-beta 0, or --lora)")
     evaluates = args.eval_every > 0 or args.sample_every > 0
     n_eval = args.eval_max_prompts * args.eval_samples_per_prompt if args.eval_every > 0 else 0  # at most
     # Evaluator.grid: 8 prompts x 2 seeds, sampled and decoded in chunks of the Evaluator's batch (the rollout batch)
-    n_grid = min(16, args.rollout_batch_size) if args.sample_every > 0 else 0
+    n_grid_all = 16 if args.sample_every > 0 else 0
+    n_grid = min(n_grid_all, args.rollout_batch_size)
     reward_cfg = reward_model(args.reward, parts)
-    key = dict(kind=kind, den=parts["denoiser"], res=resolution, mp=mp, lora=args.lora, rank=args.lora_rank)
+    key = dict(kind=kind, den=parts["denoiser"], latent=shapes.latent, mp=mp, lora=args.lora, rank=args.lora_rank)
     key |= dict(alpha=args.lora_alpha, ckpt=checkpointing, fsdp=fsdp)
 
     with fake_world():
@@ -770,7 +889,7 @@ def estimate(
                 p.grad = torch.zeros_like(p)
             optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=True)
             optimizer.step()
-        vae = build_vae(parts["vae"], frozen_dtype)
+        vae = build_vae(kind, parts["vae"], frozen_dtype)
         reward = build_reward(reward_cfg[1]) if reward_cfg else None
         if work.rlr is not None:  # the first-order term backpropagates through the VAE and the reward model
             act_train = _cached(
@@ -802,18 +921,19 @@ def estimate(
             with torch.no_grad():
                 vae_decode(vae, shapes, torch.zeros(n, *shapes.latent))
 
-        def score(n):
-            images = torch.zeros(n, *shapes.image)
+        def score(n):  # above the decoded samples, which the scripts keep (torch.cat of the decode batches)
+            samples = torch.zeros(n, *shapes.sample)
             with torch.no_grad():
-                return measure(lambda: hps_score(reward, images), reward, images)
+                run = lambda: score_samples(reward, args.reward, args.reward_frames, samples)  # noqa: E731
+                return measure(run, *[m for m in (reward, samples) if m is not None])
 
-        vae_key = [kind, parts["vae"], resolution, mp, "decode"]
+        vae_key = [kind, parts["vae"], shapes.vae_latent, shapes.sample, mp, "decode"]
         act_decode = _cached([*vae_key, work.decode], lambda: measure(lambda: decode(work.decode), vae))
         act_decode_grid = _cached([*vae_key, n_grid], lambda: measure(lambda: decode(n_grid), vae)) if n_grid else 0
-        act_reward = act_reward_eval = 0
-        if reward is not None:
-            act_reward = _cached([reward_cfg, resolution, "score", work.reward], lambda: score(work.reward))
-            act_reward_eval = _cached([reward_cfg, resolution, "score", n_eval], lambda: score(n_eval)) if n_eval else 0
+        score_key = [reward_cfg, args.reward, args.reward_frames if frames else None, shapes.sample, "score"]
+        act_reward = _cached([*score_key, work.reward], lambda: score(work.reward))
+        act_reward_grid = _cached([*score_key, n_grid_all], lambda: score(n_grid_all)) if n_grid_all else 0
+        act_reward_eval = _cached([*score_key, n_eval], lambda: score(n_eval)) if n_eval else 0
         vae_bytes, reward_bytes = nbytes(vae), nbytes(reward) if reward is not None else 0
 
     # ---------------------------------------------------------------- phases: resident state + the phase's own
@@ -825,31 +945,42 @@ def estimate(
     # its work; rlr.py's first-order term (in the train phase here) fetches them chunk by chunk
     scorers_sampling = scorers if not offload else 0
     scorers_train = scorers if not offload or work.rlr else 0
-    images_eval = 2 * _bytes(shapes.image, n_eval)  # the held-out images and their torch.cat
+    # decoded samples (images or videos, fp32) are kept: the batches decoded so far, then their torch.cat, while the
+    # previous iteration's (in work.data) are still referenced; then the reward scores them all at once
+    sample = lambda n: _bytes(shapes.sample, max(n, 0))  # noqa: E731
+    decoding = max(sample(work.reward - work.decode) + act_decode, 2 * sample(work.reward), act_reward)
     phases = {
         "encode": state + text + scorers_sampling + act_encode,
         "rollout": state + text_out + scorers_sampling + working + act_rollout + zo,
-        "decode": state + text_out + scorers + max(act_decode, act_reward),
+        "decode": state + text_out + scorers + decoding,
         "train": state + text_out + scorers_train + g_train + working_train + max(act_train, act_step) + zo,
     }
     if work.rlr is not None:  # decoding and scoring happen in the first-order term, inside the train phase
         del phases["decode"]
     if evaluates:  # Evaluator: the grid, then the held-out evaluation
         resident = 0 if offload else scorers  # --offload-frozen: training parked the VAE and the reward before
+        # sample_prompts: a batch (the rollout batch) at a time, the earlier batches' samples kept, then torch.cat
+        grid_kept, eval_kept = sample(n_grid_all - n_grid), sample(n_eval - args.rollout_batch_size)
         steps = [
             (text if offload else 0) + scorers + act_encode,  # prompts: the text encoders visit
-            resident + act_grid,  # the grid's denoiser forwards, a rollout batch at a time
-            (vae_bytes if offload else scorers) + act_decode_grid,  # and their VAE decodes
-            scorers + images_eval + max(act_rollout, act_decode, act_reward_eval),  # the held-out evaluation
+            resident + grid_kept + act_grid,  # the grid's denoiser forwards
+            (vae_bytes if offload else scorers) + grid_kept + act_decode_grid,  # and their VAE decodes
+            scorers + sample(n_grid_all) + max(sample(n_grid_all), act_reward_grid),  # torch.cat, then the reward
         ]
+        if n_eval:
+            steps += [
+                scorers + eval_kept + max(act_rollout, act_decode),  # the held-out evaluation's sampling
+                scorers + sample(n_eval) + max(sample(n_eval), act_reward_eval),  # its torch.cat, then the reward
+            ]
         phases["evaluate"] = state + text_out + working + max(steps)
     peak_phase = max(phases, key=phases.get)
-    goal = 80 if not args.lora or resolution > 512 else 48
+    goal = 80 if not args.lora or max(height, width) > 512 else 48
     peak = phases[peak_phase] / GB
     return {
         "script": script,
         "model": kind,
-        "resolution": resolution,
+        "resolution": height if height == width else f"{height}x{width}",
+        "frames": frames,
         "lora": args.lora,
         "lora_rank": args.lora_rank if args.lora else None,
         "num_processes": num_processes,
@@ -1008,15 +1139,17 @@ def cross_check() -> None:
 # ---------------------------------------------------------------------------------------------------
 # The table
 # ---------------------------------------------------------------------------------------------------
-MODEL_NAMES = {"flux": "FLUX.1-dev", "sd3": "SD3.5-M", "sd1": "SD1.5"}
+MODEL_NAMES = {"flux": "FLUX.1-dev", "sd3": "SD3.5-M", "sd1": "SD1.5", "wan": "Wan2.1-1.3B"}
 
 
 def setting(e: dict) -> str:
-    """One line of what a plan is for, e.g. 'FLUX.1-dev 720 px, LoRA r128, micro-batch 1, ckpt, offload, 8 x DDP'."""
+    """One line of what a plan is for, e.g. 'FLUX.1-dev 720 px, LoRA r128, rows 1, ckpt, offload, 8 x DDP' or
+    'Wan2.1-1.3B 480x832 px x 33 frames, ...'."""
     mode = f"LoRA r{e['lora_rank']}" if e["lora"] else "full"
     gpus = f"{e['num_processes']} x {'FSDP' if e['fsdp'] else 'DDP'}" if e["num_processes"] > 1 else "1 GPU"
     flags = [f for f, on in (("ckpt", e["gradient_checkpointing"]), ("offload", e["offload_frozen"])) if on]
-    return ", ".join([f"{MODEL_NAMES[e['model']]} {e['resolution']} px", mode, f"rows {e['train_rows']}", *flags, gpus])
+    size = f"{MODEL_NAMES[e['model']]} {e['resolution']} px" + (f" x {e['frames']} frames" if e.get("frames") else "")
+    return ", ".join([size, mode, f"rows {e['train_rows']}", *flags, gpus])
 
 
 def table(rows: list[tuple[str, dict]]) -> str:
@@ -1051,13 +1184,14 @@ def report(rows: list[tuple[str, dict]], seconds: float) -> str:
     return (
         "# Per-GPU memory plan of the GPU recipes\n\n"
         f"Made by `python benchmarks/memory.py` ({seconds / 60:.0f} min on one CPU thread, no GPU): each recipe of "
-        "`run.sh` on FLUX.1-dev, SD3.5-Medium or SD1.5 with the flags `bash run.sh --print RECIPE` gives, the models "
+        "`run.sh` on FLUX.1-dev, SD3.5-Medium, SD1.5 or Wan2.1-T2V-1.3B with the flags `bash run.sh --print RECIPE` "
+        "gives, the models "
         "built from their published configs as fake tensors (method and assumptions: the script's docstring). "
         "**GB = 10^9 bytes** per GPU, as `torch.cuda.max_memory_allocated` counts them (the CUDA allocator reserves "
         "5-15% more). Goal: LoRA at 512 px within 48 GB; LoRA above 512 px and full fine-tuning (FSDP over 8 GPUs) "
         "within 80 GB.\n\n"
         "Resident parts: trainable weights, the frozen denoiser weights, gradients, AdamW state, the text encoders, "
-        "the VAE and HPSv2.1 weights, the rollout data (latents, conditioning, decoded images), DDP's gradient "
+        "the VAE and HPSv2.1 weights, the rollout data (latents, conditioning, decoded images or videos), DDP's gradient "
         "buckets or FSDP's gathered units. Transient: `train act.` is one training micro-step's peak above them "
         "(forward saved for backward, backward, AdamW step), `+ decode` and `+ act.` the VAE's decode and HPS's "
         "scoring of their batches, `grid` the sample grid's forward or VAE decode of one rollout batch. `rows` is the denoiser "

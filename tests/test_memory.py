@@ -1,10 +1,11 @@
-"""benchmarks/memory.py: the per-GPU memory plan, on a tiny FLUX (fake tensors, a few seconds each).
+"""benchmarks/memory.py: the per-GPU memory plan, on a tiny FLUX and a tiny Wan2.1 (fake tensors, a few seconds each).
 
     .venv/bin/python -m pytest tests/test_memory.py -q                 # ~30 s on one thread
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_memory.py -q
 
 The plan's figures that decide whether a recipe fits: what LoRA keeps in which dtype, what AdamW adds, what gradient
-checkpointing saves and what FSDP shards; and that every GPU recipe of run.sh parses.
+checkpointing saves and what FSDP shards; a video model's phases (CFG rows, the fp32 VAE, decoded videos kept and
+concatenated, the reward on a few frames of each); and that every GPU recipe of run.sh parses.
 """
 
 import pytest
@@ -74,9 +75,59 @@ def test_offloading_the_frozen_parts_takes_them_out_of_the_training_phase():
 def test_every_gpu_recipe_of_run_sh_parses_into_a_script_model_and_process_count():
     names = memory.gpu_recipes()
     assert any("flux" in n for n in names) and not any(n.endswith("-multinode") for n in names)
+    assert {n for n in names if "wan" in n} >= {"dancegrpo-wan-1gpu", "branchgrpo-wan-8gpu", "vgrpo-wan-8gpu"}
     for name in names:
         r = memory.recipe(name)
         args = memory.parse_args(r.script, r.flags)
         assert memory.model_kind(args.model_id) in memory.MODELS
         assert r.num_processes == (1 if name.endswith("1gpu") else 8)
         assert r.fsdp == ("fsdp" in name) and (not r.fsdp or r.fsdp_config)
+
+
+# ---------------------------------------------------------------- a video model: Wan2.1 text-to-video
+# dancegrpo.py on a tiny Wan2.1 (memory.TINY_WAN): 5 frames at 32 px (latents (16, 2, 4, 4)), CFG 5, 4 videos decoded
+# 2 at a time, HPSv2.1 on --reward-frames frames of each and the temporal reward, a 2-video held-out evaluation
+WAN = [
+    "--model-id", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "--resolution", "32", "--num-frames", "5",
+    "--mixed-precision", "bf16", "--reward", "hpsv2.1,temporal:0.5", "--samples-per-device", "4", "--group-size", "4",
+    "--rollout-batch-size", "2", "--trajectories-per-update", "4", "--kl-beta", "0", "--guidance-scale", "5",
+    "--eval-every", "1", "--eval-max-prompts", "2", "--eval-samples-per-prompt", "1", "--sample-every", "0", *LORA,
+]  # fmt: skip
+VIDEO_BYTES = 5 * 3 * 32 * 32 * 4  # one decoded video (F, 3, H, W) in fp32
+
+
+def wan_plan(flags=()):
+    return memory.estimate("dancegrpo.py", WAN + list(flags), model_config=memory.TINY_WAN)
+
+
+def test_wan_shapes_follow_the_published_configs():
+    shapes = memory.Shapes.of("wan", memory.MODELS["wan"], (480, 832), 33)
+    assert shapes.latent == (16, 9, 60, 104)  # (F - 1) / 4 + 1 latent frames, 8x smaller in space
+    assert shapes.sample == (33, 3, 480, 832) and shapes.cond == {"prompt_embeds": (512, 4096)}
+    assert memory.model_kind("Wan-AI/Wan2.1-T2V-1.3B-Diffusers") == "wan"
+    with pytest.raises(ValueError, match="Wan2.1-T2V-1.3B"):
+        memory.model_kind("Wan-AI/Wan2.1-T2V-14B-Diffusers")
+
+
+def test_a_video_model_doubles_its_rows_for_cfg_decodes_in_fp32_and_keeps_its_videos():
+    e = wan_plan()
+    assert e["model"] == "wan" and e["frames"] == 5 and e["resolution"] == 32
+    assert e["rollout_rows"] == e["train_rows"] == 4  # [uncond; cond] of a 2-video batch
+    assert wan_plan(["--guidance-scale", "1"])["train_rows"] == 2
+    # the frozen base in bf16, the VAE in fp32 (common.models.WanModel), whatever --mixed-precision says
+    assert e["gb"]["frozen"] * GB == pytest.approx(2 * (e["params"]["denoiser"] - e["params"]["trainable"]))
+    with memory.fake_world():
+        vae = memory.build_vae("wan", {**memory.VAE_WAN, **memory.TINY_WAN["vae"]}, None)
+        assert e["gb"]["vae"] * GB == 4 * sum(p.numel() for p in vae.parameters())
+    # the 4 decoded videos are kept; decoding holds them twice more (the batches, then their torch.cat)
+    assert e["gb"]["rollout_data"] * GB > 4 * VIDEO_BYTES
+    resident = sum(e["gb"][k] for k in ("trainable", "frozen", "optimizer", "rollout_data", "vae", "reward")) * GB
+    assert e["phases"]["decode"] * GB >= resident + 2 * 4 * VIDEO_BYTES
+    assert e["phases"]["evaluate"] * GB >= resident + 2 * 2 * VIDEO_BYTES  # the 2 held-out videos, and their cat
+
+
+def test_the_image_reward_scores_reward_frames_of_each_video_and_rlr_refuses_videos():
+    one, four = wan_plan(["--reward-frames", "1"]), wan_plan()
+    assert 0 < one["gb"]["reward_activations"] < four["gb"]["reward_activations"]  # HPS on 4 x 1, then 4 x 4 frames
+    with pytest.raises(ValueError, match="video"):
+        memory.estimate("rlr.py", ["--model-id", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "--num-frames", "5"])
