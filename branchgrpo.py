@@ -185,8 +185,8 @@ def branch_noise(gen, n_parents: int, n_children: int, shape, rho: float) -> tor
     """Noise of the children of each parent, (n_parents * n_children, *shape), children of a parent consecutive.
     z_c = sqrt(rho) xi_parent + sqrt(1 - rho) xi_c with fresh xi at every split (paper appendix B.1): every z_c is
     N(0, I), so each child edge is an exact SDE transition, and siblings have correlation rho."""
-    shared = torch.randn((n_parents, 1, *shape), generator=gen)
-    own = torch.randn((n_parents, n_children, *shape), generator=gen)
+    shared = torch.randn((n_parents, 1, *shape), generator=gen, device=gen.device)
+    own = torch.randn((n_parents, n_children, *shape), generator=gen, device=gen.device)
     return (math.sqrt(rho) * shared + math.sqrt(1 - rho) * own).flatten(0, 1)
 
 
@@ -199,7 +199,7 @@ def tree_noise(args, iteration, tree_ids: list[int], splits, latent_shape, rho: 
         if n_children > 1 and args.branch_noise == "correlated":
             per_tree.append(branch_noise(gen, n_parents, n_children, latent_shape, rho))
         else:
-            per_tree.append(torch.randn((n_parents * n_children, *latent_shape), generator=gen))
+            per_tree.append(torch.randn((n_parents * n_children, *latent_shape), generator=gen, device=gen.device))
     return torch.cat(per_tree)
 
 
@@ -302,7 +302,8 @@ def trained_edges(args, splits, sizes, sde_set, adv, iteration) -> list[torch.Te
     the children of step i. Pruning acts here only: the rollout and the rewards are the same whatever it is. ODE
     edges and the last (deterministic) step are never trained."""
     n_trees, last, s_last = adv[0].shape[0], args.num_steps - 1, max(splits)
-    keep = [torch.full((n_trees, sizes[i + 1]), i in sde_set and i < last) for i in range(args.num_steps)]
+    dev = adv[0].device  # the masks meet the advantages (on the GPU in training)
+    keep = [torch.full((n_trees, sizes[i + 1]), i in sde_set and i < last, device=dev) for i in range(args.num_steps)]
     if args.pruning == "depth":  # paper §3.4 / appendix A: a 4-step window, one step deeper every 30 iterations
         for i in depth_window(args.num_steps, s_last, args.window, args.window_shift_every, iteration):
             keep[i][:] = False

@@ -148,7 +148,7 @@ def ddim_step(x, eps, alpha, alpha_prev, eta):
 
     x0_hat = (x - sqrt(1 - a) eps) / sqrt(a), std = eta sqrt((1 - a_prev) / (1 - a) (1 - a / a_prev)),
     mean = sqrt(a_prev) x0_hat + sqrt(1 - a_prev - std^2) eps. eta = 0 is deterministic DDIM."""
-    alpha, alpha_prev = torch.as_tensor(alpha, dtype=x.dtype), torch.as_tensor(alpha_prev, dtype=x.dtype)
+    alpha, alpha_prev = (torch.as_tensor(a, dtype=x.dtype, device=x.device) for a in (alpha, alpha_prev))
     x0_hat = (x - (1 - alpha).sqrt() * eps) / alpha.sqrt()
     std = eta * ((1 - alpha_prev) / (1 - alpha) * (1 - alpha / alpha_prev)).clamp(min=0).sqrt()
     mean = alpha_prev.sqrt() * x0_hat + (1 - alpha_prev - std**2).clamp(min=0).sqrt() * eps

@@ -159,7 +159,10 @@ def stratified_indices(grid_size: int, n_mc: int, gen: torch.Generator) -> torch
     """One index drawn uniformly inside each of the n_mc contiguous chunks of range(grid_size) (tensor_split
     semantics: the first grid_size % n_mc chunks hold one more element). (n_mc,) int64, increasing."""
     return torch.stack(
-        [c[torch.randint(len(c), (1,), generator=gen)[0]] for c in torch.arange(grid_size).tensor_split(n_mc)]
+        [
+            c[torch.randint(len(c), (1,), generator=gen, device=gen.device)[0]]
+            for c in torch.arange(grid_size, device=gen.device).tensor_split(n_mc)
+        ]
     )
 
 
@@ -176,16 +179,16 @@ def draw_pairs(grid, n_mc, latent_shape, key, sample_ids, stratified=True, share
     def one(*k):
         g_t, g_eps = rng(*key, "pairs_t", *k), rng(*key, "pairs_eps", *k)
         if grid is None:
-            u = torch.rand(n_mc, generator=g_t)
-            t = (torch.arange(n_mc) + u) / n_mc if stratified else u
+            u = torch.rand(n_mc, generator=g_t, device=g_t.device)
+            t = (torch.arange(n_mc, device=u.device) + u) / n_mc if stratified else u
         else:
             idx = (
                 stratified_indices(len(grid), n_mc, g_t)
                 if stratified
-                else torch.randint(len(grid), (n_mc,), generator=g_t)
+                else torch.randint(len(grid), (n_mc,), generator=g_t, device=g_t.device)
             )
             t = grid[idx]
-        return t, torch.randn((n_mc, *latent_shape), generator=g_eps)
+        return t, torch.randn((n_mc, *latent_shape), generator=g_eps, device=g_eps.device)
 
     if shared:
         t, eps = one()

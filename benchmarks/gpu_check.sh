@@ -2,12 +2,29 @@
 # The prepared GPU check (benchmarks/gpu_check.py has what it measures): random weights at full size, bf16, LoRA r128,
 # 2 iterations on one GPU, no internet. FLUX.1-dev at 512 px: dancegrpo.py, branchgrpo.py --pruning depth and
 # vgrpo.py; Wan2.1-T2V-1.3B video at 480x832 x 9 frames: dancegrpo.py and branchgrpo.py --pruning depth.
-#   bash benchmarks/gpu_check.sh [--out DIR]     # one H100 / H200-class GPU; stops itself after 8 minutes
+#   bash benchmarks/gpu_check.sh --prepare       # here, with the package index: .whl/ (wheels + memory plans), and
+#                                                # it prints the one command to run on an offline GPU node
+#   bash benchmarks/gpu_check.sh [--out DIR] [--results DIR]   # one H100 / H200-class GPU; 8 minutes at most
 #   bash benchmarks/gpu_check.sh --cases wan     # one case (flux or wan), e.g. to rerun within the time left
 #   bash benchmarks/gpu_check.sh --tiny          # tiny models on the CPU: the harness only
-# Needs the packages of requirements.txt; a GPU machine without diffusers, tyro or open_clip_torch gets them as
-# wheels (docs/gpu.md, "The GPU check").
+# docs/gpu.md, "The GPU check", has the command, the wheels and the time budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PY:-}" ]; then PY=python3; [ -x .venv/bin/python ] && PY=.venv/bin/python; fi
-exec timeout "${GPU_CHECK_LIMIT_S:-480}" "$PY" benchmarks/gpu_check.py "$@"
+if [ "${1:-}" = "--prepare" ]; then
+    # The packages of requirements.txt that a CUDA image with torch, transformers, accelerate, timm and requests
+    # lacks, as wheels for CPython 3.12 on x86_64 Linux (all of them pure Python): benchmarks/gpu_wheels.txt
+    rm -rf .whl && mkdir .whl
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl -r benchmarks/gpu_wheels.txt
+    kib=$(du -sk .whl | cut -f1)
+    [ "$kib" -le 16384 ] || { echo "error: the wheels take $((kib / 1024)) MiB, more than 16" >&2; exit 1; }
+    "$PY" benchmarks/gpu_check.py --write-plan .whl/plan.json  # memory.py's plans: CPU work kept off the GPU's clock
+    echo "$(ls .whl/*.whl | wc -l) wheels, $((kib / 1024)).$(((kib % 1024) * 10 / 1024)) MiB, and the memory plans in .whl/"
+    echo "On the GPU node, from the repository's root with .whl/ copied along (RESULTS: where the figures go):"
+    echo '  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PY=python3 bash benchmarks/gpu_check.sh --plan .whl/plan.json --results RESULTS'
+    exit 0
+fi
+# gpu_check.py keeps its own limit (--limit-s, 480 s after the plans and the disk check) and records a script that
+# overruns; this outer limit only ends a hang of the harness itself
+exec timeout "${GPU_CHECK_LIMIT_S:-900}" "$PY" benchmarks/gpu_check.py "$@"

@@ -114,6 +114,9 @@ class RunArgs:
     """write a fixed-seed sample grid PNG every N iterations; 0 = never"""
     save_every: int = 25
     """accelerate save_state checkpoint every N iterations; 0 = only at the end"""
+    save: bool = True
+    """write checkpoints and the final weights (--no-save: neither, for benchmarks and checks; such a run cannot be
+    resumed)"""
     checkpoints_total_limit: int = 2
     """keep only the newest N checkpoints"""
     resume_from: Optional[str] = None
@@ -634,12 +637,17 @@ class Run:
         """save_state every --save-every iterations, at the end, and after SIGTERM or Ctrl-C, which then ends the run
         here (exit status 128 + the signal's number) with a line saying how to resume; every process takes part."""
         signum = self._stop_signal()
-        if (self.args.save_every and iteration % self.args.save_every == 0) or final or signum:
+        due = (self.args.save_every and iteration % self.args.save_every == 0) or final or signum
+        if due and self.args.save:
             self._save_state(iteration)
         if signum:
             self.accelerator.print(
-                f"{signal.Signals(signum).name}: stopped after iteration {iteration}, checkpoint in {self.ckpt_dir}; "
-                f"to go on, run the same command with --resume-from {self.dir}"
+                f"{signal.Signals(signum).name}: stopped after iteration {iteration}, "
+                + (
+                    f"checkpoint in {self.ckpt_dir}; to go on, run the same command with --resume-from {self.dir}"
+                    if self.args.save
+                    else "no checkpoint (--no-save)"
+                )
             )
             self.close()
             sys.exit(128 + signum)
@@ -705,13 +713,16 @@ class Run:
         from common.models import save_trained_weights
 
         sharded = self.accelerator.distributed_type == DistributedType.FSDP
-        state_dict = self.accelerator.get_state_dict(prepared) if sharded else None  # collective under FSDP
+        save = self.args.save
+        state_dict = self.accelerator.get_state_dict(prepared) if sharded and save else None  # collective under FSDP
         if self.is_main:
-            save_trained_weights(model, self.accelerator.unwrap_model(prepared), self.dir / "final", lora, state_dict)
+            if save:
+                save_trained_weights(
+                    model, self.accelerator.unwrap_model(prepared), self.dir / "final", lora, state_dict
+                )
             minutes = (time.perf_counter() - self.t_start) / 60
-            print(
-                f"done: {self.args.iterations} iterations ({minutes:.1f} min here); trained weights in {self.dir / 'final'}"
-            )
+            where = f"trained weights in {self.dir / 'final'}" if save else "trained weights not saved (--no-save)"
+            print(f"done: {self.args.iterations} iterations ({minutes:.1f} min here); {where}")
         self.close()
 
     def weight_spread(self, params) -> float:

@@ -3,6 +3,7 @@ ShapesBench defaults never apply to a real model, the memory settings (bf16 froz
 checkpointing, --offload-frozen), the evaluation subset, run.sh as the one source of GPU commands."""
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -56,7 +57,13 @@ def test_real_model_without_prompts_fails_before_it_loads(script, tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        env={
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(tmp_path),
+            **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},  # packages installed with --target
+        },  # fmt: skip
         timeout=300,
     )
     assert out.returncode == 2, out.stderr[-2000:]

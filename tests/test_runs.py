@@ -24,6 +24,13 @@ def make_run(tmp_path):
     return make
 
 
+def test_no_save_writes_no_checkpoint(make_run):
+    run = make_run(save_every=1, save=False)
+    for it in (1, 2):
+        run.checkpoint(it, final=it == 2)
+    assert not run.ckpt_dir.exists()
+
+
 def test_checkpoints_are_renamed_complete_and_rotated(make_run):
     run = make_run(save_every=1, checkpoints_total_limit=2)
     for it in (1, 2, 3):

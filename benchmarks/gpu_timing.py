@@ -1,0 +1,104 @@
+"""Run a training script with its denoiser's work timed on the GPU, for benchmarks/gpu_check.py.
+
+    python benchmarks/gpu_timing.py TIMINGS.json dancegrpo.py --model-id ... (the script's own flags)
+
+The script runs unchanged (as `python dancegrpo.py ...` would run it); this wrapper only patches, in this process,
+the forward of the diffusers transformer classes and accelerate's Accelerator.backward to record a CUDA event before
+and after each call, and common.runs.Run.end_iteration to count iterations. Events are read once, at the end, so the
+run is not synchronised more than it is without the wrapper. TIMINGS.json gets, per iteration:
+  nograd_rows, nograd_s   transformer forwards without gradients (the rollout; V-GRPO's behaviour values too): rows
+                          (one image or video each; a CFG batch counts both halves) and GPU time
+  grad_rows, grad_s       forwards with gradients (the training step's)
+  backward_s              the backward passes (with gradient checkpointing: the recomputed forwards included)
+On a CPU (gpu_check.py --tiny) the same counts are made with wall-clock times.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import runpy
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Clock:
+    """Pairs of CUDA events (or wall-clock times on a CPU) per (iteration, kind), read at the end."""
+
+    def __init__(self):
+        self.cuda = torch.cuda.is_available()
+        self.iteration = 0
+        self.spans = []  # (iteration, kind, rows, start, end)
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def timed(self, fn, kind_of, rows_of):
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            start = self.now()
+            out = fn(*a, **k)
+            self.spans.append((self.iteration, kind_of(), rows_of(a, k), start, self.now()))
+            return out
+
+        return wrapper
+
+    def table(self) -> list[dict]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        rows = {}
+        for it, kind, n, start, end in self.spans:
+            r = rows.setdefault(it, {"iteration": it, "nograd_rows": 0, "nograd_s": 0.0, "grad_rows": 0,
+                                     "grad_s": 0.0, "backward_s": 0.0})  # fmt: skip
+            s = start.elapsed_time(end) / 1e3 if self.cuda else end - start
+            r[f"{kind}_s"] += s
+            if kind != "backward":
+                r[f"{kind}_rows"] += n
+        return [rows[k] for k in sorted(rows)]
+
+
+def hidden_rows(a, k) -> int:
+    """Rows of a transformer call: the batch size of hidden_states (its first argument)."""
+    x = k["hidden_states"] if "hidden_states" in k else a[1]  # a[0] is self
+    return int(x.shape[0])
+
+
+def main():
+    out, script, flags = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    sys.path.insert(0, str(ROOT))
+    import diffusers
+    from accelerate import Accelerator
+
+    from common import runs
+
+    clock = Clock()
+    grad_kind = lambda: "grad" if torch.is_grad_enabled() else "nograd"  # noqa: E731
+    for name in ("FluxTransformer2DModel", "SD3Transformer2DModel", "WanTransformer3DModel", "UNet2DConditionModel"):
+        cls = getattr(diffusers, name)
+        cls.forward = clock.timed(cls.forward, grad_kind, hidden_rows)
+    Accelerator.backward = clock.timed(Accelerator.backward, lambda: "backward", lambda a, k: 0)
+    end_iteration = runs.Run.end_iteration
+
+    def counted(self, *a, **k):
+        end_iteration(self, *a, **k)
+        clock.iteration += 1
+
+    runs.Run.end_iteration = counted
+    sys.argv = [script, *flags]
+    try:
+        runpy.run_path(str(ROOT / script), run_name="__main__")
+    finally:
+        out.write_text(json.dumps(clock.table(), indent=1))
+
+
+if __name__ == "__main__":
+    main()
