@@ -8,25 +8,21 @@ the per-step likelihood ratio is optimised over a random fraction of the steps (
 --window-shift-every iterations and every other step is a deterministic ODE step (MixGRPO).
 
 Launch (run.sh has more):
-    python dancegrpo.py                                              # ShapesBench on CPU, ~4 min
-    python dancegrpo.py --sde-window 4                               # MixGRPO on ShapesBench, ~4 min
+    python dancegrpo.py                                              # ShapesBench on CPU
+    python dancegrpo.py --sde-window 4                               # MixGRPO on ShapesBench
     PROMPTS=prompts.txt bash run.sh dancegrpo-flux-8gpu             # FLUX.1-dev, LoRA, 8 GPUs; docs/gpu.md: all of them
     PROMPTS=prompts.txt bash run.sh dancegrpo-wan-8gpu              # Wan2.1 text-to-video, 8 GPUs; docs/video.md
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 dancegrpo.py   # 2 CPU processes
     python dancegrpo.py --resume-from latest                         # continue the newest runs/dancegrpo__*
 
-Defaults tuned for ShapesBench that differ from the paper (run.sh's GPU recipes use the paper's values): --sde-type
-flow (a = 0.7, Flow-GRPO's schedule), not constant eta 0.3; --clip-range 1e-3, not 1e-4 (the log-prob is a mean over
-the D latent dimensions, so a ratio moves like 1/sqrt(D): D = 256 here, 65536 for FLUX at 512 px);
-independent initial noise within a group (Flow-GRPO), not shared (--same-noise); the shared optimiser defaults of
-common/runs.py (LoRA r32, no weight decay or KL, 40 iterations), which keep images clean, but lr 6e-4: the
-per-step estimator's update direction is mostly noise (docs/experiments.md), and at 3e-4 DanceGRPO gained 14 points
-of shape accuracy in 40 iterations where it gained 25 at 6e-4 (seed 0, with the earlier weight decay 10 and KL).
-Deviations from the official code (docs/dancegrpo.md explains each): rollout chunks are the training micro-batches
-and the trained steps are drawn per chunk, so the first ratio of an iteration is exactly 1; the last step is a
-deterministic Euler step onto x0_hat, neither sampled nor trained; the optional KL is the exact Gaussian KL of one
-step; all randomness is keyed on (seed, iteration, global sample index), so resumed and multi-process runs draw
-the same numbers as an uninterrupted single-process one.
+ShapesBench's defaults differ from the paper's (run.sh's GPU recipes use the paper's): docs/dancegrpo.md lists them
+and why. Deviations from the official code (docs/dancegrpo.md explains each):
+  1. rollout chunks are the training micro-batches and the trained steps are drawn per chunk, so the first ratio of
+     an iteration is exactly 1;
+  2. the last step is a deterministic Euler step onto x0_hat, neither sampled nor trained;
+  3. the optional KL is the exact Gaussian KL of one step;
+  4. all randomness is keyed on (seed, iteration, global sample index), so resumed and multi-process runs draw the
+     same numbers as an uninterrupted single-process one.
 """
 
 from __future__ import annotations
@@ -44,7 +40,7 @@ from accelerate.utils import set_seed
 
 from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser
 from common.rewards import build_reward
-from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need
+from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need, reward_stats
 from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> a generator
 
 
@@ -65,12 +61,12 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     samples_per_device: int = 64
     """images sampled per process per iteration; prompts per iteration = processes * this / group size"""
     rollout_batch_size: int = 32
-    """images per transformer forward in sampling; also the training micro-batch"""
+    """images per denoiser forward in sampling; also the training micro-batch"""
     same_noise: bool = False
     """one shared initial noise per prompt group (DanceGRPO --init_same_noise)"""
     timestep_fraction: Optional[float] = None
     """fraction of a trajectory's SDE steps trained (if unset: 0.6; 1.0 with --sde-window, as MixGRPO)"""
-    trajectories_per_update: int = 32
+    samples_per_update: int = 32
     """trajectories (per process) whose gradients are accumulated into one optimizer step"""
     clip_range: float = 1e-3
     """PPO clip epsilon on the ratio (log-probs are means over latent dimensions, hence small)"""
@@ -82,6 +78,36 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """MixGRPO: SDE (and training) only inside a window of W steps, ODE elsewhere; 0 = SDE everywhere"""
     window_shift_every: int = 25
     """MixGRPO: the window moves one step deeper every N iterations"""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Flag checks: the mode's defaults, then every flag, before a model loads (run plumbing lives in common/runs.py)
+# ---------------------------------------------------------------------------------------------------
+def resolve_and_check(args: Args) -> tuple[list[str], list[str]]:
+    """The defaults that depend on the mode filled in, then this script's flags checked and the shared ones
+    (common/runs.py), before a model loads; returns (training prompts, held-out prompts). A bad flag stops the run
+    with one `error:` line naming it; the checks that need the number of processes are in main()."""
+    if args.noise_level is None:
+        args.noise_level = 0.3 if args.sde_type == "dance" else 0.7
+    if args.timestep_fraction is None:
+        args.timestep_fraction = 1.0 if args.sde_window else 0.6
+    args.exp_name = args.exp_name or Path(__file__).stem + ("_mix" if args.sde_window else "")  # a fork: its own name
+    T, S, G = args.num_steps, args.samples_per_device, args.group_size
+    need(T >= 2, "--num-steps must be at least 2 (the last step is a deterministic Euler step)")
+    need(0 <= args.sde_window <= T - 1, f"--sde-window must be in [0, {T - 1}] (= --num-steps - 1)")
+    need(0 < args.timestep_fraction <= 1, "--timestep-fraction must be in (0, 1]")
+    need(args.noise_level > 0 and args.window_shift_every >= 1, "--noise-level > 0 and --window-shift-every >= 1")
+    need(G >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
+    need(S % args.rollout_batch_size == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
+    need(
+        args.samples_per_update % args.rollout_batch_size == 0 and S % args.samples_per_update == 0,
+        "--samples-per-update must be a multiple of --rollout-batch-size and divide --samples-per-device",
+    )
+    need(
+        args.kl_beta >= 0 and min(args.clip_range, args.adv_clip_max) > 0,
+        "--kl-beta >= 0, --clip-range, --adv-clip-max > 0",
+    )
+    return check_run_args(args)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -135,10 +161,21 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-8)).flatten().float()
 
 
-def grpo_loss(log_prob, old_log_prob, adv, clip_range: float):
-    """PPO-clipped surrogate per sample: max(-A r, -A clip(r, 1 - eps, 1 + eps)), r = exp(logp - logp_old). (B,)"""
+def policy_loss(log_prob, old_log_prob, adv, clip_range, kl=None, kl_beta=0.0):
+    """The objective to minimise, per sample (B,): the PPO-clipped surrogate max(-A r, -A clip(r, 1 - eps, 1 + eps)),
+    r = exp(logp - logp_old), plus kl_beta * KL to the base model when `kl` (B,) is given. Returns (loss (B,), the
+    detached figures the log reports). A fork changes the objective here, in one place."""
     ratio = torch.exp(log_prob - old_log_prob)
-    return torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)), ratio
+    surrogate = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
+    stats = {
+        "policy_loss": surrogate.mean().detach(),
+        "ratio": ratio.detach(),
+        "clipfrac": ((ratio - 1).abs() > clip_range).float().mean().detach(),
+        "approx_kl": (0.5 * (log_prob - old_log_prob) ** 2).mean().detach(),
+    }
+    if kl is None:
+        return surrogate, stats
+    return surrogate + kl_beta * kl, stats | {"kl": kl.mean().detach()}
 
 
 def sde_steps(num_steps: int, sde_window: int, window_shift_every: int, iteration: int) -> list[int]:
@@ -153,14 +190,14 @@ def sde_steps(num_steps: int, sde_window: int, window_shift_every: int, iteratio
 
 
 @torch.no_grad()
-def rollout(model, transformer, cond, x, step_noise, sigmas, g, sde_idx, guidance_scale, autocast):
+def rollout(model, denoiser, cond, x, step_noise, sigmas, g, sde_idx, guidance_scale, autocast):
     """Sample one chunk. x: (B, *L) initial noise, step_noise: (B, T, *L). SDE at steps in `sde_idx`, Euler elsewhere.
 
     Returns latents (B, T + 1, *L) fp32 (x_0 ... x_T, x_T the image latent) and log_probs (B, T) (0 at ODE steps)."""
     latents, log_probs = [x], torch.zeros(len(x), len(sigmas) - 1, device=x.device)
     for i in range(len(sigmas) - 1):
         with autocast():
-            v = model.velocity(transformer, x, sigmas[i].expand(len(x)).to(x.device), cond, guidance_scale)
+            v = model.velocity(denoiser, x, sigmas[i].expand(len(x)).to(x.device), cond, guidance_scale)
         v = v.float()
         if i in sde_idx:
             x, log_probs[:, i], _, _ = sde_step(
@@ -172,69 +209,42 @@ def rollout(model, transformer, cond, x, step_noise, sigmas, g, sde_idx, guidanc
     return torch.stack(latents, 1), log_probs
 
 
-# ---------------------------------------------------------------------------------------------------
-# Flag checks (run plumbing: evaluation, grids, checkpoints, resume and logging live in common/runs.py)
-# ---------------------------------------------------------------------------------------------------
-def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
-    """Check this script's flags, then the shared ones (common.runs); returns (training prompts, held-out prompts)."""
-    T, S, G = args.num_steps, args.samples_per_device, args.group_size
-    need(T >= 2, "--num-steps must be at least 2 (the last step is a deterministic Euler step)")
-    need(0 <= args.sde_window <= T - 1, f"--sde-window must be in [0, {T - 1}] (= --num-steps - 1)")
-    need(0 < args.timestep_fraction <= 1, "--timestep-fraction must be in (0, 1]")
-    need(args.noise_level > 0 and args.window_shift_every >= 1, "--noise-level > 0 and --window-shift-every >= 1")
-    need(G >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
-    need(S * world % G == 0, f"--samples-per-device {S} x {world} processes must be a multiple of --group-size {G}")
-    need(S % args.rollout_batch_size == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
-    need(
-        args.trajectories_per_update % args.rollout_batch_size == 0 and S % args.trajectories_per_update == 0,
-        "--trajectories-per-update must be a multiple of --rollout-batch-size and divide --samples-per-device",
-    )
-    need(
-        args.kl_beta >= 0 and min(args.clip_range, args.adv_clip_max) > 0,
-        "--kl-beta >= 0, --clip-range, --adv-clip-max > 0",
-    )
-    return check_run_args(args)
-
-
 def main(args: Args):
     # ---------------------------------------------------------------- SETUP
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     world, rank = accelerator.num_processes, accelerator.process_index
-    if args.noise_level is None:
-        args.noise_level = 0.3 if args.sde_type == "dance" else 0.7
-    if args.timestep_fraction is None:
-        args.timestep_fraction = 1.0 if args.sde_window else 0.6
-    args.exp_name = args.exp_name or Path(__file__).stem + ("_mix" if args.sde_window else "")  # a fork: its own name
-    prompt_lists = validate(args, world)  # every flag and input checked (prompt files read) before a model loads
+    prompt_lists = resolve_and_check(args)  # every flag and input checked (prompt files read) before a model loads
+    S, G = args.samples_per_device, args.group_size
+    need(S * world % G == 0, f"--samples-per-device {S} x {world} processes must be a multiple of --group-size {G}")
     frozen = args.kl_beta > 0 and not args.lora  # KL reference: a frozen copy of the base (LoRA: adapter off)
     run = Run(args, accelerator, "MixGRPO" if args.sde_window else "DanceGRPO", frozen_copy=frozen)
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
     device, autocast = accelerator.device, accelerator.autocast
     frozen_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
     prompts_per_iter = world * args.samples_per_device // args.group_size
-    chunks_per_update = args.trajectories_per_update // args.rollout_batch_size
-    updates_per_iter = args.samples_per_device // args.trajectories_per_update
+    chunks_per_update = args.samples_per_update // args.rollout_batch_size
+    updates_per_iter = args.samples_per_device // args.samples_per_update
     sigmas = sigma_schedule(args.num_steps, args.shift)  # (T + 1,)
     g = noise_g(sigmas, args.sde_type, args.noise_level)  # (T,)
 
     # ---------------------------------------------------------------- MODELS
     model = load_model(args.model_id, device, frozen_dtype, args.resolution, args.num_frames, args.offload_frozen)
-    transformer = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
-    ref = transformer if args.lora else frozen_copy(transformer, frozen_dtype) if frozen else None
+    denoiser = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
+    ref = denoiser if args.lora else frozen_copy(denoiser, frozen_dtype) if frozen else None
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
     train_prompts, eval_prompts = prompt_lists
     reward_fn = build_reward(args.reward, device, args.reward_checkpoints(), args.offload_frozen, args.reward_frames)
 
     # ---------------------------------------------------------------- OPTIMIZER
-    params = [p for p in transformer.parameters() if p.requires_grad]
+    params = [p for p in denoiser.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
-    transformer, optimizer = accelerator.prepare(transformer, optimizer)
+    denoiser, optimizer = accelerator.prepare(denoiser, optimizer)
 
     # ---------------------------------------------------------------- RESUME, EVALUATOR, BANNER
     start = run.resume()  # 0, or the iteration of the --resume-from checkpoint (weights, optimizer, RNG, counters)
     latent_shape = model.latent_shape()
-    evaluate = Evaluator(args, model, transformer, reward_fn, eval_prompts, run, args.rollout_batch_size)  # Euler ODE
+    evaluate = Evaluator(args, model, denoiser, reward_fn, eval_prompts, run, args.rollout_batch_size)  # Euler ODE
     n_sde = len(sde_steps(args.num_steps, args.sde_window, args.window_shift_every, 0))
     n_train = max(1, int(n_sde * args.timestep_fraction))
     lines = [
@@ -265,13 +275,13 @@ def main(args: Args):
         sde_idx = sde_steps(args.num_steps, args.sde_window, args.window_shift_every, it)
         cond = model.encode_prompts(my_prompts)
         chunks = []  # one dict per rollout chunk: cond, latents (B, T + 1, *L), log_probs (B, T)
-        transformer.eval()
+        denoiser.eval()
         for c in range(0, args.samples_per_device, args.rollout_batch_size):
             sl = slice(c, c + args.rollout_batch_size)
             cond_c = {k: v[sl] for k, v in cond.items()}
             latents, log_probs = rollout(
                 model,
-                transformer,
+                denoiser,
                 cond_c,
                 init[sl].to(device),
                 step_noise[sl],
@@ -297,7 +307,7 @@ def main(args: Args):
 
         # ------------------------------------------------------------ TRAINING
         model.park(), reward_fn.park()  # --offload-frozen: the VAE and the reward models leave the GPU
-        transformer.train()
+        denoiser.train()
         n_train = max(1, int(len(sde_idx) * args.timestep_fraction))
         stats = {k: [] for k in ("policy_loss", "kl", "ratio", "clipfrac", "approx_kl")}
         for u in range(updates_per_iter):
@@ -313,14 +323,13 @@ def main(args: Args):
                     last = ci == (u + 1) * chunks_per_update - 1 and j == len(steps) - 1
                     x, x_next = ch["latents"][:, i], ch["latents"][:, i + 1]
                     sig = sigmas[i].expand(len(x)).to(device)
-                    with accelerator.no_sync(transformer) if not last else nullcontext():
+                    with accelerator.no_sync(denoiser) if not last else nullcontext():
                         with autocast():
-                            v = model.velocity(transformer, x, sig, ch["cond"], args.guidance_scale)
+                            v = model.velocity(denoiser, x, sig, ch["cond"], args.guidance_scale)
                         _, log_prob, mean, std = sde_step(
                             x, v.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=x_next
                         )
-                        loss_vec, ratio = grpo_loss(log_prob, ch["log_probs"][:, i], adv[sl], args.clip_range)
-                        loss = loss_vec.mean()
+                        kl = None
                         if args.kl_beta > 0:
                             with autocast():  # the base model: frozen copy, or LoRA adapter off
                                 v_ref = reference_velocity(
@@ -331,23 +340,26 @@ def main(args: Args):
                             )
                             # exact KL(N(mean, std^2) || N(mean_ref, std^2)) per dimension, averaged like the log-prob
                             kl = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * std.flatten() ** 2)
-                            loss = loss + args.kl_beta * kl.mean()
-                            stats["kl"].append(kl.mean().detach())
-                        accelerator.backward(loss / (chunks_per_update * len(steps)))
-                    stats["policy_loss"].append(loss_vec.mean().detach())
-                    stats["ratio"].append(ratio.detach())
-                    stats["clipfrac"].append(((ratio - 1).abs() > args.clip_range).float().mean().detach())
-                    stats["approx_kl"].append((0.5 * (log_prob - ch["log_probs"][:, i]) ** 2).mean().detach())
-            # learning rate: linear warmup over the first --lr-warmup optimizer steps, then constant
+                        loss, figures = policy_loss(
+                            log_prob, ch["log_probs"][:, i], adv[sl], args.clip_range, kl, args.kl_beta
+                        )
+                        accelerator.backward(loss.mean() / (chunks_per_update * len(steps)))
+                    for k, v in figures.items():
+                        stats[k].append(v)
+            # optimizer step: warmup, clipping, and a step skipped on every process if a gradient norm is not finite
             lr_now = args.learning_rate * min(1.0, (run.state.optimizer_steps + 1) / max(1, args.lr_warmup))
-            run.step(optimizer, params, lr_now)  # clipped; skipped if the gradient norm is not finite
+            for group in optimizer.param_groups:
+                group["lr"] = lr_now
+            norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)
+            if stepped := run.all_finite(norm):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.count_step(lr_now, norm, stepped)  # for the log, and the warmup's count
 
         # ------------------------------------------------------------ LOGGING
         ratios = torch.cat(stats["ratio"])
         log = {
-            "rewards/mean": all_rewards.mean().item(),
-            "rewards/std": all_rewards.std().item(),
-            **{f"rewards/{k}": v.mean().item() for k, v in parts.items()},
+            **reward_stats(all_rewards, parts),
             "advantages/zero_std_groups": (all_rewards.view(-1, args.group_size).std(1) == 0).float().mean().item(),
             "losses/policy": torch.stack(stats["policy_loss"]).mean().item(),
             "losses/ratio_mean": ratios.mean().item(),
@@ -356,7 +368,7 @@ def main(args: Args):
             "losses/clipfrac": torch.stack(stats["clipfrac"]).mean().item(),
             "losses/approx_kl": torch.stack(stats["approx_kl"]).mean().item(),
             "charts/window_start": sde_idx[0],
-            # NFE = number of function evaluations: transformer forwards per image (rollout + trained steps)
+            # NFE = number of function evaluations: denoiser forwards per image (rollout + trained steps)
             "perf/nfe_per_image": args.num_steps + n_train * (2 if args.kl_beta > 0 else 1),
             "perf/trained_steps_per_image": n_train,
             "perf/sampling_s": t_sample,
@@ -372,7 +384,7 @@ def main(args: Args):
         evaluate(it + 1, final=it + 1 == args.iterations)
 
     # ---------------------------------------------------------------- FINAL SAVE
-    run.save_final(model, transformer, args.lora)
+    run.save_final(model, denoiser, args.lora)
 
 
 if __name__ == "__main__":

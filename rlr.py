@@ -24,19 +24,19 @@ eq. 1); it differs from the unperturbed one by O(sigma^2). tests/test_rlr.py che
 closed-form gradient of a linear-Gaussian chain. h is --subchain-len, or the paper's h* for --memory-budget-gb.
 
 Launch (run.sh has more):
-    python rlr.py                                                    # ShapesBench on CPU, ~1 min
+    python rlr.py                                                    # ShapesBench on CPU
     python rlr.py --terms fo+ho                                      # the paper's ablation V2 (no ZO term)
     python rlr.py --subchain-stage coarse                            # restrict the sub-chain to the coarse steps
     PROMPTS=prompts.txt bash run.sh rlr-sd15-8gpu                   # SD1.5, LoRA r4, 8 GPUs; docs/gpu.md: all of them
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 rlr.py --samples-per-device 4  # 2 CPU processes
     python rlr.py --resume-from latest                               # continue the newest runs/rlr__*
 
-ShapesBench uses the optimiser defaults of common/runs.py (LoRA r32, lr 3e-4, no weight decay, 40 iterations).
 Deviations from the public code, which implements neither the sub-chain nor the ZO term (docs/rlr.md explains
-each): the estimator is the paper's eq. 6 with unit weights and baselines that keep it unbiased; one optimizer step
-per iteration on the sum of the terms (--terms selects the paper's ablations V1 = fo, V2 = fo+ho, V3 = fo+zo); the
-log-density is summed over latent dimensions; the window start is uniform (or uniform in a --subchain-stage);
-DDIM's last step lands on x0_hat; all randomness is keyed on (seed, iteration, sample / chunk / block index).
+each): 1. the estimator is the paper's eq. 6 with unit weights and baselines that keep it unbiased; 2. one optimizer
+step per iteration on the sum of the terms (--terms selects the paper's ablations V1 = fo, V2 = fo+ho, V3 = fo+zo);
+3. the log-density is summed over latent dimensions; 4. the window start is uniform (or uniform in a
+--subchain-stage); 5. DDIM's last step lands on x0_hat; 6. all randomness is keyed on (seed, iteration, sample /
+chunk / block index).
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
-from common.models import load_model, trainable_denoiser
+from common.models import check_model_id, load_model, trainable_denoiser
 from common.prompts import load_dcot
-from common.rewards import build_reward, parse_reward_spec
-from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need
+from common.rewards import build_reward, is_differentiable, parse_reward_spec
+from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need, reward_stats
 from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> a generator
 
 
@@ -99,6 +99,76 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     terms: Literal["fo+ho+zo", "fo+ho", "fo+zo", "fo"] = "fo+ho+zo"
     """estimator terms: fo+ho+zo = RLR (unbiased); the paper's ablations fo+ho = V2 (biased), fo+zo = V3
     (unbiased, every step but the last is ZO), fo = V1 (one-step truncated backprop, AlignProp K=1; biased)"""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Flag checks: the mode's defaults, then every flag, before a model loads (run plumbing lives in common/runs.py)
+# ---------------------------------------------------------------------------------------------------
+def sample_images(model, module, sched, cond, noise, guidance_scale, autocast):
+    """Deterministic samples (Euler ODE, or DDIM with eta 0) for evaluation and grids; noise (B, *L) -> (B, 3, H, W).
+    Adapted from common/sampling.py's sample_ode (any sampler of this file)."""
+    x = noise
+    for i in range(len(sched["eta" if model.kind == "sd1" else "g"])):
+        x, _ = transition(model, module, sched, i, x, cond, guidance_scale, autocast)
+    return model.decode(x).float()
+
+
+def grad_norm(params) -> float:
+    """The L2 norm of the accumulated gradients of this process (unclipped, fp64)."""
+    return math.sqrt(sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None))
+
+
+def resolve_and_check(args: Args) -> tuple[list[str], list[str]]:
+    """The defaults that depend on the mode filled in, then this script's flags checked and the shared ones
+    (common/runs.py), before a model loads; returns (training prompts, held-out prompts). A bad flag stops the run
+    with one `error:` line naming it; the checks that need the number of processes are in main()."""
+    if args.memory_budget_gb is not None:
+        need(args.subchain_len is None, "give --subchain-len or --memory-budget-gb, not both")
+        args.subchain_len = optimal_subchain_len(
+            args.memory_budget_gb, args.num_steps, args.ho_step_gb, args.zo_step_gb, args.variance_ratio
+        )
+    elif args.subchain_len is None:
+        args.subchain_len = min(2, args.num_steps - 1)
+    if args.zo_perturbations is None:
+        args.zo_perturbations = args.samples_per_device // max(1, args.rollout_batch_size)  # one per rollout chunk
+    args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
+    if args.noise_level is None:  # the model's kind from its model_index.json, before it loads
+        sd1 = check_model_id(args.model_id) == "sd1"
+        args.noise_level = 1.0 if sd1 else 0.3 if args.sde_type == "dance" else 0.7
+    T, h, S = args.num_steps, args.subchain_len, args.samples_per_device
+    B, n_blocks = args.rollout_batch_size, args.zo_perturbations
+    need(T >= 2, "--num-steps must be at least 2 (one stochastic step and the deterministic last step)")
+    if "ho" in args.terms:
+        budget = f" (h* of --memory-budget-gb {args.memory_budget_gb})" if args.memory_budget_gb is not None else ""
+        need(1 <= h <= T - 1, f"h = {h}{budget}: --subchain-len must be in [1, {T - 1}] (= --num-steps - 1)")
+        need(
+            window_starts(T, h, args.subchain_stage),
+            f"--subchain-stage {args.subchain_stage}: no window of {h} steps (--subchain-len) starts in that third of "
+            f"--num-steps {T} and ends before the last step",
+        )
+    need(
+        args.ho_step_gb > args.zo_step_gb > 0 and 0 <= args.variance_ratio < 1,
+        "--ho-step-gb > --zo-step-gb > 0 and --variance-ratio in [0, 1) are needed by the h* rule",
+    )
+    need(args.noise_level is None or args.noise_level > 0, "--noise-level must be > 0 (the HO term needs noise)")
+    need(args.group_size >= 2, "--group-size must be >= 2 (the baseline is the mean of the other samples of a prompt)")
+    need(S % B == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
+    need(
+        n_blocks > 0 and S % n_blocks == 0 and S // n_blocks % B == 0,
+        "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size",
+    )
+    need(args.zo_scale > 0, "--zo-scale must be > 0")
+    bad = [name for name, w in parse_reward_spec(args.reward) if w != 0 and not is_differentiable(name)]
+    need(
+        not bad,
+        f"--reward {args.reward}: {', '.join(bad)} is not differentiable, and RLR's first-order term backpropagates "
+        f"through the reward; use a differentiable one (shapes, hpsv2.1, pickscore, clip) or give it weight 0 to log it",
+    )
+    train_prompts, eval_prompts = check_run_args(args, video=False)  # RLR's paper trains images
+    if args.dcot_prompts is not None:
+        need(args.prompts == "shapes-train", "--dcot-prompts replaces --prompts: give one of them")
+        train_prompts = list(load_dcot(args.dcot_prompts))
+    return train_prompts, eval_prompts
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -155,7 +225,7 @@ def ddim_step(x, eps, alpha, alpha_prev, eta):
     return mean, std.to(x.device)
 
 
-def make_schedule(model, num_steps: int, args: Args, stochastic: bool = True) -> dict:
+def make_schedule(model, num_steps: int, noise_level: float, shift=3.0, sde_type="flow", stochastic=True) -> dict:
     """Per-step constants of the sampler. Flow: sigmas (T + 1,), g (T,). DDIM: timesteps t, alphabar a and a_prev,
     eta (T,), "leading" spacing with the scheduler's steps_offset as diffusers; the last step is always
     deterministic (g = eta = 0) and DDIM's lands on x0_hat (a_prev = 1). stochastic=False: an ODE / DDIM(eta=0)."""
@@ -165,11 +235,11 @@ def make_schedule(model, num_steps: int, args: Args, stochastic: bool = True) ->
         t = torch.arange(num_steps - 1, -1, -1) * ratio + model.pipe.scheduler.config.get("steps_offset", 0)
         prev = t - ratio
         a_prev = torch.where(prev >= 0, ac[prev.clamp(min=0)], torch.ones((), dtype=ac.dtype))
-        eta = torch.full((num_steps,), args.noise_level if stochastic else 0.0)
+        eta = torch.full((num_steps,), noise_level if stochastic else 0.0)
         eta[-1] = 0
         return {"t": t, "a": ac[t].float(), "a_prev": a_prev.float(), "eta": eta}
-    sigmas = sigma_schedule(num_steps, args.shift)
-    g = noise_g(sigmas, args.sde_type, args.noise_level) if stochastic else torch.zeros(num_steps)
+    sigmas = sigma_schedule(num_steps, shift)
+    g = noise_g(sigmas, sde_type, noise_level) if stochastic else torch.zeros(num_steps)
     g[-1] = 0
     return {"sigmas": sigmas, "g": g}
 
@@ -281,6 +351,13 @@ def zo_baseline(rewards, group_size: int, block):
     return out.to(rewards.dtype)
 
 
+def term_weights(rewards, group_size: int, block):
+    """Per-sample weights of the likelihood-ratio terms (eq. 6), with baselines that keep each term unbiased: HO,
+    R - b (loo_baseline); ZO, R - b' (zo_baseline). rewards (N,) in global order, block (N,) -> ((N,), (N,)). The FO
+    term is the reward's own gradient. A fork changes the estimator's weighting here, in one place."""
+    return rewards - loo_baseline(rewards, group_size), rewards - zo_baseline(rewards, group_size, block)
+
+
 def zo_coefficients(weights, block, zo_mask, n_blocks: int):
     """coef[q, i] = sum of weights[b] over the samples b of block q whose step i was a ZO step. weights (N,),
     block (N,), zo_mask (N, T) bool -> (n_blocks, T); the ZO term of (block q, step i) is coef[q, i] zeta_qi / sigma^2."""
@@ -337,83 +414,13 @@ def zo_perturbed(params, key: tuple, scale: float, i: int):
     return perturbed(params, zo_noise(params, key_seed(*key, i), scale))
 
 
-# ---------------------------------------------------------------------------------------------------
-# Flag checks and the deterministic sampler (run plumbing: evaluation, grids, checkpoints, resume and logging live in
-# common/runs.py)
-# ---------------------------------------------------------------------------------------------------
-NON_DIFFERENTIABLE_REWARDS = {"verifier", "jpeg"}  # common/rewards.py builds these with differentiable=False
-
-
-@torch.no_grad()
-def sample_images(model, module, sched, cond, noise, guidance_scale, autocast):
-    """Deterministic samples (Euler ODE, or DDIM with eta 0) for evaluation and grids; noise (B, *L) -> (B, 3, H, W).
-    Adapted from common/sampling.py's sample_ode (any sampler of this file)."""
-    x = noise
-    for i in range(len(sched["eta" if model.kind == "sd1" else "g"])):
-        x, _ = transition(model, module, sched, i, x, cond, guidance_scale, autocast)
-    return model.decode(x).float()
-
-
-def grad_norm(params) -> float:
-    """The L2 norm of the accumulated gradients of this process (unclipped, fp64)."""
-    return math.sqrt(sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None))
-
-
-def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
-    """This script's flags, then the shared ones and every input checkable before a model loads (common.runs).
-    Returns (training prompts, held-out prompts); the training prompts are the DCoT file's with --dcot-prompts."""
-    T, h, S, G = args.num_steps, args.subchain_len, args.samples_per_device, args.group_size
-    B, n_blocks = args.rollout_batch_size, args.zo_perturbations
-    need(T >= 2, "--num-steps must be at least 2 (one stochastic step and the deterministic last step)")
-    if "ho" in args.terms:
-        budget = f" (h* of --memory-budget-gb {args.memory_budget_gb})" if args.memory_budget_gb is not None else ""
-        need(1 <= h <= T - 1, f"h = {h}{budget}: --subchain-len must be in [1, {T - 1}] (= --num-steps - 1)")
-        need(
-            window_starts(T, h, args.subchain_stage),
-            f"--subchain-stage {args.subchain_stage}: no window of {h} steps (--subchain-len) starts in that third of "
-            f"--num-steps {T} and ends before the last step",
-        )
-    need(
-        args.ho_step_gb > args.zo_step_gb > 0 and 0 <= args.variance_ratio < 1,
-        "--ho-step-gb > --zo-step-gb > 0 and --variance-ratio in [0, 1) are needed by the h* rule",
-    )
-    need(args.noise_level is None or args.noise_level > 0, "--noise-level must be > 0 (the HO term needs noise)")
-    need(args.group_size >= 2, "--group-size must be >= 2 (the baseline is the mean of the other samples of a prompt)")
-    need(S * world % G == 0, f"--samples-per-device {S} x {world} processes must be a multiple of --group-size {G}")
-    need(S % B == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
-    need(
-        n_blocks > 0 and S % n_blocks == 0 and S // n_blocks % B == 0,
-        "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size",
-    )
-    need(args.zo_scale > 0, "--zo-scale must be > 0")
-    bad = [name for name, w in parse_reward_spec(args.reward) if w != 0 and name in NON_DIFFERENTIABLE_REWARDS]
-    need(
-        not bad,
-        f"--reward {args.reward}: {', '.join(bad)} is not differentiable, and RLR's first-order term backpropagates "
-        f"through the reward; use shapes, hpsv2.1, pickscore or clip, or give {bad[0] if bad else ''} weight 0 to log it",
-    )
-    train_prompts, eval_prompts = check_run_args(args, video=False)  # RLR's paper trains images
-    if args.dcot_prompts is not None:
-        need(args.prompts == "shapes-train", "--dcot-prompts replaces --prompts: give one of them")
-        train_prompts = list(load_dcot(args.dcot_prompts))
-    return train_prompts, eval_prompts
-
-
 def main(args: Args):
     # ---------------------------------------------------------------- SETUP
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     world, rank = accelerator.num_processes, accelerator.process_index
-    if args.memory_budget_gb is not None:
-        need(args.subchain_len is None, "give --subchain-len or --memory-budget-gb, not both")
-        args.subchain_len = optimal_subchain_len(
-            args.memory_budget_gb, args.num_steps, args.ho_step_gb, args.zo_step_gb, args.variance_ratio
-        )
-    elif args.subchain_len is None:
-        args.subchain_len = min(2, args.num_steps - 1)
-    if args.zo_perturbations is None:
-        args.zo_perturbations = args.samples_per_device // max(1, args.rollout_batch_size)  # one per rollout chunk
-    args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
-    prompt_lists = validate(args, world)  # every flag and input checked (prompt files read) before a model loads
+    prompt_lists = resolve_and_check(args)  # every flag and input checked (prompt files read) before a model loads
+    T, S, B, G = args.num_steps, args.samples_per_device, args.rollout_batch_size, args.group_size
+    need(S * world % G == 0, f"--samples-per-device {S} x {world} processes must be a multiple of --group-size {G}")
     need(
         not (accelerator.distributed_type == DistributedType.FSDP and "zo" in args.terms),
         "the ZO term perturbs whole parameter tensors in place, which FSDP shards; use DDP (e.g. --lora and "
@@ -423,7 +430,6 @@ def main(args: Args):
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
     device, autocast = accelerator.device, accelerator.autocast
     frozen_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
-    T, S, B, G = args.num_steps, args.samples_per_device, args.rollout_batch_size, args.group_size
     n_blocks = args.zo_perturbations  # perturbation blocks per process
     use_ho, use_zo = "ho" in args.terms, "zo" in args.terms
     h = args.subchain_len if use_ho else 0  # h = 0: no window (ablations V1, V3)
@@ -435,15 +441,12 @@ def main(args: Args):
     model = load_model(
         args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution, offload=args.offload_frozen
     )
-    if args.noise_level is None:
-        args.noise_level = 1.0 if model.kind == "sd1" else 0.3 if args.sde_type == "dance" else 0.7
     denoiser = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
     train_prompts, eval_prompts = prompt_lists
     dcot = load_dcot(args.dcot_prompts) if args.dcot_prompts else None
     reward_fn = build_reward(args.reward, device, args.reward_checkpoints(), offload=args.offload_frozen)
-    need(reward_fn.differentiable, f"--reward {args.reward}: not differentiable; RLR's first-order term needs one")
 
     # ---------------------------------------------------------------- OPTIMIZER
     params = [p for p in denoiser.parameters() if p.requires_grad]
@@ -453,10 +456,10 @@ def main(args: Args):
 
     # ---------------------------------------------------------------- RESUME, EVALUATOR, BANNER
     start = run.resume()  # 0, or the iteration of the --resume-from checkpoint (weights, optimizer, RNG, counters)
-    sched = make_schedule(model, T, args)
+    sched = make_schedule(model, T, args.noise_level, args.shift, args.sde_type)
     latent_shape = model.latent_shape()
     starts = window_starts(T, h, args.subchain_stage) if use_ho else [0]
-    eval_sched = make_schedule(model, args.eval_steps, args, stochastic=False)
+    eval_sched = make_schedule(model, args.eval_steps, args.noise_level, args.shift, args.sde_type, stochastic=False)
     sampler = partial(sample_images, model, denoiser, eval_sched, guidance_scale=args.guidance_scale, autocast=autocast)
     eval_batch = max(B, 16) if model.kind == "shapes" else B  # (CPU ShapesBench: batch up)
     evaluate = Evaluator(args, model, denoiser, reward_fn, eval_prompts, run, eval_batch, sampler)
@@ -524,10 +527,8 @@ def main(args: Args):
         all_rewards = accelerator.gather(torch.cat(rewards).float().to(device))  # (N,) in global sample order
         parts = {k: accelerator.gather(torch.cat([p[k] for p in parts]).float().to(device)) for k in parts[0]}
         sample_block = block_of.to(device)[torch.arange(N, device=device) // B]  # (N,)
-        adv_ho = (all_rewards - loo_baseline(all_rewards, G))[
-            rank * S : (rank + 1) * S
-        ]  # R - b, this process's samples
-        adv_zo = all_rewards - zo_baseline(all_rewards, G, sample_block)  # R - b', all samples
+        w_ho, adv_zo = term_weights(all_rewards, G, sample_block)  # R - b and R - b', all samples (N,)
+        adv_ho = w_ho[rank * S : (rank + 1) * S]  # this process's samples
         zo_mask = torch.zeros(N, T, dtype=torch.bool, device=device)  # (N, T): which steps of each sample were ZO steps
         if use_zo:
             for gc, j in enumerate(j_of):
@@ -556,19 +557,23 @@ def main(args: Args):
                 )
             zo_norm = math.sqrt(sum(float((p.grad - g).double().square().sum()) for p, g in zip(params, before)))
             del before
-        # learning rate: linear warmup over the first --lr-warmup optimizer steps, then constant
+        # optimizer step: warmup, clipping, and a step skipped on every process if a gradient norm is not finite
         lr_now = args.learning_rate * min(1.0, (run.state.optimizer_steps + 1) / max(1, args.lr_warmup))
-        run.step(optimizer, params, lr_now)  # clipped; skipped if the gradient norm is not finite
+        for group in optimizer.param_groups:
+            group["lr"] = lr_now
+        norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)
+        if stepped := run.all_finite(norm):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.count_step(lr_now, norm, stepped)  # for the log, and the warmup's count
 
         # ------------------------------------------------------------ LOGGING
         log = {
-            "rewards/mean": all_rewards.mean().item(),
-            "rewards/std": all_rewards.std().item(),
-            **{f"rewards/{k}": v.mean().item() for k, v in parts.items()},
+            **reward_stats(all_rewards, parts),
             "rlr/subchain_len": h,
             "rlr/window_start": sum(j_of) / len(j_of),
             "rlr/zo_steps": zo_mask.sum(1).float().mean().item(),
-            "rlr/ho_adv_abs": (all_rewards - loo_baseline(all_rewards, G)).abs().mean().item(),
+            "rlr/ho_adv_abs": w_ho.abs().mean().item(),
             "rlr/zo_adv_abs": adv_zo.abs().mean().item() if use_zo else 0.0,
             "rlr/recompute_max_dev": accelerator.gather(torch.stack(deviations).max().reshape(1)).max().item(),
             "grad/fo_norm": fo_norm,

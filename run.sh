@@ -95,7 +95,7 @@ GPU_COMMON=("${GPU_MEMORY[@]}" --reward hpsv2.1 "${HPS_CKPT[@]}" "${GPU_PROMPTS[
 # clip 1e-4, no KL, embedded guidance 3.5.
 FLUX_DANCE=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 "${GPU_COMMON[@]}"
   --num-steps 16 --sde-type dance --noise-level 0.3 --guidance-scale 3.5 --group-size 12 --samples-per-device 12
-  --rollout-batch-size 1 --trajectories-per-update 4 --same-noise --clip-range 1e-4 --kl-beta 0 --iterations 300
+  --rollout-batch-size 1 --samples-per-update 4 --same-noise --clip-range 1e-4 --kl-beta 0 --iterations 300
   --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
 FLUX_LORA=(--lora --lora-rank 128 --lora-alpha 256 --learning-rate 3e-4 --offload-frozen)
 FLUX_FULL=(--no-lora --learning-rate 1e-5 --offload-frozen)
@@ -111,13 +111,13 @@ FLUX_BRANCH=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution
 # images per prompt (one prompt per GPU), clip 6e-3, no KL, embedded guidance 3.5, 3 optimizer steps per iteration.
 FLUX_VGRPO=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 "${GPU_COMMON[@]}"
   --num-steps 16 --solver dpm++2m --n-mc 4 --guidance-scale 3.5 --group-size 12 --samples-per-device 12
-  --rollout-batch-size 1 --train-batch-size 1 --images-per-update 4 --clip-range 6e-3 --kl-beta 0 --iterations 300
+  --rollout-batch-size 1 --train-batch-size 1 --samples-per-update 4 --clip-range 6e-3 --kl-beta 0 --iterations 300
   --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
 # Flow-GRPO's SD3.5-Medium setting (arXiv 2505.05470, config/grpo.py), which dancegrpo.py's flow SDE is: 512 px,
 # 10 steps, a = 0.7, CFG 4.5 in training, 24 images per prompt, LoRA r32 alpha 64, lr 3e-4, clip 1e-4, KL 0.04.
 SD35_DANCE=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 "${GPU_COMMON[@]}"
   --num-steps 10 --sde-type flow --noise-level 0.7 --guidance-scale 4.5 --group-size 24 --samples-per-device 24
-  --rollout-batch-size 8 --trajectories-per-update 24 --timestep-fraction 1.0 --clip-range 1e-4 --kl-beta 0.04
+  --rollout-batch-size 8 --samples-per-update 24 --timestep-fraction 1.0 --clip-range 1e-4 --kl-beta 0.04
   --lora --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --iterations 300
   --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 40 --sample-every 10 --save-every 20)
 # V-GRPO's SD3.5-Medium stage 1 (arXiv 2604.23380, appendix): 512 px, 40-step ODE without CFG, N_MC 4, 24 images per
@@ -125,7 +125,7 @@ SD35_DANCE=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --
 # lr 3e-4 (the paper's reward is HPSv2.1 + PickScore + CLIP score; HPSv2.1 alone here).
 SD35_VGRPO=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 "${GPU_COMMON[@]}"
   --num-steps 40 --solver dpm++2m --n-mc 4 --guidance-scale 1 --group-size 24 --samples-per-device 24
-  --rollout-batch-size 8 --train-batch-size 2 --images-per-update 24 --adv-soft-clip 3 --kl-beta 0
+  --rollout-batch-size 8 --train-batch-size 2 --samples-per-update 24 --adv-soft-clip 3 --kl-beta 0
   --lora --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --iterations 300
   --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 40 --sample-every 10 --save-every 20)
 # RLR's SD setting (arXiv 2502.00639 §5; https://github.com/RTkenny/RLR-Optimizer, scripts/hps_RLR.sh): SD1.5 (paper:
@@ -145,11 +145,11 @@ WAN=(--model-id "${MODEL_ID:-Wan-AI/Wan2.1-T2V-1.3B-Diffusers}" --num-frames 33 
   --lora --lora-rank 128 --lora-alpha 256 --learning-rate 3e-4 --offload-frozen --iterations 200
   --eval-every 20 --eval-max-prompts 16 --eval-samples-per-prompt 1 --eval-steps 30 --sample-every 10 --save-every 20)
 WAN_DANCE=("${WAN[@]}" --num-steps 20 --sde-type dance --noise-level 0.3 --group-size 16 --samples-per-device 16
-  --rollout-batch-size 4 --trajectories-per-update 4)
+  --rollout-batch-size 4 --samples-per-update 4)
 WAN_BRANCH=("${WAN[@]}" --num-steps 20 --split-schedule dense --num-splits 4 --branch-factor 2 --sde-type dance
   --noise-level 0.3 --trees-per-device 1 --trees-per-update 1 --rollout-batch-size 8 --pruning depth --window 4)
 WAN_VGRPO=("${WAN[@]}" --num-steps 16 --solver dpm++2m --n-mc 4 --group-size 16 --samples-per-device 16
-  --rollout-batch-size 4 --train-batch-size 1 --images-per-update 16)
+  --rollout-batch-size 4 --train-batch-size 1 --samples-per-update 16)
 
 multinode() {  # SCRIPT FLAGS...: DDP on NUM_MACHINES x 8 GPUs, launched once per machine
   for v in MAIN_IP MACHINE_RANK NUM_MACHINES; do need_env "$v" "multi-node recipes: MAIN_IP, MACHINE_RANK, NUM_MACHINES"; done
@@ -184,7 +184,7 @@ case "$recipe" in
   vgrpo-nokl-cpu) go "$PY" vgrpo.py --exp-name vgrpo-nokl --no-lora --learning-rate 3e-4 --weight-decay 0 --kl-beta 0 \
     --iterations 60 --eval-every 10 "$@" ;;
   vgrpo-naive-cpu) go "$PY" vgrpo.py --exp-name vgrpo-naive --no-stratified --no-shared-pairs --no-self-normalize "$@" ;;
-  vgrpo-cpu-2proc) go "${CPU2[@]}" vgrpo.py --samples-per-device 32 --images-per-update 16 "$@" ;;
+  vgrpo-cpu-2proc) go "${CPU2[@]}" vgrpo.py --samples-per-device 32 --samples-per-update 16 "$@" ;;
   vgrpo-flux-1gpu) go "${LAUNCH[@]}" --num_processes 1 vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;
   vgrpo-flux-8gpu) go "${DDP8[@]}" vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;
   vgrpo-flux-fsdp8) go "${FSDP8[@]}" vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_FULL[@]}" "$@" ;;

@@ -11,38 +11,27 @@ schedule. The PPO-clipped loss uses the whole-image ratio exp(S_theta - S_old), 
 the rollout; optional KL to the behaviour policy and a tanh soft clip of the advantages.
 
 Launch (run.sh has more):
-    python vgrpo.py                                                  # ShapesBench on CPU, ~4 min
+    python vgrpo.py                                                  # ShapesBench on CPU
     python vgrpo.py --no-stratified --no-shared-pairs --no-self-normalize   # the naive ELBO baseline
     PROMPTS=prompts.txt bash run.sh vgrpo-flux-8gpu                 # FLUX.1-dev, LoRA, 8 GPUs; docs/gpu.md: all of them
     PROMPTS=prompts.txt bash run.sh vgrpo-wan-8gpu                  # Wan2.1 text-to-video, 8 GPUs; docs/video.md
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 vgrpo.py   # 2 CPU processes
     python vgrpo.py --resume-from latest                             # continue the newest runs/vgrpo__*
 
-Defaults tuned for ShapesBench that differ from the paper (the FLUX line above uses the paper's): the optimiser
-defaults of common/runs.py (LoRA r32, lr 3e-4, 10-step warmup, no weight decay, 40 iterations) and, as the paper's
-FLUX run, no KL term (docs/experiments.md; full fine-tuning without LoRA, KL or weight decay collapses to one image
-per prompt).
-Choices where the paper is silent, and deviations (docs/vgrpo.md explains each):
-  * DPM-Solver++(2M) is written out (dpm_solver_2m_step, 8 lines; tested against diffusers'
-    DPMSolverMultistepScheduler, whose flow schedule cannot reproduce sigma_schedule(T, shift));
-  * the pairs come from keyed randomness, (seed, iteration) only, so every process draws the same ones without a
-    broadcast (logged: charts/rank_pairs_spread); --no-shared-pairs keys them by global sample index;
-  * timesteps are drawn from the rollout schedule sigma_0 .. sigma_{T-1} (0 excluded), cut into N_MC chunks with
-    tensor_split semantics, one uniform pick per chunk, so training sees the noise levels the rollout visits (the
-    shift concentrates them at high noise; t below sigma_{T-1} is never drawn); --pair-times uniform is the paper's
-    description, N_MC equal intervals of (0, 1); --no-stratified draws N_MC i.i.d. times from the same support;
-  * the behaviour values S_old are computed once per iteration with the same micro-batches (train_batch_size x
-    N_MC rows) as the training forwards, so the first log ratio is exactly 0; S_old serves every optimizer step
-    of the iteration (one rollout = one behaviour policy);
-  * KL (--kl-beta) is D_simple on the stored pairs against the behaviour policy: its x0_hat predictions are kept
-    from the same pass (fp32, samples x N_MC latents), so no frozen copy and no extra forward are needed;
-    --kl-ref base anchors to the model before training instead (as DiffusionNFT, arXiv 2509.16117, does), one
-    no-grad pass more per iteration: the behaviour KL only limits each iteration's step, so drift adds up;
-  * several rewards: each component is normalised within the group, the advantages are summed with the --reward
-    weights as given (not renormalised to sum 1), then clipped to +-adv_clip_max, then optionally soft-clipped;
-  * the surrogate forwards use --guidance-scale like the rollout (CFG doubles them on SD3 / ShapesBench);
-  * evaluation and grids use the Euler sampler shared with dancegrpo.py, whatever --solver is;
-  * all randomness is keyed on (seed, iteration, ...), as in dancegrpo.py: resumed and multi-process runs match.
+ShapesBench's defaults differ from the paper's (the FLUX line above uses the paper's): docs/vgrpo.md lists them and
+why. Choices where the paper is silent, and deviations (docs/vgrpo.md explains each):
+  1. DPM-Solver++(2M) is written out (dpm_solver_2m_step, tested against diffusers' DPMSolverMultistepScheduler);
+  2. the pairs come from keyed randomness, (seed, iteration) only, so every process draws the same ones without a
+     broadcast; --no-shared-pairs keys them by global sample index;
+  3. timesteps are drawn from the rollout schedule sigma_0 .. sigma_{T-1}, one uniform pick in each of N_MC chunks
+     (--pair-times uniform: the paper's N_MC equal intervals of (0, 1));
+  4. the behaviour values S_old come from the same micro-batches as the training forwards (the first log ratio is
+     exactly 0) and serve every optimizer step of the iteration;
+  5. KL (--kl-beta) is D_simple on the stored pairs, against the behaviour policy or (--kl-ref base) the base model;
+  6. several rewards: each is normalised within the group, the advantages summed with the --reward weights as given,
+     then clipped, then optionally soft-clipped;
+  7. the surrogate forwards use --guidance-scale like the rollout; evaluation uses the shared Euler sampler;
+  8. all randomness is keyed on (seed, iteration, ...): resumed and multi-process runs match.
 """
 
 from __future__ import annotations
@@ -61,7 +50,7 @@ from accelerate.utils import set_seed
 
 from common.models import base_weights, frozen_copy, load_model, trainable_denoiser
 from common.rewards import build_reward, parse_reward_spec
-from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need
+from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need, reward_stats
 from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> a generator
 
 
@@ -78,10 +67,10 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     samples_per_device: int = 64
     """images sampled per process per iteration; prompts per iteration = processes * this / group size"""
     rollout_batch_size: int = 16
-    """images per transformer forward in sampling"""
+    """images per denoiser forward in sampling"""
     train_batch_size: int = 8
     """images per surrogate micro-batch: one forward of this x --n-mc rows (behaviour values and training alike)"""
-    images_per_update: int = 32
+    samples_per_update: int = 32
     """images (per process) whose gradients are accumulated into one optimizer step"""
     n_mc: int = 4
     """(t, eps) pairs per image in the surrogate (N_MC)"""
@@ -106,6 +95,42 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     kl_ref: Literal["behaviour", "base"] = "base"
     """KL reference: 'behaviour' = the policy that sampled this iteration (paper); 'base' = the model before training
     (frozen copy, or LoRA adapter off; N_MC more forwards per image), so drift cannot accumulate over iterations"""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Flag checks: the mode's defaults, then every flag, before a model loads (run plumbing lives in common/runs.py)
+# ---------------------------------------------------------------------------------------------------
+def resolve_and_check(args: Args) -> tuple[list[str], list[str]]:
+    """The defaults that depend on the mode filled in, then this script's flags checked and the shared ones
+    (common/runs.py), before a model loads; returns (training prompts, held-out prompts). A bad flag stops the run
+    with one `error:` line naming it; the checks that need the number of processes are in main()."""
+    args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
+    need(args.num_steps >= 1 and args.shift > 0, "--num-steps must be >= 1 and --shift > 0")
+    need(args.n_mc >= 1, "--n-mc must be >= 1")
+    need(
+        not args.stratified or args.pair_times == "uniform" or args.n_mc <= args.num_steps,
+        f"--n-mc {args.n_mc} must be <= --num-steps {args.num_steps} with stratified timesteps on the rollout grid "
+        "(one per chunk of the schedule); pass --pair-times uniform or --no-stratified",
+    )
+    need(args.group_size >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
+    need(
+        args.samples_per_device % args.rollout_batch_size == 0,
+        "--samples-per-device must be a multiple of --rollout-batch-size",
+    )
+    need(
+        args.samples_per_update % args.train_batch_size == 0 and args.samples_per_device % args.samples_per_update == 0,
+        "--samples-per-update must be a multiple of --train-batch-size and divide --samples-per-device",
+    )
+    need(
+        args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0 and args.adv_soft_clip >= 0,
+        "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0, --adv-soft-clip >= 0",
+    )
+    prompts = check_run_args(args)
+    need(
+        any(w != 0 for _, w in parse_reward_spec(args.reward)),
+        "--reward needs at least one component with a non-zero weight",
+    )
+    return prompts
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -138,13 +163,13 @@ def dpm_solver_2m_step(x, x0_hat, x0_prev, sigma_prev, sigma, sigma_next):
 
 
 @torch.no_grad()
-def rollout(model, transformer, cond, x, sigmas, solver, guidance_scale, autocast):
+def rollout(model, denoiser, cond, x, sigmas, solver, guidance_scale, autocast):
     """ODE samples of one chunk: x (B, *L) initial noise -> final latents (B, *L) fp32 (no trajectory is kept)."""
     x0_prev, s_prev = None, 1.0
     for i in range(len(sigmas) - 1):
         s, s_next = float(sigmas[i]), float(sigmas[i + 1])
         with autocast():
-            v = model.velocity(transformer, x, sigmas[i].expand(len(x)).to(x.device), cond, guidance_scale)
+            v = model.velocity(denoiser, x, sigmas[i].expand(len(x)).to(x.device), cond, guidance_scale)
         v = v.float()
         if solver == "euler":
             x = x + (s_next - s) * v
@@ -214,7 +239,7 @@ def pair_values(v, x, z, eps, t, prediction="x", self_normalize=True):
     return value, x0_hat
 
 
-def surrogate(model, transformer, x, cond, t, eps, guidance_scale, autocast, prediction="x", self_normalize=True):
+def surrogate(model, denoiser, x, cond, t, eps, guidance_scale, autocast, prediction="x", self_normalize=True):
     """Surrogate values of a micro-batch in ONE forward of B x N rows: x (B, *L) rollout latents, cond (B, ...),
     t (B, N), eps (B, N, *L). Returns values (B, N) fp32 and x0_hat (B, N, *L) fp32. Differentiable (call under
     no_grad for the behaviour values)."""
@@ -225,7 +250,7 @@ def surrogate(model, transformer, x, cond, t, eps, guidance_scale, autocast, pre
     z = (1 - tv) * rows + tv * eps_rows  # forward process at the pair's (t, eps)
     cond_rows = {k: c.repeat_interleave(N, 0) for k, c in cond.items()}
     with autocast():
-        v = model.velocity(transformer, z, t_rows, cond_rows, guidance_scale)
+        v = model.velocity(denoiser, z, t_rows, cond_rows, guidance_scale)
     values, x0_hat = pair_values(v.float(), rows, z, eps_rows, t_rows, prediction, self_normalize)
     return values.view(B, N), x0_hat.view(B, N, *L)
 
@@ -248,13 +273,23 @@ def combined_advantages(parts: dict, weights: dict, group_size: int, clip_max: f
     return soft_clip * torch.tanh(adv / soft_clip) if soft_clip > 0 else adv
 
 
-def vgrpo_loss(values, old_values, adv, clip_range: float):
-    """PPO-clipped loss on the whole-image ratio. values, old_values: (B, N) per-pair surrogates; averaged over the
-    pairs FIRST, then log rho = S_theta - S_old. Returns loss (B,), ratio (B,), log_ratio (B,)."""
+def policy_loss(values, old_values, adv, clip_range, kl=None, kl_beta=0.0):
+    """The objective to minimise, per image (B,): the PPO-clipped loss on the whole-image ratio, values and old_values
+    (B, N) per-pair surrogates averaged over the pairs FIRST, then log rho = S_theta - S_old; plus kl_beta * kl when
+    `kl` (B,) is given. Returns (loss (B,), the detached figures the log reports). A fork changes the objective here,
+    in one place."""
     log_ratio = values.mean(1) - old_values.mean(1)
     ratio = torch.exp(log_ratio)
-    loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
-    return loss, ratio, log_ratio
+    surrogate = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
+    stats = {
+        "policy_loss": surrogate.mean().detach(),
+        "ratio": ratio.detach(),
+        "log_ratio": log_ratio.detach(),
+        "clipfrac": ((ratio - 1).abs() > clip_range).float().mean().detach(),
+    }
+    if kl is None:
+        return surrogate, stats
+    return surrogate + kl_beta * kl, stats | {"kl": kl.mean().detach()}
 
 
 def coefficient_of_variation(s: torch.Tensor, group_size: int) -> tuple[float, float]:
@@ -265,49 +300,13 @@ def coefficient_of_variation(s: torch.Tensor, group_size: int) -> tuple[float, f
     return (s.std() / s.mean().abs()).item(), (g.std(1) / g.mean(1).abs()).mean().item()
 
 
-# ---------------------------------------------------------------------------------------------------
-# Flag checks (run plumbing: evaluation, grids, checkpoints, resume and logging live in common/runs.py)
-# ---------------------------------------------------------------------------------------------------
-def validate(args: Args, world: int) -> tuple[list[str], list[str]]:
-    """Check this script's flags, then the shared ones (common.runs); returns (training prompts, held-out prompts)."""
-    need(args.num_steps >= 1 and args.shift > 0, "--num-steps must be >= 1 and --shift > 0")
-    need(args.n_mc >= 1, "--n-mc must be >= 1")
-    need(
-        not args.stratified or args.pair_times == "uniform" or args.n_mc <= args.num_steps,
-        f"--n-mc {args.n_mc} must be <= --num-steps {args.num_steps} with stratified timesteps on the rollout grid "
-        "(one per chunk of the schedule); pass --pair-times uniform or --no-stratified",
-    )
-    need(args.group_size >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
-    need(
-        args.samples_per_device * world % args.group_size == 0,
-        f"--samples-per-device {args.samples_per_device} x {world} processes must be a multiple of --group-size {args.group_size}",
-    )
-    need(
-        args.samples_per_device % args.rollout_batch_size == 0,
-        "--samples-per-device must be a multiple of --rollout-batch-size",
-    )
-    need(
-        args.images_per_update % args.train_batch_size == 0 and args.samples_per_device % args.images_per_update == 0,
-        "--images-per-update must be a multiple of --train-batch-size and divide --samples-per-device",
-    )
-    need(
-        args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0 and args.adv_soft_clip >= 0,
-        "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0, --adv-soft-clip >= 0",
-    )
-    prompts = check_run_args(args)
-    need(
-        any(w != 0 for _, w in parse_reward_spec(args.reward)),
-        "--reward needs at least one component with a non-zero weight",
-    )
-    return prompts
-
-
 def main(args: Args):
     # ---------------------------------------------------------------- SETUP
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     world, rank = accelerator.num_processes, accelerator.process_index
-    args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
-    prompt_lists = validate(args, world)  # every flag and input checked (prompt files read) before a model loads
+    prompt_lists = resolve_and_check(args)  # every flag and input checked (prompt files read) before a model loads
+    S, G = args.samples_per_device, args.group_size
+    need(S * world % G == 0, f"--samples-per-device {S} x {world} processes must be a multiple of --group-size {G}")
     base_kl = args.kl_beta > 0 and args.kl_ref == "base"
     run = Run(args, accelerator, "V-GRPO", frozen_copy=base_kl and not args.lora)
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
@@ -316,15 +315,15 @@ def main(args: Args):
     frozen_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
     prompts_per_iter = world * args.samples_per_device // args.group_size
     mb = args.train_batch_size
-    micro_per_update = args.images_per_update // mb
-    updates_per_iter = args.samples_per_device // args.images_per_update
+    micro_per_update = args.samples_per_update // mb
+    updates_per_iter = args.samples_per_device // args.samples_per_update
     sigmas = sigma_schedule(args.num_steps, args.shift)  # (T + 1,)
 
     # ---------------------------------------------------------------- MODELS
     model = load_model(args.model_id, device, frozen_dtype, args.resolution, args.num_frames, args.offload_frozen)
-    transformer = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
+    denoiser = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
     # the KL to the behaviour policy needs no reference model (its outputs are stored); the KL to the base does
-    ref = (transformer if args.lora else frozen_copy(transformer, frozen_dtype)) if base_kl else None
+    ref = (denoiser if args.lora else frozen_copy(denoiser, frozen_dtype)) if base_kl else None
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
     train_prompts, eval_prompts = prompt_lists
@@ -332,18 +331,18 @@ def main(args: Args):
     reward_weights = dict(parse_reward_spec(args.reward))  # canonical name -> weight, the keys of reward_fn's parts
 
     # ---------------------------------------------------------------- OPTIMIZER
-    params = [p for p in transformer.parameters() if p.requires_grad]
+    params = [p for p in denoiser.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
-    transformer, optimizer = accelerator.prepare(transformer, optimizer)
+    denoiser, optimizer = accelerator.prepare(denoiser, optimizer)
 
     # ---------------------------------------------------------------- RESUME, EVALUATOR, BANNER
     start = run.resume()  # 0, or the iteration of the --resume-from checkpoint (weights, optimizer, RNG, counters)
     grid = sigmas[:-1] if args.pair_times == "grid" else None  # the rollout schedule without t = 0 (x0_hat = x there)
     latent_shape = model.latent_shape()
-    evaluate = Evaluator(args, model, transformer, reward_fn, eval_prompts, run, args.rollout_batch_size)  # Euler ODE
+    evaluate = Evaluator(args, model, denoiser, reward_fn, eval_prompts, run, args.rollout_batch_size)  # Euler ODE
     # the surrogate on one micro-batch: surrogate_of(x, cond, t, eps) -> (values (B, N), x0_hat (B, N, *L))
     options = dict(guidance_scale=args.guidance_scale, autocast=autocast, prediction=args.prediction)
-    surrogate_of = partial(surrogate, model, transformer, **options, self_normalize=args.self_normalize)
+    surrogate_of = partial(surrogate, model, denoiser, **options, self_normalize=args.self_normalize)
     nfe = args.num_steps + (3 if base_kl else 2) * args.n_mc  # forwards per image: rollout, behaviour (+ base), policy
     flags = {"stratified": args.stratified, "shared pairs": args.shared_pairs, "self-normalize": args.self_normalize}
     off = ", ".join(name for name, on in flags.items() if not on)
@@ -352,8 +351,8 @@ def main(args: Args):
         f"size {args.group_size}; rollouts: {args.solver} ODE, {args.num_steps} steps, batch {args.rollout_batch_size}",
         f"surrogate: {args.n_mc} (t, eps) pairs per image, t on the {args.pair_times} support, {args.prediction}-"
         f"prediction, variance reduction {'off: ' + off if off else 'all on'}; micro-batch {mb} images x {args.n_mc}",
-        f"optimizer steps / iteration {updates_per_iter} ({args.images_per_update} images per process each), "
-        f"transformer forwards per image {nfe}; clip {args.clip_range}, KL beta {args.kl_beta} to the {args.kl_ref} "
+        f"optimizer steps / iteration {updates_per_iter} ({args.samples_per_update} images per process each), "
+        f"denoiser forwards per image {nfe}; clip {args.clip_range}, KL beta {args.kl_beta} to the {args.kl_ref} "
         f"policy, adv soft clip {args.adv_soft_clip or 'off'}",
     ]
     run.banner(model, params, lines)
@@ -367,12 +366,12 @@ def main(args: Args):
         # every image its own initial noise: the ODE is deterministic, so shared noise would give identical images
         init = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, it, "init", k)) for k in global_idx])
         cond = model.encode_prompts(my_prompts)
-        transformer.eval()
+        denoiser.eval()
         x = torch.cat(
             [
                 rollout(
                     model,
-                    transformer,
+                    denoiser,
                     {k: v[c : c + args.rollout_batch_size] for k, v in cond.items()},
                     init[c : c + args.rollout_batch_size].to(device),
                     sigmas,
@@ -422,28 +421,30 @@ def main(args: Args):
 
         # ------------------------------------------------------------ TRAINING
         model.park(), reward_fn.park()  # --offload-frozen: the VAE and the reward models leave the GPU
-        transformer.train()
+        denoiser.train()
         stats = {k: [] for k in ("policy_loss", "kl", "ratio", "log_ratio", "clipfrac")}
         for u in range(updates_per_iter):
             for m in range(u * micro_per_update, (u + 1) * micro_per_update):
                 sl = slice(m * mb, (m + 1) * mb)
                 last = m == (u + 1) * micro_per_update - 1
-                with accelerator.no_sync(transformer) if not last else nullcontext():
+                with accelerator.no_sync(denoiser) if not last else nullcontext():
                     values, x0_hat = surrogate_of(x[sl], {k: v[sl] for k, v in cond.items()}, t_pairs[sl], eps[sl])
-                    loss_vec, ratio, log_ratio = vgrpo_loss(values, old_values[sl], adv[sl], args.clip_range)
-                    loss = loss_vec.mean()
+                    kl = None
                     if args.kl_beta > 0:  # D_simple to the --kl-ref policy on the same pairs (x0 space)
                         kl = (x0_hat - ref_x0[sl]).square().flatten(2).mean(2).mean(1)  # (B,)
-                        loss = loss + args.kl_beta * kl.mean()
-                        stats["kl"].append(kl.mean().detach())
-                    accelerator.backward(loss / micro_per_update)
-                stats["policy_loss"].append(loss_vec.mean().detach())
-                stats["ratio"].append(ratio.detach())
-                stats["log_ratio"].append(log_ratio.detach())
-                stats["clipfrac"].append(((ratio - 1).abs() > args.clip_range).float().mean().detach())
-            # learning rate: linear warmup over the first --lr-warmup optimizer steps, then constant
+                    loss, figures = policy_loss(values, old_values[sl], adv[sl], args.clip_range, kl, args.kl_beta)
+                    accelerator.backward(loss.mean() / micro_per_update)
+                for k, v in figures.items():
+                    stats[k].append(v)
+            # optimizer step: warmup, clipping, and a step skipped on every process if a gradient norm is not finite
             lr_now = args.learning_rate * min(1.0, (run.state.optimizer_steps + 1) / max(1, args.lr_warmup))
-            run.step(optimizer, params, lr_now)  # clipped; skipped if the gradient norm is not finite
+            for group in optimizer.param_groups:
+                group["lr"] = lr_now
+            norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)
+            if stepped := run.all_finite(norm):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.count_step(lr_now, norm, stepped)  # for the log, and the warmup's count
 
         # ------------------------------------------------------------ LOGGING
         ratios, log_ratios = torch.cat(stats["ratio"]), torch.cat(stats["log_ratio"])
@@ -452,9 +453,7 @@ def main(args: Args):
         checksum = (t_pairs[0].double().sum() + eps[0].double().sum()).reshape(1).to(device)
         checksums = accelerator.gather(checksum)
         log = {
-            "rewards/mean": all_rewards.mean().item(),
-            "rewards/std": all_rewards.std().item(),
-            **{f"rewards/{k}": v.mean().item() for k, v in parts.items()},
+            **reward_stats(all_rewards, parts),
             "advantages/zero_std_groups": (all_adv.view(-1, args.group_size) == 0).all(1).float().mean().item(),
             "advantages/abs_mean": all_adv.abs().mean().item(),
             "surrogate/mean": all_old.mean().item(),
@@ -485,7 +484,7 @@ def main(args: Args):
         evaluate(it + 1, final=it + 1 == args.iterations)
 
     # ---------------------------------------------------------------- FINAL SAVE
-    run.save_final(model, transformer, args.lora)
+    run.save_final(model, denoiser, args.lora)
 
 
 if __name__ == "__main__":

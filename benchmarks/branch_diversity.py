@@ -71,11 +71,12 @@ def samples(model, cond, splits, args, seed: int, n_roots: int, latent_shape) ->
     sigmas = B.sigma_schedule(args.num_steps, args.shift)
     g = B.noise_g(sigmas, args.sde_type, args.noise_level)
     roots = torch.stack([torch.randn(latent_shape, generator=B.rng(seed, "root", t)) for t in range(n_roots)])
-    noise_fn = partial(B.tree_noise, args, seed, list(range(n_roots)), splits, latent_shape, 1 / (1 + args.branch_s))
+    tree = B.Tree(args.num_steps, tuple(splits), args.branch_factor, args.branch_noise, args.branch_s)
+    noise_fn = partial(B.tree_noise, tree, args.seed, seed, list(range(n_roots)), latent_shape)
     cond = {k: v.expand(n_roots, *v.shape[1:]) for k, v in cond.items()}
-    sde = set(range(args.num_steps - 1))
+    sde = list(range(args.num_steps - 1))
     states, _ = B.tree_rollout(
-        model, model.transformer, cond, roots, sigmas, g, splits, sde, noise_fn, args, nullcontext
+        model, model.transformer, cond, roots, noise_fn, tree, sigmas, g, sde, args.rollout_batch_size, 1.0, nullcontext
     )
     return model.decode(states[-1]).float()
 

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,35 +35,17 @@ def rollout(repeats: int = 3) -> dict:
     cond = model.encode_prompts(["a red circle on a blue background"])
     sigmas = B.sigma_schedule(20, 3.0)
     g = B.noise_g(sigmas, "flow", 0.7)
-    splits, shape = [0, 3, 6, 9], model.latent_shape()
-
-    def noise_fn(i, n_parents, kk):
-        gen = B.rng(0, "bench", i)
-        return (
-            B.branch_noise(gen, n_parents, kk, shape, 0.2)
-            if kk > 1
-            else torch.randn((n_parents, *shape), generator=gen)
-        ), 1.0
+    tree, shape = B.Tree(20, (0, 3, 6, 9), 2), model.latent_shape()
+    noise_fn = partial(B.tree_noise, tree, 0, 0, [0], shape)
 
     out = {}
     for name, bs in [("batched_per_depth", 16), ("one_node_at_a_time", 1)]:
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
+            roots = torch.randn((1, *shape))
             B.tree_rollout(
-                model,
-                model.transformer,
-                cond,
-                torch.randn((1, *shape)),
-                sigmas,
-                g,
-                splits,
-                2,
-                set(range(19)),
-                noise_fn,
-                bs,
-                1.0,
-                nullcontext,
+                model, model.transformer, cond, roots, noise_fn, tree, sigmas, g, range(19), bs, 1.0, nullcontext
             )
             times.append(time.perf_counter() - t0)
         out[name + "_s"] = round(min(times), 3)
@@ -123,7 +106,7 @@ def iteration(iterations: int = 4) -> dict:
                 "16",
                 "--rollout-batch-size",
                 "16",
-                "--trajectories-per-update",
+                "--samples-per-update",
                 "16",
                 "--timestep-fraction",
                 "1.0",

@@ -267,21 +267,21 @@ def script_flags(case: str, tiny: bool) -> dict[str, list[str]]:
         steps = ["--num-steps", "4" if tiny else "8"]
         return {
             "dancegrpo.py": [*steps, "--sde-type", "dance", "--noise-level", "0.3", "--samples-per-device", "4",
-                             "--group-size", "4", "--rollout-batch-size", "1", "--trajectories-per-update", "4",
+                             "--group-size", "4", "--rollout-batch-size", "1", "--samples-per-update", "4",
                              "--same-noise", "--clip-range", "1e-4", "--kl-beta", "0"],
             "branchgrpo.py": ["--pruning", "depth", "--num-steps", "6" if tiny else "10", "--sde-type", "dance",
                               "--split-schedule", "dense", "--num-splits", "2", "--branch-factor", "2",
                               "--trees-per-device", "1", "--trees-per-update", "1", "--window", "4",
                               "--rollout-batch-size", "4", "--clip-range", "1e-4", "--kl-beta", "0"],
             "vgrpo.py": [*steps, "--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "1",
-                         "--train-batch-size", "1", "--images-per-update", "4", "--n-mc", "4", "--clip-range", "6e-3",
+                         "--train-batch-size", "1", "--samples-per-update", "4", "--n-mc", "4", "--clip-range", "6e-3",
                          "--kl-beta", "0"],
         }  # fmt: skip
     # Wan: the recipes' micro-batch (4 videos, CFG: 8 rows), 4 videos or one tree of 4 leaves per iteration
     return {
         "dancegrpo.py": ["--num-steps", "4" if tiny else "8", "--sde-type", "dance", "--noise-level", "0.3",
                          "--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4",
-                         "--trajectories-per-update", "4", "--clip-range", "1e-3", "--kl-beta", "0"],
+                         "--samples-per-update", "4", "--clip-range", "1e-3", "--kl-beta", "0"],
         "branchgrpo.py": ["--pruning", "depth", "--num-steps", "6" if tiny else "10", "--sde-type", "dance",
                           "--noise-level", "0.3", "--split-schedule", "dense", "--num-splits", "2",
                           "--branch-factor", "2", "--trees-per-device", "1", "--trees-per-update", "1", "--window",

@@ -42,7 +42,7 @@ def dance_loss(model, tr, cond, lat, lp, adv, sig, g, steps, idx):
     for i in steps:
         v = model.velocity(tr, lat[idx, i], sig[i].expand(len(idx)), c, 1.0)
         _, logp, _, _ = D.sde_step(lat[idx, i], v.float(), sig[i], sig[i + 1], g[i], prev_sample=lat[idx, i + 1])
-        total = total + D.grpo_loss(logp, lp[idx, i], adv[idx], 1e-3)[0].mean()
+        total = total + D.policy_loss(logp, lp[idx, i], adv[idx], 1e-3)[0].mean()
     return total
 
 
@@ -51,16 +51,16 @@ def vgrpo_loss(model, tr, cond, x, t, eps, old, adv, idx):
     import vgrpo as V
 
     new, _ = V.surrogate(model, tr, x[idx], {k: v[idx] for k, v in cond.items()}, t[idx], eps[idx], 1.0, nullcontext)
-    return V.vgrpo_loss(new, old[idx], adv[idx], 6e-3)[0].mean()
+    return V.policy_loss(new, old[idx], adv[idx], 6e-3)[0].mean()
 
 
-def branch_loss(model, tr, B, args, cond, states, log_probs, adv, keep, sigmas, g, splits, sizes, trees):
+def branch_loss(model, tr, B, args, cond, states, log_probs, adv, keep, sigmas, g, tree, trees):
     """BranchGRPO's loss over every trained edge of the trees `trees` (indices of the P trees), as branchgrpo.py's
     training pass: per step, the parents' SDE Gaussian, each child edge's clipped ratio with its child's advantage;
     mean over the trained edges."""
     total, n_edges = 0, 0
     for i in range(len(sigmas) - 1):
-        kk, n = B.children(i, splits, args.branch_factor), sizes[i]
+        kk, n = tree.children(i), tree.sizes[i]
         nodes = torch.cat([torch.arange(t * n, (t + 1) * n) for t in trees])  # parents of these trees at depth i
         edges = (nodes[:, None] * kk + torch.arange(kk)).flatten()
         mask = keep[i].flatten()[edges]
@@ -70,10 +70,10 @@ def branch_loss(model, tr, B, args, cond, states, log_probs, adv, keep, sigmas, 
         v = model.velocity(
             tr, states[i][nodes], sigmas[i].expand(len(nodes)), {k: c[tree_of] for k, c in cond.items()}, 1.0
         )
-        mean, std = B.edge_gaussians(states[i][nodes], v.float(), [(i, nodes)], [mask], sigmas, g, splits, args)
+        mean, std = B.edge_gaussians(states[i][nodes], v.float(), [(i, nodes)], [mask], sigmas, g, tree)
         logp = B.gaussian_log_prob(states[i + 1][edges][mask], mean, std)
         a = adv[i + 1].flatten()[edges][mask]
-        total = total + B.grpo_loss(logp, log_probs[i][edges][mask], a, args.clip_range)[0].sum()
+        total = total + B.policy_loss(logp, log_probs[i][edges][mask], a, args.clip_range)[0].sum()
         n_edges += int(mask.sum())
     return total / n_edges
 
@@ -84,29 +84,32 @@ def branch_cosine(model, tr, params, reward, prompts, d: int, n_prompts: int) ->
     import branchgrpo as B
 
     args = B.Args()
-    B.resolve_defaults(args)
+    B.resolve_and_check(args)
     splits = B.split_steps(args.split_schedule, args.num_steps, args.num_splits)
-    sizes = B.tree_sizes(args.num_steps, splits, args.branch_factor)
+    tree = B.Tree(args.num_steps, tuple(splits), args.branch_factor, args.branch_noise, args.branch_s)  # no pruning
+    sizes = tree.sizes
     sigmas = B.sigma_schedule(args.num_steps, args.shift)
     g = B.noise_g(sigmas, args.sde_type, args.noise_level)
     ps = [prompts[(7 * k + 13 * d) % len(prompts)] for k in range(n_prompts) for _ in range(2)]
     cond = model.encode_prompts(ps)
     ids, shape = list(range(len(ps))), model.latent_shape()
     roots = torch.stack([torch.randn(shape, generator=B.rng(d, "root", t)) for t in ids])
-    noise_fn = partial(B.tree_noise, args, d, ids, splits, shape, 1 / (1 + args.branch_s))
-    sde = B.sde_steps(args, splits, 0)
+    noise_fn = partial(B.tree_noise, tree, args.seed, d, ids, shape)
+    sde = B.sde_steps(tree, 0)
     with torch.no_grad():
-        states, log_probs = B.tree_rollout(model, tr, cond, roots, sigmas, g, splits, sde, noise_fn, args, nullcontext)
+        states, log_probs = B.tree_rollout(
+            model, tr, cond, roots, noise_fn, tree, sigmas, g, sde, args.rollout_batch_size, 1.0, nullcontext
+        )
         leaf_prompts = [p for p in ps for _ in range(sizes[-1])]
         r = reward(model.decode(states[-1]).float(), leaf_prompts)[0].view(len(ps), sizes[-1])
     values = B.node_values(r, log_probs, sizes, args.fusion, args.fusion_gamma, args.fusion_temperature)
     adv = [a.clamp(-args.adv_clip_max, args.adv_clip_max) for a in B.depth_advantages(values)]
-    keep = B.trained_edges(args, splits, sizes, sde, adv[1:], 0)
+    keep = B.trained_edges(tree, sde, adv[1:], 0)
     halves = []
     for h in range(2):
         tr.zero_grad()
         trees = list(range(h, len(ps), 2))
-        branch_loss(model, tr, B, args, cond, states, log_probs, adv, keep, sigmas, g, splits, sizes, trees).backward()
+        branch_loss(model, tr, B, args, cond, states, log_probs, adv, keep, sigmas, g, tree, trees).backward()
         halves.append(torch.cat([p.grad.flatten() for p in params]))
     return float(torch.nn.functional.cosine_similarity(*halves, dim=0))
 

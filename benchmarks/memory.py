@@ -659,7 +659,7 @@ def workload(script: str, args, shapes: Shapes, cfg: bool, frozen_bytes: int) ->
         import branchgrpo
 
         splits = branchgrpo.split_steps(args.split_schedule, args.num_steps, args.num_splits)
-        sizes = branchgrpo.tree_sizes(args.num_steps, splits, args.branch_factor)  # nodes per depth
+        sizes = branchgrpo.Tree(args.num_steps, tuple(splits), args.branch_factor).sizes  # nodes per depth
         P, Pu, M, R = args.trees_per_device, args.trees_per_update, sizes[-1], args.rollout_batch_size
         # every tree's node states (fp32) and edge log-probs; every leaf's image; the trees' conditioning
         data = _bytes(L, P * sum(sizes)) + _bytes((P * sum(sizes[1:]),)) + _bytes(img, P * M) + cond * (P + 1)
@@ -1026,7 +1026,7 @@ def recipe_estimate(r: Recipe) -> dict:
 CROSS_CHECK_FLAGS = [
     "--model-id", "black-forest-labs/FLUX.1-dev", "--resolution", "512", "--mixed-precision", "bf16", "--lora",
     "--lora-rank", "128", "--lora-alpha", "256", "--reward", "hpsv2.1", "--rollout-batch-size", "1",
-    "--samples-per-device", "12", "--group-size", "12", "--trajectories-per-update", "4", "--kl-beta", "0",
+    "--samples-per-device", "12", "--group-size", "12", "--samples-per-update", "4", "--kl-beta", "0",
 ]  # fmt: skip
 TWO_BLOCKS = {"denoiser": {"num_layers": 1, "num_single_layers": 1}}
 

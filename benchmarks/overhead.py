@@ -7,7 +7,8 @@ Each script runs in this process at its defaults, with --iterations N and no eva
 timers around: every forward of the trained denoiser (a forward pre-hook and hook on the top-level module: rollouts,
 behaviour passes and training alike; a frozen KL reference copied from it carries the same hooks), every
 `accelerator.backward` (the transformer's backward; in rlr.py's first-order term also the decoder's and the reward
-model's), the reward, image decoding, prompt encoding, the optimizer step (`Run.step`: clip, step, zero_grad),
+model's), the reward, image decoding, prompt encoding, the optimizer step (clipping, the all-process finite check,
+`step`, `zero_grad`),
 logging (`Run.end_iteration`) and, in rlr.py, drawing the zero-order parameter perturbations and adding their
 gradient (`zo_noise`, `add_zo_grad`; applying and undoing a perturbation falls under "other"). An iteration is the
 time between two `Run.end_iteration` returns; the first iteration is dropped (warm-up) and the others are averaged.
@@ -79,6 +80,7 @@ def measure(script: str, iterations: int, extra: list[str]) -> dict:
     """Run `script`'s main() with timers patched in; returns mean seconds per part over iterations 2..N."""
     import tyro
     from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
 
     from common import rewards, runs
 
@@ -86,7 +88,10 @@ def measure(script: str, iterations: int, extra: list[str]) -> dict:
     timers = Timers()
     originals = {
         (Accelerator, "backward"): Accelerator.backward,
-        (runs.Run, "step"): runs.Run.step,
+        (Accelerator, "clip_grad_norm_"): Accelerator.clip_grad_norm_,
+        (runs.Run, "all_finite"): runs.Run.all_finite,
+        (AcceleratedOptimizer, "step"): AcceleratedOptimizer.step,
+        (AcceleratedOptimizer, "zero_grad"): AcceleratedOptimizer.zero_grad,
         (runs.Run, "end_iteration"): runs.Run.end_iteration,
         (rewards.CompositeReward, "__call__"): rewards.CompositeReward.__call__,
     }
@@ -106,7 +111,13 @@ def measure(script: str, iterations: int, extra: list[str]) -> dict:
         return out
 
     Accelerator.backward = timers.wrap("backward", originals[(Accelerator, "backward")])
-    runs.Run.step = timers.wrap("optimizer", originals[(runs.Run, "step")])
+    for owner, name in [
+        (Accelerator, "clip_grad_norm_"),
+        (runs.Run, "all_finite"),
+        (AcceleratedOptimizer, "step"),
+        (AcceleratedOptimizer, "zero_grad"),
+    ]:  # fmt: skip  (the optimizer step, in the scripts)
+        setattr(owner, name, timers.wrap("optimizer", originals[owner, name]))
     runs.Run.end_iteration = end_iteration
     rewards.CompositeReward.__call__ = timers.wrap("reward", originals[(rewards.CompositeReward, "__call__")])
     module.load_model = load_model

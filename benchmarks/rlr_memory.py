@@ -51,10 +51,8 @@ def worker(a) -> dict:
     module = (model.unet if model.kind == "sd1" else model.transformer).float().eval()
     params = [p for p in module.parameters() if p.requires_grad]
     reward_fn = build_reward(a.reward, device)
-    args = R.Args(noise_level=a.noise_level, num_steps=a.num_steps)
-    if args.noise_level is None:
-        args.noise_level = 1.0 if model.kind == "sd1" else 0.7
-    sched = R.make_schedule(model, a.num_steps, args)
+    noise_level = a.noise_level if a.noise_level is not None else 1.0 if model.kind == "sd1" else 0.7
+    sched = R.make_schedule(model, a.num_steps, noise_level)
     prompts = (load_prompts(a.prompts) * a.batch)[: a.batch]
     cond = model.encode_prompts(prompts)
     T, shape = a.num_steps, model.latent_shape()

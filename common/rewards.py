@@ -289,17 +289,40 @@ def frame_subset(num_frames: int, k: int) -> list[int]:
 
 
 # ---------------------------------------------------------------- registry, spec parsing, composite
-REWARDS: dict[str, Callable[..., Reward]] = {
-    "shapes": shapes_reward,
-    "verifier": verifier,
-    "jpeg": jpeg,
-    "hpsv2.1": hpsv2_1,
-    "pickscore": pickscore,
-    "clip": clip_score,
-    "temporal": temporal,
-}
+REWARDS: dict[str, Callable[..., Reward]] = {}  # name -> factory(device, checkpoint=None) -> Reward
+DIFFERENTIABLE: dict[str, bool] = {}  # name -> whether gradients reach the images, known before it is built
+VIDEO_REWARDS: set[str] = set()  # rewards that score videos (B,F,3,H,W) and need a video model
 ALIASES = {"hps": "hpsv2.1"}
 SHAPESBENCH_REWARDS = ("shapes", "verifier")  # they score 32 px ShapesBench images against ShapesBench prompts
+
+
+def register_reward(name: str, factory: Callable[..., Reward], differentiable: bool, video: bool = False) -> None:
+    """Let `--reward name` build factory(device, checkpoint=None) -> Reward (e.g. a ScoreFn), from any file: a fork
+    calls this at import time, before cli() reads the flags, and nothing in common/ changes. `differentiable`: do
+    gradients reach the images (RLR's first-order term needs them; the start-up checks read it before anything is
+    built); `video`: it scores videos (B,F,3,H,W)."""
+    if name in REWARDS or name in ALIASES:
+        raise ValueError(f"reward {name!r} is registered already")
+    REWARDS[name], DIFFERENTIABLE[name] = factory, differentiable
+    if video:
+        VIDEO_REWARDS.add(name)
+
+
+for _name, _factory, _differentiable, _video in (
+    ("shapes", shapes_reward, True, False),
+    ("verifier", verifier, False, False),
+    ("jpeg", jpeg, False, False),
+    ("hpsv2.1", hpsv2_1, True, False),
+    ("pickscore", pickscore, True, False),
+    ("clip", clip_score, True, False),
+    ("temporal", temporal, True, True),
+):
+    register_reward(_name, _factory, _differentiable, _video)
+
+
+def is_differentiable(name: str) -> bool:
+    """Whether reward `name` (or its alias) passes gradients to the images, before it is built."""
+    return DIFFERENTIABLE[_canonical(name)]
 
 
 def _canonical(name: str, flag: str = "--reward") -> str:
@@ -374,9 +397,6 @@ def _checkpoints(parsed: list[tuple[str, float]], spec: str, checkpoints: dict[s
     return checkpoints
 
 
-VIDEO_REWARDS = ("temporal",)  # they score videos (B,F,3,H,W) and need a video model
-
-
 def check_reward_weights(spec: str, checkpoints: dict[str, str] | None = None, video: bool = False) -> None:
     """--reward and --reward-ckpt before anything loads: names and weights, that each checkpoint path exists, that
     hub-hosted weights are cached or downloadable (one quick check, no retries), and that a video reward comes with
@@ -402,6 +422,9 @@ def build_reward(
     parsed = parse_reward_spec(spec)
     checkpoints = _checkpoints(parsed, spec, checkpoints)
     components = [(name, w, REWARDS[name](device, checkpoints.get(name))) for name, w in parsed]
+    for name, _, reward in components:  # a registration that says otherwise would mislead the start-up checks
+        if reward.differentiable != DIFFERENTIABLE[name]:
+            raise ValueError(f"reward {name!r} was registered with differentiable={DIFFERENTIABLE[name]}")
     composite = CompositeReward(components, frames)
     for _, _, reward in composite.components:
         reward.parts.enabled = offload

@@ -8,7 +8,6 @@
                                metrics.jsonl + TensorBoard (+ W&B), checkpoints with rotation, the final weights
     Evaluator                  held-out evaluation and the fixed-seed sample grid
     sample_ode                 deterministic Euler sampler of a flow model, for evaluation and grids
-    optimizer_step             clip, skip non-finite gradients on every process at once, step
 
 What the scripts keep: the algorithm (rollout with log-probs, rewards to advantages, the loss, the update).
 """
@@ -155,9 +154,8 @@ def cli(main, args_type) -> None:
 
     transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars of every tiny part: noise
     diffusers.utils.logging.disable_progress_bar()
-    args = tyro.cli(args_type)
     try:
-        main(args)
+        main(tyro.cli(args_type))  # tyro answers --help and malformed flags itself (exit status 2)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -494,18 +492,21 @@ class Run:
                 "(the same signal again stops it now, losing the iteration)"
             )
 
-    def step(self, optimizer, params, lr: float) -> None:
-        """One optimizer step at learning rate `lr` (common.runs.optimizer_step: clipped, skipped on a non-finite
-        gradient norm), recorded for the iteration's log; counts optimizer steps (state.optimizer_steps)."""
+    def all_finite(self, value: torch.Tensor) -> bool:
+        """Whether `value` (a gradient norm) is finite on every process: the same answer on each, so that a step
+        skipped on one process is skipped on all and the weights stay identical across ranks."""
+        bad = torch.tensor(float(not torch.isfinite(value)), device=self.accelerator.device)
+        return self.accelerator.reduce(bad, "sum").item() == 0
+
+    def count_step(self, lr: float, grad_norm: torch.Tensor, stepped: bool) -> None:
+        """Record an optimizer step for the iteration's log (learning rate, gradient norm, or a skipped step) and count
+        it (state.optimizer_steps, which the learning-rate warmup and a resumed run read)."""
         self.lr = lr
-        for group in optimizer.param_groups:
-            group["lr"] = lr
         self.state.optimizer_steps += 1
-        grad_norm = optimizer_step(self.accelerator, optimizer, params, self.args.max_grad_norm)
-        if grad_norm is None:
-            self.skipped += 1
+        if stepped:
+            self.grad_norms.append(float(grad_norm))
         else:
-            self.grad_norms.append(grad_norm)
+            self.skipped += 1
 
     def end_iteration(self, it: int, scalars: dict, params) -> None:
         """Log iteration `it`'s scalars with the optimizer steps' gradient norm (NaN if every step was skipped), the
@@ -738,20 +739,15 @@ class Run:
             self._wandb.finish()
 
 
-def optimizer_step(accelerator, optimizer, params, max_grad_norm: float) -> float | None:
-    """Clip the gradient norm and step; a non-finite norm on any process skips the step on every process (so the
-    weights stay identical across ranks) and returns None."""
-    grad_norm = accelerator.clip_grad_norm_(params, max_grad_norm)
-    bad = accelerator.reduce(torch.tensor(float(not torch.isfinite(grad_norm)), device=accelerator.device), "sum")
-    if bad.item() == 0:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm) if bad.item() == 0 else None
-
-
 # ---------------------------------------------------------------------------------------------------
 # Evaluation and sample grids
 # ---------------------------------------------------------------------------------------------------
+def reward_stats(rewards: torch.Tensor, parts: dict) -> dict[str, float]:
+    """rewards/mean, rewards/std and each component's mean (rewards/<name>) of an iteration's gathered rewards (N,)."""
+    components = {f"rewards/{k}": v.mean().item() for k, v in parts.items()}
+    return {"rewards/mean": rewards.mean().item(), "rewards/std": rewards.std().item(), **components}
+
+
 def peak_memory_gb(device) -> float:
     """Peak memory in GB: on CUDA the allocator's peak since the previous call (then reset), else this process's
     max resident set size so far."""

@@ -21,14 +21,14 @@ def test_overhead_shares_cover_the_iteration_and_patches_are_undone():
 
     from common import runs
 
-    before = (Accelerator.backward, runs.Run.step, runs.Run.end_iteration)
+    before = (Accelerator.backward, Accelerator.clip_grad_norm_, runs.Run.all_finite, runs.Run.end_iteration)
     flags = dict(zip(TINY_RUN[::2], TINY_RUN[1::2]))
     tiny = [x for k, v in flags.items() if k not in ("--iterations", "--eval-every", "--sample-every") for x in (k, v)]
     out = overhead.measure("vgrpo.py", 3, tiny)
     shares = [v for k, v in out.items() if k.endswith("_share") and k != "overhead_share"]
     assert abs(sum(shares) - 1) < 2e-3 and out["forward_share"] > 0 and out["backward_share"] > 0
     assert abs(out["overhead_share"] - (1 - out["forward_share"] - out["backward_share"])) < 2e-3
-    assert (Accelerator.backward, runs.Run.step, runs.Run.end_iteration) == before
+    assert (Accelerator.backward, Accelerator.clip_grad_norm_, runs.Run.all_finite, runs.Run.end_iteration) == before
 
 
 def test_mmd_is_near_zero_for_two_samples_of_one_distribution_and_large_for_collapsed_samples():
@@ -58,9 +58,9 @@ def test_compare_quick_writes_table_plot_grids_and_skips_finished_runs(tmp_path,
         "METHODS",
         {
             "dancegrpo": ("DanceGRPO", ["dancegrpo.py", *small, "--samples-per-device", "8", "--group-size", "4",
-                                        "--trajectories-per-update", "4"]),
+                                        "--samples-per-update", "4"]),
             "vgrpo": ("V-GRPO", ["vgrpo.py", *small, "--samples-per-device", "8", "--group-size", "4",
-                                 "--train-batch-size", "2", "--images-per-update", "4", "--n-mc", "2"]),
+                                 "--train-batch-size", "2", "--samples-per-update", "4", "--n-mc", "2"]),
         },
     )  # fmt: skip
     monkeypatch.setattr(sys, "argv", ["compare.py", "--quick", "--out", str(tmp_path), "--threads", "1", "--jobs", "2"])

@@ -4,7 +4,6 @@ import functools
 import math
 import sys
 from contextlib import nullcontext
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -47,16 +46,16 @@ def run_script(args, tmp_path, *rest, **kw):
 
 def args_for(**kw):
     args = B.Args(**kw)
-    B.resolve_defaults(args)
+    B.resolve_and_check(args)
     return args
 
 
 # ---------------------------------------------------------------- tree bookkeeping
 def test_dense_tree_counts_match_the_paper():
-    forwards, edges = B.tree_counts(20, [0, 3, 6, 9], 2)
+    forwards, edges = B.Tree(20, (0, 3, 6, 9), 2).counts()
     assert (forwards, edges) == (203, 218)
     assert (round(forwards / 16, 2), edges / 16) == (12.69, 13.625)
-    assert B.tree_sizes(20, [0, 3, 6, 9], 2)[:11] == [1, 2, 2, 2, 4, 4, 4, 8, 8, 8, 16]
+    assert B.Tree(20, (0, 3, 6, 9), 2).sizes[:11] == [1, 2, 2, 2, 4, 4, 4, 8, 8, 8, 16]
 
 
 @pytest.mark.parametrize(
@@ -75,7 +74,7 @@ def test_tree_counts_closed_form(steps, splits, k):
     and every split adds K - 1 edges per parent without a forward: forwards = edges - (K^m - 1)."""
     bounds = [0, *splits, steps]
     edges = sum(k**j * (bounds[j + 1] - bounds[j]) for j in range(len(splits) + 1))
-    assert B.tree_counts(steps, splits, k) == (edges - (k ** len(splits) - 1), edges)
+    assert B.Tree(steps, tuple(splits), k).counts() == (edges - (k ** len(splits) - 1), edges)
 
 
 def test_named_split_schedules():
@@ -84,9 +83,9 @@ def test_named_split_schedules():
     assert B.split_steps("late", 20, 4) == [10, 12, 14, 16]
     assert B.split_steps("9,0,3,6", 20, 4) == [0, 3, 6, 9]
     with pytest.raises(InputError, match="--split-schedule"):
-        B.validate(args_for(split_schedule="0,3,19", num_steps=20), world=1)  # 19 is the deterministic last step
+        args_for(split_schedule="0,3,19", num_steps=20)  # 19 is the deterministic last step
     with pytest.raises(InputError, match="--split-schedule"):
-        B.validate(args_for(split_schedule="a,b"), world=1)
+        args_for(split_schedule="a,b")
 
 
 # ---------------------------------------------------------------- branch noise
@@ -116,20 +115,19 @@ def grow(model, splits, k, steps=4, batch_size=64, noise="correlated", trees=2):
     g = B.noise_g(sigmas, "flow", 0.7)
     shape = model.latent_shape()
 
-    args = SimpleNamespace(
-        branch_factor=k, rollout_batch_size=batch_size, guidance_scale=1.0, branch_noise=noise, branch_s=4.0
-    )
+    tree = B.Tree(steps, tuple(splits), k, branch_noise=noise, branch_s=4.0)
 
     def noise_fn(i, n_parents):
-        kk, gens = B.children(i, splits, k), [B.rng(0, "t", t, i) for t in range(trees)]
+        kk, gens = tree.children(i), [B.rng(0, "t", t, i) for t in range(trees)]
         if kk > 1 and noise == "correlated":
             return torch.cat([B.branch_noise(gg, n_parents, kk, shape, 0.2) for gg in gens])
         return torch.cat([torch.randn((n_parents * kk, *shape), generator=gg) for gg in gens])
 
     roots = torch.randn((trees, *shape), generator=torch.Generator().manual_seed(0))
     states, lps = B.tree_rollout(
-        model, model.transformer, cond, roots, sigmas, g, splits, set(range(steps - 1)), noise_fn, args, nullcontext
-    )
+        model, model.transformer, cond, roots, noise_fn, tree, sigmas, g, list(range(steps - 1)), batch_size, 1.0,
+        nullcontext,
+    )  # fmt: skip
     return states, lps, sigmas, g, cond
 
 
@@ -159,7 +157,7 @@ def test_batched_rollout_equals_node_at_a_time(tiny_shapes):
 
 # ---------------------------------------------------------------- fusion and advantages
 def test_path_fusion_with_beta_zero_is_uniform_and_weights_high_probability_leaves():
-    sizes = B.tree_sizes(3, [0, 1], 2)  # [1, 2, 4, 4]
+    sizes = B.Tree(3, (0, 1), 2).sizes  # [1, 2, 4, 4]
     r = torch.tensor([[1.0, 2.0, 3.0, 5.0]])
     lps = [torch.tensor([0.0, 0.0]), torch.tensor([0.0, 1.0, 0.0, 0.0]), torch.zeros(4)]
     uni = B.node_values(r, lps, sizes, "uniform", 1.0, 1.0)
@@ -172,7 +170,7 @@ def test_path_fusion_with_beta_zero_is_uniform_and_weights_high_probability_leav
 
 
 def test_depth_advantages_by_hand():
-    sizes = B.tree_sizes(3, [0, 1], 2)  # depths: 1 root, 2 nodes, 4 nodes, 4 leaves
+    sizes = B.Tree(3, (0, 1), 2).sizes  # depths: 1 root, 2 nodes, 4 nodes, 4 leaves
     r = torch.tensor([[1.0, 2.0, 3.0, 5.0], [7.0, 7.0, 7.0, 7.0]])
     adv = B.depth_advantages(B.node_values(r, [torch.zeros(4), torch.zeros(8), torch.zeros(8)], sizes, "uniform", 1, 1))
     assert torch.all(adv[0] == 0)  # one node: no baseline, no signal
@@ -184,17 +182,14 @@ def test_depth_advantages_by_hand():
 
 
 # ---------------------------------------------------------------- pruning
-def masks(pruning, iteration=0, **kw):
-    args = args_for(num_steps=20, pruning=pruning, **kw)
-    splits = B.split_steps(args.split_schedule, 20, 4)
-    sizes = B.tree_sizes(20, splits, 2)
+def masks(pruning, iteration=0, window=None, **kw):
+    """The trained-edge masks of a 20-step dense tree (splits 0,3,6,9, K = 2) under random advantages, from plain
+    values; the windows are the script's defaults unless given (depth: the 9 steps after the last split; Mix: 4)."""
+    window = window or {"depth": 9}.get(pruning, 4)
+    tree = B.Tree(20, (0, 3, 6, 9), 2, pruning=pruning, window=window, **kw)
     torch.manual_seed(0)
-    adv = [torch.randn(1, n) for n in sizes[1:]]
-    if pruning == "mix":
-        sde = set(B.mix_window(20, args.window, args.window_shift_every, iteration)) | set(splits)
-    else:
-        sde = set(range(19))
-    return B.trained_edges(args, splits, sizes, sde, adv, iteration), adv
+    adv = [torch.randn(1, n) for n in tree.sizes[1:]]
+    return B.trained_edges(tree, B.sde_steps(tree, iteration), adv, iteration), adv
 
 
 def count(keep, steps=None):
@@ -234,11 +229,12 @@ def test_depth_window_property(steps, schedule, window, every):
     splits = B.split_steps(schedule, steps, n_splits)
     last_split, last_trainable = max(splits), steps - 2
     if not all(0 <= s <= steps - 2 for s in splits) or last_split >= last_trainable:
-        return  # validate refuses these (tested below)
+        return  # resolve_and_check refuses these (tested below)
     size = min(window, last_trainable - last_split)
+    tree = B.Tree(steps, tuple(splits), pruning="depth", window=window, window_shift_every=every)
     prev = None
     for it in range(0, every * (steps + 2)):
-        w = B.depth_window(steps, last_split, window, every, it)
+        w = tree.window_steps(it)
         assert len(w) == size and w == list(range(w[0], w[0] + size))
         assert w[0] > last_split and w[-1] <= last_trainable and not set(w) & set(splits)
         if prev is not None:
@@ -250,7 +246,7 @@ def test_depth_window_property(steps, schedule, window, every):
 def test_depth_and_width_need_a_step_after_the_last_split():
     for mode in ("depth", "width"):
         with pytest.raises(InputError, match=f"--pruning {mode}: the last split is step 10"):
-            B.validate(args_for(pruning=mode, num_steps=12, split_schedule="0,10"), world=1)
+            args_for(pruning=mode, num_steps=12, split_schedule="0,10")
 
 
 def test_width_parent_top1_keeps_the_best_child_chain_of_each_parent():
@@ -288,7 +284,7 @@ def test_mode_specific_flags_fail_at_start_up():
     with pytest.raises(InputError, match="--window only applies"):
         args_for(pruning="width", window=3)
     with pytest.raises(InputError, match="--trees-per-update"):
-        B.validate(args_for(trees_per_device=3, trees_per_update=2), world=1)
+        args_for(trees_per_device=3, trees_per_update=2)
 
 
 # ---------------------------------------------------------------- the script
@@ -300,7 +296,7 @@ def test_end_to_end_shapesbench(tmp_path):
     # ratio 1 at the first update, to the float32 rounding of a forward whose batch differs from the rollout's
     # (training packs rows across steps): exactly 0 on some CPUs, 1 ulp (1.2e-7) on AVX-512 ones
     assert all(r["losses/first_ratio_max_dev"] < 1e-6 for r in train)
-    forwards, edges = B.tree_counts(6, [0, 3], 2)
+    forwards, edges = B.Tree(6, (0, 3), 2).counts()
     assert all(r["tree/rollout_forwards_per_leaf"] == forwards / 4 for r in train)
     assert all(r["tree/trained_edges_per_leaf"] == (edges - 4) / 4 for r in train)
     assert (run / "final" / "pytorch_lora_weights.safetensors").is_file()  # the default trains a LoRA adapter
@@ -324,7 +320,8 @@ def test_pruning_modes_end_to_end(tmp_path, extra):
     )
     train = [r for r in metrics(tmp_path / "p") if "losses/policy" in r]
     assert (
-        train[0]["tree/trained_edges_per_leaf"] < (B.tree_counts(6, [0, 3], 2)[1] - 4) / 4 or "--branch-noise" in extra
+        train[0]["tree/trained_edges_per_leaf"] < (B.Tree(6, (0, 3), 2).counts()[1] - 4) / 4
+        or "--branch-noise" in extra
     )
     assert (
         train[0]["losses/first_ratio_max_dev"] < 1e-5

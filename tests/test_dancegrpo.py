@@ -35,7 +35,7 @@ TINY_RUN = [
     "4",
     "--rollout-batch-size",
     "4",
-    "--trajectories-per-update",
+    "--samples-per-update",
     "4",
     "--num-steps",
     "4",
@@ -89,14 +89,19 @@ def test_group_advantages_by_hand():
     assert torch.all(adv[4:] == 0)  # a group of equal rewards carries no signal
 
 
-def test_grpo_loss_clips_the_ratio():
+def test_policy_loss_clips_the_ratio_and_adds_the_kl_term():
     logp_old = torch.zeros(4)
     logp = torch.log(torch.tensor([1.0, 1.5, 0.5, 1.5]))
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
-    loss, ratio = D.grpo_loss(logp, logp_old, adv, 0.2)
-    torch.testing.assert_close(ratio, torch.tensor([1.0, 1.5, 0.5, 1.5]))
+    loss, figures = D.policy_loss(logp, logp_old, adv, 0.2)
+    torch.testing.assert_close(figures["ratio"], torch.tensor([1.0, 1.5, 0.5, 1.5]))
     # A > 0: the gain is capped at 1 + eps; A < 0: the pessimistic (larger) loss is kept
     torch.testing.assert_close(loss, torch.tensor([-1.0, -1.2, 0.8, 1.5]))
+    assert figures["clipfrac"] == 0.75 and "kl" not in figures
+    kl = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    loss_kl, figures = D.policy_loss(logp, logp_old, adv, 0.2, kl, 0.1)
+    torch.testing.assert_close(loss_kl, loss + 0.1 * kl)
+    assert figures["kl"] == 1.5
 
 
 def test_mixgrpo_window_slides_and_stops():
@@ -130,14 +135,30 @@ def test_ratio_is_exactly_one_before_the_first_update(tmp_path):
         assert torch.equal(torch.exp(logp - log_probs[:, i]), torch.ones(4))
 
 
-def test_validation_names_the_flag():
-    args = D.Args(samples_per_device=10, group_size=4, noise_level=0.7, timestep_fraction=0.6)
-    with pytest.raises(InputError, match="--group-size"):
-        D.validate(args, world=1)
+def test_validation_names_the_flag(tmp_path):
     with pytest.raises(InputError, match="--sde-window"):
-        D.validate(D.Args(sde_window=10, noise_level=0.7, timestep_fraction=1.0), world=1)
+        D.resolve_and_check(D.Args(sde_window=10))
     with pytest.raises(InputError, match="unknown reward"):
-        D.validate(D.Args(reward="nope", noise_level=0.7, timestep_fraction=0.6), world=1)
+        D.resolve_and_check(D.Args(reward="nope"))
+    args = D.Args(sde_window=4)
+    D.resolve_and_check(args)  # the mode's defaults
+    assert (args.noise_level, args.timestep_fraction, args.exp_name) == (0.7, 1.0, "dancegrpo_mix")
+    # the process count's check is main()'s: 10 samples on one process do not fill groups of 4
+    flags = [
+        "--samples-per-device",
+        "12",
+        "--group-size",
+        "8",
+        "--rollout-batch-size",
+        "4",
+        "--samples-per-update",
+        "12",
+    ]
+    out = run_script(flags, tmp_path, check=False)
+    assert (
+        out.returncode == 2
+        and "error: --samples-per-device 12 x 1 processes must be a multiple of --group-size 8" in out.stderr
+    )
 
 
 def test_end_to_end_shapesbench(tmp_path):
@@ -220,7 +241,7 @@ def test_two_processes_keep_identical_weights(tmp_path):
             "2",
             "--rollout-batch-size",
             "2",
-            "--trajectories-per-update",
+            "--samples-per-update",
             "2",
             "--eval-every",
             "0",

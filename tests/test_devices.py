@@ -50,7 +50,7 @@ def test_dancegrpo_step_advantages_and_loss():
     x_next, log_prob, mean, std = call(D.sde_step, x, v, sigmas[1], sigmas[2], g[1], noise=noise)
     call(D.sde_step, x, v, torch.full((3,), 0.5), torch.full((3,), 0.4), g[1], prev_sample=x_next)
     adv = call(D.group_advantages, torch.randn(6), 3)
-    call(D.grpo_loss, log_prob, log_prob.detach() + 0.01, adv[:3], 1e-4)
+    call(D.policy_loss, log_prob, log_prob.detach() + 0.01, adv[:3], 1e-4, torch.rand(3), 0.1)
 
 
 @pytest.mark.parametrize(
@@ -59,19 +59,17 @@ def test_dancegrpo_step_advantages_and_loss():
      ("mix", {})],
 )  # fmt: skip
 def test_branchgrpo_tree_pruning_packing_and_edges(pruning, kw):
-    args = B.Args(pruning=pruning, num_steps=8, num_splits=2, **kw)
-    B.resolve_defaults(args)
-    splits = B.split_steps(args.split_schedule, args.num_steps, args.num_splits)
-    sizes = B.tree_sizes(args.num_steps, splits, args.branch_factor)  # nodes per depth of one tree
+    tree = B.Tree(8, (0, 3), 2, pruning=pruning, window=2, **kw)  # depth: 2 of the 3 steps after the last split
+    sizes = tree.sizes  # nodes per depth of one tree
     n_trees, leaves = 2, sizes[-1]
-    sigmas = B.sigma_schedule(args.num_steps, args.shift)
-    g = call(B.noise_g, sigmas, args.sde_type, 0.3)
+    sigmas = B.sigma_schedule(8, 3.0)
+    g = call(B.noise_g, sigmas, "flow", 0.7)
     log_probs = [torch.randn(n_trees * n) for n in sizes[1:]]
     values = call(B.node_values, torch.randn(n_trees, leaves), log_probs, sizes, "path", 1.0, 1.0)
     adv = call(B.depth_advantages, values)[1:]  # per step i, its children's (depth i + 1), as main takes them
-    sde_set = call(B.sde_steps, args, splits, 0)
-    keep = call(B.trained_edges, args, splits, sizes, sde_set, adv, 0)
-    batches = call(B.pack_micro_batches, keep, splits, args.branch_factor, 4, "cpu")
+    sde_idx = call(B.sde_steps, tree, 0)
+    keep = call(B.trained_edges, tree, sde_idx, adv, 0)
+    batches = call(B.pack_micro_batches, keep, tree, 4, "cpu")
     grp = {
         "states": [torch.randn(n_trees * n, *L) for n in sizes],
         "keep": keep,
@@ -80,16 +78,14 @@ def test_branchgrpo_tree_pruning_packing_and_edges(pruning, kw):
         "cond": {"prompt_embeds": torch.randn(n_trees, 5, 8)},
     }
     for segments in batches:
-        x, sigma, cond, masks, x_child, old_log_prob, a = call(
-            B.micro_batch, grp, segments, sigmas, sizes, splits, args
-        )
-        mean, std = call(B.edge_gaussians, x, torch.randn_like(x), segments, masks, sigmas, g, splits, args)
+        x, sigma, cond, masks, x_child, old_log_prob, a = call(B.micro_batch, grp, segments, sigmas, tree)
+        mean, std = call(B.edge_gaussians, x, torch.randn_like(x), segments, masks, sigmas, g, tree)
         log_prob = call(B.gaussian_log_prob, x_child, mean, std)
-        call(B.grpo_loss, log_prob, old_log_prob, a, 1e-4)
+        call(B.policy_loss, log_prob, old_log_prob, a, 1e-4)
     call(B.step_mean_std, torch.randn(3, *L), torch.randn(3, *L), sigmas[1], sigmas[2], g[1])
     call(B.branch_noise, torch.Generator().manual_seed(0), 2, 2, L, 0.5)  # keyed noise: drawn on the CPU
-    for i in range(args.num_steps):
-        call(B.tree_noise, args, 0, [0, 1], splits, L, 0.5, i, sizes[i])
+    for i in range(8):
+        call(B.tree_noise, tree, 0, 0, [0, 1], L, i, sizes[i])
 
 
 def test_vgrpo_solver_pairs_advantages_and_loss():
@@ -102,7 +98,7 @@ def test_vgrpo_solver_pairs_advantages_and_loss():
                      t.flatten())  # fmt: skip
     parts = {"a": torch.randn(6), "b": torch.randn(6)}
     adv = call(V.combined_advantages, parts, {"a": 1.0, "b": 0.5}, 3, 5.0, 3.0)
-    call(V.vgrpo_loss, values.view(3, 4), values.view(3, 4).detach() - 0.01, adv[:3], 6e-3)
+    call(V.policy_loss, values.view(3, 4), values.view(3, 4).detach() - 0.01, adv[:3], 6e-3, torch.rand(3), 0.5)
 
 
 def test_rlr_steps_window_baselines_and_zo_pieces():

@@ -17,7 +17,7 @@ GB = memory.GB
 FLAGS = [
     "--model-id", "black-forest-labs/FLUX.1-dev", "--resolution", "64", "--mixed-precision", "bf16",
     "--reward", "hpsv2.1", "--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "2",
-    "--trajectories-per-update", "4", "--kl-beta", "0",
+    "--samples-per-update", "4", "--kl-beta", "0",
 ]  # fmt: skip
 LORA = ["--lora", "--lora-rank", "4", "--lora-alpha", "8"]
 
@@ -90,7 +90,7 @@ def test_every_gpu_recipe_of_run_sh_parses_into_a_script_model_and_process_count
 WAN = [
     "--model-id", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "--resolution", "32", "--num-frames", "5",
     "--mixed-precision", "bf16", "--reward", "hpsv2.1,temporal:0.5", "--samples-per-device", "4", "--group-size", "4",
-    "--rollout-batch-size", "2", "--trajectories-per-update", "4", "--kl-beta", "0", "--guidance-scale", "5",
+    "--rollout-batch-size", "2", "--samples-per-update", "4", "--kl-beta", "0", "--guidance-scale", "5",
     "--eval-every", "1", "--eval-max-prompts", "2", "--eval-samples-per-prompt", "1", "--sample-every", "0", *LORA,
 ]  # fmt: skip
 VIDEO_BYTES = 5 * 3 * 32 * 32 * 4  # one decoded video (F, 3, H, W) in fp32

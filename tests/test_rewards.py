@@ -10,7 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from common.rewards import REWARDS, ScoreFn, build_reward, parse_reward_spec
+from common import rewards
+from common.rewards import DIFFERENTIABLE, REWARDS, ScoreFn, build_reward, parse_reward_spec
 from tests.tiny import build_tiny_hps
 
 PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
@@ -75,6 +76,25 @@ def test_checkpoint_for_unused_reward_is_rejected():
 def dummy(monkeypatch):
     """A cheap differentiable reward: mean brightness."""
     monkeypatch.setitem(REWARDS, "dummy", lambda device, checkpoint=None: ScoreFn(lambda x, p: x.mean((1, 2, 3)), True))
+    monkeypatch.setitem(DIFFERENTIABLE, "dummy", True)
+
+
+def test_register_reward_adds_a_name_once_and_says_whether_it_is_differentiable(monkeypatch):
+    monkeypatch.setattr(rewards, "REWARDS", dict(REWARDS))  # the registrations here end with the test
+    monkeypatch.setattr(rewards, "DIFFERENTIABLE", dict(DIFFERENTIABLE))
+    rewards.register_reward(
+        "dark", lambda device, checkpoint=None: ScoreFn(lambda x, p: -x.mean((1, 2, 3)), False), False
+    )
+    assert not rewards.is_differentiable("dark") and rewards.is_differentiable("hps")  # an alias of hpsv2.1
+    total, _ = rewards.build_reward("dark", "cpu")(torch.ones(2, 3, 8, 8), PROMPTS)
+    assert torch.equal(total, -torch.ones(2))
+    with pytest.raises(ValueError, match="registered already"):
+        rewards.register_reward("jpeg", rewards.jpeg, False)
+    rewards.register_reward(
+        "liar", lambda device, checkpoint=None: ScoreFn(lambda x, p: x.mean((1, 2, 3)), True), False
+    )
+    with pytest.raises(ValueError, match="registered with differentiable=False"):
+        rewards.build_reward("liar", "cpu")
 
 
 def test_composite_weights_and_components(dummy):

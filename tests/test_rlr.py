@@ -163,7 +163,7 @@ def test_ddim_step_matches_diffusers():
     sched = DDIMScheduler(beta_schedule="scaled_linear", clip_sample=False, set_alpha_to_one=False, steps_offset=1)
     sched.set_timesteps(10)
     fake = SimpleNamespace(kind="sd1", alphas_cumprod=sched.alphas_cumprod, pipe=SimpleNamespace(scheduler=sched))
-    ours = R.make_schedule(fake, 10, R.Args(noise_level=0.8))
+    ours = R.make_schedule(fake, 10, 0.8)
     assert ours["t"].tolist() == sched.timesteps.tolist()
     assert ours["eta"][-1] == 0 and ours["a_prev"][-1] == 1  # deterministic last step onto x0_hat
     g = torch.Generator().manual_seed(0)
@@ -179,8 +179,7 @@ def test_flow_transition_and_exact_recompute(tmp_path):
     graph reproduces the rollout bit for bit, so the likelihood ratio is evaluated on-policy."""
     build_shapes(tmp_path)
     model = load_model(str(tmp_path))
-    args = R.Args(noise_level=0.7)
-    sched = R.make_schedule(model, 5, args)
+    sched = R.make_schedule(model, 5, 0.7)
     cond = model.encode_prompts(["a red circle on a blue background", "a green square on a white background"])
     gen = torch.Generator().manual_seed(0)
     L = model.latent_shape()  # (4, 8, 8)
@@ -260,22 +259,23 @@ def test_validation_names_the_flag(tmp_path):
     def args(**kw):
         return R.Args(**{"subchain_len": 2, "zo_perturbations": 4, **kw})
 
-    R.validate(args(), world=1)
+    R.resolve_and_check(args())
     for kw, flag in [
         ({"reward": "verifier"}, "--reward"),
         ({"reward": "shapes:1,jpeg:0.5"}, "--reward"),
         ({"subchain_len": 10}, "--subchain-len"),
         ({"subchain_len": 3, "subchain_stage": "fine"}, "--subchain-stage"),
         ({"zo_perturbations": 3}, "--zo-perturbations"),
-        ({"group_size": 3}, "--group-size"),
         ({"dcot_prompts": str(tmp_path / "nope.tsv")}, "--dcot-prompts"),
     ]:
         with pytest.raises(InputError, match=flag):
-            R.validate(args(**kw), world=1)
-    R.validate(args(reward="shapes:1,verifier:0"), world=1)  # weight 0: logged only, no gradient needed
+            R.resolve_and_check(args(**kw))
+    R.resolve_and_check(args(reward="shapes:1,verifier:0"))  # weight 0: logged only, no gradient needed
     (tmp_path / "bad.tsv").write_text("a red circle on a blue background\tonly two\n")
     with pytest.raises(InputError, match="4 TAB-separated"):
-        R.validate(args(dcot_prompts=str(tmp_path / "bad.tsv")), world=1)
+        R.resolve_and_check(args(dcot_prompts=str(tmp_path / "bad.tsv")))
+    out = run_script(["--group-size", "3"], tmp_path / "g", check=False)  # main()'s check of the process count
+    assert out.returncode == 2 and "--group-size 3" in out.stderr
 
 
 def test_non_differentiable_reward_is_refused_at_start_up(tmp_path):

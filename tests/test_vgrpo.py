@@ -27,7 +27,7 @@ TINY_RUN = [
     "4",
     "--train-batch-size",
     "2",
-    "--images-per-update",
+    "--samples-per-update",
     "4",
     "--num-steps",
     "4",
@@ -230,7 +230,8 @@ def test_log_ratio_is_exactly_zero_at_the_first_update(tmp_path):
         old, old_x0 = V.surrogate(model, tr, x, cond, t, eps, 1.0, nullcontext)
     tr.train()
     new, x0_hat = V.surrogate(model, tr, x, cond, t, eps, 1.0, nullcontext)  # training forward, with grad
-    loss, ratio, log_ratio = V.vgrpo_loss(new, old, torch.tensor([1.0, -1.0, 0.5, 0.0]), 6e-3)
+    loss, figures = V.policy_loss(new, old, torch.tensor([1.0, -1.0, 0.5, 0.0]), 6e-3)
+    ratio, log_ratio = figures["ratio"], figures["log_ratio"]
     assert torch.equal(log_ratio, torch.zeros(4)) and torch.equal(ratio, torch.ones(4)) and torch.equal(x0_hat, old_x0)
     loss.mean().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in tr.parameters())
@@ -251,7 +252,7 @@ def test_positive_advantage_raises_the_surrogate(tmp_path):
         tr.load_state_dict(start)
         tr.zero_grad()
         new, _ = V.surrogate(model, tr, x, cond, t, eps, 1.0, nullcontext)
-        loss, _, _ = V.vgrpo_loss(new, old, torch.tensor([advantage, 0.0]), 6e-3)
+        loss, _ = V.policy_loss(new, old, torch.tensor([advantage, 0.0]), 6e-3)
         loss.mean().backward()
         with torch.no_grad():
             for p in tr.parameters():
@@ -278,13 +279,13 @@ def test_combined_advantages_per_reward_then_weights_then_clips():
     assert soft.abs().max() < 1
 
 
-def test_vgrpo_loss_averages_pairs_before_the_ratio_and_clips():
+def test_policy_loss_averages_pairs_before_the_ratio_and_clips():
     old = torch.zeros(4, 2)
     new = torch.log(torch.tensor([[1.0, 1.0], [1.5, 1.5], [0.5, 0.5], [1.5, 1.5]]))
     new[0] = torch.tensor([0.3, -0.3])  # pairs that cancel: ratio exactly exp(0)
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
-    loss, ratio, _ = V.vgrpo_loss(new, old, adv, 0.2)
-    torch.testing.assert_close(ratio, torch.tensor([1.0, 1.5, 0.5, 1.5]))
+    loss, figures = V.policy_loss(new, old, adv, 0.2)
+    torch.testing.assert_close(figures["ratio"], torch.tensor([1.0, 1.5, 0.5, 1.5]))
     torch.testing.assert_close(loss, torch.tensor([-1.0, -1.2, 0.8, 1.5]))
 
 
@@ -294,19 +295,19 @@ def test_coefficient_of_variation():
     assert group_cv == 0 and cv == pytest.approx(s.std().item() / 2)
 
 
-def test_validation_names_the_flag():
-    with pytest.raises(InputError, match="--group-size"):
-        V.validate(
-            V.Args(samples_per_device=10, group_size=4, rollout_batch_size=2, train_batch_size=2, images_per_update=10),
-            world=1,
-        )
+def test_validation_names_the_flag(tmp_path):
     with pytest.raises(InputError, match="--n-mc"):
-        V.validate(V.Args(num_steps=3, n_mc=4), world=1)
-    V.validate(V.Args(num_steps=3, n_mc=4, stratified=False), world=1)  # i.i.d. draws need no chunks
-    with pytest.raises(InputError, match="--images-per-update"):
-        V.validate(V.Args(images_per_update=12), world=1)
+        V.resolve_and_check(V.Args(num_steps=3, n_mc=4))
+    V.resolve_and_check(V.Args(num_steps=3, n_mc=4, stratified=False))  # i.i.d. draws need no chunks
+    with pytest.raises(InputError, match="--samples-per-update"):
+        V.resolve_and_check(V.Args(samples_per_update=12))
     with pytest.raises(InputError, match="unknown reward"):
-        V.validate(V.Args(reward="nope"), world=1)
+        V.resolve_and_check(V.Args(reward="nope"))
+    flags = ["--samples-per-device", "10", "--group-size", "4", "--rollout-batch-size", "2", "--train-batch-size", "2"]
+    out = run_script(
+        flags + ["--samples-per-update", "10"], tmp_path, check=False
+    )  # main()'s check of the process count
+    assert out.returncode == 2 and "--group-size 4" in out.stderr and "Traceback" not in out.stderr
 
 
 # ---------------------------------------------------------------- the script
@@ -354,7 +355,7 @@ def test_killed_runs_resume_to_the_same_weights(tmp_path):
 @pytest.mark.parametrize("lora", [False, True])
 def test_kl_to_the_base_starts_at_zero_and_grows_while_the_behaviour_kl_stays_zero(tmp_path, lora):
     # one optimizer step per iteration: every micro-batch is trained by the policy that sampled it
-    one_update = [*TINY_RUN, "--images-per-update", "8", "--eval-every", "0", "--sample-every", "0", "--kl-beta", "1"]
+    one_update = [*TINY_RUN, "--samples-per-update", "8", "--eval-every", "0", "--sample-every", "0", "--kl-beta", "1"]
     for ref in ("behaviour", "base"):
         run_script([*one_update, "--exp-name", ref, "--kl-ref", ref, *([] if lora else ["--no-lora"])], tmp_path)
     rows = {ref: [r for r in metrics(tmp_path / ref) if "losses/kl" in r] for ref in ("behaviour", "base")}
@@ -366,7 +367,7 @@ def test_kl_to_the_base_starts_at_zero_and_grows_while_the_behaviour_kl_stays_ze
 def test_two_processes_keep_identical_weights_and_pairs(tmp_path):
     launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2")
     # groups of 4 over 2 processes x 2 samples: every group spans both processes
-    ddp = ["--samples-per-device", "2", "--rollout-batch-size", "2", "--images-per-update", "2"]
+    ddp = ["--samples-per-device", "2", "--rollout-batch-size", "2", "--samples-per-update", "2"]
     run_script(
         TINY_RUN + ddp + ["--exp-name", "ddp", "--eval-every", "0"], tmp_path, launcher, {"ACCELERATE_USE_CPU": "1"}
     )

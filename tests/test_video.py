@@ -77,8 +77,8 @@ def test_wan_flags_fail_at_start_up(wan_dir):
     with pytest.raises(InputError, match="'temporal' scores videos"):
         check_run_args(tyro.cli(D.Args, args=["--reward", "temporal"]))
     with pytest.raises(InputError, match="is a video model .* trains image models only"):
-        rlr.validate(
-            tyro.cli(rlr.Args, args=args("--reward", "temporal", "--subchain-len", "2", "--zo-perturbations", "1")), 1
+        rlr.resolve_and_check(
+            tyro.cli(rlr.Args, args=args("--reward", "temporal", "--subchain-len", "2", "--zo-perturbations", "1"))
         )
     with pytest.raises(InputError, match="--num-frames 7: must be 4k"):
         load_model(str(wan_dir), resolution=RES, num_frames=7)
@@ -119,11 +119,11 @@ def test_temporal_reward_prefers_smooth_motion_to_stills_and_flicker():
 # ---------------------------------------------------------------- the scripts end to end
 TINY = {
     "dancegrpo.py": ["--samples-per-device", "8", "--group-size", "4", "--rollout-batch-size", "4",
-                     "--trajectories-per-update", "4", "--num-steps", "4"],
+                     "--samples-per-update", "4", "--num-steps", "4"],
     "branchgrpo.py": ["--pruning", "depth", "--trees-per-device", "2", "--trees-per-update", "1", "--num-steps", "6",
                       "--num-splits", "2", "--rollout-batch-size", "4"],
     "vgrpo.py": ["--samples-per-device", "8", "--group-size", "4", "--rollout-batch-size", "4", "--train-batch-size",
-                 "2", "--images-per-update", "4", "--num-steps", "4", "--n-mc", "3"],
+                 "2", "--samples-per-update", "4", "--num-steps", "4", "--n-mc", "3"],
 }  # fmt: skip
 
 

@@ -1,0 +1,89 @@
+"""A fork changes one place: each script copied into a folder of its own, the body of its objective function changed
+(the clipped term of `policy_loss` doubled; RLR: the weight of its half-order term in `term_weights`), runs one
+iteration and logs exactly twice the original's figure (the gradient norm, before clipping: at the first update the
+ratio is 1 and a group's surrogate averages to 0; RLR: the half-order weights). A DanceGRPO fork also changes its advantage and registers a
+reward from its own file, as docs/forking.md shows."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, find_run, metrics
+
+QUICK = ["--iterations", "1", "--eval-every", "0", "--sample-every", "0", "--no-save"]
+FLAGS = {  # one optimizer step per iteration, so every logged figure comes from the same, unchanged weights
+    "dancegrpo.py": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4",
+                     "--samples-per-update", "4", "--num-steps", "4"],
+    "branchgrpo.py": ["--trees-per-device", "1", "--trees-per-update", "1", "--num-steps", "6", "--num-splits", "2",
+                      "--rollout-batch-size", "4"],
+    "vgrpo.py": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4", "--train-batch-size",
+                 "2", "--samples-per-update", "4", "--num-steps", "4", "--n-mc", "2"],
+    "rlr.py": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "2", "--num-steps", "4"],
+}  # fmt: skip
+# (function, text in its body, replacement, the logged figure that doubles)
+LOSS_EDITS = {
+    "dancegrpo.py": ("policy_loss", "surrogate = torch.maximum(", "surrogate = 2 * torch.maximum(", "charts/grad_norm"),
+    "branchgrpo.py": ("policy_loss", "surrogate = torch.maximum(", "surrogate = 2 * torch.maximum(", "charts/grad_norm"),
+    "vgrpo.py": ("policy_loss", "surrogate = torch.maximum(", "surrogate = 2 * torch.maximum(", "charts/grad_norm"),
+    "rlr.py": ("term_weights", "return rewards - loo_baseline(", "return 2 * rewards - 2 * loo_baseline(", "rlr/ho_adv_abs"),
+}  # fmt: skip
+
+
+def body(source: str, function: str) -> tuple[int, int]:
+    """Where the module-level `function`'s definition starts and ends in `source`."""
+    start = source.index(f"\ndef {function}(")
+    return start, source.index("\ndef ", start + 1)
+
+
+def edit(source: str, function: str, old: str, new: str) -> str:
+    """`source` with `old` replaced by `new` once, inside `function` and nowhere else."""
+    start, end = body(source, function)
+    assert source.count(old) == 1 and start < source.index(old) < end, (function, old)
+    return source.replace(old, new)
+
+
+def run(script_path, flags, out, name):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # the fork imports the repository's common/
+    cmd = [sys.executable, str(script_path), *flags, *QUICK, "--output-dir", str(out), "--exp-name", name]
+    done = subprocess.run(cmd, cwd=script_path.parent, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return [r for r in metrics(find_run(out / name)) if "rewards/mean" in r]
+
+
+@pytest.mark.parametrize("script", list(LOSS_EDITS))
+def test_a_fork_changes_its_objective_in_one_function(script, tmp_path):
+    function, old, new, figure = LOSS_EDITS[script]
+    fork = tmp_path / "fork" / f"my_{script}"
+    fork.parent.mkdir()
+    fork.write_text(edit((ROOT / script).read_text(), function, old, new))
+    original = run(ROOT / script, FLAGS[script], tmp_path / "runs", "original")
+    forked = run(fork, FLAGS[script], tmp_path / "runs", "fork")
+    assert len(forked) == len(original) == 1
+    assert forked[0][figure] == 2 * original[0][figure] != 0  # the fork's objective is the one that ran
+    assert forked[0]["rewards/mean"] == original[0]["rewards/mean"]  # and the rollout is the same
+
+
+def test_a_dancegrpo_fork_changes_loss_advantage_and_reward_each_in_one_place(tmp_path):
+    source = (ROOT / "dancegrpo.py").read_text()
+    source = edit(
+        source,
+        "policy_loss",
+        "torch.clamp(ratio, 1 - clip_range, 1 + clip_range)",
+        "torch.clamp(ratio, 1 - clip_range, 1 + 2 * clip_range)",
+    )  # fmt: skip  (a higher upper clip)
+    source = edit(source, "group_advantages", " / (r.std(1, keepdim=True) + 1e-8)", "")  # no std normalisation
+    reward = """
+from common.rewards import ScoreFn, register_reward  # noqa: E402
+
+register_reward("brightness", lambda device, checkpoint=None: ScoreFn(lambda x, p: x.mean((1, 2, 3)), True), True)
+"""
+    source = source.replace("\n\n@dataclass\nclass Args(", reward + "\n\n@dataclass\nclass Args(", 1)
+    fork = tmp_path / "fork" / "brightgrpo.py"
+    fork.parent.mkdir()
+    fork.write_text(source)
+    flags = [*FLAGS["dancegrpo.py"], "--reward", "shapes:1,brightness:0.5"]
+    (record,) = run(fork, flags, tmp_path / "runs", "bright")
+    assert 0 < record["rewards/brightness"] < 1 and record["rewards/shapes"] != 0
+    assert record["rewards/mean"] == pytest.approx(record["rewards/shapes"] + 0.5 * record["rewards/brightness"])
