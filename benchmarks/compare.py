@@ -44,7 +44,7 @@ METHODS = {  # key: (label, script and flags)
     "vgrpo": ("V-GRPO", ["vgrpo.py"]),
     "rlr": ("RLR", ["rlr.py"]),
 }
-EVAL = ["shape_acc", "all_acc", "clean_acc", "reward_mean", "diversity"]
+EVAL = ["shape_acc", "all_acc", "clean_acc", "reward_mean", "diversity", "diversity_kept"]
 # forward passes and trained transitions per image, whichever the script logs
 FORWARDS = ["perf/nfe_per_image", "tree/rollout_forwards_per_leaf"]
 TRAINED = [
@@ -143,8 +143,8 @@ def write_table(results: dict, path: Path, command: str, threads: int, jobs: int
         + ("; n/a here, because DanceGRPO's reward fell below its start." if fell else "."),
         "",
         "| method | it. | s / it. | forwards / image | trained / image | time | shape acc. | all correct | "
-        "clean | learned reward | diversity | to DanceGRPO's reward |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "clean | learned reward | diversity | diversity kept | to DanceGRPO's reward |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, cs in results.items():
         label = METHODS[key][0]

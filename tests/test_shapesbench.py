@@ -114,6 +114,25 @@ def test_well_formed_and_confusion_matrix():
     assert shapesbench.confusion_matrix({f"eval/{k}": v for k, v in m.items()}) == conf  # as the RL scripts log it
 
 
+def test_diversity_kept_is_one_for_the_renderer_and_zero_for_copies():
+    """diversity_kept = diversity / the renderer's for the same prompts: renders drawn as the world draws them keep
+    all of it (up to sampling noise), one image per prompt none."""
+    from common.shapesbench import world
+    from common.shapesbench.verifier import renderer_diversity
+
+    prompts = [p for p in load_prompts("shapes-eval")[:12] for _ in range(64)]
+    g = torch.Generator().manual_seed(0)
+    shape, fg, bg = torch.tensor([world.parse_prompt(p) for p in prompts]).unbind(1)
+    radius = torch.tensor(world.RADII)[torch.randint(len(world.RADII), (len(prompts),), generator=g)]
+    images = world.render(shape, fg, bg, radius, torch.full_like(radius, 16), torch.full_like(radius, 16))
+    assert shapesbench.evaluate(images, prompts)["diversity_kept"] == pytest.approx(1.0, abs=0.03)
+    copies = images.view(12, 64, 3, 32, 32)[:, :1].expand(-1, 4, -1, -1, -1).reshape(-1, 3, 32, 32)
+    assert shapesbench.evaluate(copies, prompts[::16])["diversity_kept"] == 0  # 4 copies of one image per prompt
+    # the held-out split, 4 samples per prompt: two sizes per shape, so a perfect policy scores 0.079
+    held_out = tuple(p for p in load_prompts("shapes-eval") for _ in range(4))
+    assert renderer_diversity(held_out) == pytest.approx(0.0791, abs=1e-4)
+
+
 def test_diversity_is_zero_for_copies_and_positive_otherwise():
     images, _ = gt(4)
     prompts = ["a red circle on a blue background"] * 4

@@ -8,7 +8,17 @@ import itertools
 
 import torch
 
-from common.shapesbench.world import PALETTE, SHAPES, SIZE, TEXTURE_MAX_PERIOD, parse_prompt, shape_masks
+from common.shapesbench.world import (
+    JITTER,
+    PALETTE,
+    RADII,
+    SHAPES,
+    SIZE,
+    TEXTURE_MAX_PERIOD,
+    parse_prompt,
+    render,
+    shape_masks,
+)
 
 # The verifier's template bank is wider than the data, so off-distribution samples still get a shape.
 TEMPLATE_RADII = tuple(range(3, 14))
@@ -123,9 +133,24 @@ def diversity(images: torch.Tensor, prompts: list[str]) -> float:
     return float(torch.stack(dists).mean()) if dists else float("nan")
 
 
+@functools.lru_cache(maxsize=16)
+def renderer_diversity(prompts: tuple[str, ...]) -> float:
+    """The diversity a perfect policy shows on these prompts: the expected value of diversity() for renders drawn as
+    the world draws them (each radius and centre offset equally likely), exactly, from every pair of draws. Prompts
+    given once count for nothing, as in diversity()."""
+    draws = list(itertools.product(RADII, range(-JITTER, JITTER + 1), range(-JITTER, JITTER + 1)))
+    radius, dx, dy = torch.tensor(draws).unbind(1)
+    per_prompt = []
+    for p in sorted({p for p in prompts if prompts.count(p) > 1}):
+        shape, fg, bg = (torch.full((len(draws),), i) for i in parse_prompt(p))
+        x = render(shape, fg, bg, radius, SIZE // 2 + dx, SIZE // 2 + dy).flatten(1)
+        per_prompt.append((torch.cdist(x, x) / x.shape[1] ** 0.5).mean())  # over all ordered pairs, itself included
+    return float(torch.stack(per_prompt).mean()) if per_prompt else float("nan")
+
+
 def evaluate(images: torch.Tensor, prompts: list[str], reward=None) -> dict:
     """Held-out metrics for images (N, 3, H, W) in [0, 1]: verifier accuracies, learned reward (a ShapesReward,
-    if given), diversity."""
+    if given), diversity, and diversity kept: the diversity over the renderer's for the same prompts."""
     v = verify(images, prompts)
     out = {f"{k}_acc": v[k].float().mean().item() for k in ("bg", "fg", "shape", "clean", "all")}
     out["colour_acc"] = (v["bg"] & v["fg"]).float().mean().item()
@@ -146,6 +171,7 @@ def evaluate(images: torch.Tensor, prompts: list[str], reward=None) -> dict:
             .item()
         )
     out["diversity"] = diversity(images, prompts)
+    out["diversity_kept"] = out["diversity"] / renderer_diversity(tuple(prompts))  # a perfect policy: 1.0
     return out
 
 

@@ -1,0 +1,142 @@
+"""Do the tests fail when the algorithm is wrong? Each mutant is one deliberate one-line bug of the kind a reader is
+most likely to introduce (a sign, a factor of 2, an off-by-one in a window, a wrong baseline, a missing
+normalisation); it is applied to a copy of the repository, the tests meant to catch it run there, and the table says
+KILLED (they failed) or SURVIVED (they passed: the suite cannot see that bug). The same tests run first on the
+unmutated copy, which they must pass.
+
+    python benchmarks/mutants.py                  # every mutant, one after another, one thread: about 8 minutes
+    python benchmarks/mutants.py --only 3,7       # some of them (numbers as the table prints them)
+
+A mutant whose text is not found exactly once is reported as STALE (the code it targets has changed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (file, text, mutated text, tests that must fail, what the bug is)
+MUTANTS = [
+    ("dancegrpo.py", 'log_prob, ch["log_probs"][:, i], adv[sl],', 'log_prob, ch["log_probs"][:, i], -adv[sl],',
+     "tests/test_direction.py -k dancegrpo_update", "DanceGRPO: the advantage's sign flipped where main() passes it"),
+    ("dancegrpo.py", "return surrogate + kl_beta * kl, stats", "return surrogate - kl_beta * kl, stats",
+     "tests/test_direction.py -k kl_term", "DanceGRPO: the KL term's sign flipped"),
+    ("dancegrpo.py", "mean = x + d * (v - g**2 / 2 * score)", "mean = x + d * (v - g**2 * score)",
+     "tests/test_dancegrpo.py -k sde_step_log_prob", "DanceGRPO: the SDE drift's g^2/2 as g^2"),
+    ("dancegrpo.py", "/ (r.std(1, keepdim=True) + 1e-8)", "/ (r.std(1, keepdim=True, correction=0) + 1e-8)",
+     "tests/test_dancegrpo.py -k group_advantages", "DanceGRPO: the biased group std"),
+    ("dancegrpo.py", "torch.clamp(ratio, 1 - clip_range, 1 + clip_range)",
+     "torch.clamp(ratio, 1 - clip_range, 1 + 2 * clip_range)", "tests/test_dancegrpo.py -k policy_loss",
+     "DanceGRPO: the upper clip twice as wide"),
+    ("dancegrpo.py", "return list(range(start, start + sde_window))", "return list(range(start, start + sde_window + 1))",
+     "tests/test_dancegrpo.py -k mixgrpo_window", "MixGRPO: a window one step too long"),
+    ("branchgrpo.py", "return x + d * (v - float(g) ** 2 / 2 * score)", "return x + d * (v - float(g) ** 2 * score)",
+     "tests/test_branchgrpo.py -k closed_form", "BranchGRPO: the SDE drift's g^2/2 as g^2"),
+    ("branchgrpo.py", "policy_loss(log_prob, old_lp, adv,", "policy_loss(log_prob, old_lp, -adv,",
+     "tests/test_direction.py -k branchgrpo", "BranchGRPO: the advantage's sign flipped where main() passes it"),
+    ("branchgrpo.py", "max(self.splits) + 1 if self.pruning", "max(self.splits) if self.pruning",
+     "tests/test_branchgrpo.py -k depth", "BranchGRPO: the depth window starting on the last split"),
+    ("branchgrpo.py", "n.append(n[-1] * self.children(i))", "n.append(n[-1] * self.children(i + 1))",
+     "tests/test_branchgrpo.py -k tree_counts", "BranchGRPO: a tree's sizes off by one step"),
+    ("branchgrpo.py", ".argmax(-1)  # (P, parents)", ".argmin(-1)  # (P, parents)",
+     "tests/test_branchgrpo.py -k width_parent", "BranchGRPO: width pruning keeps the worst child"),
+    ("branchgrpo.py", "std = v.std(1, keepdim=True)", "std = v.std(1, keepdim=True, correction=0)",
+     "tests/test_branchgrpo.py -k depth_advantages_by_hand", "BranchGRPO: the biased std of the depth advantages"),
+    ("branchgrpo.py", "math.sqrt(1 - rho) * own", "math.sqrt(rho) * own",
+     "tests/test_branchgrpo.py -k branch_noise", "BranchGRPO: correlated branch noise of the wrong variance"),
+    ("vgrpo.py", "policy_loss(values, old_values[sl], adv[sl],", "policy_loss(values, old_values[sl], -adv[sl],",
+     "tests/test_direction.py -k vgrpo", "V-GRPO: the advantage's sign flipped where main() passes it"),
+    ("vgrpo.py", "value = value / err.detach().abs()", "value = value / err.abs()",
+     "tests/test_vgrpo.py -k pair_values_by_hand", "V-GRPO: a gradient through the self-normaliser"),
+    ("vgrpo.py", "log_ratio = values.mean(1) - old_values.mean(1)", "log_ratio = (values - old_values).mean(1) * 2",
+     "tests/test_vgrpo.py -k averages_pairs", "V-GRPO: the whole-image log-ratio doubled"),
+    ("vgrpo.py", "(x0_hat - x0_prev) / (2 * r)", "(x0_hat - x0_prev) / r",
+     "tests/test_vgrpo.py -k dpm_solver", "V-GRPO: DPM-Solver++(2M)'s second-order term doubled"),
+    ("rlr.py", "return ((r.sum(1, keepdim=True) - r) / (group_size - 1))",
+     "return ((r.sum(1, keepdim=True)) / (group_size))", "tests/test_rlr.py -k baselines_by_hand",
+     "RLR: a half-order baseline that reads the sample's own reward"),
+    ("rlr.py", "g = -(coef * z) / scale**2", "g = (coef * z) / scale**2", "tests/test_rlr.py -k perturbation",
+     "RLR: the zero-order term's sign flipped"),
+    ("rlr.py", "(1 - alpha_prev - std**2).clamp(min=0)", "(1 - alpha_prev).clamp(min=0)", "tests/test_rlr.py -k ddim",
+     "RLR: DDIM's mean without the noise's share"),
+    ("rlr.py", "adv_ho = w_ho[rank * S : (rank + 1) * S]", "adv_ho = -w_ho[rank * S : (rank + 1) * S]",
+     "tests/test_direction.py -k rlr", "RLR: the half-order weights' sign flipped in main()"),
+    ("rlr.py", "gb_sum.sum(1)[group] - gb_sum[group, block]", "gb_sum.sum(1)[group]",
+     "tests/test_rlr.py -k baselines_by_hand", "RLR: a zero-order baseline that reads the sample's own block"),
+    ("common/models.py", "return out_uncond + scale * (out_cond - out_uncond)",
+     "return out_uncond + 1.001 * scale * (out_cond - out_uncond)", "tests/test_video.py -k stock",
+     "CFG 0.1% too strong (Wan2.1, SD3)"),
+    ("common/rewards.py", "total = total + w * r", "total = total + r", "tests/test_rewards.py -k composite_weights",
+     "rewards: a component's weight ignored"),
+    ("dancegrpo.py", "args.num_steps + n_train * (2 if args.kl_beta > 0 else 1)", "args.num_steps + n_train",
+     "tests/test_counts.py -k dancegrpo", "DanceGRPO: the KL reference's forwards left out of the logged count"),
+    ("branchgrpo.py", '"tree/rollout_forwards_per_leaf": forwards / n_leaves',
+     '"tree/rollout_forwards_per_leaf": (forwards - 1) / n_leaves', "tests/test_counts.py -k branchgrpo",
+     "BranchGRPO: the root's forward left out of the logged count"),
+]  # fmt: skip
+
+
+def copy_repo(dest: Path) -> None:
+    """The tracked files and the untracked ones git does not ignore, without .venv and run folders."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.splitlines()
+    for rel in listed:
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def pytest(tests: str, work: Path) -> int:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests.split()]
+    return subprocess.run(cmd, cwd=work, capture_output=True, text=True, env=env).returncode
+
+
+def run_mutant(n: int, mutant, work: Path) -> tuple[str, float]:
+    path, old, new, tests, _ = mutant
+    target = work / path
+    original = target.read_text()
+    if original.count(old) != 1:
+        return "STALE", 0.0
+    t0 = time.perf_counter()
+    if pytest(tests, work) != 0:  # the tests must pass on the code as it is, or a failure says nothing
+        return "TESTS FAIL UNMUTATED", time.perf_counter() - t0
+    target.write_text(original.replace(old, new))
+    code = pytest(tests, work)
+    target.write_text(original)
+    if code == 5:  # no test selected: the mutant's tests are gone
+        return "NO TEST", time.perf_counter() - t0
+    return ("KILLED" if code != 0 else "SURVIVED"), time.perf_counter() - t0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated mutant numbers (1-based)")
+    a = parser.parse_args()
+    chosen = [int(k) for k in a.only.split(",")] if a.only else range(1, len(MUTANTS) + 1)
+    rows = ["| # | mutant | file | tests | result |", "|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        copy_repo(work)
+        for n in chosen:
+            m = MUTANTS[n - 1]
+            result, seconds = run_mutant(n, m, work)
+            rows.append(f"| {n} | {m[4]} | {m[0]} | `{m[3]}` | {result} |")
+            print(f"{n:2d} {result:8s} {seconds:5.0f} s  {m[4]}", flush=True)
+    print("\n".join(rows))
+    survived = sum(r.endswith("| SURVIVED |") for r in rows)
+    print(f"{len(rows) - 2} mutants, {survived} survived")
+
+
+if __name__ == "__main__":
+    main()
