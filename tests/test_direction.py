@@ -16,7 +16,7 @@ import dancegrpo as D
 import rlr as R
 import vgrpo as V
 from common import rewards
-from common.models import reference_velocity
+from common.models import base_weights, reference_velocity
 from common.rewards import ScoreFn
 
 QUICK = ["--iterations", "1", "--eval-every", "0", "--sample-every", "0", "--no-save", "--lr-warmup", "0"]
@@ -203,3 +203,35 @@ def test_rlr_half_order_update_raises_the_likelihood_of_samples_above_their_base
         gain += float((w_ho[rows : rows + len(new_lp)] * (new_lp - old_lp.detach())).sum())
         rows += len(new_lp)
     assert rows == 4 and gain > 0, gain
+
+
+def test_branchgrpo_kl_term_pulls_the_policy_toward_the_base_model(monkeypatch, tmp_path, zero_reward):
+    flags = [*BRANCH, "--reward", "zero", "--kl-beta", "1", "--learning-rate", "1e-5"]  # a small step: first order
+    names = ["micro_batch", "edge_gaussians", "policy_loss"]
+    tape, model = run_main(B, monkeypatch, tmp_path, flags, names, perturb_lora=True)
+    g = tape.calls["edge_gaussians"][0][0][5]
+    old_kl = torch.cat([c[0][4] for c in tape.calls["policy_loss"]])  # the kl main() passed, per trained edge
+    new_kl = []
+    for (_, segments, sigmas, tree), _, (x, sig, cond, masks, *_) in list(tape.calls["micro_batch"]):
+        with torch.no_grad():
+            v = model.velocity(model.transformer, x, sig, cond, 1.0).float()
+            v_ref = reference_velocity(model, model.transformer, True, x, sig, cond, 1.0).float()
+            mean, std = B.edge_gaussians(x, v, segments, masks, sigmas, g, tree)
+            mean_ref, _ = B.edge_gaussians(x, v_ref, segments, masks, sigmas, g, tree)
+        new_kl.append(((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * std**2))
+    new_kl = torch.cat(new_kl)
+    assert old_kl.sum() > 0 and new_kl.sum() < old_kl.sum(), (old_kl.sum(), new_kl.sum())
+
+
+def test_vgrpo_kl_term_pulls_the_policy_toward_the_base_model(monkeypatch, tmp_path, zero_reward):
+    flags = [*VGRPO, "--reward", "zero", "--kl-beta", "1", "--kl-ref", "base", "--learning-rate", "1e-5"]
+    tape, model = run_main(V, monkeypatch, tmp_path, flags, ["surrogate", "policy_loss"], perturb_lora=True)
+    (old_kl,) = [c[0][4] for c in tape.calls["policy_loss"]]  # (B,): the kl main() passed
+    (training,) = [c for c in tape.calls["surrogate"] if c[2][0].requires_grad]
+    a, kw, _ = training
+    with torch.no_grad():
+        _, x0_new = V.surrogate(*a, **kw)
+        with base_weights(model.transformer, True):  # the base model: the adapter off
+            _, x0_base = V.surrogate(*a, **kw)
+    new_kl = (x0_new - x0_base).square().flatten(2).mean(2).mean(1)
+    assert old_kl.sum() > 0 and new_kl.sum() < old_kl.sum(), (old_kl.sum(), new_kl.sum())

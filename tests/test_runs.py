@@ -70,6 +70,16 @@ def test_an_unwritable_checkpoint_folder_is_one_error(make_run):
         run.ckpt_dir.chmod(0o755)
 
 
+def test_a_file_where_the_checkpoint_folder_must_go_is_one_error_even_as_root(make_run):
+    """What no permission bit can stop root from: a file where the checkpoint's partial folder must be written."""
+    run = make_run(save_every=1)
+    run.checkpoint(1, final=False)
+    (run.ckpt_dir / ".partial_iter_000002").write_text("in the way")
+    with pytest.raises(RunError, match="iter_000001 is intact"):
+        run.checkpoint(2, final=False)
+    assert (run.ckpt_dir / "iter_000001").is_dir() and not (run.ckpt_dir / "iter_000002").exists()
+
+
 def test_a_resume_drops_the_records_after_its_checkpoint(make_run):
     run = make_run(save_every=2)
     for it in range(5):  # the interrupted run: evaluations at 0, 2, 4, trained up to 4, checkpoint at 2
