@@ -3,6 +3,7 @@
 import functools
 import itertools
 import math
+import signal
 import sys
 from contextlib import nullcontext
 
@@ -13,7 +14,7 @@ import tyro
 import branchgrpo as B
 from common import InputError
 from common.models import load_model
-from tests.helpers import assert_survives_kills, find_run, metrics
+from tests.helpers import assert_same_trained_weights, assert_survives_kills, find_run, logged, metrics, run_until
 from tests.helpers import run_script as run
 from tests.tiny import build_flux, build_shapes, build_tiny_hps
 
@@ -310,6 +311,20 @@ def test_mode_specific_flags_fail_at_start_up():
 
 
 # ---------------------------------------------------------------- the script
+def test_ctrl_c_writes_a_checkpoint_and_the_resumed_run_ends_with_the_same_weights(tmp_path):
+    """Ctrl-C (SIGINT) lets the iteration finish, writes a checkpoint and exits with 128 + 2; `--resume-from latest`
+    then ends with the weights of an uninterrupted run."""
+    common = TINY_RUN + ["--sample-every", "0", "--eval-every", "0", "--save-every", "5", "--iterations", "3"]
+    run_script(common + ["--exp-name", "straight"], tmp_path)
+    faulty, name = common + ["--exp-name", "faulty"], tmp_path / "faulty"
+    status, out = run_until("branchgrpo.py", faulty, tmp_path, lambda p: logged(name, 1), signal.SIGINT)
+    assert status == 128 + signal.SIGINT and "SIGINT: stopped after iteration" in out, out[-2000:]
+    stopped = int(out.split("SIGINT: stopped after iteration ")[1].split(",")[0])
+    assert stopped < 3 and (find_run(name) / "checkpoints" / f"iter_{stopped:06d}").is_dir()  # not due: --save-every 5
+    run_script(faulty + ["--resume-from", "latest"], tmp_path)
+    assert_same_trained_weights(tmp_path / "straight", name)
+
+
 def test_end_to_end_shapesbench(tmp_path):
     run_script(TINY_RUN + ["--exp-name", "e2e", "--save-every", "1"], tmp_path)
     run = find_run(tmp_path / "e2e")
