@@ -1,4 +1,4 @@
-"""benchmarks/: the overhead timers account for a whole iteration."""
+"""benchmarks/: the overhead timers fit in an iteration without overlapping; branch diversity's MMD."""
 
 import importlib.util
 import math
@@ -15,7 +15,7 @@ def load(name):
     return module
 
 
-def test_overhead_shares_cover_the_iteration_and_patches_are_undone():
+def test_overhead_timers_fit_in_the_iteration_and_patches_are_undone():
     overhead = load("overhead")
     from accelerate import Accelerator
 
@@ -25,9 +25,10 @@ def test_overhead_shares_cover_the_iteration_and_patches_are_undone():
     flags = dict(zip(TINY_RUN[::2], TINY_RUN[1::2]))
     tiny = [x for k, v in flags.items() if k not in ("--iterations", "--eval-every", "--sample-every") for x in (k, v)]
     out = overhead.measure("vgrpo.py", 3, tiny)
-    shares = [v for k, v in out.items() if k.endswith("_share") and k != "overhead_share"]
-    assert abs(sum(shares) - 1) < 2e-3 and out["forward_share"] > 0 and out["backward_share"] > 0
-    assert abs(out["overhead_share"] - (1 - out["forward_share"] - out["backward_share"])) < 2e-3
+    # the timed parts fit in the iteration (a part timed twice, or one timer inside another, would not); the shares
+    # themselves sum to 1 by construction ("other" is the rest), so that is not what is checked
+    assert out["other_share"] >= -2e-3 and out["forward_share"] > 0 and out["backward_share"] > 0
+    assert out["optimizer_share"] > 0 and out["reward_share"] > 0 and out["forward_calls"] > 0
     assert (Accelerator.backward, Accelerator.clip_grad_norm_, runs.Run.all_finite, runs.Run.end_iteration) == before
 
 
