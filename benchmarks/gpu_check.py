@@ -423,7 +423,7 @@ def main():
     parser.add_argument("--script-limit-s", type=float, default=180, help="time limit of one script's run")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: " + ", ".join(CASES))
     parser.add_argument("--plan", help="memory plans made beforehand (--write-plan); default: made here, untimed")
-    parser.add_argument("--write-plan", help="only write the memory plans of the full-size check to this file")
+    parser.add_argument("--write-plan", help="only write the memory plans to this file (--tiny: the tiny case's)")
     a = parser.parse_args()
     out, tiny = Path(a.out), a.tiny
     cases = [c for c in a.cases.split(",") if c]
