@@ -19,24 +19,23 @@ first / half / zero order, sg = stop-gradient:
                             per step and perturbation block (--zo-perturbations), regenerated from its seed (MeZO: Malladi et al. 2023, arXiv 2305.17333)
 Baselines keep it unbiased: b = mean reward of the other samples of the prompt (independent of this sample's z);
 b' = mean reward of the prompt's samples in other perturbation blocks (independent of this block's zetas).
-The objective is that of the chain that is actually sampled, with the ZO steps' parameters perturbed (the paper's
-eq. 1); it differs from the unperturbed one by O(sigma^2). tests/test_rlr.py checks unbiasedness against the
-closed-form gradient of a linear-Gaussian chain. h is --subchain-len, or the paper's h* for --memory-budget-gb.
+The objective is that of the chain actually sampled (ZO steps perturbed: eq. 1), O(sigma^2) from the unperturbed
+one; tests/test_rlr.py checks unbiasedness against a linear-Gaussian chain's closed-form gradient. h: --subchain-len.
 
 Launch (run.sh has more):
-    python rlr.py                                                    # ShapesBench on CPU
-    python rlr.py --terms fo+ho                                      # the paper's ablation V2 (no ZO term)
-    python rlr.py --subchain-stage coarse                            # restrict the sub-chain to the coarse steps
+    python rlr.py                                                    # ShapesBench on CPU: the paper's V2, see below
+    python rlr.py --terms fo+ho+zo --subchain-stage any              # RLR's full, unbiased estimator (eq. 6)
     PROMPTS=prompts.txt bash run.sh rlr-sd15-8gpu                   # SD1.5, LoRA r4, 8 GPUs; docs/gpu.md: all of them
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 rlr.py --samples-per-device 4  # 2 CPU processes
     python rlr.py --resume-from latest                               # continue the newest runs/rlr__*
 
 Deviations from the public code, which implements neither the sub-chain nor the ZO term (docs/rlr.md explains
-each): 1. the estimator is the paper's eq. 6 with unit weights and baselines that keep it unbiased; 2. one optimizer
-step per iteration on the sum of the terms (--terms selects the paper's ablations V1 = fo, V2 = fo+ho, V3 = fo+zo);
-3. the log-density is summed over latent dimensions; 4. the window start is uniform (or uniform in a
---subchain-stage); 5. DDIM's last step lands on x0_hat; 6. all randomness is keyed on (seed, iteration, sample /
-chunk / block index).
+each): 1. eq. 6 with unit weights and unbiased baselines; 2. one optimizer step per iteration on the sum of the terms
+(--terms: the paper's ablations V1 = fo, V2 = fo+ho, V3 = fo+zo); 3. the log-density summed over latent dimensions;
+4. a uniform window start (in a --subchain-stage); 5. DDIM's last step lands on x0_hat; 6. randomness keyed on (seed,
+iteration, sample / chunk / block). The default is V2 (biased: the other steps get no gradient) in the DCoT stage
+coarse (the first third, where ShapesBench decides the shape): at 0.38M LoRA parameters the ZO term's noise drowns
+the full estimator's signal (docs/rlr.md, benchmarks/rlr_zo_noise.py).
 """
 
 from __future__ import annotations
@@ -73,9 +72,11 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """eta for 'dance' (if unset: 0.3), a for 'flow' (if unset: 0.7), DDIM eta for SD1.x (if unset: 1.0)"""
     group_size: int = 4
     """images per prompt; the others' mean reward is each sample's baseline (a group may span processes)"""
-    samples_per_device: int = 8
+    learning_rate: float = 1.2e-3
+    """AdamW learning rate (constant after --lr-warmup); 4x the shared ShapesBench default (docs/rlr.md says why)"""
+    samples_per_device: int = 32
     """images sampled per process per iteration; prompts per iteration = processes * this / group size"""
-    rollout_batch_size: int = 2
+    rollout_batch_size: int = 4
     """images per denoiser forward; also the unit that shares one sub-chain window"""
     subchain_len: Optional[int] = None
     """h, the number of denoising steps back-propagated in the half-order sub-chain (if unset: 2, the paper's choice)"""
@@ -87,7 +88,7 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """B_z of the h* rule: memory of one zero-order step (0.24 GB for SD1.4, paper Table 9)"""
     variance_ratio: float = 0.0
     """V_h / V_z of the h* rule (per-step variance of HO over ZO; 0 = negligible, as the paper assumes)"""
-    subchain_stage: Literal["any", "coarse", "medium", "fine"] = "any"
+    subchain_stage: Literal["any", "coarse", "medium", "fine"] = "coarse"
     """window starts allowed: anywhere, or in the first / middle / last third of the steps (diffusion chain of thought)"""
     dcot_prompts: Optional[str] = None
     """diffusion chain-of-thought prompt file (TSV: prompt, coarse, medium, fine); replaces --prompts"""
@@ -96,7 +97,7 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     zo_perturbations: Optional[int] = None
     """independent parameter perturbations per process and iteration (samples split into that many blocks);
     None = one per rollout chunk"""
-    terms: Literal["fo+ho+zo", "fo+ho", "fo+zo", "fo"] = "fo+ho+zo"
+    terms: Literal["fo+ho+zo", "fo+ho", "fo+zo", "fo"] = "fo+ho"
     """estimator terms: fo+ho+zo = RLR (unbiased); the paper's ablations fo+ho = V2 (biased), fo+zo = V3
     (unbiased, every step but the last is ZO), fo = V1 (one-step truncated backprop, AlignProp K=1; biased)"""
 
@@ -464,11 +465,12 @@ def main(args: Args):
     eval_batch = max(B, 16) if model.kind == "shapes" else B  # (CPU ShapesBench: batch up)
     evaluate = Evaluator(args, model, denoiser, reward_fn, eval_prompts, run, eval_batch, sampler)
     noise = f"{'DDIM eta' if model.kind == 'sd1' else args.sde_type + ' SDE noise'} {args.noise_level}"
-    biased = "" if args.terms in ("fo+ho+zo", "fo+zo") else " (biased ablation)"
+    variant = {"fo+ho+zo": "RLR", "fo+ho": "ablation V2", "fo+zo": "ablation V3", "fo": "ablation V1"}[args.terms]
     h_star = f" (h* for {args.memory_budget_gb} GB)" if args.memory_budget_gb is not None else ""
     lines = [
         f"{world} processes x {S} samples = {N} images / iteration = {prompts_per_iter} prompts x group {G}",
-        f"{T} steps ({noise}), estimator terms {args.terms}{biased}" + (", DCoT prompts" if dcot else ""),
+        f"{T} steps ({noise}), terms {args.terms} ({variant}, {'un' if use_zo else ''}biased)"
+        + (", DCoT prompts" if dcot else ""),
         f"sub-chain h = {h}{h_star}, window starts {starts[0]}..{starts[-1]} ({args.subchain_stage})" if use_ho else "",
         f"ZO: {n_blocks} perturbation block(s) per process, scale {args.zo_scale:g}" if use_zo else "",
         f"rollout batch {B}, one optimizer step per iteration",

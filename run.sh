@@ -33,9 +33,10 @@
 #   branchgrpo-wan-1gpu    Wan2.1-T2V-1.3B video, 16-leaf trees, depth pruning, LoRA r128, 480x832, 33 frames, 1 GPU; 58 GB per GPU
 #   branchgrpo-wan-8gpu    the same on 8 GPUs (DDP); 59 GB per GPU
 #   vgrpo-wan-8gpu         Wan2.1-T2V-1.3B video, V-GRPO, LoRA r128, 480x832, 33 frames, 8 GPUs (DDP); 33 GB per GPU
-#   rlr-cpu                RLR on ShapesBench, 1 CPU process
+#   rlr-cpu                RLR on ShapesBench, 1 CPU process: ablation V2 (no zero-order term), DCoT stage coarse
+#   rlr-full-cpu           RLR's full, unbiased estimator (FO + HO + ZO, window anywhere): learns nothing here
 #   rlr-v1-cpu             RLR ablation V1: first-order term only (AlignProp with K = 1)
-#   rlr-v2-cpu             RLR ablation V2: no zero-order term (biased)
+#   rlr-v2-cpu             RLR ablation V2 (biased) with the window anywhere, as the paper's ablation
 #   rlr-cpu-2proc          2 CPU processes (gloo)
 #   rlr-sd15-1gpu          SD1.5 + HPSv2.1, DDIM eta 1, LoRA r4, 512 px, 1 GPU; 17 GB per GPU
 #   rlr-sd15-8gpu          SD1.5 + HPSv2.1, LoRA r4, 512 px, 8 GPUs (DDP); 17 GB per GPU
@@ -132,7 +133,7 @@ SD35_VGRPO=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --
 # SD1.4), 50 DDIM steps eta 1, CFG 5, LoRA r = 4, lr 1e-4, h = 2 (the paper's 30-40 GB choice), 4 images per prompt.
 SD15_RLR=(--model-id "${MODEL_ID:-stable-diffusion-v1-5/stable-diffusion-v1-5}" "${GPU_COMMON[@]}"
   --num-steps 50 --noise-level 1.0 --guidance-scale 5 --group-size 4 --samples-per-device 4 --rollout-batch-size 2
-  --subchain-len 2 --lora --lora-rank 4 --lora-alpha 4 --learning-rate 1e-4
+  --subchain-len 2 --terms fo+ho --subchain-stage any --lora --lora-rank 4 --lora-alpha 4 --learning-rate 1e-4
   --iterations 100 --eval-every 10 --eval-samples-per-prompt 1 --eval-steps 50 --sample-every 5 --save-every 10)
 
 # Wan2.1 text-to-video 1.3B (docs/video.md). BranchGRPO's paper (§4.6) trains it with VideoAlign's motion-quality
@@ -197,7 +198,8 @@ case "$recipe" in
   vgrpo-wan-8gpu) go "${DDP8[@]}" vgrpo.py "${WAN_VGRPO[@]}" "$@" ;;
   rlr-cpu) go "$PY" rlr.py "$@" ;;
   rlr-v1-cpu) go "$PY" rlr.py --exp-name rlr-v1 --terms fo "$@" ;;
-  rlr-v2-cpu) go "$PY" rlr.py --exp-name rlr-v2 --terms fo+ho "$@" ;;
+  rlr-v2-cpu) go "$PY" rlr.py --exp-name rlr-v2 --terms fo+ho --subchain-stage any "$@" ;;
+  rlr-full-cpu) go "$PY" rlr.py --exp-name rlr-full --terms fo+ho+zo --subchain-stage any "$@" ;;
   rlr-cpu-2proc) go "${CPU2[@]}" rlr.py --samples-per-device 4 "$@" ;;
   rlr-sd15-1gpu) go "${LAUNCH[@]}" --num_processes 1 rlr.py "${SD15_RLR[@]}" "$@" ;;
   rlr-sd15-8gpu) go "${DDP8[@]}" rlr.py "${SD15_RLR[@]}" "$@" ;;

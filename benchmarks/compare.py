@@ -4,6 +4,7 @@
                                              # docs/results.png, docs/results_grids/
     python benchmarks/compare.py --quick     # 1 seed, 10 iterations each (~15 min): the same files in
                                              # benchmarks/compare_out/quick/
+    python benchmarks/compare.py --tradeoff  # + the sweep of SWEEP (seed 0): docs/tradeoff.md, docs/tradeoff.png
     bash run.sh compare [--quick]
 
 DanceGRPO, MixGRPO (--sde-window 4), BranchGRPO (no / width / depth / mix pruning), V-GRPO and RLR run one at a
@@ -13,7 +14,12 @@ folder under <out>/runs/ and its log under <out>/logs/: rerunning the command sk
 and resumes interrupted ones from their last checkpoint (--save-every 5). --jobs 2 runs two at a time (one thread
 each by default), which halves the wall time on 2 cores; the table says how the runs shared the machine. "Time" is
 training time (the sum of the iterations' wall times, evaluations excluded), so methods compare whatever their
-evaluation schedule.
+evaluation schedule. Every row is checked against the bars of docs/shapesbench.md (BARS).
+
+--tradeoff adds one seed of each method at weaker settings of the regularisers that keep diversity (SWEEP: the
+KL to the base model at two strengths, half the learning rate) and draws held-out shape accuracy against diversity
+kept for all of them, with each default run's evaluations along its training (fewer iterations, the third
+regulariser) as a line.
 """
 
 from __future__ import annotations
@@ -44,6 +50,26 @@ METHODS = {  # key: (label, script and flags)
     "vgrpo": ("V-GRPO", ["vgrpo.py"]),
     "rlr": ("RLR", ["rlr.py"]),
 }
+# the trade-off sweep (seed 0): (label, flags) per method; "KL" = --kl-beta (V-GRPO's KL is per ELBO pair, on another
+# scale), "lr / 2" = half the script's default learning rate (DanceGRPO and RLR, which has no KL term: whether a
+# lower rate keeps more diversity than stopping earlier). BranchGRPO without pruning and with width pruning are left
+# out: they keep diversity but miss the accuracy bar, which no regulariser helps.
+SWEEP = {
+    "dancegrpo": [("KL 0.04", ["--kl-beta", "0.04"]), ("KL 0.2", ["--kl-beta", "0.2"]), ("lr / 2", None)],
+    "mixgrpo": [("KL 0.04", ["--kl-beta", "0.04"]), ("KL 0.2", ["--kl-beta", "0.2"])],
+    "branchgrpo_depth": [("KL 0.04", ["--kl-beta", "0.04"]), ("KL 0.2", ["--kl-beta", "0.2"])],
+    "branchgrpo_mix": [("KL 0.04", ["--kl-beta", "0.04"]), ("KL 0.2", ["--kl-beta", "0.2"])],
+    "vgrpo": [("KL 1", ["--kl-beta", "1"]), ("KL 5", ["--kl-beta", "5"])],
+    "rlr": [("lr / 2", None)],
+}
+# the bars every default command should meet (docs/shapesbench.md): name -> test on (first, last evaluation, minutes)
+BARS = {
+    "shape +20": lambda a, b, t: b["shape_acc"] - a["shape_acc"] >= 0.20,
+    "all correct +15": lambda a, b, t: b["all_acc"] - a["all_acc"] >= 0.15,
+    "clean >= 0.90": lambda a, b, t: b["clean_acc"] >= 0.90,
+    "diversity kept >= 70%": lambda a, b, t: b["diversity_kept"] >= 0.70,
+    "<= 8 min": lambda a, b, t: t <= 8.0,
+}
 EVAL = ["shape_acc", "all_acc", "clean_acc", "reward_mean", "diversity", "diversity_kept"]
 # forward passes and trained transitions per image, whichever the script logs
 FORWARDS = ["perf/nfe_per_image", "tree/rollout_forwards_per_leaf"]
@@ -55,8 +81,27 @@ TRAINED = [
 ]
 
 
-def default_iterations(script: str) -> int:
-    return importlib.import_module(Path(script).stem).Args.__dataclass_fields__["iterations"].default
+def default_of(script: str, field: str):
+    return importlib.import_module(Path(script).stem).Args.__dataclass_fields__[field].default
+
+
+def sweep_runs(methods: list[str]) -> dict:
+    """key -> (label, argv) of the --tradeoff runs of these methods: the method's flags + the variant's."""
+    runs = {}
+    for key in methods:
+        label, argv = METHODS[key]
+        for name, flags in SWEEP.get(key, []):
+            flags = flags or ["--learning-rate", f"{default_of(argv[0], 'learning_rate') / 2:g}"]
+            runs[f"{key}+{name.replace(' ', '').replace('/', 'over')}"] = (f"{label}, {name}", [*argv, *flags])
+    return runs
+
+
+def missed(cs: list[dict]) -> list[str]:
+    """The bars the means over runs cs miss."""
+    first = {k: sum(c["evals"][0][k] for c in cs) / len(cs) for k in EVAL}
+    last = {k: sum(c["evals"][-1][k] for c in cs) / len(cs) for k in EVAL}
+    minutes = sum(c["train_time"] for c in cs) / len(cs) / 60
+    return [name for name, ok in BARS.items() if not ok(first, last, minutes)]
 
 
 def run_one(key: str, argv: list[str], seed: int, out: Path, quick: bool, threads: int) -> Path:
@@ -70,7 +115,7 @@ def run_one(key: str, argv: list[str], seed: int, out: Path, quick: bool, thread
     for f in folders:  # a run that died before its first checkpoint starts again
         if f not in resumable:
             shutil.rmtree(f)
-    iterations = 10 if quick else default_iterations(argv[0])
+    iterations = 10 if quick else default_of(argv[0], "iterations")
     every = iterations if quick else max(5, iterations // 4)
     cmd = [sys.executable, *argv, "--seed", str(seed), "--exp-name", key, "--output-dir", str(runs)]
     cmd += ["--iterations", str(iterations), "--eval-every", str(every), "--sample-every", str(iterations)]
@@ -143,8 +188,8 @@ def write_table(results: dict, path: Path, command: str, threads: int, jobs: int
         + ("; n/a here, because DanceGRPO's reward fell below its start." if fell else "."),
         "",
         "| method | it. | s / it. | forwards / image | trained / image | time | shape acc. | all correct | "
-        "clean | learned reward | diversity | diversity kept | to DanceGRPO's reward |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "clean | learned reward | diversity | diversity kept | to DanceGRPO's reward | bars missed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, cs in results.items():
         label = METHODS[key][0]
@@ -161,13 +206,15 @@ def write_table(results: dict, path: Path, command: str, threads: int, jobs: int
             f"{mean([c['forwards'] for c in cs]):.1f} | {mean([c['trained'] for c in cs]):.1f} | "
             f"{mean([c['train_time'] for c in cs]) / 60:.1f} min | "
             + " | ".join(start_end(cs, k) for k in EVAL)
-            + f" | {when} |"
+            + f" | {when} | {', '.join(missed(cs)) or 'none'} |"
         )
     lines += [
         "",
         "Trained per image: DanceGRPO / MixGRPO trained SDE steps, BranchGRPO trained edges per leaf, V-GRPO ELBO "
         "pairs with a graph, RLR the back-propagated sub-chain's length. Forwards per image: every transformer "
-        "forward of an iteration (rollout, behaviour or reference passes, training) divided by its images.",
+        "forward of an iteration (rollout, behaviour or reference passes, training) divided by its images. "
+        "Bars (docs/shapesbench.md): " + ", ".join(BARS) + " (shape and all correct in points of accuracy, "
+        "start to end; diversity kept = diversity / the renderer's own for the same prompts; training time).",
         "",
         "![held-out shape accuracy and learned reward](results.png)",
         "",
@@ -205,6 +252,68 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def tradeoff(results: dict, swept: dict, docs: Path, command: str, samples: int) -> None:
+    """docs/tradeoff.md and tradeoff.png: held-out shape accuracy against diversity kept, seed 0. Each default run is
+    a line through its evaluations (fewer iterations), each swept run (swept: method -> {setting: curves}) a marker
+    at its last evaluation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = results["dancegrpo"][0]["evals"][0]
+    lines = [
+        "# The accuracy-diversity trade-off on ShapesBench",
+        "",
+        f"Made by `{command}` (seed 0 of every method; {time.strftime('%Y-%m-%d')}). Held-out evaluation (48 "
+        f"prompts x {samples} samples, Euler 20 steps); diversity kept = diversity / the renderer's own diversity for the "
+        "same prompts (a perfect policy: 1.0; the base model: "
+        f"{first['diversity_kept']:.2f}, its wrong shapes included). The defaults are listed at every evaluation "
+        "(a shorter run is the same run stopped there); the other settings at their last. Bars: shape accuracy "
+        f"{first['shape_acc'] + 0.2:.3f} (+20 points) and diversity kept 0.70.",
+        "",
+        "| method | setting | it. | shape acc. | all correct | clean | diversity kept | time | bars missed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    fig, ax = plt.subplots(figsize=(8, 6))
+    for n, (key, cs) in enumerate(results.items()):
+        c, colour = cs[0], f"C{n}"
+        label = METHODS[key][0]
+        ev = c["evals"]
+        ax.plot([e["diversity_kept"] for e in ev], [e["shape_acc"] for e in ev], "o-", color=colour, label=label, ms=4)
+        for e in ev[1:]:
+            lines.append(
+                f"| {label} | default | {e['iteration']} | {e['shape_acc']:.3f} | {e['all_acc']:.3f} | "
+                f"{e['clean_acc']:.3f} | {e['diversity_kept']:.2f} | {e['time'] / 60:.1f} min | "
+                + (", ".join(missed([{"evals": [ev[0], e], "train_time": e["time"]}])) or "none")
+                + " |"
+            )
+        for name, vc in swept.get(key, {}).items():
+            marker = "s" if name.startswith("lr") else "^"
+            e = vc["evals"][-1]
+            ax.plot(e["diversity_kept"], e["shape_acc"], marker, color=colour, ms=8, mfc="none")
+            ax.annotate(
+                name, (e["diversity_kept"], e["shape_acc"]), fontsize=7, xytext=(4, 3), textcoords="offset points"
+            )
+            lines.append(
+                f"| {label} | {name} | {e['iteration']} | {e['shape_acc']:.3f} | {e['all_acc']:.3f} | "
+                f"{e['clean_acc']:.3f} | {e['diversity_kept']:.2f} | {vc['train_time'] / 60:.1f} min | "
+                + (", ".join(missed([vc])) or "none")
+                + " |"
+            )
+    ax.axvline(0.7, color="grey", ls="--", lw=1)
+    ax.axhline(first["shape_acc"] + 0.2, color="grey", ls="--", lw=1)
+    ax.set_xlabel("diversity kept (diversity / the renderer's)")
+    ax.set_ylabel("held-out shape accuracy")
+    ax.set_title("lines: defaults along training; markers: KL (triangles), lr / 2 (squares)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(docs / "tradeoff.png", dpi=110)
+    lines += ["", "![shape accuracy against diversity kept](tradeoff.png)", ""]
+    (docs / "tradeoff.md").write_text("\n".join(lines))
+
+
 def grids(results_runs: dict, folder: Path) -> None:
     """Before / after sample grid per method (seed 0's run): the run's own fixed-seed grids, side by side."""
     from PIL import Image
@@ -225,6 +334,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 seed, 10 iterations each, 2 eval samples per prompt")
     parser.add_argument("--seeds", type=int, nargs="+", help="default: 0 1 (--quick: 0)")
+    parser.add_argument("--tradeoff", action="store_true", help="+ the SWEEP runs (seed 0): tradeoff.md and .png")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets --threads threads)")
     parser.add_argument("--threads", type=int, help="threads per run (default: the cores divided by --jobs)")
@@ -239,13 +349,16 @@ def main():
     out = a.out or ROOT / "benchmarks" / "compare_out" / ("quick" if a.quick else "full")
     docs = out if a.quick else ROOT / "docs"
     command = (
-        "python benchmarks/compare.py" + (" --quick" if a.quick else "") + (f" --jobs {a.jobs}" if a.jobs > 1 else "")
+        "python benchmarks/compare.py"
+        + (" --quick" if a.quick else "")
+        + (f" --jobs {a.jobs}" if a.jobs > 1 else "")
+        + (" --tradeoff" if a.tradeoff else "")
     )
-    todo = [(key, s) for key in a.methods for s in seeds]
+    sweep = sweep_runs(a.methods) if a.tradeoff else {}
+    argvs = {**{key: METHODS[key][1] for key in a.methods}, **{k: v[1] for k, v in sweep.items()}}
+    todo = [(key, s) for key in a.methods for s in seeds] + [(k, seeds[0]) for k in sweep]
     with ThreadPoolExecutor(a.jobs) as pool:  # each job waits on its subprocess
-        done = dict(
-            zip(todo, pool.map(lambda ks: run_one(ks[0], METHODS[ks[0]][1], ks[1], out, a.quick, threads), todo))
-        )
+        done = dict(zip(todo, pool.map(lambda ks: run_one(ks[0], argvs[ks[0]], ks[1], out, a.quick, threads), todo)))
     runs = {key: [done[key, s] for s in seeds] for key in a.methods}
     results = {key: [curves(r) for r in runs[key]] for key in a.methods}
     docs.mkdir(parents=True, exist_ok=True)
@@ -253,6 +366,12 @@ def main():
     plot(results, docs / "results.png")
     grids(runs, docs / "results_grids")
     print(f"wrote {docs / 'results.md'}, {docs / 'results.png'}, {docs / 'results_grids'}/")
+    if sweep:
+        swept = {key: {} for key in a.methods}  # method -> {setting: curves}
+        for k in sweep:
+            swept[k.split("+")[0]][sweep[k][0].split(", ")[-1]] = curves(done[k, seeds[0]])
+        tradeoff(results, swept, docs, command, 2 if a.quick else 4)
+        print(f"wrote {docs / 'tradeoff.md'}, {docs / 'tradeoff.png'}")
 
 
 if __name__ == "__main__":

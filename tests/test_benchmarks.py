@@ -4,6 +4,10 @@ import importlib.util
 import math
 import sys
 
+import pytest
+
+import dancegrpo
+from common.runs import read_metrics
 from tests.helpers import ROOT
 from tests.test_vgrpo import TINY_RUN
 
@@ -51,7 +55,7 @@ def test_branch_diversity_runs_on_a_small_sample():
     assert all(abs(r[k]) < 1 for r in (row, floor) for k in ("mmd2_rbf", "kid"))
 
 
-def test_compare_quick_writes_table_plot_grids_and_skips_finished_runs(tmp_path, monkeypatch):
+def test_compare_quick_writes_table_plot_grids_tradeoff_and_skips_finished_runs(tmp_path, monkeypatch):
     compare = load("compare")
     small = ["--num-steps", "4", "--eval-steps", "4", "--rollout-batch-size", "4"]
     monkeypatch.setattr(
@@ -64,10 +68,20 @@ def test_compare_quick_writes_table_plot_grids_and_skips_finished_runs(tmp_path,
                                  "--train-batch-size", "2", "--samples-per-update", "4", "--n-mc", "2"]),
         },
     )  # fmt: skip
-    monkeypatch.setattr(sys, "argv", ["compare.py", "--quick", "--out", str(tmp_path), "--threads", "1", "--jobs", "2"])
+    monkeypatch.setattr(compare, "SWEEP", {"dancegrpo": [("lr / 2", None)]})
+    argv = ["compare.py", "--quick", "--out", str(tmp_path), "--threads", "1", "--jobs", "2", "--tradeoff"]
+    monkeypatch.setattr(sys, "argv", argv)
     compare.main()
     table = (tmp_path / "results.md").read_text()
     assert "| DanceGRPO | 10 |" in table and "| V-GRPO | 10 |" in table
+    assert "<= 8 min" not in table.split("| V-GRPO | 10 |")[1].split("\n")[0]  # a tiny run is well within 8 min
+    # the sweep ran half of dancegrpo.py's learning rate, and the trade-off table lists it next to the defaults
+    (swept,) = (tmp_path / "runs").glob("dancegrpo+lrover2__0__*")
+    lrs = [r["charts/lr"] for r in read_metrics(swept) if "charts/lr" in r]
+    assert lrs[-1] == pytest.approx(dancegrpo.Args.learning_rate / 2)
+    trade = (tmp_path / "tradeoff.md").read_text()
+    assert "| DanceGRPO | lr / 2 | 10 |" in trade and "| V-GRPO | default | 10 |" in trade
+    assert (tmp_path / "tradeoff.png").stat().st_size > 0
     assert "(threads per run: 1), 2 runs at a time" in table
     assert (tmp_path / "results.png").stat().st_size > 0
     assert sorted(p.name for p in (tmp_path / "results_grids").iterdir()) == ["dancegrpo.png", "vgrpo.png"]

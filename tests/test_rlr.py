@@ -37,6 +37,7 @@ TINY_RUN = [
     "4",
     "--sample-every",
     "2",
+    *("--terms", "fo+ho+zo", "--subchain-stage", "any", "--learning-rate", "3e-4"),  # the full estimator
 ]
 
 
