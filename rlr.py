@@ -352,19 +352,15 @@ def zo_baseline(rewards, group_size: int, block):
     return out.to(rewards.dtype)
 
 
-def term_weights(rewards, group_size: int, block):
-    """Per-sample weights of the likelihood-ratio terms (eq. 6), with baselines that keep each term unbiased: HO,
-    R - b (loo_baseline); ZO, R - b' (zo_baseline). rewards (N,) in global order, block (N,) -> ((N,), (N,)). The FO
-    term is the reward's own gradient. A fork changes the estimator's weighting here, in one place."""
-    return rewards - loo_baseline(rewards, group_size), rewards - zo_baseline(rewards, group_size, block)
-
-
-def zo_coefficients(weights, block, zo_mask, n_blocks: int):
-    """coef[q, i] = sum of weights[b] over the samples b of block q whose step i was a ZO step. weights (N,),
-    block (N,), zo_mask (N, T) bool -> (n_blocks, T); the ZO term of (block q, step i) is coef[q, i] zeta_qi / sigma^2."""
-    return torch.zeros(n_blocks, zo_mask.shape[1], dtype=weights.dtype, device=weights.device).index_add_(
-        0, block, weights[:, None] * zo_mask.to(weights.dtype)
-    )
+def term_weights(rewards, group_size: int, block, zo_mask, n_blocks: int):
+    """The weights that combine the terms (eq. 6), with baselines that keep each unbiased, for all N samples in global
+    order: HO, R - b per sample (loo_baseline; the loss averages it over the samples); ZO, coef[q, i] = the sum over
+    the samples of block q whose step i was a ZO step of (R - b') / N (zo_baseline), the weight of zeta_qi / sigma^2.
+    The FO term is each reward's own gradient / N. rewards (N,), block (N,) long, zo_mask (N, T) bool -> (R - b (N,),
+    R - b' (N,), coef (n_blocks, T)). A fork changes the estimator's weighting here, in one place."""
+    w_ho, w_zo = rewards - loo_baseline(rewards, group_size), rewards - zo_baseline(rewards, group_size, block)
+    coef = torch.zeros(n_blocks, zo_mask.shape[1], dtype=w_zo.dtype, device=w_zo.device)
+    return w_ho, w_zo, coef.index_add_(0, block, (w_zo / len(rewards))[:, None] * zo_mask.to(w_zo.dtype))
 
 
 def zo_noise(params, seed: int, scale: float) -> list[torch.Tensor]:
@@ -529,12 +525,14 @@ def main(args: Args):
         all_rewards = accelerator.gather(torch.cat(rewards).float().to(device))  # (N,) in global sample order
         parts = {k: accelerator.gather(torch.cat([p[k] for p in parts]).float().to(device)) for k in parts[0]}
         sample_block = block_of.to(device)[torch.arange(N, device=device) // B]  # (N,)
-        w_ho, adv_zo = term_weights(all_rewards, G, sample_block)  # R - b and R - b', all samples (N,)
-        adv_ho = w_ho[rank * S : (rank + 1) * S]  # this process's samples
         zo_mask = torch.zeros(N, T, dtype=torch.bool, device=device)  # (N, T): which steps of each sample were ZO steps
         if use_zo:
             for gc, j in enumerate(j_of):
                 zo_mask[gc * B : (gc + 1) * B, zo_steps_of(T, j, h)] = True
+        w_ho, adv_zo, coef = term_weights(
+            all_rewards, G, sample_block, zo_mask, world * n_blocks
+        )  # (N,), (N,), (blocks, T)
+        adv_ho = w_ho[rank * S : (rank + 1) * S]  # this process's samples
 
         # ------------------------------------------------------------ TRAINING
         # HO term: -(R - b) log N(x_{j+h}; m(theta), s^2) per sample; the last backward all-reduces FO + HO (DDP)
@@ -549,7 +547,6 @@ def main(args: Args):
         zo_norm = 0.0
         if use_zo:
             before = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
-            coef = zo_coefficients(adv_zo / N, sample_block, zo_mask, world * n_blocks)  # (blocks, T)
             for q, i in coef.nonzero().tolist():
                 add_zo_grad(
                     params,

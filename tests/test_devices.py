@@ -116,10 +116,10 @@ def test_rlr_steps_window_baselines_and_zo_pieces():
     log_prob, deviation = call(R.subchain_log_prob, mean_std, latents, torch.randn(4, T - 1, *L), j, h)
     rewards, block = torch.randn(8), torch.tensor([0, 0, 1, 1, 0, 0, 1, 1])
     call(R.loo_baseline, rewards, 4)
-    b = call(R.zo_baseline, rewards, 4, block)
+    call(R.zo_baseline, rewards, 4, block)
     mask = torch.zeros(8, T, dtype=torch.bool)
     mask[:, :2] = True
-    coef = call(R.zo_coefficients, rewards - b, block, mask, 2)
+    _, _, coef = call(R.term_weights, rewards, 4, block, mask, 2)
     params = [torch.zeros(3, requires_grad=True)]
     zeta = call(R.zo_noise, params, 7, 1e-3)
     with torch.device("meta"), R.perturbed(params, zeta):

@@ -195,7 +195,7 @@ def test_rlr_half_order_update_raises_the_likelihood_of_samples_above_their_base
     monkeypatch, tmp_path, flat_reward
 ):
     tape, _ = run_main(R, monkeypatch, tmp_path, RLR, ["subchain_log_prob", "term_weights"])
-    ((_, _, (w_ho, _)),) = tape.calls["term_weights"]  # R - b per sample (N,), as main() computed it
+    ((_, _, (w_ho, _, _)),) = tape.calls["term_weights"]  # R - b per sample (N,), as main() computed it
     gain, rows = 0.0, 0
     for (mean_std, latents, noise, j, h), _, (old_lp, _) in list(tape.calls["subchain_log_prob"]):
         with torch.no_grad():  # mean_std calls the trained module: the updated weights now

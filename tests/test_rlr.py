@@ -10,11 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import tyro
+from safetensors.torch import load_file
 
 import rlr as R
 from common import InputError
 from common.models import load_model
-from tests.helpers import assert_survives_kills, find_run, metrics
+from tests.helpers import SHIPPED, WEIGHTS, assert_final_loads, assert_survives_kills, find_run, metrics
 from tests.helpers import run_script as run
 from tests.tiny import build_sd1, build_shapes, build_tiny_hps
 
@@ -67,6 +68,7 @@ M0, V0, Y = torch.tensor([0.5, -0.5], dtype=torch.float64), 1.0, torch.tensor([1
 THETA = torch.tensor([0.3, -0.2], dtype=torch.float64)
 ZO_SCALE = 0.3
 N_CHAINS = 40_000
+GROUP = 4  # samples per prompt: each baseline is the mean of the other 3
 
 
 def step_params(theta, i):
@@ -101,9 +103,9 @@ def exact_gradient(j, h):
 
 
 def rlr_estimates(j, h, n, seed, terms=("fo", "ho", "zo")):
-    """One RLR estimate of grad E[R] per chain (n, D), built from rlr.py's own helpers exactly as main() uses them.
-    Vectorised: each chain has its own parameter row, hence its own perturbation block (block = chain), and all
-    chains form one prompt group."""
+    """One RLR estimate of grad E[R] per chain (n, D), built from rlr.py's own functions exactly as main() uses them,
+    term_weights combining the terms. Vectorised: each chain has its own parameter row, hence its own perturbation
+    block (block = chain); the chains form prompt groups of GROUP, as in a run."""
     theta_rep = THETA.repeat(n, 1).requires_grad_()
     gen = torch.Generator().manual_seed(seed)
     x0 = M0 + math.sqrt(V0) * torch.randn(n, D, generator=gen, dtype=torch.float64)
@@ -114,19 +116,18 @@ def rlr_estimates(j, h, n, seed, terms=("fo", "ho", "zo")):
     latents = R.rollout(mean_std, x0, noise, zo, lambda i: R.perturbed([theta_rep], zetas[i]))
     x_last, _ = mean_std(T - 1, latents[:, -1])  # FO: the last step with a graph
     r = -0.5 * ((x_last - Y) ** 2).sum(-1)
-    rd, block = r.detach(), torch.arange(n)
     log_prob, deviation = R.subchain_log_prob(mean_std, latents, noise, j, h)
     assert deviation == 0
+    mask = torch.zeros(n, T, dtype=torch.bool)
+    mask[:, zo] = True
+    w_ho, _, coef = R.term_weights(r.detach(), GROUP, torch.arange(n), mask, n)  # coef (n chains = blocks, T), / n
     loss = -r.sum() if "fo" in terms else torch.zeros(())
     if "ho" in terms:
-        loss = loss - ((rd - R.loo_baseline(rd, n)) * log_prob).sum()
+        loss = loss - (w_ho * log_prob).sum()
     loss.backward()
     if "zo" in terms:
-        mask = torch.zeros(n, T, dtype=torch.bool)
-        mask[:, zo] = True
-        coef = R.zo_coefficients(rd - R.zo_baseline(rd, n, block), block, mask, n)  # (n chains = blocks, T)
         for i in zo:
-            R.add_zo_grad([theta_rep], zetas[i], coef[:, i : i + 1], ZO_SCALE)
+            R.add_zo_grad([theta_rep], zetas[i], n * coef[:, i : i + 1], ZO_SCALE)
     return -theta_rep.grad  # .grad holds the minimisation direction
 
 
@@ -239,8 +240,12 @@ def test_baselines_by_hand():
         R.zo_baseline(r, 4, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])), torch.tensor([6.0] * 4 + [3.0] * 4)
     )
     assert torch.all(R.zo_baseline(r, 4, torch.zeros(8, dtype=torch.long)) == 0)
-    coef = R.zo_coefficients(r, block, torch.tensor([[True, False]] * 4 + [[False, True]] * 4), 4)
-    torch.testing.assert_close(coef, torch.tensor([[3.0, 0], [9.0, 0], [0, 10.0], [0, 14.0]]))
+    # term_weights: R - b, R - b', and the ZO coefficients: per block and step, the sum of (R - b') / N over the
+    # block's samples whose step was a ZO step
+    w_ho, w_zo, coef = R.term_weights(r, 4, block, torch.tensor([[True, False]] * 4 + [[False, True]] * 4), 4)
+    torch.testing.assert_close(w_ho, r - R.loo_baseline(r, 4))
+    torch.testing.assert_close(w_zo, r - torch.tensor([4.5, 4.5, 1.5, 1.5, 7.0, 7.0, 5.0, 5.0]))
+    torch.testing.assert_close(coef * 8, torch.tensor([[-6.0, 0], [6.0, 0], [0, -4.0], [0, 4.0]]))
 
 
 def test_parameter_perturbation_restores_exactly_and_regenerates():
@@ -323,7 +328,7 @@ def test_end_to_end_shapesbench_with_dcot(tmp_path):
         assert r["grad/zo_norm"] > 0 and math.isfinite(r["charts/grad_norm"]) and r["charts/skipped_updates"] == 0
     evals = [r for r in rows if "eval/shape_acc" in r]
     assert [r["iteration"] for r in evals] == [0, 2]
-    assert (run / "final" / "pytorch_lora_weights.safetensors").is_file()  # the default trains a LoRA adapter
+    assert_final_loads(run)  # the default trains a LoRA adapter, which diffusers' loader reads
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001", "iter_000002"]
     assert (run / "samples" / "samples_000002.png").is_file()
 
@@ -359,6 +364,17 @@ def test_two_processes_keep_identical_weights(tmp_path):
     )
     last = [r for r in metrics(tmp_path / "ddp") if "charts/rank_weight_spread" in r][-1]
     assert last["iteration"] == 2 and last["charts/rank_weight_spread"] == 0 and last["grad/zo_norm"] > 0
+    # and independent of the number of processes: one process with both processes' samples draws the same prompts,
+    # noises, windows and perturbations (keyed on global indices) and ends with the same weights, to rounding (the
+    # sums run in another order)
+    run_script(
+        TINY_RUN + ["--exp-name", "one", "--samples-per-device", "4", "--eval-every", "0", "--no-lora"], tmp_path
+    )
+    a, b = (load_file(find_run(tmp_path / n) / "final" / WEIGHTS) for n in ("ddp", "one"))
+    base = load_file(SHIPPED / WEIGHTS)
+    assert max((a[k] - base[k]).abs().max() for k in a) > 1e-4  # both trained
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("terms", ["fo+ho+zo", "fo"])
@@ -407,4 +423,4 @@ def test_end_to_end_tiny_sd1_with_tiny_hps(tmp_path, monkeypatch, terms):
         assert all(r["grad/fo_ho_norm"] == r["grad/fo_norm"] for r in train)
     else:  # 4 steps: 1 in the window, 1 FO, 2 ZO
         assert all(r["rlr/zo_steps"] == 2 and r["grad/zo_norm"] > 0 and r["perf/nfe_per_image"] == 5 for r in train)
-    assert (find_run(tmp_path / "sd1") / "final" / "pytorch_lora_weights.safetensors").is_file()
+    assert_final_loads(find_run(tmp_path / "sd1"), str(tmp_path / "sd1"))
