@@ -1056,14 +1056,15 @@ class Bf16ViaFp32(TorchDispatchMode):
         return tree_map_only(torch.Tensor, lambda t: t.bfloat16(), out)
 
 
-def real_two_blocks(checkpointing: bool) -> dict:
+def real_two_blocks(checkpointing: bool, model_config: dict = TWO_BLOCKS) -> dict:
     """One training micro-step of a real FLUX.1-dev with 1 double + 1 single block at full width (random weights),
     made as the estimate makes it (trainable_denoiser, gradients of earlier micro-steps and AdamW state present),
     on the CPU with real tensors under MemTracker. Returns bytes: `resident` (weights, gradients, AdamW state),
     `peak` (the whole micro-step's peak), `kept` (per block kind: what its forward leaves alive, saved activations
-    and output) and `block` (per block kind: its resident weights, gradients and AdamW state)."""
+    and output) and `block` (per block kind: its resident weights, gradients and AdamW state). model_config: the
+    denoiser's config overrides (the test uses a narrow one)."""
     args = parse_args("dancegrpo", CROSS_CHECK_FLAGS + (["--gradient-checkpointing"] if checkpointing else []))
-    parts = dict(MODELS["flux"], denoiser={**FLUX_DEV, **TWO_BLOCKS["denoiser"]})
+    parts = dict(MODELS["flux"], denoiser={**FLUX_DEV, **model_config["denoiser"]})
     shapes = Shapes.of("flux", parts, args.resolution)
     torch.manual_seed(0)
     module = trained_module("flux", parts["denoiser"], args, torch.bfloat16, checkpointing)

@@ -2,6 +2,7 @@
 compare the final weights of two runs, stop a run with a signal at a chosen moment."""
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -70,6 +71,28 @@ def assert_same_trained_weights(run_a, run_b):
         assert any(not torch.equal(a[k], base[k]) for k in a)
 
 
+def assert_final_loads(run_dir, model_id="shapesbench") -> None:
+    """diffusers' own loader (`load_lora_weights`) reads the run's final/ LoRA adapter into the model's pipeline, and
+    the adapter is in its denoiser; on ShapesBench it also changes the velocity."""
+    from common.models import load_model
+
+    model = load_model(model_id)
+    denoiser = "unet" if model.kind == "sd1" else "transformer"
+    if model.kind == "shapes":
+        x, sigma = (
+            torch.randn(2, *model.latent_shape(), generator=torch.Generator().manual_seed(0)),
+            torch.ones(2) * 0.7,
+        )
+        cond = model.encode_prompts(["a red circle on a blue background", "a green square on a white background"])
+        with torch.no_grad():
+            base = model.velocity(model.transformer, x, sigma, cond)
+    model.pipe.load_lora_weights(str(run_dir / "final"))
+    assert getattr(model.pipe, denoiser).peft_config
+    if model.kind == "shapes":
+        with torch.no_grad():
+            assert not torch.allclose(model.velocity(model.pipe.transformer, x, sigma, cond), base, atol=1e-6)
+
+
 def run_until(script, args, tmp_path, stop_when, sig=signal.SIGKILL, launcher=(sys.executable,), env=None, **popen):
     """Start `python SCRIPT --output-dir TMP ARGS` (or under `launcher`) on one thread and send `sig` the moment
     `stop_when(process)` holds (polled every millisecond) to the process, or to the pid that `stop_when` returns;
@@ -101,20 +124,35 @@ def checkpoint_begun(run_dir, iteration) -> bool:
 
 
 def assert_survives_kills(script, args, tmp_path) -> None:
-    """A 4-iteration run (`args`: tiny settings, checkpoints every 2 iterations) killed by SIGKILL in iteration 4,
-    and again the moment the checkpoint of iteration 4 begins to be written, each time resumed with
-    `--resume-from latest`, ends with the weights of an uninterrupted run and logs each iteration once."""
-    args = [*args, "--iterations", "4", "--save-every", "2"]
+    """The faults a cluster delivers, each followed by `--resume-from latest`, change nothing: a 6-iteration run
+    (`args`: tiny settings; checkpoints every 2 iterations) is preempted by SIGTERM in iteration 2 (it finishes the
+    iteration, writes a checkpoint and exits with 128 + 15), meets a full disk (a file-size limit) while writing its
+    next checkpoint (one `error:` line, the previous checkpoint intact, nothing partial), is killed by SIGKILL the
+    moment that checkpoint begins to be written and again in iteration 6; the last resume ends with the weights of an
+    uninterrupted run, each iteration logged once."""
+    args = [*args, "--iterations", "6", "--save-every", "2"]
     run_script(script, [*args, "--exp-name", "straight"], tmp_path)
     name, faulty = tmp_path / "faulty", [*args, "--exp-name", "faulty"]
-    status, out = run_until(script, faulty, tmp_path, lambda p: logged(name, 3))
+    resume = [*faulty, "--resume-from", "latest"]
+    status, out = run_until(script, faulty, tmp_path, lambda p: logged(name, 1), signal.SIGTERM)
+    assert status == 128 + signal.SIGTERM and "SIGTERM: stopped after iteration" in out, out[-2000:]
+    stopped = int(out.split("SIGTERM: stopped after iteration ")[1].split(",")[0])
+    checkpoints = find_run(name) / "checkpoints"
+    assert stopped in (1, 2) and sorted(p.name for p in checkpoints.iterdir()) == [f"iter_{stopped:06d}"]
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # noqa: E731
+    status, out = run_until(script, resume, tmp_path, lambda p: False, preexec_fn=limit)
+    due = 2 * (stopped // 2 + 1)  # the next checkpoint
+    assert status == 1 and f"error: cannot write the checkpoint of iteration {due}" in out, out[-2000:]
+    assert f"the previous checkpoint iter_{stopped:06d} is intact" in out and "Traceback" not in out
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"iter_{stopped:06d}"]
+    status, out = run_until(script, resume, tmp_path, lambda p: checkpoint_begun(name, due))
     assert status == -signal.SIGKILL, out[-2000:]
-    status, out = run_until(script, [*faulty, "--resume-from", "latest"], tmp_path, lambda p: checkpoint_begun(name, 4))
+    status, out = run_until(script, resume, tmp_path, lambda p: logged(name, 5))
     assert status == -signal.SIGKILL, out[-2000:]
-    run_script(script, [*faulty, "--resume-from", "latest"], tmp_path)
+    run_script(script, resume, tmp_path)
     assert_same_trained_weights(tmp_path / "straight", name)
     for run in ("straight", "faulty"):
-        assert [r["iteration"] for r in metrics(tmp_path / run) if "charts/lr" in r] == [1, 2, 3, 4]
+        assert [r["iteration"] for r in metrics(tmp_path / run) if "charts/lr" in r] == [1, 2, 3, 4, 5, 6]
 
 
 def worker_pid(launcher_pid: int, rank: int) -> int | None:

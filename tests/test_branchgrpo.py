@@ -14,7 +14,15 @@ import tyro
 import branchgrpo as B
 from common import InputError
 from common.models import load_model
-from tests.helpers import assert_same_trained_weights, assert_survives_kills, find_run, logged, metrics, run_until
+from tests.helpers import (
+    assert_final_loads,
+    assert_same_trained_weights,
+    assert_survives_kills,
+    find_run,
+    logged,
+    metrics,
+    run_until,
+)
 from tests.helpers import run_script as run
 from tests.tiny import build_flux, build_shapes, build_tiny_hps
 
@@ -336,7 +344,7 @@ def test_end_to_end_shapesbench(tmp_path):
     forwards, edges = B.Tree(6, (0, 3), 2).counts()
     assert all(r["tree/rollout_forwards_per_leaf"] == forwards / 4 for r in train)
     assert all(r["tree/trained_edges_per_leaf"] == (edges - 4) / 4 for r in train)
-    assert (run / "final" / "pytorch_lora_weights.safetensors").is_file()  # the default trains a LoRA adapter
+    assert_final_loads(run)  # the default trains a LoRA adapter, which diffusers' loader reads
     assert (run / "samples" / "samples_000002.png").is_file()
 
 
@@ -423,4 +431,4 @@ def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
     B.main(tyro.cli(B.Args, args=argv))
     train = [r for r in metrics(tmp_path / "flux") if "losses/policy" in r]
     assert len(train) == 2 and all(math.isfinite(r["losses/policy"]) for r in train)
-    assert (find_run(tmp_path / "flux") / "final" / "pytorch_lora_weights.safetensors").is_file()
+    assert_final_loads(find_run(tmp_path / "flux"), str(tmp_path / "flux"))

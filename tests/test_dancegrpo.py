@@ -15,6 +15,7 @@ from common import InputError
 from common.models import load_model
 from tests.helpers import (
     ROOT,
+    assert_final_loads,
     assert_same_trained_weights,
     checkpoint_begun,
     find_run,
@@ -172,16 +173,7 @@ def test_end_to_end_shapesbench(tmp_path):
     assert all(r["perf/nfe_per_image"] == 4 + 1 * 2 for r in train)
     evals = [r for r in rows if "eval/shape_acc" in r]
     assert [r["iteration"] for r in evals] == [0, 2]
-    assert (run / "final" / "pytorch_lora_weights.safetensors").is_file()  # the default trains a LoRA adapter
-    # diffusers' own loader reads the run's final/ into the pipeline, and the adapter changes its velocity
-    model = load_model("shapesbench")
-    x, sigma = torch.randn(2, *model.latent_shape(), generator=torch.Generator().manual_seed(0)), torch.full((2,), 0.7)
-    cond = model.encode_prompts(["a red circle on a blue background", "a green square on a white background"])
-    with torch.no_grad():
-        base = model.velocity(model.transformer, x, sigma, cond)
-        model.pipe.load_lora_weights(str(run / "final"))
-        tuned = model.velocity(model.pipe.transformer, x, sigma, cond)
-    assert model.pipe.transformer.peft_config and not torch.allclose(tuned, base, atol=1e-6)
+    assert_final_loads(run)  # the default trains a LoRA adapter, which diffusers' loader reads
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001", "iter_000002"]
     assert (run / "samples" / "samples_000002.png").is_file()
 

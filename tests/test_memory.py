@@ -131,3 +131,17 @@ def test_the_image_reward_scores_reward_frames_of_each_video_and_rlr_refuses_vid
     assert 0 < one["gb"]["reward_activations"] < four["gb"]["reward_activations"]  # HPS on 4 x 1, then 4 x 4 frames
     with pytest.raises(ValueError, match="video"):
         memory.estimate("rlr.py", ["--model-id", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "--num-frames", "5"])
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_fake_tensor_plan_matches_a_real_cpu_run(checkpointing):
+    """docs/gpu.md's cross-check, small: one training micro-step of a narrow FLUX.1-dev (1 double + 1 single block,
+    2 heads: width 256) at 512 px with a LoRA r128 adapter, the fake-tensor plan against the same micro-step run with
+    real tensors (weights, gradients, AdamW state, activations)."""
+    narrow = {"denoiser": {"num_layers": 1, "num_single_layers": 1, "num_attention_heads": 2}}
+    flags = memory.CROSS_CHECK_FLAGS + (["--gradient-checkpointing"] if checkpointing else [])
+    fake = memory.estimate("dancegrpo", flags, model_config=narrow)["gb"]
+    real = memory.real_two_blocks(checkpointing, narrow)
+    assert sum(fake[k] for k in ("trainable", "frozen", "grads", "optimizer", "activations")) == pytest.approx(
+        real["peak"] / GB, rel=1e-3
+    )
