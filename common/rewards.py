@@ -15,6 +15,7 @@ reward (`video = True`, e.g. 'temporal') sees the whole video. docs/video.md say
 import io
 import math
 import os
+from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
@@ -80,6 +81,13 @@ HUB_WEIGHTS = {
         "config.json",
         "/path/to/folder",
         "`hf download openai/clip-vit-large-patch14 --local-dir clip-vit-large-patch14`",
+    ),
+    "aesthetic": (  # the hub copy of improved-aesthetic-predictor's sac+logos+ava1-l14-linearMSE.pth (DDPO's, trl's)
+        "trl-lib/ddpo-aesthetic-predictor",
+        "aesthetic-model.pth",
+        "/path/to/folder",
+        "`hf download openai/clip-vit-large-patch14 --local-dir aesthetic && hf download "
+        "trl-lib/ddpo-aesthetic-predictor aesthetic-model.pth --local-dir aesthetic`",
     ),
 }
 
@@ -261,6 +269,41 @@ def clip_score(device, checkpoint=None) -> Reward:
 
 
 # ---------------------------------------------------------------- video: motion without flicker
+def aesthetic(device, checkpoint=None) -> Reward:
+    """LAION aesthetic predictor v2 (improved-aesthetic-predictor, sac+logos+ava1-l14-linearMSE; RLR's "AES"): CLIP
+    ViT-L/14's projected image embedding, L2-normalised, through a 5-layer linear MLP (no activations; its dropouts
+    are off in eval). Scores about 1-10 (most photos 4-7); the prompt is not used. `checkpoint`: a folder with a CLIP
+    ViT-L/14 saved by save_pretrained and the MLP's .pth; None = the hub (openai/clip-vit-large-patch14 and
+    trl-lib/ddpo-aesthetic-predictor's aesthetic-model.pth, the same MLP)."""
+    if checkpoint is not None and not os.path.isdir(checkpoint):
+        raise InputError(
+            f"--reward-ckpt aesthetic={checkpoint}: not a folder (expected a CLIP model folder + the .pth)"
+        )
+    heads = sorted(Path(checkpoint).glob("*.pth")) if checkpoint else [Path(_hub_file("aesthetic"))]
+    if len(heads) != 1:
+        raise InputError(f"--reward-ckpt aesthetic={checkpoint}: expected one .pth (the MLP) in it, found {len(heads)}")
+    clip, processor = _load_clip("aesthetic", device, checkpoint, *[HUB_WEIGHTS["clip"][0]] * 2)
+    try:  # keys layers.{0,2,4,6,7}.{weight,bias}: Linear layers between dropouts, as the original nn.Sequential
+        state = torch.load(heads[0], map_location="cpu", weights_only=True)
+        head = torch.nn.Sequential(
+            *[torch.nn.Linear(*state[f"layers.{i}.weight"].shape[::-1]) if i in (0, 2, 4, 6, 7) else torch.nn.Identity()
+              for i in range(8)]
+        )  # fmt: skip
+        head.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()})
+    except Exception as e:
+        raise InputError(
+            f"{heads[0]}: not the aesthetic predictor's MLP ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
+    head.to(device).eval().requires_grad_(False)
+
+    def score(images, prompts):
+        pooled = clip.vision_model(pixel_values=clip_pixels(images.to(device, torch.float32), processor)).pooler_output
+        embed = F.normalize(clip.visual_projection(pooled), dim=-1)  # (B, 768)
+        return head(embed).squeeze(-1)
+
+    return ScoreFn(score, differentiable=True, parts=Offloaded([clip, head], device, False))
+
+
 def temporal(device, checkpoint=None) -> Reward:
     """Smooth motion of a video, differentiable: mean |x_{f+1} - x_f| - mean |x_{f+1} - 2 x_f + x_{f-1}| over
     frames (B,F,3,H,W) average-pooled to at most 64 px (the pixel noise of one frame averages out). A still video
@@ -315,6 +358,7 @@ for _name, _factory, _differentiable, _video in (
     ("hpsv2.1", hpsv2_1, True, False),
     ("pickscore", pickscore, True, False),
     ("clip", clip_score, True, False),
+    ("aesthetic", aesthetic, True, False),
     ("temporal", temporal, True, True),
 ):
     register_reward(_name, _factory, _differentiable, _video)

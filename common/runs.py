@@ -249,7 +249,7 @@ def check_not_shapesbench(args) -> None:
     need(
         not shapes,
         f"--reward {args.reward}: {' and '.join(shapes)} {'is' if len(shapes) == 1 else 'are'} {where} pass a reward "
-        "of real images, e.g. --reward hpsv2.1 (or pickscore, clip, jpeg)",
+        "of real images, e.g. --reward hpsv2.1 (or pickscore, clip, aesthetic, jpeg)",
     )
 
 

@@ -2,6 +2,7 @@
 built from tiny random-weight models saved to disk, so the loading, preprocessing and gradient paths run offline."""
 
 import gzip
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -258,7 +259,46 @@ def test_clip_rewards_match_processor_pil_path(clip_setup, name, size):
     torch.testing.assert_close(scores, expected, atol=2e-3 * expected.abs().max().item(), rtol=0)
 
 
-@pytest.mark.parametrize("name", ["pickscore", "clip"])
+@pytest.mark.parametrize("size", [(64, 64), (48, 80)])
+def test_aesthetic_matches_the_reference_computation(tiny_clip, tmp_path, size):
+    """The LAION aesthetic predictor v2 on a tiny CLIP and a random MLP saved under the original's keys, against the
+    reference computation written here: CLIP's projected image embedding, L2-normalised, through the five linear
+    layers one by one (no activations). Exactly on the same pixels; within the preprocessing's rounding on
+    CLIPProcessor's PIL path."""
+    from transformers import CLIPModel, CLIPProcessor
+
+    from common.rewards import aesthetic, clip_pixels
+
+    folder = tmp_path / "aesthetic"
+    shutil.copytree(tiny_clip, folder)
+    g, dims, state = torch.Generator().manual_seed(1), [32, 1024, 128, 64, 16, 1], {}  # 32: the tiny projection
+    for n, i in enumerate((0, 2, 4, 6, 7)):  # Linear layers between the original's dropouts
+        state[f"layers.{i}.weight"] = torch.randn(dims[n + 1], dims[n], generator=g) / dims[n] ** 0.5
+        state[f"layers.{i}.bias"] = 0.1 * torch.randn(dims[n + 1], generator=g)
+    torch.save(state, folder / "sac+logos+ava1-l14-linearMSE.pth")
+    reward = aesthetic("cpu", str(folder))
+    images = uint8_images(2, *size)
+    scores = assert_finite_grad(reward, images, PROMPTS)
+    model, processor = CLIPModel.from_pretrained(tiny_clip).eval(), CLIPProcessor.from_pretrained(tiny_clip)
+
+    def reference(pixels):
+        with torch.no_grad():
+            x = model.visual_projection(model.vision_model(pixel_values=pixels).pooler_output)
+            x = x / x.norm(dim=-1, keepdim=True)
+            for i in (0, 2, 4, 6, 7):
+                x = x @ state[f"layers.{i}.weight"].T + state[f"layers.{i}.bias"]
+        return x[:, 0]
+
+    torch.testing.assert_close(scores, reference(clip_pixels(images, processor)), atol=1e-5, rtol=1e-5)
+    # CLIPProcessor's uint8 PIL path rounds twice (the CLIP tests above bound it); a random head amplifies it
+    expected = reference(processor(images=[to_pil(x) for x in images], return_tensors="pt").pixel_values)
+    torch.testing.assert_close(scores, expected, atol=1e-2 * expected.abs().max().item(), rtol=0)
+    (folder / "second.pth").write_bytes(b"")  # two candidate MLPs: refused, with the count
+    with pytest.raises(ValueError, match="expected one .pth"):
+        aesthetic("cpu", str(folder))
+
+
+@pytest.mark.parametrize("name", ["pickscore", "clip", "aesthetic"])
 def test_clip_rewards_offline_without_checkpoint(tmp_path, monkeypatch, name):
     import huggingface_hub
 
