@@ -159,7 +159,8 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str]]:
         "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size",
     )
     need(args.zo_scale > 0, "--zo-scale must be > 0")
-    bad = [name for name, w in parse_reward_spec(args.reward) if w != 0 and not is_differentiable(name)]
+    ckpts = args.reward_checkpoints()  # a reward scored over HTTP (--reward-url) is not differentiable
+    bad = [name for name, w in parse_reward_spec(args.reward) if w != 0 and not is_differentiable(name, ckpts)]
     need(
         not bad,
         f"--reward {args.reward}: {', '.join(bad)} is not differentiable, and RLR's first-order term backpropagates "

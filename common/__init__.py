@@ -4,7 +4,7 @@ Algorithm logic (samplers with log-probs, advantages, losses) deliberately lives
 layers, each importing only from those above it in this list (tests/test_layout.py checks it):
 
     common (this file)          the errors the scripts print as one line; whether the Hugging Face hub is reachable
-    common.offload, common.viz  parking frozen parts on the CPU; sample grids
+    common.offload, common.viz, common.remote   parking frozen parts on the CPU; sample grids; rewards over HTTP
     common.sampling             the sigma schedule, keyed noise, the deterministic sampler of evaluation
     common.shapesbench          the offline world: renderer, verifier, learned reward, tiny model builders
     common.models, .rewards, .prompts   model loaders, reward wrappers, prompt sources

@@ -7,6 +7,10 @@ Every reward maps images (B,3,H,W) float in [0,1] and one prompt per image to (B
 images.device. `differentiable` says whether gradients reach the images (RLR's first-order term needs it;
 GRPO-style methods do not). Heavy imports live inside the factories, so importing this module is cheap.
 
+Remote rewards (common/remote.py): `--reward-url NAME=URL` scores a component in another process: the VLM judges
+'unifiedreward' and 'ocr' through an OpenAI-compatible server (`vllm serve`, SGLang), any registered reward through
+`python -m common.rewards serve`; the bearer token, if the server wants one, comes from $REWARD_API_KEY.
+
 Videos (B,F,3,H,W) (a video model's decode, frames first): CompositeReward scores an image reward on `frames`
 evenly spaced frames of each video (the first and the last among them) and takes the mean over them; a video
 reward (`video = True`, e.g. 'temporal') sees the whole video. docs/video.md says why and what each one rewards.
@@ -23,6 +27,7 @@ import torch.nn.functional as F
 
 from common import InputError, hub_reachable
 from common.offload import Offloaded
+from common.remote import JUDGES, Judge, Served, request_json
 
 
 class Reward(Protocol):
@@ -286,9 +291,13 @@ def aesthetic(device, checkpoint=None) -> Reward:
     try:  # keys layers.{0,2,4,6,7}.{weight,bias}: Linear layers between dropouts, as the original nn.Sequential
         state = torch.load(heads[0], map_location="cpu", weights_only=True)
         head = torch.nn.Sequential(
-            *[torch.nn.Linear(*state[f"layers.{i}.weight"].shape[::-1]) if i in (0, 2, 4, 6, 7) else torch.nn.Identity()
-              for i in range(8)]
-        )  # fmt: skip
+            *[
+                torch.nn.Linear(*state[f"layers.{i}.weight"].shape[::-1])
+                if i in (0, 2, 4, 6, 7)
+                else torch.nn.Identity()
+                for i in range(8)
+            ]
+        )
         head.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()})
     except Exception as e:
         raise InputError(
@@ -351,6 +360,22 @@ def register_reward(name: str, factory: Callable[..., Reward], differentiable: b
         VIDEO_REWARDS.add(name)
 
 
+def _judge(name: str) -> Callable[..., Reward]:
+    def factory(device, checkpoint=None):  # checkpoint: the server's URL (--reward-url), which build_reward routes here
+        if checkpoint is None:
+            raise InputError(_needs_url(name))
+        return Judge(name, checkpoint, os.environ.get("REWARD_API_KEY"))
+
+    return factory
+
+
+def _needs_url(name: str) -> str:
+    return (
+        f"--reward {name} is a VLM judge served over HTTP: give --reward-url {name}=http://HOST:PORT/v1, an "
+        f"OpenAI-compatible server (e.g. `vllm serve CodeGoat24/UnifiedReward-qwen-7b`; docs/models.md)"
+    )
+
+
 for _name, _factory, _differentiable, _video in (
     ("shapes", shapes_reward, True, False),
     ("verifier", verifier, False, False),
@@ -360,13 +385,21 @@ for _name, _factory, _differentiable, _video in (
     ("clip", clip_score, True, False),
     ("aesthetic", aesthetic, True, False),
     ("temporal", temporal, True, True),
+    ("unifiedreward", _judge("unifiedreward"), False, False),
+    ("ocr", _judge("ocr"), False, False),
 ):
     register_reward(_name, _factory, _differentiable, _video)
 
 
-def is_differentiable(name: str) -> bool:
-    """Whether reward `name` (or its alias) passes gradients to the images, before it is built."""
-    return DIFFERENTIABLE[_canonical(name)]
+def is_url(value: str | None) -> bool:
+    return value is not None and value.startswith(("http://", "https://"))
+
+
+def is_differentiable(name: str, checkpoints: dict[str, str] | None = None) -> bool:
+    """Whether reward `name` (or its alias) passes gradients to the images, before it is built; a reward scored
+    by another process (a URL among `checkpoints`) does not."""
+    name = _canonical(name)
+    return DIFFERENTIABLE[name] and not is_url((checkpoints or {}).get(name))
 
 
 def _canonical(name: str, flag: str = "--reward") -> str:
@@ -425,6 +458,8 @@ class CompositeReward:
             if w != 0:
                 total = total + w * r
             scores[name] = r.detach()
+            if isinstance(reward, Judge):  # 1 where the judge's answer gave no score (logged as a fraction)
+                scores[f"{name}_unparsed"] = reward.unparsed.view(len(images), -1).mean(1)
         return total, scores
 
     def park(self) -> None:
@@ -451,6 +486,12 @@ def check_reward_weights(spec: str, checkpoints: dict[str, str] | None = None, v
         if name in VIDEO_REWARDS and not video:
             raise InputError(f"--reward {spec}: '{name}' scores videos, and --model-id gives images")
         path = checkpoints.get(name)
+        if name in JUDGES and not is_url(path):
+            raise InputError(_needs_url(name))
+        if is_url(path):  # the server answers now (one try), or the run does not start
+            where = f"{path.rstrip('/')}/{'models' if name in JUDGES else 'health'}"
+            request_json(where, token=os.environ.get("REWARD_API_KEY"), timeout=10, tries=1)
+            continue
         if path is not None and not os.path.exists(path):
             raise InputError(f"--reward-ckpt {name}={path}: no such file or folder")
         if path is None and name in HUB_WEIGHTS:
@@ -465,12 +506,54 @@ def build_reward(
     `frames` (--reward-frames): frames of each video that an image reward scores."""
     parsed = parse_reward_spec(spec)
     checkpoints = _checkpoints(parsed, spec, checkpoints)
-    components = [(name, w, REWARDS[name](device, checkpoints.get(name))) for name, w in parsed]
+    token, components = os.environ.get("REWARD_API_KEY"), []
+    for name, w in parsed:
+        where = checkpoints.get(name)
+        served = is_url(where) and name not in JUDGES  # a registered reward hosted by `python -m common.rewards serve`
+        components.append((name, w, Served(name, where, token) if served else REWARDS[name](device, where)))
     for name, _, reward in components:  # a registration that says otherwise would mislead the start-up checks
-        if reward.differentiable != DIFFERENTIABLE[name]:
+        if reward.differentiable != is_differentiable(name, checkpoints):
             raise ValueError(f"reward {name!r} was registered with differentiable={DIFFERENTIABLE[name]}")
     composite = CompositeReward(components, frames)
     for _, _, reward in composite.components:
         reward.parts.enabled = offload
     composite.park()
     return composite
+
+
+def serve_main(argv: list[str] | None = None) -> None:
+    """`python -m common.rewards serve --reward hpsv2.1,aesthetic --port 8100`: host registered rewards for training
+    runs elsewhere (`--reward-url hpsv2.1=http://HOST:8100`); docs/models.md gives the schema."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m common.rewards", description=serve_main.__doc__.split("\n")[0])
+    parser.add_argument("command", choices=["serve"])
+    parser.add_argument("--reward", required=True, help="comma-separated registered rewards, e.g. hpsv2.1,aesthetic")
+    parser.add_argument("--reward-ckpt", action="append", default=[], help="NAME=PATH, as the training scripts take")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max-batch", type=int, default=64, help="images per request, at most")
+    parser.add_argument("--max-mb", type=float, default=64.0, help="request body size, at most")
+    a = parser.parse_args(argv)
+    from common.remote import serve
+
+    try:
+        names = [name for name, _ in parse_reward_spec(a.reward)]
+        bad = [n for n in names if n in JUDGES or n in VIDEO_REWARDS]
+        if bad:
+            raise InputError(f"--reward {a.reward}: {', '.join(bad)} cannot be served here (judges and video rewards)")
+        checkpoints = _checkpoints([(n, 1.0) for n in names], a.reward, dict(c.split("=", 1) for c in a.reward_ckpt))
+        rewards = {n: REWARDS[n](a.device, checkpoints.get(n)) for n in names}
+    except InputError as e:
+        raise SystemExit(f"error: {e}") from None
+    token = os.environ.get("REWARD_API_KEY")
+    server = serve(lambda n, im, p: rewards[n](im.to(a.device), p), names, a.host, a.port, token, a.max_batch, a.max_mb)
+    print(
+        f"serving {names} at http://{a.host}:{server.server_port} (GET /health, POST /score); token: {token is not None}"
+    )
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    serve_main()

@@ -82,6 +82,10 @@ class RunArgs:
     ShapesBench's and hold only for --model-id shapesbench)"""
     reward_ckpt: list[str] = field(default_factory=list)
     """NAME=PATH per reward model, e.g. hpsv2.1=/ckpt/HPS_v2.1_compressed.pt"""
+    reward_url: list[str] = field(default_factory=list)
+    """NAME=URL per reward scored by another process: a VLM judge (unifiedreward, ocr) behind an OpenAI-compatible
+    server, e.g. unifiedreward=http://host:8000/v1, or any reward hosted by `python -m common.rewards serve`
+    (docs/models.md); token, if any, from $REWARD_API_KEY"""
     prompts: str = "shapes-train"
     """training prompts: 'shapes-train' (--model-id shapesbench only) or a text file, one prompt per line
     (HPDv2's: `python -m common.prompts hpdv2 FILE`)"""
@@ -126,10 +130,20 @@ class RunArgs:
     """W&B project (with --track)"""
 
     def reward_checkpoints(self) -> dict[str, str]:
-        """The --reward-ckpt NAME=PATH items as {NAME: PATH}."""
-        for item in self.reward_ckpt:
-            need("=" in item, f"--reward-ckpt {item!r}: expected NAME=PATH")
-        return dict(item.split("=", 1) for item in self.reward_ckpt)
+        """The --reward-ckpt NAME=PATH and --reward-url NAME=URL items as {NAME: PATH or URL}."""
+        for flag, items, what in (
+            ("--reward-ckpt", self.reward_ckpt, "PATH"),
+            ("--reward-url", self.reward_url, "URL"),
+        ):
+            for item in items:
+                need("=" in item, f"{flag} {item!r}: expected NAME={what}")
+        urls = dict(item.split("=", 1) for item in self.reward_url)
+        for name, url in urls.items():
+            need(url.startswith(("http://", "https://")), f"--reward-url {name}={url}: expected an http(s):// URL")
+        paths = dict(item.split("=", 1) for item in self.reward_ckpt)
+        both = sorted(set(paths) & set(urls))
+        need(not both, f"{', '.join(both)}: give --reward-ckpt or --reward-url, not both")
+        return {**paths, **urls}
 
 
 def need(ok: bool, message: str) -> None:

@@ -11,6 +11,7 @@ SCRIPTS = ("dancegrpo", "branchgrpo", "vgrpo", "rlr")
 LAYERS = {
     "common": 0,
     "common.offload": 1,
+    "common.remote": 1,
     "common.viz": 1,
     "common.sampling": 2,
     "common.shapesbench": 3,

@@ -1,0 +1,154 @@
+"""common/remote.py: rewards scored by another process. The VLM judges against a fake OpenAI-compatible server in a
+thread (answers, parsing, retries, a failure that stops the run), the reward server against its client and against
+malformed requests (4xx with the reason, and it keeps serving), OCR's edit distance by hand."""
+
+import base64
+import json
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+import torch
+
+from common import InputError, RunError, remote
+from common.rewards import build_reward, check_reward_weights, is_differentiable
+
+PROMPTS = ['a sign that says "Hello World"', "a red circle on a blue background"]
+
+
+@pytest.fixture(autouse=True)
+def no_waiting(monkeypatch):
+    monkeypatch.setattr(remote.time, "sleep", lambda s: None)  # the retries' backoff
+
+
+def start(server: HTTPServer) -> str:
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_port}"
+
+
+def fake_vlm(answers: list, calls: list) -> HTTPServer:
+    """/v1/models lists 'judge'; each chat completion pops the next answer: a string (the message) or an int (an
+    HTTP error status)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, code, body):
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._reply(200, {"data": [{"id": "judge"}]})
+
+        def do_POST(self):
+            calls.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            answer = answers.pop(0)
+            if isinstance(answer, int):
+                return self._reply(answer, {"error": "busy"})
+            self._reply(200, {"choices": [{"message": {"content": answer}}]})
+
+        def log_message(self, *a):
+            pass
+
+    return HTTPServer(("127.0.0.1", 0), Handler)
+
+
+def test_ocr_score_and_parsing_by_hand():
+    assert remote.edit_distance("kitten", "sitting") == 3 and remote.edit_distance("", "abc") == 3
+    assert remote.quoted_text(PROMPTS[0]) == "Hello World" and remote.quoted_text("no quotes") is None
+    assert remote.quoted_text("a mug with \u201cGood Morning\u201d on it") == "Good Morning"
+    assert remote.ocr_score("HELLO world", PROMPTS[0]) == 1.0  # case and spaces do not count
+    assert remote.ocr_score("Helo World", PROMPTS[0]) == pytest.approx(1 - 1 / 10)  # one deletion of 10 letters
+    assert remote.ocr_score("completely different text", PROMPTS[0]) == 0.0  # clipped at 0
+    assert remote.unifiedreward_score("It matches well.\nFinal Score: 4", "") == 4.0
+    assert remote.unifiedreward_score("Final Score: **3.5**", "") == 3.5
+    assert remote.unifiedreward_score("I cannot tell.", "") is None
+
+
+def test_judge_scores_retries_and_counts_unparsed_answers(monkeypatch):
+    calls = []
+    answers = [503, "Fine.\nFinal Score: 4", "no score", "still none", "Final Score: 2"]
+    url = start(fake_vlm(answers, calls)) + "/v1"
+    judge = remote.Judge("unifiedreward", url, concurrency=1, max_unparsed=0.5)
+    images = torch.rand(3, 3, 8, 8)
+    scores = judge(images, ["a cat", "a dog", "a cow"])
+    # image 1: a 503, retried, then 4; image 2: no score twice (asked once more), so the mean of the others; image 3: 2
+    assert scores.tolist() == [4.0, 3.0, 2.0] and judge.unparsed.tolist() == [0, 1, 0]
+    assert len(calls) == 5 and calls[0]["model"] == "judge" and calls[0]["temperature"] == 0
+    content = calls[0]["messages"][0]["content"]
+    assert (
+        content[0]["image_url"]["url"].startswith("data:image/png;base64,") and "Caption: a cat" in content[1]["text"]
+    )
+    # through build_reward: the composite logs the unparsed fraction next to the score
+    answers += ["Final Score: 5", "Final Score: 3"]
+    composite = build_reward("unifiedreward", "cpu", {"unifiedreward": url})
+    total, parts = composite(torch.rand(2, 3, 8, 8), ["a", "b"])
+    assert sorted(total.tolist()) == [3.0, 5.0] and parts["unifiedreward_unparsed"].tolist() == [0, 0]
+    assert not is_differentiable("unifiedreward", {"unifiedreward": url})
+
+
+def test_a_judge_that_keeps_failing_stops_the_run_naming_the_url():
+    url = start(fake_vlm([503] * 5, [])) + "/v1"
+    judge = remote.Judge("ocr", url)
+    with pytest.raises(RunError, match=f"{url}/chat/completions failed after 5 tries.*resume-from latest"):
+        judge(torch.rand(1, 3, 8, 8), PROMPTS[:1])
+    many_unparsed = remote.Judge("unifiedreward", start(fake_vlm(["?"] * 4, [])) + "/v1", max_unparsed=0.4)
+    with pytest.raises(RunError, match="2 of 2 answers had no score"):
+        many_unparsed(torch.rand(2, 3, 8, 8), ["a", "b"])
+
+
+def test_judges_need_a_url_and_a_server_that_answers_at_start_up():
+    with pytest.raises(InputError, match="--reward-url ocr=http://HOST:PORT/v1"):
+        check_reward_weights("ocr")
+    with pytest.raises(RunError, match="http://127.0.0.1:9/v1/models failed after 1 tries"):
+        check_reward_weights("ocr", {"ocr": "http://127.0.0.1:9/v1"})  # port 9 (discard): nothing listens
+
+
+def post(url, body, token=None, raw=None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_the_reward_server_scores_for_its_client_and_refuses_bad_requests(monkeypatch):
+    seen = []
+
+    def score(name, images, prompts):  # mean brightness: checks that the images arrive as sent
+        seen.append((name, images.shape, prompts))
+        return images.mean((1, 2, 3))
+
+    url = start(remote.serve(score, ["bright"], "127.0.0.1", 0, token="secret", max_batch=4, max_mb=1))
+    client = remote.Served("bright", url, token="secret")
+    images = torch.rand(2, 3, 16, 16)
+    torch.testing.assert_close(client(images, PROMPTS), (images * 255).round().mean((1, 2, 3)) / 255)
+    assert seen == [("bright", (2, 3, 16, 16), PROMPTS)]
+    # raw uint8 images are accepted too
+    pixels = bytes(range(12))
+    body = {
+        "reward": "bright",
+        "prompts": ["p"],
+        "images": [{"uint8": base64.b64encode(pixels).decode(), "shape": [2, 2, 3]}],
+    }
+    assert post(f"{url}/score", body, "secret") == (200, {"scores": [pytest.approx(5.5 / 255)]})
+    # refused with the reason, and the server goes on
+    for body, token, raw, code, reason in [
+        ({}, None, None, 401, "token"),
+        (None, "secret", b"not json", 400, "JSONDecodeError"),
+        ({"reward": "dark", "prompts": ["p"], "images": [{"png": ""}]}, "secret", None, 400, "'reward' must be one of"),
+        ({"reward": "bright", "prompts": ["p"] * 5, "images": [{"png": ""}] * 5}, "secret", None, 400, "1 to 4"),
+        ({"reward": "bright", "prompts": ["p"], "images": [{"path": "/etc/passwd"}]}, "secret", None, 400, "'png' or"),
+        ({"reward": "bright", "prompts": ["p"], "images": [{"png": "%%%"}]}, "secret", None, 400, "Error"),
+        (None, "secret", b"x" * 1_100_000, 413, "1 MB"),
+    ]:
+        status, answer = post(f"{url}/score", body, token, raw)
+        assert status == code and reason in answer["error"], (status, answer)
+    assert client(images, PROMPTS).shape == (2,)
+    with pytest.raises(InputError, match="scores \\['bright'\\], not 'hpsv2.1'"):
+        remote.Served("hpsv2.1", url, token="secret")
