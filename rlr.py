@@ -530,9 +530,8 @@ def main(args: Args):
         if use_zo:
             for gc, j in enumerate(j_of):
                 zo_mask[gc * B : (gc + 1) * B, zo_steps_of(T, j, h)] = True
-        w_ho, adv_zo, coef = term_weights(
-            all_rewards, G, sample_block, zo_mask, world * n_blocks
-        )  # (N,), (N,), (blocks, T)
+        # R - b and R - b' (N,), and the ZO coefficient of every (block, step) (blocks, T)
+        w_ho, adv_zo, coef = term_weights(all_rewards, G, sample_block, zo_mask, world * n_blocks)
         adv_ho = w_ho[rank * S : (rank + 1) * S]  # this process's samples
 
         # ------------------------------------------------------------ TRAINING
