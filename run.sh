@@ -4,14 +4,14 @@
 #
 #   dancegrpo-cpu          DanceGRPO on ShapesBench, 1 CPU process 
 #   dancegrpo-verifier-cpu DanceGRPO on ShapesBench rewarded by the programmatic verifier 
-#   mixgrpo-cpu            MixGRPO (4-step sliding SDE window) on ShapesBench
+#   mixgrpo-cpu            MixGRPO (4-step sliding SDE window) on ShapesBench, KL 0.2 to the base (keeps diversity)
 #   dancegrpo-cpu-2proc    the same, 2 CPU processes (gloo): groups span processes
 #   dancegrpo-flux-1gpu    FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 1 GPU; 41 GB per GPU
 #   dancegrpo-flux-8gpu    FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 8 GPUs (DDP); 42 GB per GPU
 #   dancegrpo-flux-fsdp8   FLUX.1-dev + HPSv2.1, full fine-tuning, 720 px, 8 GPUs (FSDP); 34 GB per GPU
 #   dancegrpo-sd35-8gpu    SD3.5-Medium + HPSv2.1 (Flow-GRPO's setting), LoRA r32, 512 px, 8 GPUs (DDP); 24 GB per GPU
 #   dancegrpo-flux-multinode  LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES (MAIN_PORT=29500)
-#   branchgrpo-cpu         BranchGRPO on ShapesBench, 1 CPU process ; add --pruning depth|width|mix
+#   branchgrpo-cpu         BranchGRPO on ShapesBench, 1 CPU process ; add --pruning depth|width|mix (depth: with --iterations 30)
 #   branchgrpo-verifier-cpu  BranchGRPO on ShapesBench rewarded by the programmatic verifier
 #   branchgrpo-cpu-2proc   the same, 2 CPU processes (gloo)
 #   branchgrpo-flux-1gpu   FLUX.1-dev + HPSv2.1, LoRA r128, depth pruning, 720 px, 1 GPU; 44 GB per GPU
@@ -166,7 +166,7 @@ CPU2=(env ACCELERATE_USE_CPU=1 "${LAUNCH[@]}" --multi_gpu --num_processes 2)
 case "$recipe" in
   dancegrpo-cpu) go "$PY" dancegrpo.py "$@" ;;
   dancegrpo-verifier-cpu) go "$PY" dancegrpo.py --exp-name dancegrpo-verifier --reward verifier "$@" ;;
-  mixgrpo-cpu) go "$PY" dancegrpo.py --exp-name mixgrpo --sde-window 4 "$@" ;;
+  mixgrpo-cpu) go "$PY" dancegrpo.py --exp-name mixgrpo --sde-window 4 --kl-beta 0.2 "$@" ;;
   dancegrpo-cpu-2proc) go "${CPU2[@]}" dancegrpo.py --samples-per-device 32 "$@" ;;
   dancegrpo-flux-1gpu) go "${LAUNCH[@]}" --num_processes 1 dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
   dancegrpo-flux-8gpu) go "${DDP8[@]}" dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;

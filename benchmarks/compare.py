@@ -42,23 +42,26 @@ from common.runs import read_metrics  # noqa: E402
 
 METHODS = {  # key: (label, script and flags)
     "dancegrpo": ("DanceGRPO", ["dancegrpo.py"]),
-    "mixgrpo": ("MixGRPO", ["dancegrpo.py", "--sde-window", "4"]),
+    "mixgrpo": ("MixGRPO", ["dancegrpo.py", "--sde-window", "4", "--kl-beta", "0.2"]),
     "branchgrpo": ("BranchGRPO", ["branchgrpo.py"]),
     "branchgrpo_width": ("BranchGRPO, width pruning", ["branchgrpo.py", "--pruning", "width"]),
-    "branchgrpo_depth": ("BranchGRPO, depth pruning", ["branchgrpo.py", "--pruning", "depth"]),
+    "branchgrpo_depth": ("BranchGRPO, depth pruning", ["branchgrpo.py", "--pruning", "depth", "--iterations", "30"]),
     "branchgrpo_mix": ("BranchGRPO, Mix", ["branchgrpo.py", "--pruning", "mix"]),
     "vgrpo": ("V-GRPO", ["vgrpo.py"]),
     "rlr": ("RLR", ["rlr.py"]),
 }
-# the trade-off sweep (seed 0): (label, flags) per method; "KL" = --kl-beta (V-GRPO's KL is per ELBO pair, on another
-# scale), "lr / 2" = half the script's default learning rate (DanceGRPO: whether a lower rate keeps more diversity
-# than stopping earlier). Each default run's own evaluations give the third regulariser, fewer iterations. Swept: the
-# methods whose default loses diversity, and DanceGRPO's rate.
+# the trade-off sweep (seed 0): (label, flags added to the method's) per method. "KL" = --kl-beta (V-GRPO's KL is per
+# ELBO pair, on another scale); "lr / 2" = half the script's default learning rate; "40 it." = the shared length where a
+# default stops earlier. Each default run's own evaluations give one more regulariser, fewer iterations. Swept: the
+# methods whose 40-iteration, KL-free run lost diversity, and DanceGRPO's rate.
 SWEEP = {
     "dancegrpo": [("lr / 2", None)],
-    "mixgrpo": [("KL 0.2", ["--kl-beta", "0.2"])],
-    "branchgrpo_depth": [("KL 0.2", ["--kl-beta", "0.2"])],
-    "vgrpo": [("KL 5", ["--kl-beta", "5"])],
+    "mixgrpo": [("no KL", ["--kl-beta", "0"])],
+    "branchgrpo_depth": [
+        ("40 it.", ["--iterations", "40"]),
+        ("40 it., KL 0.2", ["--iterations", "40", "--kl-beta", "0.2"]),
+    ],
+    "vgrpo": [("40 it.", ["--iterations", "40"]), ("40 it., KL 5", ["--iterations", "40", "--kl-beta", "5"])],
 }
 # the bars every default command should meet (docs/shapesbench.md): name -> test on (first, last evaluation, minutes)
 BARS = {
@@ -84,13 +87,14 @@ def default_of(script: str, field: str):
 
 
 def sweep_runs(methods: list[str]) -> dict:
-    """key -> (label, argv) of the --tradeoff runs of these methods: the method's flags + the variant's."""
+    """key -> (method, setting, argv) of the --tradeoff runs of these methods: the method's flags + the setting's."""
     runs = {}
     for key in methods:
-        label, argv = METHODS[key]
+        argv = METHODS[key][1]
         for name, flags in SWEEP.get(key, []):
             flags = flags or ["--learning-rate", f"{default_of(argv[0], 'learning_rate') / 2:g}"]
-            runs[f"{key}+{name.replace(' ', '').replace('/', 'over')}"] = (f"{label}, {name}", [*argv, *flags])
+            slug = name.replace(" ", "").replace("/", "over").replace(",", "_")
+            runs[f"{key}+{slug}"] = (key, name, [*argv, *flags])
     return runs
 
 
@@ -113,7 +117,8 @@ def run_one(key: str, argv: list[str], seed: int, out: Path, quick: bool, thread
     for f in folders:  # a run that died before its first checkpoint starts again
         if f not in resumable:
             shutil.rmtree(f)
-    iterations = 10 if quick else default_of(argv[0], "iterations")
+    given = [int(argv[k + 1]) for k, flag in enumerate(argv) if flag == "--iterations"]  # a method's own length
+    iterations = 10 if quick else (given or [default_of(argv[0], "iterations")])[-1]
     every = iterations if quick else max(5, iterations // 4)
     cmd = [sys.executable, *argv, "--seed", str(seed), "--exp-name", key, "--output-dir", str(runs)]
     cmd += ["--iterations", str(iterations), "--eval-every", str(every), "--sample-every", str(iterations)]
@@ -287,7 +292,7 @@ def tradeoff(results: dict, swept: dict, docs: Path, command: str, samples: int)
                 + " |"
             )
         for name, vc in swept.get(key, {}).items():
-            marker = "s" if name.startswith("lr") else "^"
+            marker = "s" if name.startswith("lr") else "^" if "KL" in name else "D"
             e = vc["evals"][-1]
             ax.plot(e["diversity_kept"], e["shape_acc"], marker, color=colour, ms=8, mfc="none")
             ax.annotate(
@@ -303,7 +308,9 @@ def tradeoff(results: dict, swept: dict, docs: Path, command: str, samples: int)
     ax.axhline(first["shape_acc"] + 0.2, color="grey", ls="--", lw=1)
     ax.set_xlabel("diversity kept (diversity / the renderer's)")
     ax.set_ylabel("held-out shape accuracy")
-    ax.set_title("lines: defaults along training; markers: KL (triangles), lr / 2 (squares)", fontsize=9)
+    ax.set_title(
+        "lines: defaults along training; markers: KL (triangles), lr / 2 (squares), 40 it. (diamonds)", fontsize=9
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -353,7 +360,7 @@ def main():
         + (" --tradeoff" if a.tradeoff else "")
     )
     sweep = sweep_runs(a.methods) if a.tradeoff else {}
-    argvs = {**{key: METHODS[key][1] for key in a.methods}, **{k: v[1] for k, v in sweep.items()}}
+    argvs = {**{key: METHODS[key][1] for key in a.methods}, **{k: v[2] for k, v in sweep.items()}}
     todo = [(key, s) for key in a.methods for s in seeds] + [(k, seeds[0]) for k in sweep]
     with ThreadPoolExecutor(a.jobs) as pool:  # each job waits on its subprocess
         done = dict(zip(todo, pool.map(lambda ks: run_one(ks[0], argvs[ks[0]], ks[1], out, a.quick, threads), todo)))
@@ -366,8 +373,8 @@ def main():
     print(f"wrote {docs / 'results.md'}, {docs / 'results.png'}, {docs / 'results_grids'}/")
     if sweep:
         swept = {key: {} for key in a.methods}  # method -> {setting: curves}
-        for k in sweep:
-            swept[k.split("+")[0]][sweep[k][0].split(", ")[-1]] = curves(done[k, seeds[0]])
+        for k, (key, name, _) in sweep.items():
+            swept[key][name] = curves(done[k, seeds[0]])
         tradeoff(results, swept, docs, command, 2 if a.quick else 4)
         print(f"wrote {docs / 'tradeoff.md'}, {docs / 'tradeoff.png'}")
 
