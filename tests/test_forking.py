@@ -27,7 +27,8 @@ LOSS_EDITS = {
     "dancegrpo.py": ("policy_loss", "surrogate = torch.maximum(", "surrogate = 2 * torch.maximum(", "charts/grad_norm"),
     "branchgrpo.py": ("policy_loss", "surrogate = torch.maximum(", "surrogate = 2 * torch.maximum(", "charts/grad_norm"),
     "vgrpo.py": ("policy_loss", "surrogate = torch.maximum(", "surrogate = 2 * torch.maximum(", "charts/grad_norm"),
-    "rlr.py": ("term_weights", "return rewards - loo_baseline(", "return 2 * rewards - 2 * loo_baseline(", "rlr/ho_adv_abs"),
+    "rlr.py": ("term_weights", "w_ho, w_zo = rewards - loo_baseline(", "w_ho, w_zo = 2 * rewards - 2 * loo_baseline(",
+               "rlr/ho_adv_abs"),
 }  # fmt: skip
 
 
