@@ -3,6 +3,7 @@ thread (answers, parsing, retries, a failure that stops the run), the reward ser
 malformed requests (4xx with the reason, and it keeps serving), OCR's edit distance by hand."""
 
 import base64
+import http.client
 import json
 import threading
 import urllib.error
@@ -145,10 +146,18 @@ def test_the_reward_server_scores_for_its_client_and_refuses_bad_requests(monkey
         ({"reward": "bright", "prompts": ["p"] * 5, "images": [{"png": ""}] * 5}, "secret", None, 400, "1 to 4"),
         ({"reward": "bright", "prompts": ["p"], "images": [{"path": "/etc/passwd"}]}, "secret", None, 400, "'png' or"),
         ({"reward": "bright", "prompts": ["p"], "images": [{"png": "%%%"}]}, "secret", None, 400, "Error"),
-        (None, "secret", b"x" * 1_100_000, 413, "1 MB"),
     ]:
         status, answer = post(f"{url}/score", body, token, raw)
         assert status == code and reason in answer["error"], (status, answer)
+    # a body over --max-mb is refused from its Content-Length, before it is read
+    conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=10)
+    conn.putrequest("POST", "/score")
+    conn.putheader("Authorization", "Bearer secret")
+    conn.putheader("Content-Length", "2000000")
+    conn.endheaders()
+    answer = conn.getresponse()
+    assert answer.status == 413 and "1 MB" in json.loads(answer.read())["error"]
+    conn.close()
     assert client(images, PROMPTS).shape == (2,)
     with pytest.raises(InputError, match="scores \\['bright'\\], not 'hpsv2.1'"):
         remote.Served("hpsv2.1", url, token="secret")

@@ -372,7 +372,7 @@ def test_two_processes_keep_identical_weights(tmp_path):
     )
     a, b = (load_file(find_run(tmp_path / n) / "final" / WEIGHTS) for n in ("ddp", "one"))
     base = load_file(SHIPPED / WEIGHTS)
-    assert max((a[k] - base[k]).abs().max() for k in a) > 1e-4  # both trained
+    assert max((a[k] - base[k]).abs().max() for k in a) > 1e-5  # both trained (warmup: small steps), 10x atol
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
 
