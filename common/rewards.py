@@ -472,7 +472,9 @@ def _checkpoints(parsed: list[tuple[str, float]], spec: str, checkpoints: dict[s
     checkpoints = {_canonical(k, "--reward-ckpt"): v for k, v in (checkpoints or {}).items()}
     unused = set(checkpoints) - {name for name, _ in parsed}
     if unused:
-        raise InputError(f"--reward-ckpt given for {sorted(unused)}, which --reward {spec!r} does not use")
+        raise InputError(
+            f"--reward-ckpt or --reward-url given for {sorted(unused)}, which --reward {spec!r} does not use"
+        )
     return checkpoints
 
 
