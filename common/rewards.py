@@ -17,6 +17,7 @@ reward (`video = True`, e.g. 'temporal') sees the whole video. docs/video.md say
 """
 
 import io
+import json
 import math
 import os
 from pathlib import Path
@@ -93,6 +94,14 @@ HUB_WEIGHTS = {
         "/path/to/folder",
         "`hf download openai/clip-vit-large-patch14 --local-dir aesthetic && hf download "
         "trl-lib/ddpo-aesthetic-predictor aesthetic-model.pth --local-dir aesthetic`",
+    ),
+    "imagereward": (  # also med_config.json from the same repository, and the bert-base-uncased tokenizer
+        "THUDM/ImageReward",
+        "ImageReward.pt",
+        "/path/to/folder",
+        "`hf download THUDM/ImageReward ImageReward.pt med_config.json --local-dir imagereward && python -c "
+        "\"from transformers import AutoTokenizer; AutoTokenizer.from_pretrained('bert-base-uncased')"
+        ".save_pretrained('imagereward')\"`",
     ),
 }
 
@@ -208,20 +217,29 @@ def hpsv2_1(device, checkpoint=None, arch="ViT-H-14") -> Reward:
 
 
 # ---------------------------------------------------------------- transformers CLIP: PickScore, CLIP score
-def clip_pixels(images: torch.Tensor, processor) -> torch.Tensor:
-    """CLIPImageProcessor on tensors: shortest side to size["shortest_edge"] (long side truncated to int, as
-    transformers), bicubic antialiased, center crop (offset floored), normalise. (B,3,H,W) -> (B,3,h,w)."""
-    ip = processor.image_processor
-    short, (ch, cw) = ip.size["shortest_edge"], (ip.crop_size["height"], ip.crop_size["width"])
-    h, w = images.shape[-2:]
+CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)  # OpenAI CLIP's
+
+
+def crop_pixels(images, short, crop, mean, std, rounded=False) -> torch.Tensor:
+    """Resize-then-centre-crop preprocessing on tensors, (B,3,H,W) in [0,1] -> (B,3,*crop) normalised: shortest side
+    to `short` (long side truncated to int, as transformers and torchvision), bicubic antialiased, clamped to [0,1]
+    (the originals resize uint8 images, which clips the bicubic overshoot), centre crop with the offset floored
+    (transformers) or rounded (`rounded`, torchvision), then (x - mean) / std."""
+    (ch, cw), (h, w) = crop, images.shape[-2:]
     nh, nw = (short, int(short * w / h)) if h < w else (int(short * h / w), short)
-    x = F.interpolate(images, size=(nh, nw), mode="bicubic", antialias=True, align_corners=False)
-    x = x.clamp(0, 1)  # the processor resizes uint8 images, which clips bicubic overshoot
-    top, left = (nh - ch) // 2, (nw - cw) // 2
+    x = F.interpolate(images, size=(nh, nw), mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
+    top, left = (round((nh - ch) / 2), round((nw - cw) / 2)) if rounded else ((nh - ch) // 2, (nw - cw) // 2)
     x = x[..., top : top + ch, left : left + cw]
-    mean = torch.tensor(ip.image_mean, device=x.device).view(3, 1, 1)
-    std = torch.tensor(ip.image_std, device=x.device).view(3, 1, 1)
+    mean = torch.tensor(mean, device=x.device).view(3, 1, 1)
+    std = torch.tensor(std, device=x.device).view(3, 1, 1)
     return (x - mean) / std
+
+
+def clip_pixels(images: torch.Tensor, processor) -> torch.Tensor:
+    """CLIPImageProcessor on tensors (crop_pixels with the processor's sizes and statistics)."""
+    ip = processor.image_processor
+    crop = (ip.crop_size["height"], ip.crop_size["width"])
+    return crop_pixels(images, ip.size["shortest_edge"], crop, ip.image_mean, ip.image_std)
 
 
 def _load_clip(name, device, checkpoint, model_id, processor_id):
@@ -273,7 +291,19 @@ def clip_score(device, checkpoint=None) -> Reward:
     )
 
 
-# ---------------------------------------------------------------- video: motion without flicker
+# ---------------------------------------------------------------- aesthetic score and ImageReward: CLIP / BLIP + MLP
+def linear_head(state: dict[str, torch.Tensor], prefix: str = "layers.") -> torch.nn.Sequential:
+    """The MLP head of the aesthetic predictor and of ImageReward from its state dict: Linear layers at indices 0, 2,
+    4, 6, 7 of an 8-entry nn.Sequential (dropouts between them, off in eval) and no activations, as the originals."""
+    layers = [
+        torch.nn.Linear(*state[f"{prefix}{i}.weight"].shape[::-1]) if i in (0, 2, 4, 6, 7) else torch.nn.Identity()
+        for i in range(8)
+    ]
+    head = torch.nn.Sequential(*layers)
+    head.load_state_dict({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)})
+    return head
+
+
 def aesthetic(device, checkpoint=None) -> Reward:
     """LAION aesthetic predictor v2 (improved-aesthetic-predictor, sac+logos+ava1-l14-linearMSE; RLR's "AES"): CLIP
     ViT-L/14's projected image embedding, L2-normalised, through a 5-layer linear MLP (no activations; its dropouts
@@ -288,17 +318,8 @@ def aesthetic(device, checkpoint=None) -> Reward:
     if len(heads) != 1:
         raise InputError(f"--reward-ckpt aesthetic={checkpoint}: expected one .pth (the MLP) in it, found {len(heads)}")
     clip, processor = _load_clip("aesthetic", device, checkpoint, *[HUB_WEIGHTS["clip"][0]] * 2)
-    try:  # keys layers.{0,2,4,6,7}.{weight,bias}: Linear layers between dropouts, as the original nn.Sequential
-        state = torch.load(heads[0], map_location="cpu", weights_only=True)
-        head = torch.nn.Sequential(
-            *[
-                torch.nn.Linear(*state[f"layers.{i}.weight"].shape[::-1])
-                if i in (0, 2, 4, 6, 7)
-                else torch.nn.Identity()
-                for i in range(8)
-            ]
-        )
-        head.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()})
+    try:
+        head = linear_head(torch.load(heads[0], map_location="cpu", weights_only=True))
     except Exception as e:
         raise InputError(
             f"{heads[0]}: not the aesthetic predictor's MLP ({type(e).__name__}: {str(e)[:200]})"
@@ -313,6 +334,127 @@ def aesthetic(device, checkpoint=None) -> Reward:
     return ScoreFn(score, differentiable=True, parts=Offloaded([clip, head], device, False))
 
 
+IMAGEREWARD_MEAN, IMAGEREWARD_STD = 0.16717362830052426, 1.0333394966054072  # ImageReward's own score normalisation
+
+
+def blip_vision_state(state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """BLIP's timm-style ViT state dict -> (transformers BlipVisionConfig kwargs, BlipVisionModel state dict). The
+    sizes come from the shapes; the heads from the width, as BLIP's ViT-B and ViT-L both have 64-wide heads."""
+    width, depth = state["cls_token"].shape[-1], 1 + max(int(k.split(".")[1]) for k in state if k.startswith("blocks."))
+    patch = state["patch_embed.proj.weight"].shape[-1]
+    config = dict(
+        hidden_size=width,
+        intermediate_size=state["blocks.0.mlp.fc1.weight"].shape[0],
+        num_hidden_layers=depth,
+        num_attention_heads=max(1, width // 64),
+        image_size=round(math.sqrt(state["pos_embed"].shape[1] - 1)) * patch,
+        patch_size=patch,
+        layer_norm_eps=1e-6,  # BLIP's ViT (timm's default is 1e-5)
+        hidden_act="gelu",
+    )
+    renames = (
+        ("cls_token", "embeddings.class_embedding"),
+        ("pos_embed", "embeddings.position_embedding"),
+        ("patch_embed.proj.", "embeddings.patch_embedding."),
+        ("norm.", "post_layernorm."),  # the final LayerNorm (only at the start of a key)
+        ("blocks.", "encoder.layers."),
+    )
+    block = (("norm1", "layer_norm1"), ("norm2", "layer_norm2"), ("attn.qkv", "self_attn.qkv"))
+    block += (("attn.proj", "self_attn.projection"),)
+    out = {}
+    for key, value in state.items():
+        for old, new in renames:
+            if key.startswith(old):
+                key = new + key.removeprefix(old)
+                break
+        for old, new in block:
+            key = key.replace(f".{old}.", f".{new}.")
+        out[key] = value
+    return config, out
+
+
+def imagereward(device, checkpoint=None) -> Reward:
+    """ImageReward (arXiv 2304.05977): BLIP's text encoder reads the prompt while cross-attending to the image
+    tokens of BLIP's ViT-L/16 (224 px); its [CLS] output goes through a 5-layer linear MLP, and the score is
+    normalised by ImageReward's (mean, std) over its training pairs: 0 is an average image, most fall in [-2, 2].
+    Built on transformers' BLIP classes (BlipVisionModel, BlipTextModel) from the upstream state dict; the upstream
+    preprocessing (shortest side to 224, bicubic, centre crop, CLIP normalisation) on tensors, so it is
+    differentiable. `checkpoint`: a folder with ImageReward.pt and med_config.json (and optionally the BERT
+    tokenizer's files); None = the hub (THUDM/ImageReward, tokenizer bert-base-uncased)."""
+    from transformers import AutoTokenizer, BlipTextConfig, BlipVisionConfig, BlipVisionModel
+    from transformers.models.blip.modeling_blip_text import BlipTextModel
+
+    if checkpoint is not None and not os.path.isdir(checkpoint):
+        raise InputError(
+            f"--reward-ckpt imagereward={checkpoint}: not a folder (expected ImageReward.pt, med_config.json)"
+        )
+    if checkpoint is None:
+        import huggingface_hub
+
+        weights = Path(_hub_file("imagereward"))
+        config_file = huggingface_hub.hf_hub_download(HUB_WEIGHTS["imagereward"][0], "med_config.json")
+    else:
+        weights, config_file = Path(checkpoint) / "ImageReward.pt", Path(checkpoint) / "med_config.json"
+    tokenizer_from = checkpoint if checkpoint and (Path(checkpoint) / "tokenizer_config.json").is_file() else None
+    try:
+        state = torch.load(weights, map_location="cpu", weights_only=True, mmap=True)
+        med = json.loads(Path(config_file).read_text())
+        vision_config, vision_state = blip_vision_state(
+            {
+                k.removeprefix("blip.visual_encoder."): v
+                for k, v in state.items()
+                if k.startswith("blip.visual_encoder.")
+            }
+        )
+        text_config = BlipTextConfig(
+            **{k: med[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")},
+            **{k: med[k] for k in ("num_attention_heads", "max_position_embeddings", "layer_norm_eps", "hidden_act")},
+            encoder_hidden_size=vision_config["hidden_size"],  # BLIP sets encoder_width to the ViT's width
+            pad_token_id=med.get("pad_token_id", 0),
+        )
+        with torch.device(device):
+            vision = BlipVisionModel(BlipVisionConfig(**vision_config))
+            text = BlipTextModel(text_config, add_pooling_layer=False)
+        vision.load_state_dict(vision_state)
+        prefix = "blip.text_encoder."
+        text.load_state_dict(
+            {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}, strict=False
+        )
+        missing = set(text.state_dict()) - {k.removeprefix(prefix) for k in state if k.startswith(prefix)}
+        if missing:
+            raise KeyError(f"text encoder weights missing: {sorted(missing)[:3]}")
+        head = linear_head(state, "mlp.layers.")
+    except InputError:
+        raise
+    except Exception as e:  # not a torch file, other keys or shapes: not ImageReward's checkpoint
+        raise InputError(
+            f"{weights}: not an ImageReward checkpoint with its med_config.json ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_from or "bert-base-uncased")
+    except OSError:
+        raise InputError(_missing_ckpt("imagereward", "/path/to/folder", HUB_WEIGHTS["imagereward"][3])) from None
+    for module in (vision, text, head):
+        module.to(device).eval().requires_grad_(False)
+    size = vision_config["image_size"]
+
+    def score(images, prompts):
+        pixels = crop_pixels(images.to(device, torch.float32), size, (size, size), CLIP_MEAN, CLIP_STD, rounded=True)
+        image_tokens = vision(pixel_values=pixels).last_hidden_state  # (B, 1 + patches, D_vision)
+        ids = tokenizer(prompts, padding="max_length", truncation=True, max_length=35, return_tensors="pt").to(device)
+        out = text(
+            input_ids=ids.input_ids,
+            attention_mask=ids.attention_mask,
+            encoder_hidden_states=image_tokens,
+            encoder_attention_mask=torch.ones(image_tokens.shape[:2], dtype=torch.long, device=device),
+        )
+        features = out.last_hidden_state[:, 0]  # (B, D_text): the [CLS] token after cross-attention to the image
+        return (head(features).squeeze(-1) - IMAGEREWARD_MEAN) / IMAGEREWARD_STD
+
+    return ScoreFn(score, differentiable=True, parts=Offloaded([vision, text, head], device, False))
+
+
+# ---------------------------------------------------------------- video: motion without flicker
 def temporal(device, checkpoint=None) -> Reward:
     """Smooth motion of a video, differentiable: mean |x_{f+1} - x_f| - mean |x_{f+1} - 2 x_f + x_{f-1}| over
     frames (B,F,3,H,W) average-pooled to at most 64 px (the pixel noise of one frame averages out). A still video
@@ -384,6 +526,7 @@ for _name, _factory, _differentiable, _video in (
     ("pickscore", pickscore, True, False),
     ("clip", clip_score, True, False),
     ("aesthetic", aesthetic, True, False),
+    ("imagereward", imagereward, True, False),
     ("temporal", temporal, True, True),
     ("unifiedreward", _judge("unifiedreward"), False, False),
     ("ocr", _judge("ocr"), False, False),
