@@ -92,6 +92,8 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """PPO clip epsilon on the ratio (log-probs are means over latent dimensions, hence small)"""
     adv_clip_max: float = 5.0
     """advantages are clipped to +-this"""
+    advantage_aggregation: Literal["sum", "per-reward"] = "sum"
+    """several rewards: 'sum' fuses their weighted sum (release); 'per-reward' fuses and normalises each, then sums with the weights"""
     kl_beta: float = 0.0
     """weight beta of the per-step Gaussian KL to the frozen base model (0 = off, as the release)"""
 
@@ -322,8 +324,7 @@ def node_values(leaf_rewards, log_probs, sizes, fusion: str, gamma: float, tempe
     lp(node -> leaf) / temperature, lp the sum of the edge log-probs down to the leaf (gamma = 0: uniform)."""
     n_trees, n_leaves = leaf_rewards.shape
     if fusion == "path":
-        # per-leaf log-prob of its edge at each step: (P, M, T), then suffix sums from each depth
-        per_step = [
+        per_step = [  # each leaf's edge log-prob at each step, stacked to (P, M, T), then suffix sums from each depth
             lp.view(n_trees, sizes[i + 1]).repeat_interleave(n_leaves // sizes[i + 1], 1)
             for i, lp in enumerate(log_probs)
         ]
@@ -344,13 +345,18 @@ def depth_advantages(values: list[torch.Tensor]) -> list[torch.Tensor]:
     0 where a depth has one node or its values are equal (std < 1e-6). List over depths of (P, n_i), float32."""
     out = []
     for v in values:
-        if v.shape[1] < 2:
-            out.append(torch.zeros_like(v, dtype=torch.float32))
-            continue
-        std = v.std(1, keepdim=True)
+        std = v.std(1, keepdim=True) if v.shape[1] > 1 else torch.zeros_like(v)  # one node: no spread, A = 0
         a = (v - v.mean(1, keepdim=True)) / (std + 1e-8)
         out.append(torch.where(std < 1e-6, torch.zeros_like(a), a).float())
     return out
+
+
+def tree_advantages(leaf_scores: dict, weights: dict, log_probs, sizes, fusion, gamma, temperature) -> list:
+    """Per depth (P, n_i): sum_k w_k depth_advantages(node_values(leaf_scores[k] (P, M))) over the weighted reward sum
+    (weight 1; --advantage-aggregation sum) or each reward's scores (per-reward, MixGRPO, arXiv 2507.21802)."""
+    fuse = partial(node_values, log_probs=log_probs, sizes=sizes, fusion=fusion, gamma=gamma, temperature=temperature)
+    terms = [[w * a for a in depth_advantages(fuse(leaf_scores[k]))] for k, w in weights.items() if w != 0]
+    return [sum(depth) for depth in zip(*terms)]
 
 
 def trained_edges(tree: Tree, sde_idx, adv, iteration: int) -> list[torch.Tensor]:
@@ -396,8 +402,7 @@ def micro_batch(grp, segments, sigmas, tree: Tree):
     trained children (len(parents) * n_children,), and for its E trained edges x_child (E, *L), old_log_prob, adv."""
     device = grp["states"][0].device
     # nodes are tree-major: parent p at depth i belongs to tree p // n_i, whose prompt encoding it uses
-    sizes = tree.sizes
-    tree_of = torch.cat([parents // sizes[i] for i, parents in segments])
+    tree_of = torch.cat([parents // tree.sizes[i] for i, parents in segments])
     masks, adv, old_log_prob, x_child = [], [], [], []
     for i, parents in segments:  # a parent's children are consecutive; only the trained edges are kept
         n_children = tree.children(i)
@@ -516,9 +521,12 @@ def main(args: Args):
             leaf_prompts = [p for grp in groups for p in grp["prompts"] for _ in range(n_leaves)]
             images = torch.cat([model.decode(grp["states"][-1]).float() for grp in groups])
             rewards, parts = reward_fn(images, leaf_prompts)  # (trees * leaves,)
-        for grp, r in zip(groups, rewards.to(device).view(n_groups, -1, n_leaves)):  # r: (P_u, M) leaf rewards
-            values = node_values(r, grp["log_probs"], sizes, args.fusion, args.fusion_gamma, args.fusion_temperature)
-            depth_adv = depth_advantages(values)  # per depth, (P_u, n_i), P_u = --trees-per-update
+        per_reward = args.advantage_aggregation == "per-reward"
+        scores, weights = (parts, reward_fn.weights) if per_reward else ({"sum": rewards}, {"sum": 1.0})
+        for u, grp in enumerate(groups):
+            leaf = {k: scores[k].to(device).view(n_groups, -1, n_leaves)[u] for k in weights}  # (P_u, M) per score
+            fusion = (args.fusion, args.fusion_gamma, args.fusion_temperature)
+            depth_adv = tree_advantages(leaf, weights, grp["log_probs"], sizes, *fusion)  # per depth, (P_u, n_i)
             # per step i, the advantages of its children (depth i + 1), clipped; then which edges are trained
             grp["adv"] = [a.clamp(-args.adv_clip_max, args.adv_clip_max) for a in depth_adv[1:]]
             grp["keep"] = trained_edges(tree, sde_idx, grp["adv"], it)  # bool (P_u, n_{i+1}) per step
@@ -553,15 +561,7 @@ def main(args: Args):
                     accelerator.backward(loss.sum() / max(1, n_edges))  # the mean over this update's trained edges
                 for k, v in figures.items():
                     stats[k].append(v)
-            # optimizer step: warmup, clipping, and a step skipped on every process if a gradient norm is not finite
-            lr_now = args.learning_rate * min(1.0, (run.state.optimizer_steps + 1) / max(1, args.lr_warmup))
-            for group in optimizer.param_groups:
-                group["lr"] = lr_now
-            norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)
-            if stepped := run.all_finite(norm):
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            run.count_step(lr_now, norm, stepped)  # for the log, and the warmup's count
+            run.optimizer_step(optimizer, params)  # warmup, clipping, skipped on every process if not finite
 
         # ------------------------------------------------------------ LOGGING
         ratios = torch.cat(stats["ratio"])

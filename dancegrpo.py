@@ -72,6 +72,8 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """PPO clip epsilon on the ratio (log-probs are means over latent dimensions, hence small)"""
     adv_clip_max: float = 5.0
     """advantages are clipped to +-this"""
+    advantage_aggregation: Literal["sum", "per-reward"] = "sum"
+    """several rewards: 'sum' normalises their weighted sum (DanceGRPO); 'per-reward' normalises each, then sums with the weights (MixGRPO)"""
     kl_beta: float = 0.0
     """weight of the per-step Gaussian KL to the frozen base model (0 = off, as upstream DanceGRPO and ShapesBench)"""
     sde_window: int = 0
@@ -159,6 +161,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     rewards gets 0 everywhere."""
     r = rewards.view(-1, group_size).double()
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-8)).flatten().float()
+
+
+def combined_advantages(scores: dict, weights: dict, group_size: int) -> torch.Tensor:
+    """sum_k w_k * group_advantages(scores[k]), scores: name -> (N,) in global order. Given the weighted sum of the
+    rewards as one score of weight 1 (--advantage-aggregation sum), the advantage of the weighted reward; given each
+    reward's raw scores and weights (per-reward, MixGRPO's advantage_aggr, arXiv 2507.21802), each reward counts by
+    its weight whatever the spread of its scores. A zero weight never enters (its reward is still logged)."""
+    return sum(w * group_advantages(scores[name], group_size) for name, w in weights.items() if w != 0)
 
 
 def policy_loss(log_prob, old_log_prob, adv, clip_range, kl=None, kl_beta=0.0):
@@ -299,11 +309,13 @@ def main(args: Args):
             images = torch.cat([model.decode(ch["latents"][:, -1]).float() for ch in chunks])
             rewards, parts = reward_fn(images, my_prompts)
         all_rewards = accelerator.gather(rewards.float().to(device))  # (world * S,) in global sample order
-        all_adv = group_advantages(all_rewards, args.group_size)
+        parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
+        per_reward = args.advantage_aggregation == "per-reward"
+        scores, weights = (parts, reward_fn.weights) if per_reward else ({"sum": all_rewards}, {"sum": 1.0})
+        all_adv = combined_advantages(scores, weights, args.group_size)
         adv = all_adv[rank * args.samples_per_device : (rank + 1) * args.samples_per_device].clamp(
             -args.adv_clip_max, args.adv_clip_max
         )
-        parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
 
         # ------------------------------------------------------------ TRAINING
         model.park(), reward_fn.park()  # --offload-frozen: the VAE and the reward models leave the GPU
@@ -346,15 +358,7 @@ def main(args: Args):
                         accelerator.backward(loss.mean() / (chunks_per_update * len(steps)))
                     for k, v in figures.items():
                         stats[k].append(v)
-            # optimizer step: warmup, clipping, and a step skipped on every process if a gradient norm is not finite
-            lr_now = args.learning_rate * min(1.0, (run.state.optimizer_steps + 1) / max(1, args.lr_warmup))
-            for group in optimizer.param_groups:
-                group["lr"] = lr_now
-            norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)
-            if stepped := run.all_finite(norm):
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            run.count_step(lr_now, norm, stepped)  # for the log, and the warmup's count
+            run.optimizer_step(optimizer, params)  # warmup, clipping, skipped on every process if not finite
 
         # ------------------------------------------------------------ LOGGING
         ratios = torch.cat(stats["ratio"])

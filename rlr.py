@@ -556,15 +556,7 @@ def main(args: Args):
                 )
             zo_norm = math.sqrt(sum(float((p.grad - g).double().square().sum()) for p, g in zip(params, before)))
             del before
-        # optimizer step: warmup, clipping, and a step skipped on every process if a gradient norm is not finite
-        lr_now = args.learning_rate * min(1.0, (run.state.optimizer_steps + 1) / max(1, args.lr_warmup))
-        for group in optimizer.param_groups:
-            group["lr"] = lr_now
-        norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)
-        if stepped := run.all_finite(norm):
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        run.count_step(lr_now, norm, stepped)  # for the log, and the warmup's count
+        run.optimizer_step(optimizer, params)  # warmup, clipping, skipped on every process if not finite
 
         # ------------------------------------------------------------ LOGGING
         log = {

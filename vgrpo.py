@@ -92,6 +92,8 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """advantages are clipped to +-this (before the optional soft clip)"""
     adv_soft_clip: float = 0.0
     """eta of the tanh advantage soft clip A -> eta tanh(A / eta); 0 = off"""
+    advantage_aggregation: Literal["sum", "per-reward"] = "per-reward"
+    """several rewards: 'per-reward' normalises each, then sums with the weights (MixGRPO lineage); 'sum' normalises their weighted sum"""
     kl_beta: float = 0.0
     """weight of D_simple, the x0-prediction MSE to the --kl-ref policy on the stored pairs (0 = off)"""
     kl_ref: Literal["behaviour", "base"] = "base"
@@ -267,8 +269,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:  #
 
 
 def combined_advantages(parts: dict, weights: dict, group_size: int, clip_max: float, soft_clip: float) -> torch.Tensor:
-    """Per-reward group advantages summed with the reward weights: A = sum_k w_k A_k, clipped to +-clip_max,
-    then A -> eta tanh(A / eta) when soft_clip = eta > 0. parts: name -> (N,) raw scores in global order."""
+    """A = sum_k w_k A_k over group advantages A_k of parts: name -> (N,) scores in global order, clipped to +-clip_max,
+    then A -> eta tanh(A / eta) when soft_clip = eta > 0. Each reward's raw scores and weights: per-reward (MixGRPO's
+    advantage_aggr, arXiv 2507.21802); the weighted sum of the rewards as one part of weight 1: --advantage-aggregation
+    sum."""
     adv = sum(w * group_advantages(parts[name], group_size) for name, w in weights.items() if w != 0).clamp(
         -clip_max, clip_max
     )
@@ -417,7 +421,9 @@ def main(args: Args):
             rewards, parts = reward_fn(images, my_prompts)
         all_rewards = accelerator.gather(rewards.float().to(device))  # (world * S,) in global sample order
         parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
-        all_adv = combined_advantages(parts, reward_weights, args.group_size, args.adv_clip_max, args.adv_soft_clip)
+        per_reward = args.advantage_aggregation == "per-reward"
+        scores, weights = (parts, reward_weights) if per_reward else ({"sum": all_rewards}, {"sum": 1.0})
+        all_adv = combined_advantages(scores, weights, args.group_size, args.adv_clip_max, args.adv_soft_clip)
         adv = all_adv[rank * args.samples_per_device : (rank + 1) * args.samples_per_device]
         all_old = accelerator.gather(old_values.mean(1))  # (world * S,) per-image behaviour surrogates, for logging
 
@@ -438,15 +444,7 @@ def main(args: Args):
                     accelerator.backward(loss.mean() / micro_per_update)
                 for k, v in figures.items():
                     stats[k].append(v)
-            # optimizer step: warmup, clipping, and a step skipped on every process if a gradient norm is not finite
-            lr_now = args.learning_rate * min(1.0, (run.state.optimizer_steps + 1) / max(1, args.lr_warmup))
-            for group in optimizer.param_groups:
-                group["lr"] = lr_now
-            norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)
-            if stepped := run.all_finite(norm):
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            run.count_step(lr_now, norm, stepped)  # for the log, and the warmup's count
+            run.optimizer_step(optimizer, params)  # warmup, clipping, skipped on every process if not finite
 
         # ------------------------------------------------------------ LOGGING
         ratios, log_ratios = torch.cat(stats["ratio"]), torch.cat(stats["log_ratio"])

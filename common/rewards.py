@@ -626,6 +626,8 @@ def check_reward_weights(spec: str, checkpoints: dict[str, str] | None = None, v
     hub-hosted weights are cached or downloadable (one quick check, no retries), and that a video reward comes with
     a video model (`video`)."""
     parsed = parse_reward_spec(spec)
+    if all(w == 0 for _, w in parsed):
+        raise InputError(f"--reward {spec}: every weight is 0, so no reward trains the model (weight 0 logs only)")
     checkpoints = _checkpoints(parsed, spec, checkpoints)
     for name, _ in parsed:
         if name in VIDEO_REWARDS and not video:

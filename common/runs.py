@@ -512,6 +512,20 @@ class Run:
         bad = torch.tensor(float(not torch.isfinite(value)), device=self.accelerator.device)
         return self.accelerator.reduce(bad, "sum").item() == 0
 
+    def optimizer_step(self, optimizer, params) -> None:
+        """One optimizer step over the accumulated gradients: the learning rate warmed up linearly over --lr-warmup
+        steps, the gradients clipped to --max-grad-norm, the step skipped on every process if a gradient norm is not
+        finite (all_finite), the gradients zeroed, and the step counted (count_step)."""
+        a = self.args
+        lr = a.learning_rate * min(1.0, (self.state.optimizer_steps + 1) / max(1, a.lr_warmup))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        norm = self.accelerator.clip_grad_norm_(params, a.max_grad_norm)
+        if stepped := self.all_finite(norm):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.count_step(lr, norm, stepped)
+
     def count_step(self, lr: float, grad_norm: torch.Tensor, stepped: bool) -> None:
         """Record an optimizer step for the iteration's log (learning rate, gradient norm, or a skipped step) and count
         it (state.optimizer_steps, which the learning-rate warmup and a resumed run read)."""
