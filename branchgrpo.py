@@ -500,12 +500,11 @@ def main(args: Args):
         drawn = draw_prompts(train_prompts, world * args.trees_per_device, args.seed, it)
         tree_ids = list(range(rank * args.trees_per_device, (rank + 1) * args.trees_per_device))
         sde_idx = sde_steps(tree, it)  # SDE steps; the rest (with --pruning mix) are Euler ODE steps
-        groups = []  # one dict per update group of trees: prompts, cond, states, log_probs (then adv, keep)
+        groups = []  # one dict per update group of trees: cond, states, log_probs, scores (then adv, keep)
         denoiser.eval()
         for u in range(n_groups):
             ids = tree_ids[u * args.trees_per_update : (u + 1) * args.trees_per_update]
-            prompts_u = [drawn[t] for t in ids]
-            cond = model.encode_prompts(prompts_u)
+            cond = model.encode_prompts([drawn[t] for t in ids])
             gens = [rng(args.seed, it, "root", t) for t in ids]
             roots = torch.stack([torch.randn(latent_shape, generator=gen) for gen in gens]).to(device)  # (P_u, *L)
             noise_fn = partial(tree_noise, tree, args.seed, it, ids, latent_shape)
@@ -513,14 +512,14 @@ def main(args: Args):
                 model, denoiser, cond, roots, noise_fn, tree, sigmas, g, sde_idx, args.rollout_batch_size,
                 args.guidance_scale, autocast,
             )  # fmt: skip
-            groups.append({"prompts": prompts_u, "cond": cond, "states": states, "log_probs": log_probs})
+            with torch.no_grad():  # the leaves' rewards asked now: a served reward answers while the next group samples
+                leaf_prompts = [drawn[t] for t in ids for _ in range(n_leaves)]
+                scores = reward_fn.request(model.decode(states[-1]).float(), leaf_prompts)
+            groups.append({"cond": cond, "states": states, "log_probs": log_probs, "scores": scores})
         t_sample = time.perf_counter() - run.t_iter
 
         # ------------------------------------------------------------ REWARDS & ADVANTAGES
-        with torch.no_grad():
-            leaf_prompts = [p for grp in groups for p in grp["prompts"] for _ in range(n_leaves)]
-            images = torch.cat([model.decode(grp["states"][-1]).float() for grp in groups])
-            rewards, parts = reward_fn(images, leaf_prompts)  # (trees * leaves,)
+        rewards, parts = reward_fn.collect([grp["scores"] for grp in groups])  # (trees * leaves,) and per component
         per_reward = args.advantage_aggregation == "per-reward"
         scores, weights = (parts, reward_fn.weights) if per_reward else ({"sum": rewards}, {"sum": 1.0})
         for u, grp in enumerate(groups):
@@ -579,6 +578,7 @@ def main(args: Args):
             "tree/trained_edges_per_leaf": n_trained_edges / leaves_here,
             "tree/train_forwards_per_leaf": n_train_forwards * (2 if args.kl_beta > 0 else 1) / leaves_here,
             "perf/sampling_s": t_sample,
+            "perf/reward_wait_s": reward_fn.wait_s,
         }
         if args.pruning in ("depth", "mix"):
             log["charts/window_start"] = tree.window_steps(it)[0]

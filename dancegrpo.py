@@ -301,13 +301,13 @@ def main(args: Args):
                 args.guidance_scale,
                 autocast,
             )
-            chunks.append({"cond": cond_c, "latents": latents, "log_probs": log_probs})
+            with torch.no_grad():  # the chunk's rewards asked now: a served reward answers while the next one samples
+                scores = reward_fn.request(model.decode(latents[:, -1]).float(), my_prompts[sl])
+            chunks.append({"cond": cond_c, "latents": latents, "log_probs": log_probs, "scores": scores})
         t_sample = time.perf_counter() - run.t_iter
 
         # ------------------------------------------------------------ REWARDS & ADVANTAGES
-        with torch.no_grad():
-            images = torch.cat([model.decode(ch["latents"][:, -1]).float() for ch in chunks])
-            rewards, parts = reward_fn(images, my_prompts)
+        rewards, parts = reward_fn.collect([ch["scores"] for ch in chunks])  # (S,), each component's (S,)
         all_rewards = accelerator.gather(rewards.float().to(device))  # (world * S,) in global sample order
         parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
         per_reward = args.advantage_aggregation == "per-reward"
@@ -376,6 +376,7 @@ def main(args: Args):
             "perf/nfe_per_image": args.num_steps + n_train * (2 if args.kl_beta > 0 else 1),
             "perf/trained_steps_per_image": n_train,
             "perf/sampling_s": t_sample,
+            "perf/reward_wait_s": reward_fn.wait_s,
         }
         if stats["kl"]:
             log["losses/kl"] = torch.stack(stats["kl"]).mean().item()

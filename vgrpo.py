@@ -373,21 +373,26 @@ def main(args: Args):
         init = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, it, "init", k)) for k in global_idx])
         cond = model.encode_prompts(my_prompts)
         denoiser.eval()
+        chunks = [
+            slice(c, c + args.rollout_batch_size) for c in range(0, args.samples_per_device, args.rollout_batch_size)
+        ]
         x = torch.cat(
             [
                 rollout(
                     model,
                     denoiser,
-                    {k: v[c : c + args.rollout_batch_size] for k, v in cond.items()},
-                    init[c : c + args.rollout_batch_size].to(device),
+                    {k: v[c] for k, v in cond.items()},
+                    init[c].to(device),
                     sigmas,
                     args.solver,
                     args.guidance_scale,
                     autocast,
                 )
-                for c in range(0, args.samples_per_device, args.rollout_batch_size)
+                for c in chunks
             ]
         )  # (S, *L) fp32 final latents
+        with torch.no_grad():  # rewards asked now: a served reward answers while the behaviour values are computed
+            requests = [reward_fn.request(model.decode(x[c]).float(), my_prompts[c]) for c in chunks]
         t_sample = time.perf_counter() - run.t_iter
 
         # behaviour values S_old, right after the rollout, on the micro-batches the training pass will use
@@ -411,14 +416,7 @@ def main(args: Args):
         t_old = time.perf_counter() - run.t_iter - t_sample
 
         # ------------------------------------------------------------ REWARDS & ADVANTAGES
-        with torch.no_grad():
-            images = torch.cat(
-                [
-                    model.decode(x[c : c + args.rollout_batch_size]).float()
-                    for c in range(0, args.samples_per_device, args.rollout_batch_size)
-                ]
-            )
-            rewards, parts = reward_fn(images, my_prompts)
+        rewards, parts = reward_fn.collect(requests)  # (S,), each component's (S,)
         all_rewards = accelerator.gather(rewards.float().to(device))  # (world * S,) in global sample order
         parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
         per_reward = args.advantage_aggregation == "per-reward"
@@ -471,6 +469,7 @@ def main(args: Args):
             "perf/nfe_per_image": nfe,
             "perf/trained_pairs_per_image": args.n_mc,
             "perf/sampling_s": t_sample,
+            "perf/reward_wait_s": reward_fn.wait_s,
             "perf/behaviour_s": t_old,
         }
         if stats["kl"]:

@@ -20,6 +20,8 @@ import io
 import json
 import math
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -582,6 +584,7 @@ class CompositeReward:
 
     def __init__(self, components: list[tuple[str, float, Reward]], frames: int = 4):
         self.components, self.frames = components, frames
+        self._workers, self.wait_s = {}, 0.0  # request(): one thread per served component; collect()'s wait
         self.weights = {name: w for name, w, _ in components}
         self.differentiable = all(r.differentiable for _, w, r in components if w != 0)
 
@@ -593,16 +596,51 @@ class CompositeReward:
         return reward(frames, [p for p in prompts for _ in idx]).view(len(images), len(idx)).mean(1)
 
     def __call__(self, images, prompts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(total (B,), parts): the weighted sum, and each component's raw scores (detached) by name."""
+        return self._combine(images, prompts, {})
+
+    def request(self, images, prompts) -> tuple:
+        """Start scoring one rollout chunk (no gradients): the components served over HTTP are asked now, each on its
+        own background thread, so that their answers arrive while the next chunk is sampled; the local ones score all
+        chunks at once in collect(). Returns the handle that collect() takes."""
+        served = {
+            name: self._workers.setdefault(name, ThreadPoolExecutor(1)).submit(self._served, reward, images, prompts)
+            for name, _, reward in self.components
+            if isinstance(reward, (Judge, Served))
+        }
+        return images, list(prompts), served
+
+    @torch.no_grad()
+    def collect(self, handles: list) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """What __call__ gives, without gradients, on the concatenation of the chunks of `handles` (request()'s), in order; a served
+        component's failure raises here. self.wait_s: the seconds spent waiting for served scores."""
+        images, prompts = torch.cat([h[0] for h in handles]), [p for h in handles for p in h[1]]
+        start = time.perf_counter()
+        served = {name: [h[2][name].result() for h in handles] for name in handles[0][2]}
+        self.wait_s = time.perf_counter() - start
+        served = {name: tuple(torch.cat(x) for x in zip(*chunks)) for name, chunks in served.items()}
+        return self._combine(images, prompts, served)
+
+    def _served(self, reward, images, prompts):  # on a worker thread: one chunk's (scores, unparsed flags)
+        scores = self._score(reward, images, prompts)
+        n = len(images)
+        return scores, reward.unparsed.view(n, -1).mean(1) if isinstance(reward, Judge) else torch.zeros(n)
+
+    def _combine(self, images, prompts, served: dict):
         total = torch.zeros(len(images), device=images.device)  # (B,)
         scores = {}
         for name, w, reward in self.components:
-            with torch.set_grad_enabled(torch.is_grad_enabled() and w != 0):
-                r = self._score(reward, images, prompts)  # (B,)
+            if name in served:
+                r, unparsed = (x.to(images.device) for x in served[name])
+            else:
+                with torch.set_grad_enabled(torch.is_grad_enabled() and w != 0):
+                    r = self._score(reward, images, prompts)  # (B,)
+                unparsed = reward.unparsed.view(len(images), -1).mean(1) if isinstance(reward, Judge) else None
             if w != 0:
                 total = total + w * r
             scores[name] = r.detach()
             if isinstance(reward, Judge):  # 1 where the judge's answer gave no score (logged as a fraction)
-                scores[f"{name}_unparsed"] = reward.unparsed.view(len(images), -1).mean(1)
+                scores[f"{name}_unparsed"] = unparsed
         return total, scores
 
     def park(self) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common import InputError, RunError, remote
-from common.rewards import build_reward, check_reward_weights, is_differentiable
+from common.rewards import CompositeReward, build_reward, check_reward_weights, is_differentiable
 
 PROMPTS = ['a sign that says "Hello World"', "a red circle on a blue background"]
 
@@ -161,3 +161,36 @@ def test_the_reward_server_scores_for_its_client_and_refuses_bad_requests(monkey
     assert client(images, PROMPTS).shape == (2,)
     with pytest.raises(InputError, match="scores \\['bright'\\], not 'hpsv2.1'"):
         remote.Served("hpsv2.1", url, token="secret")
+
+
+def test_served_scores_arrive_while_the_next_chunk_samples():
+    """CompositeReward.request() asks the served components on a background thread as each rollout chunk is done;
+    collect() gives what one call on all the chunks gives, and waits only for answers still out (wait_s). A served
+    failure raises at collect()."""
+    pause = threading.Event().wait  # time.sleep is a no-op in this file (no_waiting)
+
+    def score(name, images, prompts):
+        pause(0.3)  # a slow scorer: 0.3 s a chunk
+        return images.mean((1, 2, 3))
+
+    url = start(remote.serve(score, ["bright"], "127.0.0.1", 0))
+    jpeg = build_reward("jpeg", "cpu").components[0][2]
+    composite = CompositeReward([("bright", 1.0, remote.Served("bright", url)), ("jpeg", 0.5, jpeg)])
+    images, prompts = torch.rand(6, 3, 16, 16), ["a", "b", "c", "d", "e", "f"]
+    handles = []
+    for c in range(0, 6, 2):
+        handles.append(composite.request(images[c : c + 2], prompts[c : c + 2]))
+        pause(0.5)  # sampling the next chunk
+    total, parts = composite.collect(handles)
+    assert composite.wait_s < 0.15, composite.wait_s  # 0.9 s of scoring, all while the chunks were sampled
+    expected_total, expected_parts = composite(images, prompts)
+    torch.testing.assert_close(total, expected_total)
+    assert parts.keys() == expected_parts.keys() == {"bright", "jpeg"}
+    torch.testing.assert_close(parts["bright"], expected_parts["bright"])
+
+    judge = build_reward(
+        "unifiedreward", "cpu", {"unifiedreward": start(fake_vlm(["Final Score: 4", 400], [])) + "/v1"}
+    )
+    handles = [judge.request(images[:1], prompts[:1]), judge.request(images[1:2], prompts[1:2])]
+    with pytest.raises(RunError, match="HTTP 400"):
+        judge.collect(handles)
