@@ -55,7 +55,7 @@ from accelerate.utils import DistributedType, set_seed
 
 from common.models import check_model_id, load_model, trainable_denoiser
 from common.prompts import load_dcot
-from common.rewards import build_reward, is_differentiable, parse_reward_spec
+from common.rewards import DIFFERENTIABLE, VIDEO_REWARDS, build_reward, is_differentiable, parse_reward_spec
 from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need, reward_stats
 from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> a generator
 
@@ -161,10 +161,12 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str]]:
     need(args.zo_scale > 0, "--zo-scale must be > 0")
     ckpts = args.reward_checkpoints()  # a reward scored over HTTP (--reward-url) is not differentiable
     bad = [name for name, w in parse_reward_spec(args.reward) if w != 0 and not is_differentiable(name, ckpts)]
+    good = ", ".join(n for n, d in DIFFERENTIABLE.items() if d and n not in VIDEO_REWARDS)
     need(
         not bad,
         f"--reward {args.reward}: {', '.join(bad)} is not differentiable, and RLR's first-order term backpropagates "
-        f"through the reward; use a differentiable one (shapes, hpsv2.1, pickscore, clip) or give it weight 0 to log it",
+        f"through the reward; use a differentiable one ({good}, not "
+        "served over --reward-url) or give it weight 0 to log it",
     )
     train_prompts, eval_prompts = check_run_args(args, video=False)  # RLR's paper trains images
     if args.dcot_prompts is not None:

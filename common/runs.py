@@ -26,9 +26,10 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import torch
+import tyro
 from tqdm import tqdm
 
 from common import InputError, RunError
@@ -80,12 +81,12 @@ class RunArgs:
     reward: str = "shapes"
     """reward spec 'name:weight,...', e.g. 'shapes:1.0,verifier:0.5' or 'hpsv2.1' ('shapes' and 'verifier' are
     ShapesBench's and hold only for --model-id shapesbench)"""
-    reward_ckpt: list[str] = field(default_factory=list)
-    """NAME=PATH per reward model, e.g. hpsv2.1=/ckpt/HPS_v2.1_compressed.pt"""
-    reward_url: list[str] = field(default_factory=list)
+    reward_ckpt: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
+    """NAME=PATH per reward model, e.g. hpsv2.1=/ckpt/HPS_v2.1_compressed.pt; one flag per reward (repeat it)"""
+    reward_url: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
     """NAME=URL per reward scored by another process: a VLM judge (unifiedreward, ocr) behind an OpenAI-compatible
     server, e.g. unifiedreward=http://host:8000/v1, or any reward hosted by `python -m common.rewards serve`
-    (docs/models.md); token, if any, from $REWARD_API_KEY"""
+    (docs/models.md); one flag per reward (repeat it); token, if any, from $REWARD_API_KEY"""
     prompts: str = "shapes-train"
     """training prompts: 'shapes-train' (--model-id shapesbench only) or a text file, one prompt per line
     (HPDv2's: `python -m common.prompts hpdv2 FILE`)"""
@@ -160,8 +161,6 @@ def cli(main, args_type) -> None:
     """`main(tyro.cli(args_type))`. An InputError (bad flag, file, folder) prints `error: ...` and exits with status
     2; a RunError or a write refused by the file system (full disk, no permission) prints `error: ...` and exits with
     status 1; neither has a traceback. Every other exception is a bug and keeps its traceback."""
-    import tyro
-
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import diffusers
     import transformers

@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-import tyro
 from safetensors.torch import load_file
 
 import dancegrpo as D
@@ -25,7 +24,7 @@ from tests.helpers import (
     run_until,
 )
 from tests.helpers import run_script as run
-from tests.tiny import build_flux, build_shapes, build_tiny_hps
+from tests.tiny import build_shapes
 
 TINY_RUN = [
     "--iterations",
@@ -253,46 +252,6 @@ def test_two_processes_keep_identical_weights(tmp_path):
     )
     last = [r for r in metrics(tmp_path / "ddp") if "charts/rank_weight_spread" in r][-1]
     assert last["iteration"] == 2 and last["charts/rank_weight_spread"] == 0
-
-
-def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
-    """In-process (open_clip's tiny-hps config is registered in this process only), the real main()."""
-    import functools
-
-    from common import rewards
-
-    ckpt = build_tiny_hps(tmp_path)
-    monkeypatch.setitem(rewards.REWARDS, "hpsv2.1", functools.partial(rewards.REWARDS["hpsv2.1"], arch="tiny-hps"))
-    build_flux(tmp_path / "flux")
-    (tmp_path / "prompts.txt").write_text("a cat\na dog\n")
-    argv = TINY_RUN + [
-        "--output-dir",
-        str(tmp_path),
-        "--exp-name",
-        "flux",
-        "--model-id",
-        str(tmp_path / "flux"),
-        "--resolution",
-        "32",
-        "--prompts",
-        str(tmp_path / "prompts.txt"),
-        "--eval-prompts",
-        str(tmp_path / "prompts.txt"),
-        "--reward",
-        "hpsv2.1",
-        "--reward-ckpt",
-        f"hpsv2.1={ckpt}",
-        "--lora",
-        "--lora-rank",
-        "4",
-        "--guidance-scale",
-        "3.5",
-        *("--gradient-checkpointing", "--offload-frozen"),  # as the GPU recipes (bf16: gpu_check.sh --tiny)
-    ]
-    D.main(tyro.cli(D.Args, args=argv))
-    train = [r for r in metrics(tmp_path / "flux") if "losses/policy" in r]
-    assert len(train) == 2 and all(r["losses/first_ratio_max_dev"] == 0 for r in train)
-    assert (find_run(tmp_path / "flux") / "final" / "pytorch_lora_weights.safetensors").is_file()
 
 
 def test_run_sh_recipe_launches_the_script(tmp_path):

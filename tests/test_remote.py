@@ -5,6 +5,7 @@ malformed requests (4xx with the reason, and it keeps serving), OCR's edit dista
 import base64
 import http.client
 import json
+import math
 import threading
 import urllib.error
 import urllib.request
@@ -12,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 import torch
+import tyro
 
 from common import InputError, RunError, remote
 from common.rewards import CompositeReward, build_reward, check_reward_weights, is_differentiable
@@ -194,3 +196,61 @@ def test_served_scores_arrive_while_the_next_chunk_samples():
     handles = [judge.request(images[:1], prompts[:1]), judge.request(images[1:2], prompts[1:2])]
     with pytest.raises(RunError, match="HTTP 400"):
         judge.collect(handles)
+
+
+def test_tiny_flux_trains_on_hps_imagereward_and_a_served_judge_that_dies_then_comes_back_slow(
+    tmp_path, monkeypatch, capsys, tiny_imagereward
+):
+    """dancegrpo.py's main() on tiny FLUX with hpsv2.1 + imagereward (tiny random weights) + unifiedreward from a
+    tiny random LLaVA behind a local OpenAI-compatible server. The server dies after iteration 1's checkpoint: the
+    run ends with one `error:` line naming the URL and that checkpoint intact. Back (on the same port) but slow, the
+    resumed run completes iteration 2 and logs every component and the time it waited for the judge."""
+    import functools
+
+    import dancegrpo as D
+    from common import rewards, runs
+    from tests.helpers import find_run, metrics
+    from tests.test_dancegrpo import TINY_RUN
+    from tests.tiny import build_flux, build_tiny_hps
+    from tests.vlm import TinyJudge
+
+    hps = build_tiny_hps(tmp_path)
+    monkeypatch.setitem(rewards.REWARDS, "hpsv2.1", functools.partial(rewards.REWARDS["hpsv2.1"], arch="tiny-hps"))
+    build_flux(tmp_path / "flux")
+    (tmp_path / "prompts.txt").write_text("a cat\na dog\n")
+    judge = TinyJudge()
+    argv = [*TINY_RUN, "--save-every", "1", "--output-dir", str(tmp_path), "--exp-name", "flux"]
+    argv += ["--model-id", str(tmp_path / "flux"), "--resolution", "32", "--guidance-scale", "3.5"]
+    argv += ["--prompts", str(tmp_path / "prompts.txt"), "--eval-prompts", str(tmp_path / "prompts.txt")]
+    argv += ["--reward", "hpsv2.1:1,imagereward:1,unifiedreward:1", "--reward-ckpt", f"hpsv2.1={hps}"]
+    argv += ["--reward-ckpt", f"imagereward={tiny_imagereward[1]}", "--reward-url", f"unifiedreward={judge.url}"]
+    argv += ["--lora", "--lora-rank", "4", "--gradient-checkpointing", "--offload-frozen"]  # as the GPU recipes
+    checkpoint = runs.Run.checkpoint
+
+    def checkpoint_then_kill_the_judge(self, iteration, final=False):
+        checkpoint(self, iteration, final)
+        if iteration == 1:
+            judge.stop()
+
+    monkeypatch.setattr(runs.Run, "checkpoint", checkpoint_then_kill_the_judge)
+    monkeypatch.setattr("sys.argv", ["dancegrpo.py", *argv])
+    with pytest.raises(SystemExit) as stopped:
+        runs.cli(D.main, D.Args)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert stopped.value.code == 1 and "Traceback" not in err, err[-2000:]
+    assert len(errors) == 1 and f"{judge.url}/chat/completions failed after 5 tries" in errors[0], errors
+    run = find_run(tmp_path / "flux")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001"]
+
+    monkeypatch.setattr(runs.Run, "checkpoint", checkpoint)
+    slow = TinyJudge(port=judge.port, delay=0.2)  # back on the same port, 0.2 s an answer
+    D.main(tyro.cli(D.Args, args=[*argv, "--resume-from", "latest"]))
+    train = [r for r in metrics(tmp_path / "flux") if "losses/policy" in r]
+    assert [r["iteration"] for r in train] == [1, 2] and all(r["losses/first_ratio_max_dev"] == 0 for r in train)
+    for name in ("hpsv2.1", "imagereward", "unifiedreward"):
+        assert all(math.isfinite(r[f"rewards/{name}"]) for r in train), name
+    assert train[1]["rewards/unifiedreward_unparsed"] == 0 and train[1]["perf/reward_wait_s"] > 0.1
+    assert slow.requests >= 8  # iteration 2's samples, and the final evaluation
+    assert (run / "final" / "pytorch_lora_weights.safetensors").is_file()
+    slow.stop()

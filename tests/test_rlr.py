@@ -269,6 +269,8 @@ def test_validation_names_the_flag(tmp_path):
     for kw, flag in [
         ({"reward": "verifier"}, "--reward"),
         ({"reward": "shapes:1,jpeg:0.5"}, "--reward"),
+        ({"reward": "hpsv2.1", "reward_url": ["hpsv2.1=http://127.0.0.1:9"]}, "hpsv2.1 is not differentiable.*served"),
+        ({"reward": "unifiedreward", "reward_url": ["unifiedreward=http://127.0.0.1:9/v1"]}, "unifiedreward is not"),
         ({"subchain_len": 10}, "--subchain-len"),
         ({"subchain_len": 3, "subchain_stage": "fine"}, "--subchain-stage"),
         ({"zo_perturbations": 3}, "--zo-perturbations"),
