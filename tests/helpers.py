@@ -165,3 +165,8 @@ def worker_pid(launcher_pid: int, rank: int) -> int | None:
         except OSError:
             continue
     return None
+
+
+def replace_flags(argv: list[str], values: dict[str, str]) -> list[str]:
+    """`argv` with the value after each flag of `values` replaced, e.g. {"--samples-per-device": "4"}."""
+    return [values.get(prev, word) for prev, word in zip(["", *argv], argv)]

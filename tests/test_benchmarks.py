@@ -62,31 +62,31 @@ def test_compare_quick_writes_table_plot_grids_tradeoff_and_skips_finished_runs(
         compare,
         "METHODS",
         {
-            "dancegrpo": ("DanceGRPO", ["dancegrpo.py", *small, "--samples-per-device", "8", "--group-size", "4",
-                                        "--samples-per-update", "4"]),
-            "vgrpo": ("V-GRPO", ["vgrpo.py", *small, "--samples-per-device", "8", "--group-size", "4",
-                                 "--train-batch-size", "2", "--samples-per-update", "4", "--n-mc", "2"]),
+            "dancegrpo": (
+                "DanceGRPO",
+                ["dancegrpo.py", *small, "--samples-per-device", "8", "--group-size", "4", "--samples-per-update", "4"],
+            ),
         },
-    )  # fmt: skip
+    )  # fmt: skip  (one method and one sweep run: both at once with --jobs 2)
     monkeypatch.setattr(compare, "SWEEP", {"dancegrpo": [("lr / 2", None)]})
     argv = ["compare.py", "--quick", "--out", str(tmp_path), "--threads", "1", "--jobs", "2", "--tradeoff"]
     monkeypatch.setattr(sys, "argv", argv)
     compare.main()
     table = (tmp_path / "results.md").read_text()
-    assert "| DanceGRPO | 10 |" in table and "| V-GRPO | 10 |" in table
-    assert "<= 8 min" not in table.split("| V-GRPO | 10 |")[1].split("\n")[0]  # a tiny run is well within 8 min
+    assert "| DanceGRPO | 10 |" in table
+    assert "<= 8 min" not in table.split("| DanceGRPO | 10 |")[1].split("\n")[0]  # a tiny run is well within 8 min
     # the sweep ran half of dancegrpo.py's learning rate, and the trade-off table lists it next to the defaults
     (swept,) = (tmp_path / "runs").glob("dancegrpo+lrover2__0__*")
     lrs = [r["charts/lr"] for r in read_metrics(swept) if "charts/lr" in r]
     assert lrs[-1] == pytest.approx(dancegrpo.Args.learning_rate / 2)
     trade = (tmp_path / "tradeoff.md").read_text()
-    assert "| DanceGRPO | lr / 2 | 10 |" in trade and "| V-GRPO | default | 10 |" in trade
+    assert "| DanceGRPO | lr / 2 | 10 |" in trade and "| DanceGRPO | default | 10 |" in trade
     assert (tmp_path / "tradeoff.png").stat().st_size > 0
     assert "(threads per run: 1), 2 runs at a time" in table
     assert (tmp_path / "results.png").stat().st_size > 0
-    assert sorted(p.name for p in (tmp_path / "results_grids").iterdir()) == ["dancegrpo.png", "vgrpo.png"]
-    finished = compare.run_one("vgrpo", compare.METHODS["vgrpo"][1], 0, tmp_path, True, 1)  # returns at once
-    assert finished == next((tmp_path / "runs").glob("vgrpo__0__*"))
+    assert sorted(p.name for p in (tmp_path / "results_grids").iterdir()) == ["dancegrpo.png"]
+    finished = compare.run_one("dancegrpo", compare.METHODS["dancegrpo"][1], 0, tmp_path, True, 1)  # returns at once
+    assert finished == next((tmp_path / "runs").glob("dancegrpo__0__*"))
 
 
 def test_overhead_counts_a_frozen_reference_copy_once():

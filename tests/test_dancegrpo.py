@@ -20,6 +20,7 @@ from tests.helpers import (
     find_run,
     logged,
     metrics,
+    replace_flags,
     run_recipe,
     run_until,
 )
@@ -190,8 +191,17 @@ def test_faults_a_cluster_delivers_change_nothing(tmp_path):
     counter is checkpointed, so the warmup goes on where it was."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    common = TINY_RUN + ["--sample-every", "0", "--save-every", "2", "--lr-warmup", "100", "--iterations", "6"]
-    common += ["--eval-max-prompts", "8"]  # evaluations of 8 held-out prompts: a record each is what counts here
+    common = replace_flags(TINY_RUN, {"--samples-per-device": "4"}) + [
+        "--sample-every",
+        "0",
+        "--save-every",
+        "2",
+        "--lr-warmup",
+        "100",
+        "--iterations",
+        "6",
+    ]
+    common += ["--eval-max-prompts", "2"]  # evaluations of 2 held-out prompts: a record each is what counts here
     run_script(common + ["--exp-name", "straight"], tmp_path)
     faulty, name = common + ["--exp-name", "faulty"], tmp_path / "faulty"
     resume = faulty + ["--resume-from", "latest"]

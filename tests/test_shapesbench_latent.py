@@ -50,6 +50,7 @@ def test_train_latent_smoke_and_resume(tmp_path):
     def train(out, kill_when=None):
         cmd = [sys.executable, "-m", "common.shapesbench.train_latent", "--steps", "4", "--save-every", "2"]
         cmd += ["--log-every", "1", "--eval-steps", "2", "--eval-samples-per-prompt", "1", "--threads", "1"]
+        cmd += ["--batch-size", "8", "--heads", "1", "--layers", "1"]  # a small model: the plumbing is what counts
         proc = subprocess.Popen([*cmd, "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
         while kill_when is not None and proc.poll() is None and not kill_when():
             time.sleep(0.001)

@@ -18,6 +18,7 @@ from tests.helpers import (
     find_run,
     logged,
     metrics,
+    replace_flags,
     run_recipe,
     run_until,
     worker_pid,
@@ -344,7 +345,8 @@ def test_end_to_end_shapesbench(tmp_path):
 def test_killed_runs_resume_to_the_same_weights(tmp_path):
     # with the soft clip on and the KL to the behaviour policy, so its stored x0_hat path is covered too (the
     # default KL, to the base, is covered by the tests that run the defaults)
-    common = TINY_RUN + [
+    small = {"--samples-per-device": "4", "--train-batch-size": "4"}  # one group, one micro-batch per update
+    common = replace_flags(TINY_RUN, small) + [
         "--eval-every",
         "0",
         "--sample-every",

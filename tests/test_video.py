@@ -124,13 +124,13 @@ def test_temporal_reward_prefers_smooth_motion_to_stills_and_flicker():
 
 
 # ---------------------------------------------------------------- the scripts end to end
-TINY = {
-    "dancegrpo.py": ["--samples-per-device", "8", "--group-size", "4", "--rollout-batch-size", "4",
+TINY = {  # one prompt group (tree) per iteration
+    "dancegrpo.py": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4",
                      "--samples-per-update", "4", "--num-steps", "4"],
-    "branchgrpo.py": ["--pruning", "depth", "--trees-per-device", "2", "--trees-per-update", "1", "--num-steps", "6",
+    "branchgrpo.py": ["--pruning", "depth", "--trees-per-device", "1", "--trees-per-update", "1", "--num-steps", "6",
                       "--num-splits", "2", "--rollout-batch-size", "4"],
-    "vgrpo.py": ["--samples-per-device", "8", "--group-size", "4", "--rollout-batch-size", "4", "--train-batch-size",
-                 "2", "--samples-per-update", "4", "--num-steps", "4", "--n-mc", "3"],
+    "vgrpo.py": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4", "--train-batch-size",
+                 "4", "--samples-per-update", "4", "--num-steps", "4", "--n-mc", "3"],
 }  # fmt: skip
 
 
