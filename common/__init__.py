@@ -10,8 +10,8 @@ layers, each importing only from those above it in this list (tests/test_layout.
     common.models, .rewards, .prompts   model loaders, reward wrappers, prompt sources
     common.runs                 run plumbing: flags, run folder, checkpoints, logging, evaluation
 
-The command-line tools of ShapesBench (`python -m common.shapesbench eval`, its trainers) sit on top: they may use
-every layer, and no library module imports them. Nothing in common/ imports a top-level script.
+The command-line tools sit on top: the evaluation of trained weights (`python -m common.evaluate`) and ShapesBench's
+(`python -m common.shapesbench eval`, its trainers). They may use every layer, and no library module imports them. Nothing in common/ imports a top-level script.
 """
 
 import os

@@ -125,7 +125,7 @@ def load_weights(model, folder: Path) -> None:
 # ---------------------------------------------------------------------------------------------------
 # Scoring: batches sharded over processes, each cached
 # ---------------------------------------------------------------------------------------------------
-def score_model(args, model, reward_fn, prompts, accelerator, cache: Path, grid_n: int, keep_images: bool) -> list:
+def score_model(args, model, reward_fn, prompts, accelerator, cache: Path, grid: list[int], keep_images: bool) -> list:
     """Per batch of this process (batch b of [b B, (b + 1) B), process b mod world): {start, scores: name -> (n,),
     images of the grid's samples, all images on ShapesBench}. A batch found in `cache` is not computed again."""
     n, B = len(prompts), args.batch_size
@@ -144,11 +144,10 @@ def score_model(args, model, reward_fn, prompts, accelerator, cache: Path, grid_
         with torch.no_grad():
             images = sample_prompts(sampler, model, prompts[sl], noise[sl], B).float()
             total, parts = reward_fn(images, prompts[sl])
-        grid = [j - start for j in range(sl.start, sl.stop) if j < grid_n]
         record = {
             "start": start,
             "scores": {"total": total.cpu(), **{k: v.float().cpu() for k, v in parts.items()}},
-            "grid": images[grid].cpu(),
+            "grid": images[[j - start for j in range(sl.start, sl.stop) if j in grid]].cpu(),
             "images": images.cpu() if keep_images else torch.zeros(0),
         }
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -185,10 +184,11 @@ def main(args: EvalArgs) -> None:
     device, out = accelerator.device, Path(args.out)
     S = args.samples_per_prompt
     prompts = [p for p in prompt_list for _ in range(S)]  # sample j: prompt j // S, noise keyed on j
+    grid = [i * S for i in evenly_spaced(list(range(len(prompt_list))), args.grid_prompts)]  # their first samples
     reward_fn = build_reward(args.reward, device, args.reward_checkpoints())
     setting = dict(prompts=args.prompts, n_prompts=len(prompt_list), samples_per_prompt=S, num_steps=args.num_steps,
                    shift=args.shift, guidance_scale=args.guidance_scale, resolution=args.resolution, seed=args.seed,
-                   batch_size=args.batch_size, reward=args.reward)  # fmt: skip
+                   batch_size=args.batch_size, reward=args.reward, grid_prompts=args.grid_prompts)  # fmt: skip
     key = json.dumps(setting, sort_keys=True)
     if accelerator.is_main_process:  # the cache holds batches of these settings only
         out.mkdir(parents=True, exist_ok=True)
@@ -205,17 +205,17 @@ def main(args: EvalArgs) -> None:
         if folder is not None:
             load_weights(model, folder)
         model.transformer.eval()
-        mine = score_model(args, model, reward_fn, prompts, accelerator, out / "cache" / name,
-                           args.grid_prompts * S, model.kind == "shapes")  # fmt: skip
+        mine = score_model(args, model, reward_fn, prompts, accelerator, out / "cache" / name, grid,
+                           model.kind == "shapes")  # fmt: skip
         gathered = accelerator.gather_for_metrics(mine, use_gather_object=True)
         records[name] = sorted(gathered, key=lambda r: r["start"])
         del model
     if accelerator.is_main_process:
-        report(args, setting, records, prompt_list, styles, prompts, out)
+        report(args, setting, records, prompt_list, styles, prompts, grid, out)
     accelerator.wait_for_everyone()
 
 
-def report(args, setting, records, prompt_list, styles, prompts, out: Path) -> None:
+def report(args, setting, records, prompt_list, styles, prompts, grid, out: Path) -> None:
     """results.md, results.json, scores.jsonl and grid.png from every model's batch records."""
     S, names = args.samples_per_prompt, list(records)
     scores = {m: {k: torch.cat([r["scores"][k] for r in rs]) for k in rs[0]["scores"]} for m, rs in records.items()}
@@ -271,13 +271,17 @@ def report(args, setting, records, prompt_list, styles, prompts, out: Path) -> N
     (out / "results.md").write_text("\n".join(lines) + "\n")
     from common.viz import save_grid
 
-    grid = torch.cat([torch.cat([r["grid"] for r in records[m]])[::S] for m in names])  # first sample of each prompt
-    grid = grid[:, grid.shape[1] // 2] if grid.ndim == 5 else grid  # videos: the middle frame
-    k = len(grid) // len(names)
-    captions = [f"{m}\n{prompt_list[i]}" for m in names for i in range(k)]
-    save_grid(
-        out / "grid.png", grid, captions, ncol=k, title="first sample of each prompt; a row per model, same noise"
-    )
+    images = torch.cat([torch.cat([r["grid"] for r in records[m]]) for m in names])  # a row per model
+    images = images[:, images.shape[1] // 2] if images.ndim == 5 else images  # videos: the middle frame
+    captions = [f"{m}\n{prompts[j]}" for m in names for j in grid]
+    title = "first sample of evenly spaced prompts, the same noise in a column; a row per model"
+    ok = None
+    if records["base"][0]["images"].numel():  # ShapesBench: the verifier's verdict under each image
+        from common import shapesbench
+
+        ok = shapesbench.verify(images, [prompts[j] for _ in names for j in grid])["all"].tolist()
+        title += "; badge: the verifier's verdict"
+    save_grid(out / "grid.png", images, captions, ok, ncol=len(grid), title=title)
     print("\n".join(lines))
     print(f"written: {out / 'results.md'}, results.json, scores.jsonl, grid.png")
 

@@ -21,6 +21,7 @@ LAYERS = {
     "common.runs": 5,
 }
 TOOLS = tuple(f"common.shapesbench.{m}" for m in ("__main__", "train_reward", "train_vae", "train_latent"))
+TOOLS += ("common.evaluate",)
 
 
 def module_name(path: Path) -> str:
