@@ -42,6 +42,8 @@
 #   rlr-sd15-8gpu          SD1.5 + HPSv2.1, LoRA r4, 512 px, 8 GPUs (DDP); 17 GB per GPU
 #   rlr-sd15-multinode     LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
 #   compare                every method at its defaults, side by side (benchmarks/compare.py); add --quick
+#   evaluate-flux          FLUX.1-dev base vs --weights runs/<run> on HPDv2's test prompts: HPSv2.1, PickScore, ImageReward
+#   evaluate-sd35          the same for SD3.5-Medium (add --guidance-scale 1 for V-GRPO's evaluation without CFG)
 #
 # GPU recipes (flux, sd35, sd15, wan) need:
 #   PROMPTS       training prompts, one per line (required). HPDv2's 3200 test prompts (Hugging Face dataset
@@ -80,7 +82,7 @@ need_env() {  # a GPU recipe's required variable; --print shows $NAME in its pla
   fi
 }
 
-case "$recipe" in *flux*|*sd35*|*sd15*|*wan*)
+case "$recipe" in evaluate-*) ;; *flux*|*sd35*|*sd15*|*wan*)
   need_env PROMPTS "a prompt file, one prompt per line; HPDv2's 3200 test prompts, from the Hugging Face dataset \
 zhwang/HPDv2 (benchmark/*.json), are written to one by: python -m common.prompts hpdv2 prompts/hpdv2_test.txt"
   EVAL_PROMPTS=${EVAL_PROMPTS:-$PROMPTS} ;;
@@ -152,6 +154,14 @@ WAN_BRANCH=("${WAN[@]}" --num-steps 20 --split-schedule dense --num-splits 4 --b
 WAN_VGRPO=("${WAN[@]}" --num-steps 16 --solver dpm++2m --n-mc 4 --group-size 16 --samples-per-device 16
   --rollout-batch-size 4 --train-batch-size 1 --samples-per-update 16)
 
+# Scoring trained weights against the base (python -m common.evaluate, docs/evaluate.md): HPDv2's 3200 test prompts
+# (from the hub cache), one sample each, the recipes' evaluation sampler; add --weights runs/<run> (repeatable).
+EVAL_REWARDS=(--prompts hpdv2 --samples-per-prompt 1 --reward hpsv2.1,pickscore,imagereward "${HPS_CKPT[@]}")
+EVAL_FLUX=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 --mixed-precision bf16
+  "${EVAL_REWARDS[@]}" --num-steps 28 --guidance-scale 3.5)
+EVAL_SD35=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 --mixed-precision bf16
+  "${EVAL_REWARDS[@]}" --num-steps 40 --guidance-scale 4.5)
+
 multinode() {  # SCRIPT FLAGS...: DDP on NUM_MACHINES x 8 GPUs, launched once per machine
   for v in MAIN_IP MACHINE_RANK NUM_MACHINES; do need_env "$v" "multi-node recipes: MAIN_IP, MACHINE_RANK, NUM_MACHINES"; done
   local procs='$((8*NUM_MACHINES))'
@@ -205,5 +215,7 @@ case "$recipe" in
   rlr-sd15-8gpu) go "${DDP8[@]}" rlr.py "${SD15_RLR[@]}" "$@" ;;
   rlr-sd15-multinode) multinode rlr.py "${SD15_RLR[@]}" "$@" ;;
   compare) go "$PY" benchmarks/compare.py "$@" ;;
+  evaluate-flux) go "${LAUNCH[@]}" -m common.evaluate "${EVAL_FLUX[@]}" "$@" ;;
+  evaluate-sd35) go "${LAUNCH[@]}" -m common.evaluate "${EVAL_SD35[@]}" "$@" ;;
   *) echo "unknown recipe '$recipe'; bash run.sh --list names them (the top of run.sh says what each does)" >&2; exit 2 ;;
 esac

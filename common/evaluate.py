@@ -1,10 +1,8 @@
 """Score base and trained weights side by side, paired by noise, as the papers' tables do.
 
     python -m common.evaluate --weights runs/dancegrpo__0__<time>                  # ShapesBench: base vs a run
-    python -m common.evaluate --model-id black-forest-labs/FLUX.1-dev --weights runs/<run>/final \\
-        --prompts hpdv2 --reward hpsv2.1,pickscore,imagereward --reward-ckpt hpsv2.1=/ckpt/HPS_v2.1_compressed.pt \\
-        --samples-per-prompt 1 --num-steps 16 --guidance-scale 3.5 --resolution 720
-    accelerate launch -m common.evaluate ...                                      # prompts sharded over processes
+    bash run.sh evaluate-flux --weights runs/<run>      # FLUX.1-dev on HPDv2's test prompts (run.sh --print shows it)
+    accelerate launch -m common.evaluate ...            # batches sharded over processes
 
 Every model (the base, then each --weights) draws the same initial noise for the same (prompt, sample), keyed on
 (--seed, 'eval', index) as the training scripts' held-out evaluation, through the same Euler ODE sampler

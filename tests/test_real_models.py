@@ -235,6 +235,12 @@ def test_every_gpu_recipe_parses_and_uses_the_memory_settings():
     assert len(gpu_recipes()) >= 15
     for name in gpu_recipes():
         words = shlex.split(recipe(name, PROMPTS="p.txt", NUM_MACHINES="2", MAIN_IP="ip", MACHINE_RANK="0"))
+        if "common.evaluate" in words:  # the evaluation recipes: bf16, HPDv2, the recipes' evaluation sampler
+            from common.evaluate import EvalArgs
+
+            args = tyro.cli(EvalArgs, args=words[words.index("common.evaluate") + 1 :])
+            assert args.mixed_precision == "bf16" and args.prompts == "hpdv2" and args.num_steps in (28, 40), name
+            continue
         script = next(w for w in words if w in SCRIPTS)
         flags = words[words.index(script) + 1 :]
         args = tyro.cli(SCRIPTS[script].Args, args=flags)  # a typo in a recipe fails here
