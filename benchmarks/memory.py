@@ -248,10 +248,10 @@ def _run_sh(*args: str) -> str:
 
 
 def gpu_recipes() -> list[str]:
-    """run.sh's recipes on FLUX / SD3.5 / SD1.5 / Wan2.1 GPUs; multi-node ones are left out (per GPU as their 8-GPU
-    twin)."""
-    names = _run_sh("--list").split()
-    return [n for n in names if any(k in n for k in ("flux", "sd35", "sd15", "wan")) and not n.endswith("-multinode")]
+    """run.sh's training recipes on FLUX / SD3.5 / SD1.5 / Wan2.1 GPUs; multi-node ones are left out (per GPU as their
+    8-GPU twin), and so are the evaluation recipes (evaluate-*: no training)."""
+    names = [n for n in _run_sh("--list").split() if not n.startswith("evaluate-") and not n.endswith("-multinode")]
+    return [n for n in names if any(k in n for k in ("flux", "sd35", "sd15", "wan"))]
 
 
 @dataclass

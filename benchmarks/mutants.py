@@ -85,6 +85,15 @@ MUTANTS = [
     ("branchgrpo.py", '"tree/rollout_forwards_per_leaf": forwards / n_leaves',
      '"tree/rollout_forwards_per_leaf": (forwards - 1) / n_leaves', "tests/test_counts.py -k branchgrpo",
      "BranchGRPO: the root's forward left out of the logged count"),
+    ("dancegrpo.py", "return sum(w * group_advantages(scores[name], group_size) for name, w in weights.items() if w != 0)",
+     "return sum(group_advantages(scores[name], group_size) for name, w in weights.items() if w != 0)",
+     "tests/test_aggregation.py -k group_aggregations", "per-reward advantages: the reward weights left out"),
+    ("common/rewards.py", "return (head(features).squeeze(-1) - IMAGEREWARD_MEAN) / IMAGEREWARD_STD",
+     "return head(features).squeeze(-1) - IMAGEREWARD_MEAN", "tests/test_imagereward.py -k matches_the_package",
+     "ImageReward: the score not divided by its std"),
+    ("common/rewards.py", "served = {name: tuple(torch.cat(x) for x in zip(*chunks))",
+     "served = {name: tuple(torch.cat(x[::-1]) for x in zip(*chunks))",
+     "tests/test_remote.py -k arrive", "served rewards: the chunks' scores put back in the wrong order"),
 ]  # fmt: skip
 
 

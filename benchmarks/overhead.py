@@ -94,6 +94,8 @@ def measure(script: str, iterations: int, extra: list[str]) -> dict:
         (AcceleratedOptimizer, "zero_grad"): AcceleratedOptimizer.zero_grad,
         (runs.Run, "end_iteration"): runs.Run.end_iteration,
         (rewards.CompositeReward, "__call__"): rewards.CompositeReward.__call__,
+        (rewards.CompositeReward, "request"): rewards.CompositeReward.request,
+        (rewards.CompositeReward, "collect"): rewards.CompositeReward.collect,
     }
     module_originals = {
         name: getattr(module, name) for name in ("load_model", "trainable_denoiser", *ZO) if hasattr(module, name)
@@ -119,7 +121,8 @@ def measure(script: str, iterations: int, extra: list[str]) -> dict:
     ]:  # fmt: skip  (the optimizer step, in the scripts)
         setattr(owner, name, timers.wrap("optimizer", originals[owner, name]))
     runs.Run.end_iteration = end_iteration
-    rewards.CompositeReward.__call__ = timers.wrap("reward", originals[(rewards.CompositeReward, "__call__")])
+    for name in ("__call__", "request", "collect"):  # the scripts score rollouts with request + collect
+        setattr(rewards.CompositeReward, name, timers.wrap("reward", originals[(rewards.CompositeReward, name)]))
     module.load_model = load_model
     for name in ZO:
         if name in module_originals:

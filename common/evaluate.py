@@ -163,6 +163,7 @@ def paired(diff: torch.Tensor) -> tuple[float, float]:
 
 def main(args: EvalArgs) -> None:
     from accelerate import Accelerator
+    from accelerate.utils import gather_object
 
     from common.models import check_model_id, load_model
     from common.rewards import build_reward, check_reward_weights
@@ -180,6 +181,9 @@ def main(args: EvalArgs) -> None:
     check_reward_weights(args.reward, args.reward_checkpoints(), video=kind == "wan")
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     device, out = accelerator.device, Path(args.out)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        args.mixed_precision, torch.float32
+    )  # as training's base
     S = args.samples_per_prompt
     prompts = [p for p in prompt_list for _ in range(S)]  # sample j: prompt j // S, noise keyed on j
     grid = [i * S for i in evenly_spaced(list(range(len(prompt_list))), args.grid_prompts)]  # their first samples
@@ -187,26 +191,24 @@ def main(args: EvalArgs) -> None:
     setting = dict(prompts=args.prompts, n_prompts=len(prompt_list), samples_per_prompt=S, num_steps=args.num_steps,
                    shift=args.shift, guidance_scale=args.guidance_scale, resolution=args.resolution, seed=args.seed,
                    batch_size=args.batch_size, reward=args.reward, grid_prompts=args.grid_prompts)  # fmt: skip
-    key = json.dumps(setting, sort_keys=True)
-    if accelerator.is_main_process:  # the cache holds batches of these settings only
-        out.mkdir(parents=True, exist_ok=True)
-        old = (out / "cache" / "settings.json").read_text() if (out / "cache" / "settings.json").is_file() else key
-        need(old == key, f"--out {out}: its cache holds another evaluation's batches; give another --out")
-        (out / "cache").mkdir(exist_ok=True)
-        (out / "cache" / "settings.json").write_text(key)
-    accelerator.wait_for_everyone()
+    key, saved = json.dumps(setting, sort_keys=True), out / "cache" / "settings.json"
+    old = saved.read_text() if saved.is_file() else key  # the cache holds batches of these settings only
+    need(old == key, f"--out {out}: its cache holds another evaluation's batches; give another --out")
+    accelerator.wait_for_everyone()  # every process has read it before the main one writes it
+    if accelerator.is_main_process:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        saved.write_text(key)
 
     # ---------------------------------------------------------------- each model in turn, sharded over processes
     records = {}
     for name, folder in models:
-        model = load_model(args.model_id, device, resolution=args.resolution, num_frames=args.num_frames)
+        model = load_model(args.model_id, device, dtype, args.resolution, args.num_frames)
         if folder is not None:
             load_weights(model, folder)
         model.transformer.eval()
         mine = score_model(args, model, reward_fn, prompts, accelerator, out / "cache" / name, grid,
                            model.kind == "shapes")  # fmt: skip
-        gathered = accelerator.gather_for_metrics(mine, use_gather_object=True)
-        records[name] = sorted(gathered, key=lambda r: r["start"])
+        records[name] = sorted(gather_object(mine), key=lambda r: r["start"])  # every process's batches
         del model
     if accelerator.is_main_process:
         report(args, setting, records, prompt_list, styles, prompts, grid, out)
