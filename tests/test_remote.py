@@ -9,7 +9,7 @@ import math
 import threading
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import HTTPServer
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ import tyro
 
 from common import InputError, RunError, remote
 from common.rewards import CompositeReward, build_reward, check_reward_weights, is_differentiable
+from tests.vlm import JSONHandler
 
 PROMPTS = ['a sign that says "Hello World"', "a red circle on a blue background"]
 
@@ -35,26 +36,13 @@ def fake_vlm(answers: list, calls: list) -> HTTPServer:
     """/v1/models lists 'judge'; each chat completion pops the next answer: a string (the message) or an int (an
     HTTP error status)."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def _reply(self, code, body):
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            self._reply(200, {"data": [{"id": "judge"}]})
-
+    class Handler(JSONHandler):
         def do_POST(self):
             calls.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
             answer = answers.pop(0)
             if isinstance(answer, int):
                 return self._reply(answer, {"error": "busy"})
             self._reply(200, {"choices": [{"message": {"content": answer}}]})
-
-        def log_message(self, *a):
-            pass
 
     return HTTPServer(("127.0.0.1", 0), Handler)
 

@@ -44,29 +44,37 @@ def token_ids(text: str) -> list[int]:
     return [zlib.crc32(word.encode()) % (VOCAB - 1) for word in text.split()][:400]
 
 
+class JSONHandler(BaseHTTPRequestHandler):
+    """An OpenAI-compatible server's request handler: GET lists the model `MODEL`; replies are JSON; no access log."""
+
+    MODEL = "judge"
+
+    def _reply(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._reply(200, {"data": [{"id": self.MODEL}]})
+
+    def log_message(self, *a):
+        pass
+
+
 class TinyJudge:
     def __init__(self, port: int = 0, delay: float = 0.0):
         self.model, self.delay, self.lock, self.requests = tiny_llava(), delay, threading.Lock(), 0
         judge = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def _reply(self, code, body):
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._reply(200, {"data": [{"id": "tiny-llava"}]})
+        class Handler(JSONHandler):
+            MODEL = "tiny-llava"
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 threading.Event().wait(judge.delay)  # not time.sleep, which tests may stub out
                 self._reply(200, {"choices": [{"message": {"content": judge.answer(body["messages"][0]["content"])}}]})
-
-            def log_message(self, *a):
-                pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.port = self.server.server_port
