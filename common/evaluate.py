@@ -38,8 +38,8 @@ class EvalArgs:
     model_id: str = "shapesbench"
     """the base model (hub id or local diffusers folder), as --model-id of the training scripts"""
     weights: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
-    """trained weights to compare with the base (repeat the flag): a run folder (its final/), a final/ folder, a LoRA
-    folder (pytorch_lora_weights.safetensors) or a full transformer folder; NAME=PATH names its row"""
+    """trained weights to compare with the base (repeat the flag): a run folder (its final/), a final/ folder, a
+    checkpoint (checkpoints/iter_N), a LoRA folder or a full transformer folder; NAME=PATH names its row"""
     prompts: str = "shapes-eval"
     """shapes-eval, shapes-train, hpdv2 (HPDv2's 3200 test prompts with their styles, from the hub cache), hpdv2=FOLDER
     (its benchmark/*.json), or a text file with one prompt per line"""
@@ -99,19 +99,41 @@ def weights_folder(spec: str) -> tuple[str, Path]:
     folder = Path(path).expanduser()
     if (folder / "final").is_dir():
         folder = folder / "final"
+    if (folder / "model.safetensors").is_file():  # a checkpoint, checkpoints/iter_N
+        return name or f"{folder.parent.parent.name}/{folder.name}", folder
     if not ((folder / "pytorch_lora_weights.safetensors").is_file() or (folder / "transformer").is_dir()):
         if (folder / "config.json").is_file():  # a transformer folder itself
             return name or folder.name, folder
         raise InputError(
             f"--weights {spec}: expected a run folder with final/, a final/ folder (transformer/ or "
-            "pytorch_lora_weights.safetensors), or a transformer folder; a run still training has no final/ yet"
+            "pytorch_lora_weights.safetensors), a checkpoint (checkpoints/iter_N) or a transformer folder"
         )
     return name or (folder.parent.name if folder.name == "final" else folder.name), folder
 
 
 def load_weights(model, folder: Path) -> None:
     """Put the weights of `folder` (weights_folder's) into model.transformer: a LoRA adapter as diffusers' loader
-    reads it, or a full transformer's state dict (into the loaded module, which keeps the model's processors)."""
+    reads it, a checkpoint's trained tensors (LoRA: with its adapter_config.json; full fine-tuning: every weight), or a
+    full transformer's state dict (into the loaded module, which keeps the model's processors)."""
+    if (folder / "model.safetensors").is_file():
+        from peft import LoraConfig
+        from safetensors.torch import load_file
+
+        state = {k.removeprefix("module."): v for k, v in load_file(folder / "model.safetensors").items()}  # DDP's
+        lora = any(".lora_" in k for k in state)
+        need(
+            not lora or (folder / "adapter_config.json").is_file(),
+            f"--weights {folder}: a LoRA checkpoint without adapter_config.json (written since 2026-12); give final/",
+        )
+        if lora:
+            model.transformer.add_adapter(LoraConfig(**json.loads((folder / "adapter_config.json").read_text())))
+        own = model.transformer.state_dict()
+        need(
+            set(state) <= set(own) and (not lora or {k for k in own if ".lora_" in k} <= set(state)),
+            f"--weights {folder}: the checkpoint's tensors are not {model.kind}'s transformer's (another --model-id?)",
+        )
+        model.transformer.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=False)
+        return
     if (folder / "pytorch_lora_weights.safetensors").is_file():
         model.transformer.load_lora_adapter(str(folder), prefix="transformer", use_safetensors=True)
         return

@@ -289,10 +289,17 @@ class TrainState:
 
 
 def _save_trained_only(models, weights, output_dir) -> None:
-    """accelerate save_state hook (--lora): keep only the trained parameters of each model's state dict."""
+    """accelerate save_state hook (--lora): keep only the trained parameters of each model's state dict, and write the
+    adapter's configuration (rank, alpha, targets) next to them as adapter_config.json, so that a checkpoint alone is
+    a loadable adapter (python -m common.evaluate reads it)."""
     for i, model in enumerate(models):
         trained = {name for name, p in model.named_parameters() if p.requires_grad}
         weights[i] = {k: v for k, v in weights[i].items() if k in trained}
+    from accelerate import PartialState
+
+    config = getattr(getattr(models[0], "module", models[0]), "peft_config", {}).get("default")
+    if config is not None and PartialState().is_main_process:
+        (Path(output_dir) / "adapter_config.json").write_text(json.dumps(config.to_dict(), default=sorted))
 
 
 def _load_trained_only(models, input_dir) -> None:

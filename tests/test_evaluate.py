@@ -28,13 +28,16 @@ def test_a_runs_final_weights_give_its_last_evaluation_and_an_interrupted_evalua
     run = find_run(tmp_path / "d")
     evals = {r["iteration"]: r for r in metrics(tmp_path / "d") if "eval/reward" in r}
     out = tmp_path / "eval"
-    argv = [*SAME_AS_TRAINING, "--weights", f"trained={run}", "--reward", "shapes", "--out", str(out)]
+    checkpoint = f"checkpoint={run / 'checkpoints' / 'iter_000002'}"  # the same adapter, from its checkpoint
+    argv = [*SAME_AS_TRAINING, "--weights", f"trained={run}", "--weights", checkpoint, "--reward", "shapes"]
+    argv += ["--out", str(out)]
     E.main(tyro.cli(E.EvalArgs, args=argv))
     result = json.loads((out / "results.json").read_text())
     for name, iteration in (("base", 0), ("trained", 2)):
         figures = result["figures"][name]
         for key in ("reward", "reward_shapes", "shape_acc", "all_acc", "clean_acc", "bg_acc", "reward_mean"):
             assert figures[key] == evals[iteration][f"eval/{key}"], (name, key)  # exactly
+    assert result["figures"]["checkpoint"] == result["figures"]["trained"]
     mean, se = result["deltas"]["trained"]["shapes"]
     assert mean == pytest.approx(figures["reward_shapes"] - result["figures"]["base"]["reward_shapes"], abs=1e-6)
     assert se > 0 and "| trained | " in (out / "results.md").read_text() and (out / "grid.png").stat().st_size > 0
