@@ -188,7 +188,7 @@ def main(args: EvalArgs) -> None:
     from accelerate.utils import gather_object
 
     from common.models import check_model_id, load_model
-    from common.rewards import build_reward, check_reward_weights
+    from common.rewards import SHAPESBENCH_REWARDS, build_reward, check_reward_weights, parse_reward_spec
 
     # ---------------------------------------------------------------- inputs, checked before anything loads
     need(
@@ -197,6 +197,13 @@ def main(args: EvalArgs) -> None:
     )
     kind = check_model_id(args.model_id)
     need(kind != "sd1", f"--model-id {args.model_id}: SD1.x (DDIM) is not evaluated here; flow models only")
+    shapes_only = [n for n, _ in parse_reward_spec(args.reward) if n in SHAPESBENCH_REWARDS]
+    shapes_only += ["--prompts " + args.prompts] if args.prompts.startswith("shapes-") else []
+    need(
+        kind == "shapes" or not shapes_only,
+        f"--model-id {args.model_id}: {', '.join(shapes_only)} belong to ShapesBench; give --reward (e.g. "
+        "hpsv2.1,pickscore,imagereward) and --prompts (hpdv2 or a file)",
+    )
     prompt_list, styles = load_prompt_set(args.prompts, args.max_prompts)
     models = [("base", None)] + [weights_folder(w) for w in args.weights]
     need(len({m for m, _ in models}) == len(models), "--weights: two rows with one name; give NAME=PATH")

@@ -95,3 +95,5 @@ def test_tiny_real_models_against_a_lora_fine_tune(kind, tmp_path):
     assert result["figures"][trained]["reward_jpeg"] != result["figures"]["base"]["reward_jpeg"]  # the adapter acts
     assert set(result["deltas"][trained]) >= {"jpeg", "jpeg/anime", "jpeg/photo"}
     assert "per style" in (tmp_path / "eval" / "results.md").read_text()
+    with pytest.raises(ValueError, match="shapes, verifier, --prompts shapes-eval belong to ShapesBench"):
+        E.main(tyro.cli(E.EvalArgs, args=["--model-id", str(tmp_path / kind)]))  # ShapesBench's defaults, refused
