@@ -1,5 +1,5 @@
-"""ImageReward against its own code: the `image-reward` 1.5 package (installed by scripts/setup.sh without its pins,
-which do not resolve next to transformers 5) builds a tiny random-weight model (tests/conftest.py) with its BLIP ViT, its BERT with
+"""ImageReward against its own code: the `image-reward` 1.5 package (installed by scripts/setup.sh without its pinned
+requirements, and written for transformers 4) builds a tiny random-weight model (tests/conftest.py) with its BLIP ViT, its BERT with
 cross-attention and its MLP; our `imagereward` loads that state dict into transformers' BLIP classes, and both score
 the same images and prompts."""
 
