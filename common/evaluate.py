@@ -217,16 +217,26 @@ def main(args: EvalArgs) -> None:
     prompts = [p for p in prompt_list for _ in range(S)]  # sample j: prompt j // S, noise keyed on j
     grid = [i * S for i in evenly_spaced(list(range(len(prompt_list))), args.grid_prompts)]  # their first samples
     reward_fn = build_reward(args.reward, device, args.reward_checkpoints())
-    setting = dict(prompts=args.prompts, n_prompts=len(prompt_list), samples_per_prompt=S, num_steps=args.num_steps,
-                   shift=args.shift, guidance_scale=args.guidance_scale, resolution=args.resolution, seed=args.seed,
-                   batch_size=args.batch_size, reward=args.reward, grid_prompts=args.grid_prompts)  # fmt: skip
-    key, saved = json.dumps(setting, sort_keys=True), out / "cache" / "settings.json"
-    old = saved.read_text() if saved.is_file() else key  # the cache holds batches of these settings only
-    need(old == key, f"--out {out}: its cache holds another evaluation's batches; give another --out")
+    setting = dict(model_id=args.model_id, prompts=args.prompts, n_prompts=len(prompt_list), samples_per_prompt=S,
+                   num_steps=args.num_steps, shift=args.shift, guidance_scale=args.guidance_scale,
+                   resolution=args.resolution, num_frames=args.num_frames, mixed_precision=args.mixed_precision,
+                   seed=args.seed, batch_size=args.batch_size, reward=args.reward,
+                   reward_checkpoints=args.reward_checkpoints(), grid_prompts=args.grid_prompts)  # fmt: skip
+    # the cache holds the batches of one setting, each model's under its row name: a name may not change its weights
+    sources = {name: str(folder) for name, folder in models}
+    saved = out / "cache" / "settings.json"
+    cached = json.loads(saved.read_text()) if saved.is_file() else {"settings": setting, "weights": sources}
+    moved = [m for m, src in sources.items() if cached["weights"].get(m, src) != src]
+    need(
+        cached["settings"] == setting and not moved,
+        f"--out {out}: its cache holds another evaluation's batches"
+        + (f" (another {', '.join(moved)})" if moved else "")
+        + "; give another --out",
+    )
     accelerator.wait_for_everyone()  # every process has read it before the main one writes it
     if accelerator.is_main_process:
         saved.parent.mkdir(parents=True, exist_ok=True)
-        saved.write_text(key)
+        saved.write_text(json.dumps({"settings": setting, "weights": cached["weights"] | sources}, indent=1))
 
     # ---------------------------------------------------------------- each model in turn, sharded over processes
     records = {}

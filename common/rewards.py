@@ -612,8 +612,8 @@ class CompositeReward:
 
     @torch.no_grad()
     def collect(self, handles: list) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """What __call__ gives, without gradients, on the concatenation of the chunks of `handles` (request()'s), in order; a served
-        component's failure raises here. self.wait_s: the seconds spent waiting for served scores."""
+        """What __call__ gives, without gradients, on the concatenation of the chunks of `handles` (request()'s), in
+        order; a served component's failure raises here. self.wait_s: the seconds spent waiting for served scores."""
         images, prompts = torch.cat([h[0] for h in handles]), [p for h in handles for p in h[1]]
         start = time.perf_counter()
         served = {name: [h[2][name].result() for h in handles] for name in handles[0][2]}
@@ -623,8 +623,13 @@ class CompositeReward:
 
     def _served(self, reward, images, prompts):  # on a worker thread: one chunk's (scores, unparsed flags)
         scores = self._score(reward, images, prompts)
-        n = len(images)
-        return scores, reward.unparsed.view(n, -1).mean(1) if isinstance(reward, Judge) else torch.zeros(n)
+        return scores, self._unparsed(reward, len(images))
+
+    @staticmethod
+    def _unparsed(reward, n: int) -> torch.Tensor:
+        """(n,) the fraction of each image's judge answers (one per scored frame) that gave no score; 0 for a reward
+        that is not a judge. Read right after the reward's call, which sets it."""
+        return reward.unparsed.view(n, -1).mean(1) if isinstance(reward, Judge) else torch.zeros(n)
 
     def _combine(self, images, prompts, served: dict):
         total = torch.zeros(len(images), device=images.device)  # (B,)
@@ -635,7 +640,7 @@ class CompositeReward:
             else:
                 with torch.set_grad_enabled(torch.is_grad_enabled() and w != 0):
                     r = self._score(reward, images, prompts)  # (B,)
-                unparsed = reward.unparsed.view(len(images), -1).mean(1) if isinstance(reward, Judge) else None
+                unparsed = self._unparsed(reward, len(images))
             if w != 0:
                 total = total + w * r
             scores[name] = r.detach()

@@ -51,6 +51,9 @@ def test_a_runs_final_weights_give_its_last_evaluation_and_an_interrupted_evalua
     assert len(calls) == 1 and json.loads((out / "results.json").read_text()) == result
     with pytest.raises(ValueError, match="another evaluation"):  # a cache of other settings is never mixed in
         E.main(tyro.cli(E.EvalArgs, args=[*argv, "--seed", "1"]))
+    moved = [f"trained={run / 'checkpoints' / 'iter_000002'}" if a == f"trained={run}" else a for a in argv]
+    with pytest.raises(ValueError, match=r"another evaluation's batches \(another trained\)"):  # a row's weights
+        E.main(tyro.cli(E.EvalArgs, args=moved))
 
     # two processes: the same batches, so the same figures
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
