@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from functools import partial
@@ -39,14 +40,18 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from common import InputError
+from common.evaluator import Evaluator
+from common.flags import RunArgs, check_mode_flags, check_run_args, cli, flags_of, need
+from common.logs import reward_stats, summarize
 from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser
+from common.prompts import draw_prompts
 from common.rewards import build_reward
-from common.runs import Evaluator, Run, RunArgs, check_mode_flags, check_run_args, cli, draw_prompts, need, reward_stats
+from common.runs import Run, all_finite
 from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> a generator
 
 
 @dataclass
-class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/runs.py
+class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/flags.py
     learning_rate: float = 6e-4  # AdamW learning rate (constant after --lr-warmup); 2x the shared default (docstring)
     num_steps: int = 20
     """sampling steps T of a rollout (shifted sigma schedule), as the paper"""
@@ -99,7 +104,7 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
 
 
 # ---------------------------------------------------------------------------------------------------
-# Flag checks: the mode's defaults, then every flag, before a model loads (run plumbing lives in common/runs.py)
+# Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
 # ---------------------------------------------------------------------------------------------------
 MODE_FLAGS = [  # a flag of another mode is an error unless left at its default (no dead flags)
     ("fusion_gamma", lambda a: a.fusion == "path", "--fusion path"),
@@ -113,7 +118,7 @@ MODE_FLAGS = [  # a flag of another mode is an error unless left at its default 
 
 def resolve_and_check(args: Args) -> tuple[list[str], list[str]]:
     """The defaults that depend on the mode filled in, then this script's flags checked and the shared ones
-    (common/runs.py), before a model loads; returns (training prompts, held-out prompts). A bad flag stops the run
+    (common/flags.py), before a model loads; returns (training prompts, held-out prompts). A bad flag stops the run
     with one `error:` line naming it; the checks that need the number of processes are in main()."""
     check_mode_flags(args, MODE_FLAGS)
     splits = split_steps(args.split_schedule, args.num_steps, args.num_splits)
@@ -428,21 +433,32 @@ def edge_gaussians(x, v, segments, masks, sigmas, g, tree: Tree):
     return torch.cat(means), torch.cat(stds)
 
 
-def policy_loss(log_prob, old_log_prob, adv, clip_range, kl=None, kl_beta=0.0):  # same as in dancegrpo.py
-    """The objective to minimise, per sample (B,): the PPO-clipped surrogate max(-A r, -A clip(r, 1 - eps, 1 + eps)),
-    r = exp(logp - logp_old), plus kl_beta * KL to the base model when `kl` (B,) is given. Returns (loss (B,), the
-    detached figures the log reports). A fork changes the objective here, in one place."""
+def policy_loss(log_prob, old_log_prob, adv, mean, mean_ref, std, *, clip_range, kl_beta):  # same as in dancegrpo.py
+    """The objective to minimise, per sample (B,), and every figure the log reports of it. A fork changes the
+    objective here, in one place: a new term with its own flag is a keyword argument here and a field of Args (main()
+    passes every keyword argument from the flag of the same name), its figure one more entry of `figures`.
+
+    The PPO-clipped surrogate max(-A r, -A clip(r, 1 - eps, 1 + eps)), r = exp(logp - logp_old), plus kl_beta times
+    the exact KL(N(mean, std^2) || N(mean_ref, std^2)) of the step to the base model's (per dimension, averaged like
+    the log-prob) when `mean_ref` is given. log_prob, old_log_prob, adv: (B,); mean, mean_ref: (B, *L); std: (B,) or
+    (B, 1, ...). `figures` (detached) are logged as losses/<name>: the max over the iteration for a name with 'max' in
+    it, else the mean over every value (common.logs.summarize)."""
     ratio = torch.exp(log_prob - old_log_prob)
     surrogate = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
-    stats = {
-        "policy_loss": surrogate.mean().detach(),
-        "ratio": ratio.detach(),
-        "clipfrac": ((ratio - 1).abs() > clip_range).float().mean().detach(),
-        "approx_kl": (0.5 * (log_prob - old_log_prob) ** 2).mean().detach(),
-    }
-    if kl is None:
-        return surrogate, stats
-    return surrogate + kl_beta * kl, stats | {"kl": kl.mean().detach()}
+    loss, figures = (
+        surrogate,
+        {
+            "policy": surrogate.mean(),
+            "ratio_mean": ratio,
+            "ratio_max_dev": (ratio - 1).abs().max(),
+            "clipfrac": ((ratio - 1).abs() > clip_range).float().mean(),
+            "approx_kl": (0.5 * (log_prob - old_log_prob) ** 2).mean(),
+        },
+    )
+    if mean_ref is not None:
+        kl = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * std.flatten() ** 2)  # (B,)
+        loss, figures["kl"] = loss + kl_beta * kl, kl.mean()
+    return loss, {k: v.detach() for k, v in figures.items()}
 
 
 def main(args: Args):
@@ -535,7 +551,7 @@ def main(args: Args):
         # ------------------------------------------------------------ TRAINING
         model.park(), reward_fn.park()  # --offload-frozen: the VAE and the reward models leave the GPU
         denoiser.train()
-        stats = {k: [] for k in ("policy_loss", "kl", "ratio", "clipfrac", "approx_kl")}
+        stats = defaultdict(list)  # each figure policy_loss returns, one tensor per micro-batch
         n_trained_edges, n_train_forwards = 0, 0
         for grp in groups:  # one optimizer step per update group, over its trained edges
             batches = pack_micro_batches(grp["keep"], tree, args.rollout_batch_size, device)
@@ -550,30 +566,34 @@ def main(args: Args):
                         v = model.velocity(denoiser, x, sig, cond, args.guidance_scale).float()
                     mean, std = edge_gaussians(x, v, segments, masks, sigmas, g, tree)
                     log_prob = gaussian_log_prob(x_child, mean, std)
-                    kl = None
-                    if args.kl_beta > 0:  # exact KL between the two Gaussian steps, per edge, averaged over dims
+                    mean_ref = None
+                    if args.kl_beta > 0:  # the KL reference's Gaussian of each trained edge
                         with autocast():  # the base model: frozen copy, or LoRA adapter off
                             v_ref = reference_velocity(model, ref, args.lora, x, sig, cond, args.guidance_scale)
                         mean_ref, _ = edge_gaussians(x, v_ref.float(), segments, masks, sigmas, g, tree)
-                        kl = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * std**2)
-                    loss, figures = policy_loss(log_prob, old_lp, adv, args.clip_range, kl, args.kl_beta)
+                    loss, figures = policy_loss(
+                        log_prob, old_lp, adv, mean, mean_ref, std, **flags_of(policy_loss, args)
+                    )  # (E,): one per trained edge
                     accelerator.backward(loss.sum() / max(1, n_edges))  # the mean over this update's trained edges
                 for k, v in figures.items():
                     stats[k].append(v)
-            run.optimizer_step(optimizer, params)  # warmup, clipping, skipped on every process if not finite
+            # the optimizer step: linear warmup, clipping, skipped on every process if any gradient is not finite
+            lr = args.learning_rate * min(1.0, (run.optimizer_steps + 1) / max(1, args.lr_warmup))
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)  # before clipping
+            if stepped := all_finite(norm, accelerator):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.count_step(lr, norm, stepped)  # logged at the iteration's end; the warmup and resume count it
 
         # ------------------------------------------------------------ LOGGING
-        ratios = torch.cat(stats["ratio"])
         leaves_here = args.trees_per_device * n_leaves
         log = {
             **reward_stats(all_rewards, parts),
             "rewards/tree_std": all_rewards.view(-1, n_leaves).std(1).mean().item(),
-            "losses/policy": torch.stack(stats["policy_loss"]).mean().item(),
-            "losses/ratio_mean": ratios.mean().item(),
-            "losses/ratio_max_dev": (ratios - 1).abs().max().item(),
-            "losses/first_ratio_max_dev": (stats["ratio"][0] - 1).abs().max().item(),
-            "losses/clipfrac": torch.stack(stats["clipfrac"]).mean().item(),
-            "losses/approx_kl": torch.stack(stats["approx_kl"]).mean().item(),
+            **summarize(stats, "losses/"),  # every figure of policy_loss
+            "losses/first_ratio_max_dev": stats["ratio_max_dev"][0].item(),  # 0: the first ratio is exactly 1
             "tree/rollout_forwards_per_leaf": forwards / n_leaves,
             "tree/trained_edges_per_leaf": n_trained_edges / leaves_here,
             "tree/train_forwards_per_leaf": n_train_forwards * (2 if args.kl_beta > 0 else 1) / leaves_here,
@@ -582,8 +602,6 @@ def main(args: Args):
         }
         if args.pruning in ("depth", "mix"):
             log["charts/window_start"] = tree.window_steps(it)[0]
-        if stats["kl"]:
-            log["losses/kl"] = torch.stack(stats["kl"]).mean().item()
         run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
         # ------------------------------------------------------------ CHECKPOINT

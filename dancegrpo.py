@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,14 +39,18 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+from common.evaluator import Evaluator
+from common.flags import RunArgs, check_run_args, cli, flags_of, need
+from common.logs import reward_stats, summarize
 from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser
+from common.prompts import draw_prompts
 from common.rewards import build_reward
-from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need, reward_stats
+from common.runs import Run, all_finite
 from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> a generator
 
 
 @dataclass
-class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/runs.py
+class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/flags.py
     learning_rate: float = 6e-4
     """AdamW learning rate (constant after --lr-warmup); 2x the shared default, see the docstring"""
     num_steps: int = 10
@@ -83,11 +88,11 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
 
 
 # ---------------------------------------------------------------------------------------------------
-# Flag checks: the mode's defaults, then every flag, before a model loads (run plumbing lives in common/runs.py)
+# Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
 # ---------------------------------------------------------------------------------------------------
 def resolve_and_check(args: Args) -> tuple[list[str], list[str]]:
     """The defaults that depend on the mode filled in, then this script's flags checked and the shared ones
-    (common/runs.py), before a model loads; returns (training prompts, held-out prompts). A bad flag stops the run
+    (common/flags.py), before a model loads; returns (training prompts, held-out prompts). A bad flag stops the run
     with one `error:` line naming it; the checks that need the number of processes are in main()."""
     if args.noise_level is None:
         args.noise_level = 0.3 if args.sde_type == "dance" else 0.7
@@ -171,21 +176,32 @@ def combined_advantages(scores: dict, weights: dict, group_size: int) -> torch.T
     return sum(w * group_advantages(scores[name], group_size) for name, w in weights.items() if w != 0)
 
 
-def policy_loss(log_prob, old_log_prob, adv, clip_range, kl=None, kl_beta=0.0):
-    """The objective to minimise, per sample (B,): the PPO-clipped surrogate max(-A r, -A clip(r, 1 - eps, 1 + eps)),
-    r = exp(logp - logp_old), plus kl_beta * KL to the base model when `kl` (B,) is given. Returns (loss (B,), the
-    detached figures the log reports). A fork changes the objective here, in one place."""
+def policy_loss(log_prob, old_log_prob, adv, mean, mean_ref, std, *, clip_range, kl_beta):
+    """The objective to minimise, per sample (B,), and every figure the log reports of it. A fork changes the
+    objective here, in one place: a new term with its own flag is a keyword argument here and a field of Args (main()
+    passes every keyword argument from the flag of the same name), its figure one more entry of `figures`.
+
+    The PPO-clipped surrogate max(-A r, -A clip(r, 1 - eps, 1 + eps)), r = exp(logp - logp_old), plus kl_beta times
+    the exact KL(N(mean, std^2) || N(mean_ref, std^2)) of the step to the base model's (per dimension, averaged like
+    the log-prob) when `mean_ref` is given. log_prob, old_log_prob, adv: (B,); mean, mean_ref: (B, *L); std: (B,) or
+    (B, 1, ...). `figures` (detached) are logged as losses/<name>: the max over the iteration for a name with 'max' in
+    it, else the mean over every value (common.logs.summarize)."""
     ratio = torch.exp(log_prob - old_log_prob)
     surrogate = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
-    stats = {
-        "policy_loss": surrogate.mean().detach(),
-        "ratio": ratio.detach(),
-        "clipfrac": ((ratio - 1).abs() > clip_range).float().mean().detach(),
-        "approx_kl": (0.5 * (log_prob - old_log_prob) ** 2).mean().detach(),
-    }
-    if kl is None:
-        return surrogate, stats
-    return surrogate + kl_beta * kl, stats | {"kl": kl.mean().detach()}
+    loss, figures = (
+        surrogate,
+        {
+            "policy": surrogate.mean(),
+            "ratio_mean": ratio,
+            "ratio_max_dev": (ratio - 1).abs().max(),
+            "clipfrac": ((ratio - 1).abs() > clip_range).float().mean(),
+            "approx_kl": (0.5 * (log_prob - old_log_prob) ** 2).mean(),
+        },
+    )
+    if mean_ref is not None:
+        kl = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * std.flatten() ** 2)  # (B,)
+        loss, figures["kl"] = loss + kl_beta * kl, kl.mean()
+    return loss, {k: v.detach() for k, v in figures.items()}
 
 
 def sde_steps(num_steps: int, sde_window: int, window_shift_every: int, iteration: int) -> list[int]:
@@ -321,7 +337,7 @@ def main(args: Args):
         model.park(), reward_fn.park()  # --offload-frozen: the VAE and the reward models leave the GPU
         denoiser.train()
         n_train = max(1, int(len(sde_idx) * args.timestep_fraction))
-        stats = {k: [] for k in ("policy_loss", "kl", "ratio", "clipfrac", "approx_kl")}
+        stats = defaultdict(list)  # each figure policy_loss returns, one tensor per trained step and chunk
         for u in range(updates_per_iter):
             for ci in range(u * chunks_per_update, (u + 1) * chunks_per_update):
                 ch, sl = chunks[ci], slice(ci * args.rollout_batch_size, (ci + 1) * args.rollout_batch_size)
@@ -341,7 +357,7 @@ def main(args: Args):
                         _, log_prob, mean, std = sde_step(
                             x, v.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=x_next
                         )
-                        kl = None
+                        mean_ref = None
                         if args.kl_beta > 0:
                             with autocast():  # the base model: frozen copy, or LoRA adapter off
                                 v_ref = reference_velocity(
@@ -350,27 +366,28 @@ def main(args: Args):
                             _, _, mean_ref, _ = sde_step(
                                 x, v_ref.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=x_next
                             )
-                            # exact KL(N(mean, std^2) || N(mean_ref, std^2)) per dimension, averaged like the log-prob
-                            kl = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * std.flatten() ** 2)
                         loss, figures = policy_loss(
-                            log_prob, ch["log_probs"][:, i], adv[sl], args.clip_range, kl, args.kl_beta
+                            log_prob, ch["log_probs"][:, i], adv[sl], mean, mean_ref, std, **flags_of(policy_loss, args)
                         )
                         accelerator.backward(loss.mean() / (chunks_per_update * len(steps)))
                     for k, v in figures.items():
                         stats[k].append(v)
-            run.optimizer_step(optimizer, params)  # warmup, clipping, skipped on every process if not finite
+            # the optimizer step: linear warmup, clipping, skipped on every process if any gradient is not finite
+            lr = args.learning_rate * min(1.0, (run.optimizer_steps + 1) / max(1, args.lr_warmup))
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)  # before clipping
+            if stepped := all_finite(norm, accelerator):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.count_step(lr, norm, stepped)  # logged at the iteration's end; the warmup and resume count it
 
         # ------------------------------------------------------------ LOGGING
-        ratios = torch.cat(stats["ratio"])
         log = {
             **reward_stats(all_rewards, parts),
             "advantages/zero_std_groups": (all_rewards.view(-1, args.group_size).std(1) == 0).float().mean().item(),
-            "losses/policy": torch.stack(stats["policy_loss"]).mean().item(),
-            "losses/ratio_mean": ratios.mean().item(),
-            "losses/ratio_max_dev": (ratios - 1).abs().max().item(),
-            "losses/first_ratio_max_dev": (stats["ratio"][0] - 1).abs().max().item(),
-            "losses/clipfrac": torch.stack(stats["clipfrac"]).mean().item(),
-            "losses/approx_kl": torch.stack(stats["approx_kl"]).mean().item(),
+            **summarize(stats, "losses/"),  # every figure of policy_loss
+            "losses/first_ratio_max_dev": stats["ratio_max_dev"][0].item(),  # 0: the first ratio is exactly 1
             "charts/window_start": sde_idx[0],
             # NFE = number of function evaluations: denoiser forwards per image (rollout + trained steps)
             "perf/nfe_per_image": args.num_steps + n_train * (2 if args.kl_beta > 0 else 1),
@@ -378,8 +395,6 @@ def main(args: Args):
             "perf/sampling_s": t_sample,
             "perf/reward_wait_s": reward_fn.wait_s,
         }
-        if stats["kl"]:
-            log["losses/kl"] = torch.stack(stats["kl"]).mean().item()
         run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
         # ------------------------------------------------------------ CHECKPOINT

@@ -53,15 +53,18 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
+from common.evaluator import Evaluator
+from common.flags import RunArgs, check_run_args, cli, need
+from common.logs import reward_stats, summarize
 from common.models import check_model_id, load_model, trainable_denoiser
-from common.prompts import load_dcot
+from common.prompts import draw_prompts, load_dcot
 from common.rewards import DIFFERENTIABLE, VIDEO_REWARDS, build_reward, is_differentiable, parse_reward_spec
-from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need, reward_stats
+from common.runs import Run, all_finite
 from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> a generator
 
 
 @dataclass
-class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/runs.py
+class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/flags.py
     num_steps: int = 10
     """sampling steps T of a rollout (shifted sigma schedule for flow models, DDIM timesteps for SD1.x)"""
     shift: float = 3.0
@@ -103,7 +106,7 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
 
 
 # ---------------------------------------------------------------------------------------------------
-# Flag checks: the mode's defaults, then every flag, before a model loads (run plumbing lives in common/runs.py)
+# Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
 # ---------------------------------------------------------------------------------------------------
 def sample_images(model, module, sched, cond, noise, guidance_scale, autocast):
     """Deterministic samples (Euler ODE, or DDIM with eta 0) for evaluation and grids; noise (B, *L) -> (B, 3, H, W).
@@ -121,7 +124,7 @@ def grad_norm(params) -> float:
 
 def resolve_and_check(args: Args) -> tuple[list[str], list[str]]:
     """The defaults that depend on the mode filled in, then this script's flags checked and the shared ones
-    (common/runs.py), before a model loads; returns (training prompts, held-out prompts). A bad flag stops the run
+    (common/flags.py), before a model loads; returns (training prompts, held-out prompts). A bad flag stops the run
     with one `error:` line naming it; the checks that need the number of processes are in main()."""
     if args.memory_budget_gb is not None:
         need(args.subchain_len is None, "give --subchain-len or --memory-budget-gb, not both")
@@ -360,10 +363,16 @@ def term_weights(rewards, group_size: int, block, zo_mask, n_blocks: int):
     order: HO, R - b per sample (loo_baseline; the loss averages it over the samples); ZO, coef[q, i] = the sum over
     the samples of block q whose step i was a ZO step of (R - b') / N (zo_baseline), the weight of zeta_qi / sigma^2.
     The FO term is each reward's own gradient / N. rewards (N,), block (N,) long, zo_mask (N, T) bool -> (R - b (N,),
-    R - b' (N,), coef (n_blocks, T)). A fork changes the estimator's weighting here, in one place."""
+    R - b' (N,), coef (n_blocks, T), figures: logged as rlr/<name>). A fork changes the estimator's weighting here, in
+    one place."""
     w_ho, w_zo = rewards - loo_baseline(rewards, group_size), rewards - zo_baseline(rewards, group_size, block)
     coef = torch.zeros(n_blocks, zo_mask.shape[1], dtype=w_zo.dtype, device=w_zo.device)
-    return w_ho, w_zo, coef.index_add_(0, block, (w_zo / len(rewards))[:, None] * zo_mask.to(w_zo.dtype))
+    coef.index_add_(0, block, (w_zo / len(rewards))[:, None] * zo_mask.to(w_zo.dtype))
+    figures = {  # the mean size of each term's weight (0 for a term not in use)
+        "ho_adv_abs": w_ho.abs().mean(),
+        "zo_adv_abs": w_zo.abs().mean() if zo_mask.any() else torch.zeros((), device=w_zo.device),
+    }
+    return w_ho, w_zo, coef, figures
 
 
 def zo_noise(params, seed: int, scale: float) -> list[torch.Tensor]:
@@ -533,7 +542,7 @@ def main(args: Args):
             for gc, j in enumerate(j_of):
                 zo_mask[gc * B : (gc + 1) * B, zo_steps_of(T, j, h)] = True
         # R - b and R - b' (N,), and the ZO coefficient of every (block, step) (blocks, T)
-        w_ho, adv_zo, coef = term_weights(all_rewards, G, sample_block, zo_mask, world * n_blocks)
+        w_ho, _, coef, figures = term_weights(all_rewards, G, sample_block, zo_mask, world * n_blocks)
         adv_ho = w_ho[rank * S : (rank + 1) * S]  # this process's samples
 
         # ------------------------------------------------------------ TRAINING
@@ -558,7 +567,15 @@ def main(args: Args):
                 )
             zo_norm = math.sqrt(sum(float((p.grad - g).double().square().sum()) for p, g in zip(params, before)))
             del before
-        run.optimizer_step(optimizer, params)  # warmup, clipping, skipped on every process if not finite
+        # the optimizer step: linear warmup, clipping, skipped on every process if any gradient is not finite
+        lr = args.learning_rate * min(1.0, (run.optimizer_steps + 1) / max(1, args.lr_warmup))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)  # before clipping
+        if stepped := all_finite(norm, accelerator):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.count_step(lr, norm, stepped)  # logged at the iteration's end; the warmup and resume count it
 
         # ------------------------------------------------------------ LOGGING
         log = {
@@ -566,8 +583,7 @@ def main(args: Args):
             "rlr/subchain_len": h,
             "rlr/window_start": sum(j_of) / len(j_of),
             "rlr/zo_steps": zo_mask.sum(1).float().mean().item(),
-            "rlr/ho_adv_abs": w_ho.abs().mean().item(),
-            "rlr/zo_adv_abs": adv_zo.abs().mean().item() if use_zo else 0.0,
+            **summarize(figures, "rlr/"),  # every figure of term_weights
             "rlr/recompute_max_dev": accelerator.gather(torch.stack(deviations).max().reshape(1)).max().item(),
             "grad/fo_norm": fo_norm,
             "grad/fo_ho_norm": fo_ho_norm,

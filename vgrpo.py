@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -48,14 +49,18 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+from common.evaluator import Evaluator
+from common.flags import RunArgs, check_run_args, cli, flags_of, need
+from common.logs import reward_stats, summarize
 from common.models import base_weights, frozen_copy, load_model, trainable_denoiser
+from common.prompts import draw_prompts
 from common.rewards import build_reward, parse_reward_spec
-from common.runs import Evaluator, Run, RunArgs, check_run_args, cli, draw_prompts, need, reward_stats
+from common.runs import Run, all_finite
 from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> a generator
 
 
 @dataclass
-class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/runs.py
+class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/flags.py
     iterations: int = 30
     """training iterations; 30, not the shared 40: by 40 V-GRPO's ShapesBench run keeps 39% of the diversity (docs/vgrpo.md)"""
     num_steps: int = 10
@@ -102,11 +107,11 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
 
 
 # ---------------------------------------------------------------------------------------------------
-# Flag checks: the mode's defaults, then every flag, before a model loads (run plumbing lives in common/runs.py)
+# Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
 # ---------------------------------------------------------------------------------------------------
 def resolve_and_check(args: Args) -> tuple[list[str], list[str]]:
     """The defaults that depend on the mode filled in, then this script's flags checked and the shared ones
-    (common/runs.py), before a model loads; returns (training prompts, held-out prompts). A bad flag stops the run
+    (common/flags.py), before a model loads; returns (training prompts, held-out prompts). A bad flag stops the run
     with one `error:` line naming it; the checks that need the number of processes are in main()."""
     args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
     need(args.num_steps >= 1 and args.shift > 0, "--num-steps must be >= 1 and --shift > 0")
@@ -279,23 +284,34 @@ def combined_advantages(parts: dict, weights: dict, group_size: int, clip_max: f
     return soft_clip * torch.tanh(adv / soft_clip) if soft_clip > 0 else adv
 
 
-def policy_loss(values, old_values, adv, clip_range, kl=None, kl_beta=0.0):
-    """The objective to minimise, per image (B,): the PPO-clipped loss on the whole-image ratio, values and old_values
-    (B, N) per-pair surrogates averaged over the pairs FIRST, then log rho = S_theta - S_old; plus kl_beta * kl when
-    `kl` (B,) is given. Returns (loss (B,), the detached figures the log reports). A fork changes the objective here,
-    in one place."""
+def policy_loss(values, old_values, adv, x0_hat, ref_x0, *, clip_range, kl_beta):
+    """The objective to minimise, per image (B,), and every figure the log reports of it. A fork changes the objective
+    here, in one place: a new term with its own flag is a keyword argument here and a field of Args (main() passes
+    every keyword argument from the flag of the same name), its figure one more entry of `figures`.
+
+    The PPO-clipped loss on the whole-image ratio: values and old_values (B, N) per-pair surrogates averaged over the
+    pairs FIRST, then log rho = S_theta - S_old; plus kl_beta times D_simple, the mean squared distance of the
+    policy's x0_hat (B, N, *L) on the pairs to the KL reference's ref_x0 (the same shape), when `ref_x0` is given.
+    `figures` (detached) are logged as losses/<name>: the max over the iteration for a name with 'max' in it, else
+    the mean over every value (common.logs.summarize)."""
     log_ratio = values.mean(1) - old_values.mean(1)
     ratio = torch.exp(log_ratio)
     surrogate = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
-    stats = {
-        "policy_loss": surrogate.mean().detach(),
-        "ratio": ratio.detach(),
-        "log_ratio": log_ratio.detach(),
-        "clipfrac": ((ratio - 1).abs() > clip_range).float().mean().detach(),
-    }
-    if kl is None:
-        return surrogate, stats
-    return surrogate + kl_beta * kl, stats | {"kl": kl.mean().detach()}
+    loss, figures = (
+        surrogate,
+        {
+            "policy": surrogate.mean(),
+            "ratio_mean": ratio,
+            "ratio_max_dev": (ratio - 1).abs().max(),
+            "log_ratio_max_abs": log_ratio.abs().max(),
+            "clipfrac": ((ratio - 1).abs() > clip_range).float().mean(),
+            "approx_kl": 0.5 * log_ratio**2,
+        },
+    )
+    if ref_x0 is not None:
+        kl = (x0_hat - ref_x0).square().flatten(2).mean(2).mean(1)  # (B,)
+        loss, figures["kl"] = loss + kl_beta * kl, kl.mean()
+    return loss, {k: v.detach() for k, v in figures.items()}
 
 
 def coefficient_of_variation(s: torch.Tensor, group_size: int) -> tuple[float, float]:
@@ -428,24 +444,31 @@ def main(args: Args):
         # ------------------------------------------------------------ TRAINING
         model.park(), reward_fn.park()  # --offload-frozen: the VAE and the reward models leave the GPU
         denoiser.train()
-        stats = {k: [] for k in ("policy_loss", "kl", "ratio", "log_ratio", "clipfrac")}
+        stats = defaultdict(list)  # each figure policy_loss returns, one tensor per micro-batch
         for u in range(updates_per_iter):
             for m in range(u * micro_per_update, (u + 1) * micro_per_update):
                 sl = slice(m * mb, (m + 1) * mb)
                 last = m == (u + 1) * micro_per_update - 1
                 with accelerator.no_sync(denoiser) if not last else nullcontext():
                     values, x0_hat = surrogate_of(x[sl], {k: v[sl] for k, v in cond.items()}, t_pairs[sl], eps[sl])
-                    kl = None
-                    if args.kl_beta > 0:  # D_simple to the --kl-ref policy on the same pairs (x0 space)
-                        kl = (x0_hat - ref_x0[sl]).square().flatten(2).mean(2).mean(1)  # (B,)
-                    loss, figures = policy_loss(values, old_values[sl], adv[sl], args.clip_range, kl, args.kl_beta)
+                    x0_ref = None if ref_x0 is None else ref_x0[sl]  # the --kl-ref policy's x0_hat on the same pairs
+                    loss, figures = policy_loss(
+                        values, old_values[sl], adv[sl], x0_hat, x0_ref, **flags_of(policy_loss, args)
+                    )
                     accelerator.backward(loss.mean() / micro_per_update)
                 for k, v in figures.items():
                     stats[k].append(v)
-            run.optimizer_step(optimizer, params)  # warmup, clipping, skipped on every process if not finite
+            # the optimizer step: linear warmup, clipping, skipped on every process if any gradient is not finite
+            lr = args.learning_rate * min(1.0, (run.optimizer_steps + 1) / max(1, args.lr_warmup))
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)  # before clipping
+            if stepped := all_finite(norm, accelerator):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.count_step(lr, norm, stepped)  # logged at the iteration's end; the warmup and resume count it
 
         # ------------------------------------------------------------ LOGGING
-        ratios, log_ratios = torch.cat(stats["ratio"]), torch.cat(stats["log_ratio"])
         cv, group_cv = coefficient_of_variation(all_old, args.group_size)
         # checksum of this process's first image's pairs; with shared pairs all processes must agree
         checksum = (t_pairs[0].double().sum() + eps[0].double().sum()).reshape(1).to(device)
@@ -458,12 +481,8 @@ def main(args: Args):
             "surrogate/cv": cv,
             "surrogate/group_cv": group_cv,
             "surrogate/t_mean": t_pairs.float().mean().item(),
-            "losses/policy": torch.stack(stats["policy_loss"]).mean().item(),
-            "losses/ratio_mean": ratios.mean().item(),
-            "losses/ratio_max_dev": (ratios - 1).abs().max().item(),
-            "losses/first_log_ratio_max_abs": stats["log_ratio"][0].abs().max().item(),
-            "losses/clipfrac": torch.stack(stats["clipfrac"]).mean().item(),
-            "losses/approx_kl": (0.5 * log_ratios**2).mean().item(),
+            **summarize(stats, "losses/"),  # every figure of policy_loss
+            "losses/first_log_ratio_max_abs": stats["log_ratio_max_abs"][0].item(),  # 0: the first ratio is exactly 1
             "charts/pairs_checksum": checksums[0].item(),
             "charts/rank_pairs_spread": (checksums.max() - checksums.min()).item(),
             "perf/nfe_per_image": nfe,
@@ -472,8 +491,6 @@ def main(args: Args):
             "perf/reward_wait_s": reward_fn.wait_s,
             "perf/behaviour_s": t_old,
         }
-        if stats["kl"]:
-            log["losses/kl"] = torch.stack(stats["kl"]).mean().item()
         run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
         # ------------------------------------------------------------ CHECKPOINT

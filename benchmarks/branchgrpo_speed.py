@@ -24,7 +24,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from common.runs import read_metrics  # noqa: E402
+from common.logs import read_metrics  # noqa: E402
 
 
 def rollout(repeats: int = 3) -> dict:

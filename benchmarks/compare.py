@@ -38,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from common.runs import read_metrics  # noqa: E402
+from common.logs import read_metrics  # noqa: E402
 
 METHODS = {  # key: (label, script and flags)
     "dancegrpo": ("DanceGRPO", ["dancegrpo.py"]),

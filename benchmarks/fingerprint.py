@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from benchmarks.compare import METHODS  # noqa: E402  (the default commands: one per method and mode)
-from common.runs import read_metrics  # noqa: E402
+from common.logs import read_metrics  # noqa: E402
 
 
 def fingerprint(key: str, argv: list[str], iterations: int, tmp: Path) -> dict:

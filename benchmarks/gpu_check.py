@@ -51,7 +51,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from common.runs import read_metrics  # noqa: E402
+from common.logs import read_metrics  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}  # dense bf16 tensor-core peak of the SXM parts (NVIDIA datasheets)
 LETTERS = "abcdefghijklmnopqrstuvwxyz"

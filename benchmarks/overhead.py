@@ -89,7 +89,6 @@ def measure(script: str, iterations: int, extra: list[str]) -> dict:
     originals = {
         (Accelerator, "backward"): Accelerator.backward,
         (Accelerator, "clip_grad_norm_"): Accelerator.clip_grad_norm_,
-        (runs.Run, "all_finite"): runs.Run.all_finite,
         (AcceleratedOptimizer, "step"): AcceleratedOptimizer.step,
         (AcceleratedOptimizer, "zero_grad"): AcceleratedOptimizer.zero_grad,
         (runs.Run, "end_iteration"): runs.Run.end_iteration,
@@ -98,7 +97,9 @@ def measure(script: str, iterations: int, extra: list[str]) -> dict:
         (rewards.CompositeReward, "collect"): rewards.CompositeReward.collect,
     }
     module_originals = {
-        name: getattr(module, name) for name in ("load_model", "trainable_denoiser", *ZO) if hasattr(module, name)
+        name: getattr(module, name)
+        for name in ("load_model", "trainable_denoiser", "all_finite", *ZO)
+        if hasattr(module, name)
     }
 
     def load_model(*a, **kw):
@@ -115,11 +116,11 @@ def measure(script: str, iterations: int, extra: list[str]) -> dict:
     Accelerator.backward = timers.wrap("backward", originals[(Accelerator, "backward")])
     for owner, name in [
         (Accelerator, "clip_grad_norm_"),
-        (runs.Run, "all_finite"),
         (AcceleratedOptimizer, "step"),
         (AcceleratedOptimizer, "zero_grad"),
     ]:  # fmt: skip  (the optimizer step, in the scripts)
         setattr(owner, name, timers.wrap("optimizer", originals[owner, name]))
+    module.all_finite = timers.wrap("optimizer", module_originals["all_finite"])  # the step's all-process check
     runs.Run.end_iteration = end_iteration
     for name in ("__call__", "request", "collect"):  # the scripts score rollouts with request + collect
         setattr(rewards.CompositeReward, name, timers.wrap("reward", originals[(rewards.CompositeReward, name)]))

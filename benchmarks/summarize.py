@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.runs import read_metrics  # noqa: E402
+from common.logs import read_metrics  # noqa: E402
 
 KEYS = ["eval/shape_acc", "eval/colour_acc", "eval/clean_acc", "eval/all_acc", "eval/reward_mean", "eval/diversity"]
 

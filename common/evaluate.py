@@ -29,7 +29,8 @@ import tyro
 from tqdm import tqdm
 
 from common import InputError
-from common.runs import RunArgs, evenly_spaced, need
+from common.flags import RunArgs, need
+from common.prompts import evenly_spaced
 from common.sampling import fixed_noise, ode_sampler, sample_prompts, sigma_schedule
 
 
@@ -326,6 +327,6 @@ def report(args, setting, records, prompt_list, styles, prompts, grid, out: Path
 
 
 if __name__ == "__main__":
-    from common.runs import cli
+    from common.flags import cli
 
     cli(main, EvalArgs)

@@ -13,7 +13,10 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from common import InputError
+from common.sampling import keyed_generator
 
 SOURCES = {"shapes-train": "train", "shapes-eval": "eval"}
 HPDV2_REPO, HPDV2_STYLES = "zhwang/HPDv2", ("anime", "concept-art", "paintings", "photo")
@@ -87,6 +90,23 @@ def hpdv2_prompts(folder: str | None = None) -> list[str]:
             path = hf_hub_download(HPDV2_REPO, f"{style}.json", subfolder="benchmark", repo_type="dataset")
         prompts += [" ".join(p.split()) for p in json.loads(Path(path).read_text(encoding="utf-8"))]
     return prompts
+
+
+def evenly_spaced(items: list, n: int) -> list:
+    """At most n items, evenly spaced through the list (all of them if there are n or fewer): a fixed subset that
+    spans a file sorted by category, as HPDv2's (anime, concept-art, paintings, photo)."""
+    return items if len(items) <= n else [items[i * len(items) // n] for i in range(n)]
+
+
+def draw_prompts(prompts: list[str], n: int, seed: int, iteration: int) -> list[str]:
+    """The iteration's n training prompts, the same on every process (keyed on (seed, iteration)): without
+    replacement when the prompt list is long enough, else with."""
+    gen = keyed_generator(seed, iteration, "prompts")
+    if n <= len(prompts):
+        pick = torch.randperm(len(prompts), generator=gen)[:n]
+    else:
+        pick = torch.randint(len(prompts), (n,), generator=gen)
+    return [prompts[i] for i in pick.tolist()]
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from common.runs import read_metrics
+from common.logs import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "common" / "shapesbench" / "assets" / "latent"

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import dancegrpo
-from common.runs import read_metrics
+from common.logs import read_metrics
 from tests.helpers import ROOT
 from tests.test_vgrpo import TINY_RUN
 
@@ -23,9 +23,10 @@ def test_overhead_timers_fit_in_the_iteration_and_patches_are_undone():
     overhead = load("overhead")
     from accelerate import Accelerator
 
+    import vgrpo
     from common import runs
 
-    before = (Accelerator.backward, Accelerator.clip_grad_norm_, runs.Run.all_finite, runs.Run.end_iteration)
+    before = (Accelerator.backward, Accelerator.clip_grad_norm_, vgrpo.all_finite, runs.Run.end_iteration)
     flags = dict(zip(TINY_RUN[::2], TINY_RUN[1::2]))
     tiny = [x for k, v in flags.items() if k not in ("--iterations", "--eval-every", "--sample-every") for x in (k, v)]
     out = overhead.measure("vgrpo.py", 3, tiny)
@@ -33,7 +34,7 @@ def test_overhead_timers_fit_in_the_iteration_and_patches_are_undone():
     # themselves sum to 1 by construction ("other" is the rest), so that is not what is checked
     assert out["other_share"] >= -2e-3 and out["forward_share"] > 0 and out["backward_share"] > 0
     assert out["optimizer_share"] > 0 and out["reward_share"] > 0 and out["forward_calls"] > 0
-    assert (Accelerator.backward, Accelerator.clip_grad_norm_, runs.Run.all_finite, runs.Run.end_iteration) == before
+    assert (Accelerator.backward, Accelerator.clip_grad_norm_, vgrpo.all_finite, runs.Run.end_iteration) == before
 
 
 def test_mmd_is_near_zero_for_two_samples_of_one_distribution_and_large_for_collapsed_samples():

@@ -94,15 +94,18 @@ def test_policy_loss_clips_the_ratio_and_adds_the_kl_term():
     logp_old = torch.zeros(4)
     logp = torch.log(torch.tensor([1.0, 1.5, 0.5, 1.5]))
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
-    loss, figures = D.policy_loss(logp, logp_old, adv, 0.2)
-    torch.testing.assert_close(figures["ratio"], torch.tensor([1.0, 1.5, 0.5, 1.5]))
+    loss, figures = D.policy_loss(logp, logp_old, adv, None, None, None, clip_range=0.2, kl_beta=0.0)
+    torch.testing.assert_close(figures["ratio_mean"], torch.tensor([1.0, 1.5, 0.5, 1.5]))
     # A > 0: the gain is capped at 1 + eps; A < 0: the pessimistic (larger) loss is kept
     torch.testing.assert_close(loss, torch.tensor([-1.0, -1.2, 0.8, 1.5]))
     assert figures["clipfrac"] == 0.75 and "kl" not in figures
-    kl = torch.tensor([0.0, 1.0, 2.0, 3.0])
-    loss_kl, figures = D.policy_loss(logp, logp_old, adv, 0.2, kl, 0.1)
-    torch.testing.assert_close(loss_kl, loss + 0.1 * kl)
-    assert figures["kl"] == 1.5
+    torch.testing.assert_close(figures["ratio_max_dev"], torch.tensor(0.5))
+    # the KL of two Gaussian steps with one std: mean over dims of (mean - mean_ref)^2, over 2 std^2
+    mean, std = torch.zeros(4, 2), torch.tensor([1.0, 1.0, 2.0, 0.5]).view(4, 1)
+    mean_ref = torch.tensor([[0.0, 0.0], [1.0, 1.0], [2.0, 0.0], [1.0, 3.0]])  # squared distance 0, 1, 2, 5 a dim
+    loss_kl, figures = D.policy_loss(logp, logp_old, adv, mean, mean_ref, std, clip_range=0.2, kl_beta=0.1)
+    torch.testing.assert_close(loss_kl, loss + 0.1 * torch.tensor([0.0, 0.5, 0.25, 10.0]))
+    assert figures["kl"] == (0.5 + 0.25 + 10.0) / 4
 
 
 def test_mixgrpo_window_slides_and_stops():

@@ -50,7 +50,9 @@ def test_dancegrpo_step_advantages_and_loss():
     x_next, log_prob, mean, std = call(D.sde_step, x, v, sigmas[1], sigmas[2], g[1], noise=noise)
     call(D.sde_step, x, v, torch.full((3,), 0.5), torch.full((3,), 0.4), g[1], prev_sample=x_next)
     adv = call(D.group_advantages, torch.randn(6), 3)
-    call(D.policy_loss, log_prob, log_prob.detach() + 0.01, adv[:3], 1e-4, torch.rand(3), 0.1)
+    call(
+        D.policy_loss, log_prob, log_prob.detach() + 0.01, adv[:3], mean, mean + 0.1, std, clip_range=1e-4, kl_beta=0.1
+    )
 
 
 @pytest.mark.parametrize(
@@ -81,7 +83,7 @@ def test_branchgrpo_tree_pruning_packing_and_edges(pruning, kw):
         x, sigma, cond, masks, x_child, old_log_prob, a = call(B.micro_batch, grp, segments, sigmas, tree)
         mean, std = call(B.edge_gaussians, x, torch.randn_like(x), segments, masks, sigmas, g, tree)
         log_prob = call(B.gaussian_log_prob, x_child, mean, std)
-        call(B.policy_loss, log_prob, old_log_prob, a, 1e-4)
+        call(B.policy_loss, log_prob, old_log_prob, a, mean, mean - 0.1, std, clip_range=1e-4, kl_beta=0.1)
     call(B.step_mean_std, torch.randn(3, *L), torch.randn(3, *L), sigmas[1], sigmas[2], g[1])
     call(B.branch_noise, torch.Generator().manual_seed(0), 2, 2, L, 0.5)  # keyed noise: drawn on the CPU
     for i in range(8):
@@ -98,7 +100,9 @@ def test_vgrpo_solver_pairs_advantages_and_loss():
                      t.flatten())  # fmt: skip
     parts = {"a": torch.randn(6), "b": torch.randn(6)}
     adv = call(V.combined_advantages, parts, {"a": 1.0, "b": 0.5}, 3, 5.0, 3.0)
-    call(V.policy_loss, values.view(3, 4), values.view(3, 4).detach() - 0.01, adv[:3], 6e-3, torch.rand(3), 0.5)
+    x0, x0_ref = torch.randn(3, 4, *L), torch.randn(3, 4, *L)
+    call(V.policy_loss, values.view(3, 4), values.view(3, 4).detach() - 0.01, adv[:3], x0, x0_ref, clip_range=6e-3,
+         kl_beta=0.5)  # fmt: skip
 
 
 def test_rlr_steps_window_baselines_and_zo_pieces():
@@ -119,7 +123,7 @@ def test_rlr_steps_window_baselines_and_zo_pieces():
     call(R.zo_baseline, rewards, 4, block)
     mask = torch.zeros(8, T, dtype=torch.bool)
     mask[:, :2] = True
-    _, _, coef = call(R.term_weights, rewards, 4, block, mask, 2)
+    _, _, coef, _ = call(R.term_weights, rewards, 4, block, mask, 2)
     params = [torch.zeros(3, requires_grad=True)]
     zeta = call(R.zo_noise, params, 7, 1e-3)
     with torch.device("meta"), R.perturbed(params, zeta):

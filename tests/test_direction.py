@@ -40,6 +40,11 @@ class Tape:
         return recorded
 
 
+def gaussian_kl(mean, mean_ref, std):
+    """KL(N(mean, std^2) || N(mean_ref, std^2)) per row, averaged over the latent dimensions (as the log-prob)."""
+    return ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * std.flatten() ** 2)
+
+
 def run_main(module, monkeypatch, tmp_path, flags, tape_names, perturb_lora=False):
     """module.main() on `flags`, one iteration; returns the tape and the model (its denoiser holds the new weights)."""
     tape = Tape(monkeypatch, module, *tape_names)
@@ -134,7 +139,7 @@ def test_dancegrpo_update_raises_the_likelihood_of_samples_with_positive_advanta
 def test_dancegrpo_kl_term_pulls_the_policy_toward_the_base_model(monkeypatch, tmp_path, zero_reward):
     flags = [*DANCE, "--reward", "zero", "--kl-beta", "1", "--learning-rate", "1e-5"]  # a small step: first order
     tape, model = run_main(D, monkeypatch, tmp_path, flags, ["sde_step", "policy_loss"], perturb_lora=True)
-    old_kl = torch.cat([c[0][4] for c in tape.calls["policy_loss"]])  # the kl main() passed, per row
+    old_kl = torch.cat([gaussian_kl(*c[0][3:6]) for c in tape.calls["policy_loss"]])  # what main() handed it, per row
     rows = dance_rescore(model, tape)
     new_kl = torch.cat(
         [((r["new_mean"] - r["ref_mean"]) ** 2).flatten(1).mean(1) / (2 * r["std"].flatten() ** 2) for r in rows]
@@ -195,7 +200,7 @@ def test_rlr_half_order_update_raises_the_likelihood_of_samples_above_their_base
     monkeypatch, tmp_path, flat_reward
 ):
     tape, _ = run_main(R, monkeypatch, tmp_path, RLR, ["subchain_log_prob", "term_weights"])
-    ((_, _, (w_ho, _, _)),) = tape.calls["term_weights"]  # R - b per sample (N,), as main() computed it
+    ((_, _, (w_ho, _, _, _)),) = tape.calls["term_weights"]  # R - b per sample (N,), as main() computed it
     gain, rows = 0.0, 0
     for (mean_std, latents, noise, j, h), _, (old_lp, _) in list(tape.calls["subchain_log_prob"]):
         with torch.no_grad():  # mean_std calls the trained module: the updated weights now
@@ -210,7 +215,7 @@ def test_branchgrpo_kl_term_pulls_the_policy_toward_the_base_model(monkeypatch, 
     names = ["micro_batch", "edge_gaussians", "policy_loss"]
     tape, model = run_main(B, monkeypatch, tmp_path, flags, names, perturb_lora=True)
     g = tape.calls["edge_gaussians"][0][0][5]
-    old_kl = torch.cat([c[0][4] for c in tape.calls["policy_loss"]])  # the kl main() passed, per trained edge
+    old_kl = torch.cat([gaussian_kl(*c[0][3:6]) for c in tape.calls["policy_loss"]])  # per trained edge
     new_kl = []
     for (_, segments, sigmas, tree), _, (x, sig, cond, masks, *_) in list(tape.calls["micro_batch"]):
         with torch.no_grad():
@@ -226,7 +231,7 @@ def test_branchgrpo_kl_term_pulls_the_policy_toward_the_base_model(monkeypatch, 
 def test_vgrpo_kl_term_pulls_the_policy_toward_the_base_model(monkeypatch, tmp_path, zero_reward):
     flags = [*VGRPO, "--reward", "zero", "--kl-beta", "1", "--kl-ref", "base", "--learning-rate", "1e-5"]
     tape, model = run_main(V, monkeypatch, tmp_path, flags, ["surrogate", "policy_loss"], perturb_lora=True)
-    (old_kl,) = [c[0][4] for c in tape.calls["policy_loss"]]  # (B,): the kl main() passed
+    (old_kl,) = [(a[3] - a[4]).square().flatten(2).mean(2).mean(1) for a, _, _ in tape.calls["policy_loss"]]  # (B,)
     (training,) = [c for c in tape.calls["surrogate"] if c[2][0].requires_grad]
     a, kw, _ = training
     with torch.no_grad():

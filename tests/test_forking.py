@@ -88,3 +88,30 @@ register_reward("brightness", lambda device, checkpoint=None: ScoreFn(lambda x, 
     (record,) = run(fork, flags, tmp_path / "runs", "bright")
     assert 0 < record["rewards/brightness"] < 1 and record["rewards/shapes"] != 0
     assert record["rewards/mean"] == pytest.approx(record["rewards/shapes"] + 0.5 * record["rewards/brightness"])
+
+
+@pytest.mark.parametrize("script", ["dancegrpo.py", "branchgrpo.py"])
+def test_a_new_term_with_its_flag_and_figure_is_two_edits(script, tmp_path):
+    """Edit 1: a field of Args. Edit 2: policy_loss takes it as a keyword argument (main() passes every keyword
+    argument from the flag of the same name), adds the term and returns its figure, which LOGGING writes."""
+    source = (ROOT / script).read_text()
+    source = source.replace(
+        "class Args(RunArgs):",
+        'class Args(RunArgs):\n    nll_coef: float = 0.0\n    """weight of a negative log-likelihood term"""\n',
+        1,
+    )  # edit 1: the flag
+    start, end = body(source, "policy_loss")
+    loss_fn = source[start:end]
+    new_fn = loss_fn.replace("*, clip_range, kl_beta):", "*, clip_range, kl_beta, nll_coef):").replace(
+        "    return loss, {",
+        '    loss, figures["nll"] = loss - nll_coef * log_prob, -log_prob.mean()\n    return loss, {',
+    )  # edit 2: the objective
+    assert new_fn.count("nll") == 3
+    fork = tmp_path / "fork" / f"nll_{script}"
+    fork.parent.mkdir()
+    fork.write_text(source[:start] + new_fn + source[end:])
+    original = run(ROOT / script, FLAGS[script], tmp_path / "runs", "original")
+    (forked,) = run(fork, [*FLAGS[script], "--nll-coef", "0.5"], tmp_path / "runs", "fork")
+    assert "losses/nll" not in original[0] and forked["losses/nll"] != 0  # the new figure, logged
+    assert forked["rewards/mean"] == original[0]["rewards/mean"]  # the same rollout,
+    assert forked["charts/grad_norm"] != original[0]["charts/grad_norm"]  # another objective: the flag reached it

@@ -13,12 +13,17 @@ LAYERS = {
     "common.offload": 1,
     "common.remote": 1,
     "common.viz": 1,
+    "common.signals": 1,
+    "common.logs": 2,
     "common.sampling": 2,
     "common.shapesbench": 3,
     "common.models": 4,
     "common.rewards": 4,
     "common.prompts": 4,
-    "common.runs": 5,
+    "common.flags": 5,
+    "common.checkpoints": 5,
+    "common.evaluator": 5,
+    "common.runs": 6,
 }
 TOOLS = tuple(f"common.shapesbench.{m}" for m in ("__main__", "train_reward", "train_vae", "train_latent"))
 TOOLS += ("common.evaluate",)

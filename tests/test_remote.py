@@ -196,7 +196,7 @@ def test_tiny_flux_trains_on_hps_imagereward_and_a_served_judge_that_dies_then_c
     import functools
 
     import dancegrpo as D
-    from common import rewards, runs
+    from common import flags, rewards, runs
     from tests.helpers import find_run, metrics
     from tests.test_dancegrpo import TINY_RUN
     from tests.tiny import build_flux, build_tiny_hps
@@ -223,7 +223,7 @@ def test_tiny_flux_trains_on_hps_imagereward_and_a_served_judge_that_dies_then_c
     monkeypatch.setattr(runs.Run, "checkpoint", checkpoint_then_kill_the_judge)
     monkeypatch.setattr("sys.argv", ["dancegrpo.py", *argv])
     with pytest.raises(SystemExit) as stopped:
-        runs.cli(D.main, D.Args)
+        flags.cli(D.main, D.Args)
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert stopped.value.code == 1 and "Traceback" not in err, err[-2000:]

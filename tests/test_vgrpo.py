@@ -240,9 +240,11 @@ def test_log_ratio_is_exactly_zero_at_the_first_update(tmp_path):
         old, old_x0 = V.surrogate(model, tr, x, cond, t, eps, 1.0, nullcontext)
     tr.train()
     new, x0_hat = V.surrogate(model, tr, x, cond, t, eps, 1.0, nullcontext)  # training forward, with grad
-    loss, figures = V.policy_loss(new, old, torch.tensor([1.0, -1.0, 0.5, 0.0]), 6e-3)
-    ratio, log_ratio = figures["ratio"], figures["log_ratio"]
-    assert torch.equal(log_ratio, torch.zeros(4)) and torch.equal(ratio, torch.ones(4)) and torch.equal(x0_hat, old_x0)
+    loss, figures = V.policy_loss(
+        new, old, torch.tensor([1.0, -1.0, 0.5, 0.0]), x0_hat, None, clip_range=6e-3, kl_beta=0
+    )
+    ratio, log_ratio_max = figures["ratio_mean"], figures["log_ratio_max_abs"]
+    assert log_ratio_max == 0 and torch.equal(ratio, torch.ones(4)) and torch.equal(x0_hat, old_x0)
     loss.mean().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in tr.parameters())
 
@@ -262,7 +264,7 @@ def test_positive_advantage_raises_the_surrogate(tmp_path):
         tr.load_state_dict(start)
         tr.zero_grad()
         new, _ = V.surrogate(model, tr, x, cond, t, eps, 1.0, nullcontext)
-        loss, _ = V.policy_loss(new, old, torch.tensor([advantage, 0.0]), 6e-3)
+        loss, _ = V.policy_loss(new, old, torch.tensor([advantage, 0.0]), None, None, clip_range=6e-3, kl_beta=0)
         loss.mean().backward()
         with torch.no_grad():
             for p in tr.parameters():
@@ -294,8 +296,8 @@ def test_policy_loss_averages_pairs_before_the_ratio_and_clips():
     new = torch.log(torch.tensor([[1.0, 1.0], [1.5, 1.5], [0.5, 0.5], [1.5, 1.5]]))
     new[0] = torch.tensor([0.3, -0.3])  # pairs that cancel: ratio exactly exp(0)
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
-    loss, figures = V.policy_loss(new, old, adv, 0.2)
-    torch.testing.assert_close(figures["ratio"], torch.tensor([1.0, 1.5, 0.5, 1.5]))
+    loss, figures = V.policy_loss(new, old, adv, None, None, clip_range=0.2, kl_beta=0)
+    torch.testing.assert_close(figures["ratio_mean"], torch.tensor([1.0, 1.5, 0.5, 1.5]))
     torch.testing.assert_close(loss, torch.tensor([-1.0, -1.2, 0.8, 1.5]))
 
 

@@ -11,9 +11,9 @@ from PIL import Image
 import dancegrpo as D
 import rlr
 from common import InputError
+from common.flags import check_run_args
 from common.models import load_model
 from common.rewards import CompositeReward, ScoreFn, build_reward, frame_subset
-from common.runs import check_run_args
 from common.sampling import sample_ode
 from tests.helpers import assert_same_trained_weights, find_run, metrics, run_script
 from tests.tiny import build_shapes, build_wan

@@ -1,0 +1,256 @@
+"""The flags every training script shares, and their checks: everything about the command line, written once.
+
+RunArgs                  the shared flags (each script's Args extends it)
+cli(main, Args)          parse the flags (tyro) and run main; an InputError becomes one `error:` line and exit
+                         status 2, a RunError or a refused write one `error:` line and exit status 1
+check_run_args(args)     the shared flags, and every input that can be checked before a model loads: prompt
+                         files, --output-dir, --model-id, the rewards, --resume-from
+check_mode_flags(args, mode_flags)   a flag of a mode not in use refused (no dead flags)
+flags_of(fn, args)       the flags a function takes as keyword-only arguments, by name (the scripts' objectives)
+need(ok, message)        raise InputError(message) unless ok
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import inspect
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal, Optional
+
+import diffusers
+import transformers
+import tyro
+
+from common import InputError, RunError
+from common.models import VIDEO_KINDS, check_model_id, check_num_frames
+from common.prompts import HPDV2_HOWTO, SOURCES, load_prompts
+from common.rewards import SHAPESBENCH_REWARDS, VIDEO_REWARDS, check_reward_weights, parse_reward_spec
+
+
+@dataclass
+class RunArgs:
+    """The flags every script shares (the model, the reward, the prompts, the run around the algorithm); each
+    script's Args adds its algorithm's flags. The optimiser defaults are ShapesBench's (LoRA r32, lr 3e-4, 10-step
+    warmup, no weight decay, 40 iterations; dancegrpo.py and branchgrpo.py double the learning rate): Adam moves every
+    trained weight by about the learning rate per step whatever the gradient, and the low-rank adapter keeps that
+    drift near the base model where full fine-tuning collapses it (docs/experiments.md). The real-model recipes
+    (run.sh, the scripts' docstrings) pass the papers' values."""
+
+    exp_name: Optional[str] = None
+    """run name (if unset: the script's file name and mode, e.g. dancegrpo_mix, branchgrpo_depth: a copied script is its
+    own run family); the run folder is {output_dir}/{exp_name}__{seed}__{unix time}"""
+    seed: int = 0
+    """seed of every random draw (prompts, noise, trained steps, initial weights of LoRA)"""
+    output_dir: str = "runs"
+    """parent folder of the run folder (TensorBoard logs, sample grids, checkpoints, final weights)"""
+    model_id: str = "shapesbench"
+    """'shapesbench' (shipped, CPU-sized), or a diffusers FLUX.1 / SD3.5 / Wan2.1 text-to-video (SD1.x for rlr.py)
+    folder or hub id; any other model needs --prompts, --eval-prompts and --reward (the ShapesBench defaults are
+    refused)"""
+    resolution: Optional[int] = None
+    """square image side in pixels; None = the model's native size (Wan2.1: 480 x 832)"""
+    num_frames: Optional[int] = None
+    """video models (Wan2.1) only: frames per video, 4k + 1 (if unset: the model's own, 81 = 5 s at 16 fps)"""
+    reward_frames: int = 4
+    """video models only: an image reward (hpsv2.1, clip, ...) scores this many evenly spaced frames of each video,
+    the first and the last among them, and gives their mean"""
+    lora: bool = True
+    """train a LoRA adapter (peft) instead of all transformer weights (--no-lora: all of them)"""
+    lora_rank: int = 32
+    """LoRA rank (with --lora)"""
+    lora_alpha: float = 64.0
+    """LoRA alpha (with --lora)"""
+    mixed_precision: Literal["no", "bf16"] = "no"
+    """'bf16' runs forwards under autocast and loads the frozen weights in bf16 (with --lora only the adapter is
+    fp32); log-probs, samples and trained weights stay fp32"""
+    gradient_checkpointing: bool = False
+    """recompute the denoiser's activations in the backward (diffusers): the same gradients in less memory, for
+    one more forward per backward; on in every GPU recipe of run.sh"""
+    offload_frozen: bool = False
+    """keep the text encoders, the VAE and the reward models on the CPU except while they encode, decode and score
+    (docs/gpu.md: which recipes need it)"""
+    reward: str = "shapes"
+    """reward spec 'name:weight,...', e.g. 'shapes:1.0,verifier:0.5' or 'hpsv2.1' ('shapes' and 'verifier' are
+    ShapesBench's and hold only for --model-id shapesbench)"""
+    reward_ckpt: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
+    """NAME=PATH per reward model, e.g. hpsv2.1=/ckpt/HPS_v2.1_compressed.pt; one flag per reward (repeat it)"""
+    reward_url: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
+    """NAME=URL per reward scored by another process: a VLM judge (unifiedreward, ocr) behind an OpenAI-compatible
+    server, e.g. unifiedreward=http://host:8000/v1, or any reward hosted by `python -m common.rewards serve`
+    (docs/models.md); one flag per reward (repeat it); token, if any, from $REWARD_API_KEY"""
+    prompts: str = "shapes-train"
+    """training prompts: 'shapes-train' (--model-id shapesbench only) or a text file, one prompt per line
+    (HPDv2's: `python -m common.prompts hpdv2 FILE`)"""
+    eval_prompts: str = "shapes-eval"
+    """held-out prompts: 'shapes-eval' (--model-id shapesbench only) or a text file, one prompt per line"""
+    eval_max_prompts: int = 48
+    """evaluate on at most N held-out prompts, evenly spaced through the list: a fixed subset (ShapesBench's split
+    has exactly 48)"""
+    iterations: int = 40
+    """training iterations (one rollout + its updates each)"""
+    learning_rate: float = 3e-4
+    """AdamW learning rate (constant after --lr-warmup)"""
+    lr_warmup: int = 10
+    """linear learning-rate warmup over the first N optimizer steps (0 = none): Adam's first steps move every weight
+    by about the learning rate whatever the gradient, which can knock a small model out of its skills"""
+    weight_decay: float = 0.0
+    """AdamW weight decay; with LoRA it pulls the adapter towards 0, i.e. the model towards the base model (0 = off)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm per optimizer step"""
+    guidance_scale: float = 1.0
+    """CFG scale for ShapesBench / SD3.5 (1 = off), embedded guidance for FLUX.1-dev (3.5 there); same in training"""
+    eval_every: int = 50
+    """evaluate on --eval-prompts every N iterations (and at the start and the end); 0 = never"""
+    eval_samples_per_prompt: int = 4
+    """samples per held-out prompt in evaluation (fixed seeds, ODE)"""
+    eval_steps: int = 20
+    """Euler ODE steps in evaluation"""
+    sample_every: int = 25
+    """write a fixed-seed sample grid PNG every N iterations; 0 = never"""
+    save_every: int = 25
+    """accelerate save_state checkpoint every N iterations; 0 = only at the end"""
+    save: bool = True
+    """write checkpoints and the final weights (--no-save: neither, for benchmarks and checks; such a run cannot be
+    resumed)"""
+    checkpoints_total_limit: int = 2
+    """keep only the newest N checkpoints"""
+    resume_from: Optional[str] = None
+    """'latest' (the newest run of --exp-name in --output-dir), a run folder, or one of its checkpoints/iter_* folders"""
+    track: bool = False
+    """also log to Weights & Biases (needs `pip install wandb`)"""
+    wandb_project_name: str = "diffusion-rl"
+    """W&B project (with --track)"""
+
+    def reward_checkpoints(self) -> dict[str, str]:
+        """The --reward-ckpt NAME=PATH and --reward-url NAME=URL items as {NAME: PATH or URL}."""
+        for flag, items, what in (
+            ("--reward-ckpt", self.reward_ckpt, "PATH"),
+            ("--reward-url", self.reward_url, "URL"),
+        ):
+            for item in items:
+                need("=" in item, f"{flag} {item!r}: expected NAME={what}")
+        urls = dict(item.split("=", 1) for item in self.reward_url)
+        for name, url in urls.items():
+            need(url.startswith(("http://", "https://")), f"--reward-url {name}={url}: expected an http(s):// URL")
+        paths = dict(item.split("=", 1) for item in self.reward_ckpt)
+        both = sorted(set(paths) & set(urls))
+        need(not both, f"{', '.join(both)}: give --reward-ckpt or --reward-url, not both")
+        return {**paths, **urls}
+
+
+def need(ok: bool, message: str) -> None:
+    """Raise InputError(message) unless ok; the message names the flag to change."""
+    if not ok:
+        raise InputError(message)
+
+
+# errors of the file system a run writes to: they are the machine's, not the code's, and need no traceback
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def cli(main, args_type) -> None:
+    """`main(tyro.cli(args_type))`. An InputError (bad flag, file, folder) prints `error: ...` and exits with status
+    2; a RunError or a write refused by the file system (full disk, no permission) prints `error: ...` and exits with
+    status 1; neither has a traceback. Every other exception is a bug and keeps its traceback."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars of every tiny part: noise
+    diffusers.utils.logging.disable_progress_bar()
+    try:
+        main(tyro.cli(args_type))  # tyro answers --help and malformed flags itself (exit status 2)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as e:
+        if e.errno not in DISK_ERRORS:
+            raise
+        print(f"error: cannot write {e.filename or 'the run folder'}: {e.strerror}", file=sys.stderr)
+        sys.exit(1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checks of the shared flags, before any model loads
+# ---------------------------------------------------------------------------------------------------
+def check_run_args(args, video: bool = True) -> tuple[list[str], list[str]]:
+    """Check the flags every script shares; `video`: whether the script trains video models. Returns (training
+    prompts, held-out prompts), read here so that a bad prompt file fails before a model loads (the Evaluator takes
+    its --eval-max-prompts subset)."""
+    need(args.iterations >= 1, f"--iterations must be >= 1 (got {args.iterations})")
+    need(args.learning_rate > 0, f"--learning-rate must be > 0 (got {args.learning_rate})")
+    need(args.lr_warmup >= 0, "--lr-warmup must be >= 0")
+    for name in ("eval_every", "sample_every", "save_every"):
+        need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
+    need(
+        args.eval_samples_per_prompt >= 1 and args.eval_steps >= 1 and args.eval_max_prompts >= 1,
+        "--eval-samples-per-prompt, --eval-steps and --eval-max-prompts must be >= 1",
+    )
+    need(args.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1")
+    out = Path(args.output_dir).expanduser()
+    need(not out.exists() or out.is_dir(), f"--output-dir {args.output_dir}: exists and is not a folder")
+    if args.track:
+        need(importlib.util.find_spec("wandb") is not None, "--track needs wandb: pip install wandb")
+    if args.resume_from not in (None, "latest"):
+        need(
+            Path(args.resume_from).is_dir(),
+            f"--resume-from {args.resume_from}: no such folder (give 'latest', a run "
+            "folder or one of its checkpoints/iter_* folders)",
+        )
+    kind = check_model_id(args.model_id)
+    if kind != "shapes":
+        check_not_shapesbench(args)
+    is_video = kind in VIDEO_KINDS
+    need(
+        video or not is_video,
+        f"--model-id {args.model_id} is a video model ({kind}), and {Path(sys.argv[0]).name} trains image models only "
+        "(as its paper); train video with dancegrpo.py, branchgrpo.py or vgrpo.py",
+    )
+    check_mode_flags(args, [(f, lambda a: is_video, "a video model (Wan2.1)") for f in ("num_frames", "reward_frames")])
+    need(args.reward_frames >= 1, "--reward-frames must be >= 1")
+    if args.num_frames is not None:
+        check_num_frames(args.num_frames)
+    check_reward_weights(args.reward, args.reward_checkpoints(), video=is_video)
+    moving = [name for name, _ in parse_reward_spec(args.reward) if name in VIDEO_REWARDS]
+    need(
+        not moving or args.num_frames != 1,
+        f"--reward {args.reward}: {' and '.join(moving)} compares neighbouring frames, and --num-frames 1 gives one",
+    )
+    return load_prompts(args.prompts, "--prompts"), load_prompts(args.eval_prompts, "--eval-prompts")
+
+
+def check_mode_flags(args, mode_flags) -> None:
+    """No dead flags: each (flag, applies(args), mode) of `mode_flags` is an error if the flag is set to other than
+    its default while its mode is off."""
+    for flag, applies, mode in mode_flags:
+        default = type(args).__dataclass_fields__[flag].default
+        need(getattr(args, flag) == default or applies(args), f"--{flag.replace('_', '-')} only applies with {mode}")
+
+
+def check_not_shapesbench(args) -> None:
+    """A real model never falls back on ShapesBench's prompts or reward: a missing --prompts, --eval-prompts or
+    --reward (or a ShapesBench value of one) fails here, before any model loads, naming the flag."""
+    where = f"ShapesBench's, for --model-id shapesbench only; with --model-id {args.model_id}"
+    for flag, value in (("--prompts", args.prompts), ("--eval-prompts", args.eval_prompts)):
+        need(
+            value not in SOURCES,
+            f"{flag} {value}: these prompts are {where} pass {flag} FILE, one prompt per line ({HPDV2_HOWTO})",
+        )
+    shapes = [name for name, _ in parse_reward_spec(args.reward) if name in SHAPESBENCH_REWARDS]
+    need(
+        not shapes,
+        f"--reward {args.reward}: {' and '.join(shapes)} {'is' if len(shapes) == 1 else 'are'} {where} pass a reward "
+        "of real images, e.g. --reward hpsv2.1 (or pickscore, clip, aesthetic, jpeg)",
+    )
+
+
+def flags_of(fn, args) -> dict:
+    """{name: args.name} for every keyword-only parameter of `fn`: the scripts call their objective with
+    `**flags_of(policy_loss, args)`, so that a new term's flag is a field of Args and a keyword argument of the
+    objective, and the call stays as it is."""
+    names = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    return {name: getattr(args, name) for name in names}
