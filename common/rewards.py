@@ -725,6 +725,13 @@ def serve_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--max-batch", type=int, default=64, help="images per request, at most")
     parser.add_argument("--max-mb", type=float, default=64.0, help="request body size, at most")
+    parser.add_argument(
+        "--max-pixels",
+        type=int,
+        default=2**25,
+        help="decoded pixels per request, all its images together (and so per image), at most; read from each PNG's "
+        "header before it is decoded (default 2**25: 64 images of 720x720, 32 of 1024x1024)",
+    )
     a = parser.parse_args(argv)
     from common.remote import serve
 
@@ -738,7 +745,16 @@ def serve_main(argv: list[str] | None = None) -> None:
     except InputError as e:
         raise SystemExit(f"error: {e}") from None
     token = os.environ.get("REWARD_API_KEY")
-    server = serve(lambda n, im, p: rewards[n](im.to(a.device), p), names, a.host, a.port, token, a.max_batch, a.max_mb)
+    server = serve(
+        lambda n, im, p: rewards[n](im.to(a.device), p),
+        names,
+        a.host,
+        a.port,
+        token,
+        a.max_batch,
+        a.max_mb,
+        a.max_pixels,
+    )
     print(
         f"serving {names} at http://{a.host}:{server.server_port} (GET /health, POST /score); token: {token is not None}"
     )

@@ -1,0 +1,381 @@
+"""common/remote.py fails closed, at both ends of a served reward. The server (serve()) live on 127.0.0.1 with the
+cheap `jpeg` and `verifier` rewards and one that breaks, asked with raw sockets for what no client library sends (a
+stall, a lying Content-Length, a non-ASCII token): every bad request gets its 4xx and reason, or is dropped after the
+read timeout, and the server goes on serving the others. The client (request_json, Served) against a fake server
+whose answers go wrong in every way: what may pass is retried, the rest stops the run with a RunError naming the URL
+and what was wrong, never a traceback or a made-up score."""
+
+import base64
+import io
+import json
+import re
+import socket
+import struct
+import threading
+import time
+import urllib.error
+import urllib.request
+import zlib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from PIL import Image
+
+from common import InputError, RunError, remote
+from common.rewards import REWARDS
+from common.shapesbench import sample_batch
+
+TIMEOUT = 1.0  # the test server's read timeout (10 s in `python -m common.rewards serve`)
+CAP_MB = 0.5  # its --max-mb
+SHAPES_PROMPT = "a red circle on a blue background"
+
+
+def serve_on_a_thread(server) -> str:
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_port}"
+
+
+@pytest.fixture(scope="module")
+def server():
+    """jpeg, verifier and boom (a reward that raises RuntimeError); token 'secret', 4 images and 3 of 32x32 pixels
+    a request at most."""
+    rewards = {"jpeg": REWARDS["jpeg"]("cpu"), "verifier": REWARDS["verifier"]("cpu")}
+
+    def score(name, images, prompts):
+        if name == "boom":
+            raise RuntimeError("the scorer broke\nand said more")
+        return rewards[name](images, prompts)
+
+    names = ["jpeg", "verifier", "boom"]
+    limits = dict(max_batch=4, max_mb=CAP_MB, max_pixels=3 * 32 * 32, read_timeout=TIMEOUT)
+    httpd = remote.serve(score, names, "127.0.0.1", 0, token="secret", **limits)
+    url = serve_on_a_thread(httpd)
+    yield url
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def png(size: int = 32, colour=(255, 0, 0), fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (size, size), colour).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that claims width x height pixels: its signature, its IHDR chunk and a token IDAT chunk (a real
+    decompression bomb has a few KB of zlib there, that unpack to all those pixels)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    return remote._PNG_MAGIC + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(bytes(64))) + chunk(b"IEND", b"")
+
+
+def body(images: list[bytes], reward: str = "jpeg", prompts: list[str] | None = None) -> bytes:
+    items = [{"png": base64.b64encode(x).decode()} for x in images]
+    return json.dumps({"reward": reward, "prompts": prompts or ["p"] * len(images), "images": items}).encode()
+
+
+def request(data: bytes | None = None, method: str = "POST", path: str = "/score", **headers) -> bytes:
+    """Raw HTTP/1.1 bytes: the token, JSON and the body's length unless `headers` say otherwise (None: left out;
+    a header's name with _ for -). Header values are sent UTF-8 encoded, as they are."""
+    fields = {"Authorization": "Bearer secret", "Content-Type": "application/json"}
+    fields |= {} if data is None else {"Content-Length": str(len(data))}
+    fields |= {k.replace("_", "-"): v for k, v in headers.items()}
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1"] + [f"{k}: {v}" for k, v in fields.items() if v is not None]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + (data or b"")
+
+
+def read_answer(sock: socket.socket) -> tuple[int | None, dict | None]:
+    """(status, JSON body) of the answer on `sock`, or (None, None) if the server closed it without one. Each recv
+    waits at most the socket's timeout (TimeoutError: the test fails)."""
+    data = b""
+    while True:
+        head, found, rest = data.partition(b"\r\n\r\n")
+        if found:
+            length = int(re.search(rb"Content-Length: *(\d+)", head, re.I).group(1))
+            if len(rest) >= length:
+                return int(head.split()[1]), json.loads(rest[:length])
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            assert not data, data  # closed mid-answer
+            return None, None
+        data += chunk
+
+
+def ask(url: str, raw: bytes, wait: float = 5.0) -> tuple[int | None, dict | None]:
+    with socket.create_connection(("127.0.0.1", port(url)), timeout=wait) as sock:
+        sock.sendall(raw)
+        return read_answer(sock)
+
+
+def scores_of(url: str, images: list[bytes], **kwargs) -> list[float]:
+    status, answer = ask(url, request(body(images, **kwargs)))
+    assert status == 200, answer
+    return answer["scores"]
+
+
+# ---------------------------------------------------------------- the server
+def test_a_stalled_client_holds_no_one_else_and_is_dropped_after_the_read_timeout(server, capsys):
+    stalled_body = socket.create_connection(("127.0.0.1", port(server)), timeout=TIMEOUT + 3)
+    stalled_body.sendall(request(Content_Length="100"))  # headers, then silence: 100 bytes never come
+    stalled_headers = socket.create_connection(("127.0.0.1", port(server)), timeout=TIMEOUT + 3)
+    stalled_headers.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\n")  # the headers never end
+    sent = time.monotonic()
+    client = remote.Served("jpeg", server, token="secret")  # GET /health
+    scores = client(torch.rand(2, 3, 32, 32), ["a", "b"])
+    assert scores.shape == (2,) and bool((scores < 0).all())  # minus the JPEG's kB
+    assert time.monotonic() - sent < 2.0
+    status, answer = read_answer(stalled_body)
+    assert status == 408 and "stopped arriving" in answer["error"]
+    assert read_answer(stalled_headers) == (None, None)  # dropped without an answer
+    assert TIMEOUT * 0.9 < time.monotonic() - sent < TIMEOUT + 2.0
+    stalled_body.close()
+    stalled_headers.close()
+    assert len(scores_of(server, [png()])) == 1
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_pixels_are_counted_from_each_png_header_before_anything_is_decoded(server):
+    # 9000x9000 (243 MB of RGB) in 78 bytes: refused from its header (it would not decode: a 400 then)
+    started = time.monotonic()
+    status, answer = ask(server, request(body([png_header(9000, 9000)])))
+    assert status == 413 and "images[0] is 9000x9000, more than 3,072 pixels" in answer["error"], answer
+    assert time.monotonic() - started < 1.0
+    status, answer = ask(server, request(body([png()] * 4)))  # 4 of 32x32: each fits, not all together
+    assert status == 413 and "4,096 pixels in all, more than 3,072" in answer["error"], answer
+    assert len(scores_of(server, [png()] * 3)) == 3
+    # PIL's own cap (Image.MAX_IMAGE_PIXELS) stands behind ours, and is a refusal of the same kind
+    with pytest.raises(remote._TooManyPixels, match="decompression bomb"):
+        remote.decode_images([{"png": base64.b64encode(png_header(20_000, 20_000)).decode()}])
+
+
+def test_an_image_that_is_not_a_readable_png_is_a_400_with_the_reason(server, capsys):
+    cases = [
+        (body([png(fmt="JPEG")]), "'png' holds a JPEG, not a PNG"),
+        (body([png()[:60]]), "images[0]: not a readable PNG"),  # cut short: the header is there, the pixels not
+        (body([b"just some text"]), "bytes starting 6a 75 73 74"),
+        (json.dumps({"reward": "jpeg", "prompts": ["p"], "images": [{"png": "@@@"}]}).encode(), "is not base64"),
+        (json.dumps({"reward": "jpeg", "prompts": ["p"], "images": [{"png": 7}]}).encode(), "is not base64"),
+        (body([png(), png(16)]), "images of different sizes"),
+    ]
+    for data, reason in cases:
+        status, answer = ask(server, request(data))
+        assert status == 400 and reason in answer["error"], (reason, status, answer)
+    assert len(scores_of(server, [png()])) == 1
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_malformed_http_is_refused_with_the_reason_and_a_lying_length_is_dropped(server, capsys):
+    good = body([png()])
+    cases = [
+        (request(good, Content_Length="abc"), 400, "Content-Length must be one number of bytes, not 'abc'"),
+        (request(good, Content_Length="-5"), 400, "not '-5'"),
+        (request(good, Content_Length=None), 411, "needs a Content-Length"),
+        (request(good, Transfer_Encoding="chunked"), 411, "no Transfer-Encoding"),
+        (request(b""), 400, "an empty body"),
+        (request(good, Content_Type="text/plain"), 415, "not 'text/plain'"),
+        (request(good, Content_Type=None), 415, "application/json, not 'none'"),
+        (request(b"[" * 200_000), 400, "nested too deep"),
+        (request(b"[1, 2]"), 400, "must be a JSON object"),
+        (request(b"not json"), 400, "JSONDecodeError"),
+        (request(good, path="/score/../etc"), 404, "POST /score"),
+        (request(method="GET", path="/nope"), 404, "GET /health"),
+        (request(good, method="PUT"), 501, "Unsupported method ('PUT')"),
+        (b"GET /a b HTTP/1.1\r\n\r\n", 400, "Bad request syntax"),  # http.server's own refusal, in JSON too
+    ]
+    for raw, code, reason in cases:
+        status, answer = ask(server, raw)
+        assert status == code and reason in answer["error"], (raw[:80], status, answer)
+    status, answer = ask(server, request(good, Content_Type="application/json; charset=utf-8"))
+    assert status == 200 and len(answer["scores"]) == 1
+    # a Content-Length longer than the body: answered once the rest has not come for the read timeout
+    started = time.monotonic()
+    status, answer = ask(server, request(good, Content_Length=str(len(good) + 100)))
+    assert status == 408 and time.monotonic() - started < TIMEOUT + 2.0
+    assert len(scores_of(server, [png()])) == 1
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_body_over_the_cap_gets_a_413_the_client_reads(server):
+    # sent whole by urllib before it reads: the server reads and drops it (up to twice the cap) to be heard
+    over = b" " * int(CAP_MB * 1e6 * 1.5)
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer secret"}
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(f"{server}/score", over, headers), timeout=10)
+    assert refused.value.code == 413 and "1 byte to 0.5 MB, not 750,000" in json.loads(refused.value.read())["error"]
+    # far over (past twice the cap): answered at once from the Content-Length, and the connection closed
+    status, answer = ask(server, request(Content_Length="10000000"))
+    assert status == 413 and "not 10,000,000" in answer["error"]
+    assert len(scores_of(server, [png()])) == 1
+
+
+def test_the_rewards_own_refusal_is_a_422_and_its_failure_a_500_and_both_leave_it_serving(server, capsys):
+    status, answer = ask(server, request(body([png()], "verifier", ["a cat"])))
+    assert status == 422 and "verifier: ValueError: not a ShapesBench prompt: 'a cat'" in answer["error"], answer
+    assert "Traceback" not in capsys.readouterr().err
+    images, prompts = sample_batch(2, torch.Generator().manual_seed(0), [SHAPES_PROMPT])  # the world's own renders
+    assert remote.Served("verifier", server, token="secret")(images, prompts).tolist() == [1.0, 1.0]
+    status, answer = ask(server, request(body([png()], "boom")))
+    assert (status, answer) == (500, {"error": "boom: RuntimeError: the scorer broke"})
+    assert "RuntimeError: the scorer broke" in capsys.readouterr().err  # the operator's trace, on the server's side
+    assert len(scores_of(server, [png()])) == 1
+
+
+def test_the_token_is_checked_as_bytes_and_bearer_in_any_case(server, capsys):
+    for authorization, code in [
+        (None, 401),
+        ("Bearer wrong", 401),
+        ("Basic secret", 401),
+        ("Bearer secret2", 401),
+        ("Bearer s\u00e9cret", 401),  # UTF-8 bytes c3 a9: compared as bytes, no crash
+        ("Bearer \u2603", 401),
+        ("bearer secret", 200),
+        ("BEARER  secret ", 200),
+    ]:
+        status, answer = ask(server, request(method="GET", path="/health", Authorization=authorization))
+        assert status == code, (authorization, answer)
+        expected = {"rewards": ["jpeg", "verifier", "boom"]}
+        assert answer == expected if code == 200 else "wrong token" in answer["error"], (authorization, answer)
+    status, answer = ask(server, b"GET /health HTTP/1.1\r\nAuthorization: Bearer \xff\xfe\r\n\r\n")  # not UTF-8 at all
+    assert status == 401
+    assert "Traceback" not in capsys.readouterr().err
+    # a non-ASCII token works end to end: the client sends it UTF-8 encoded, the server compares those bytes
+    other = remote.serve(lambda n, im, p: im.mean((1, 2, 3)), ["bright"], "127.0.0.1", 0, token="s\u00e9cret")
+    url = serve_on_a_thread(other)
+    assert remote.Served("bright", url, token="s\u00e9cret")(torch.ones(1, 3, 8, 8), ["p"]).tolist() == [1.0]
+    with pytest.raises(RunError, match=f"{url}/health failed after 1 tries \\(HTTP 401: .*wrong token"):
+        remote.Served("bright", url, token="secret")
+    other.shutdown()
+    other.server_close()
+
+
+# ---------------------------------------------------------------- the client
+class Fake:
+    """A reward server whose POST /score answers are `answers`, one a request, the last one repeated: (status, raw
+    body), "cut" (Content-Length 100, 10 bytes, closed) or "drop" (closed with no answer). GET /health answers
+    `health`. `posts` counts the requests."""
+
+    def __init__(self):
+        self.answers, self.health, self.posts = [], b'{"rewards": ["fake"]}', 0
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _raw(self, status: int, data: bytes, length: int | None = None) -> None:
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data) if length is None else length))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._raw(200, fake.health)
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                fake.posts += 1
+                answer = fake.answers.pop(0) if len(fake.answers) > 1 else fake.answers[0]
+                if answer == "cut":
+                    self._raw(200, b'{"scores":', length=100)
+                elif answer != "drop":
+                    self._raw(*answer)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = serve_on_a_thread(self.server)
+
+    def reset(self, *answers) -> None:
+        self.answers, self.posts = list(answers), 0
+
+
+@pytest.fixture(scope="module")
+def fake():
+    server = Fake()
+    yield server
+    server.server.shutdown()
+    server.server.server_close()
+
+
+GOOD = (200, b'{"scores": [0.5, 0.25]}')
+
+
+def test_the_client_stops_at_an_answer_that_is_not_one_finite_number_per_image(fake):
+    client = remote.Served("fake", fake.url)
+    images, prompts = torch.rand(2, 3, 8, 8), ["a", "b"]
+    for raw, problem in [
+        (b'{"scores": [NaN, 1.0]}', "scores[0] is nan, not a finite number"),
+        (b'{"scores": [1.0, Infinity]}', "scores[1] is inf, not a finite number"),
+        (b'{"scores": [-Infinity, 1.0]}', "scores[0] is -inf"),
+        (b'{"scores": [1.0, 1e999]}', "scores[1] is inf"),
+        (b'{"scores": [1' + b"0" * 400 + b", 1]}", "scores[0] is 1000"),
+        (b'{"scores": [0.5, -1e300]}', "scores[1] is -1e+300, not a finite number (as float32)"),
+        (b'{"scores": [[0.5], [0.25]]}', "scores[0] is [0.5], not a number"),
+        (b'{"scores": [true, false]}', "scores[0] is true, not a number"),
+        (b'{"scores": [0.5, "0.25"]}', 'scores[1] is "0.25", not a number'),
+        (b'{"scores": [null, 0.25]}', "scores[0] is null, not a number"),
+        (b'{"scores": [0.5]}', "1 scores for 2 images"),
+        (b'{"scores": [0.5, 0.25, 0.125]}', "3 scores for 2 images"),
+        (b'{"scores": 0.5}', "no list of scores ('scores': 0.5)"),
+        (b'{"error": "?"}', "no list of scores ('scores': null)"),
+        (b"[0.5, 0.25]", "JSON that is not an object: [0.5, 0.25]"),
+        (b"<html>busy</html>", "an answer that is not JSON (JSONDecodeError"),
+        (b"[" * 100_000, "an answer that is not JSON (RecursionError"),
+    ]:
+        fake.reset((200, raw))
+        with pytest.raises(RunError) as stopped:
+            client(images, prompts)
+        message = str(stopped.value)
+        assert message.startswith(f"{fake.url}/score answered ") and problem in message, (problem, message)
+        assert "--resume-from latest" in message and fake.posts == 1  # not retried: the same answer would come
+    fake.reset(GOOD)
+    assert client(images, prompts).tolist() == [0.5, 0.25]
+
+
+def test_the_client_retries_what_may_pass_and_nothing_else(fake):
+    payload = {"reward": "fake", "prompts": ["a", "b"], "images": []}
+    ask_fake = lambda tries=5: remote.request_json(f"{fake.url}/score", payload, tries=tries, backoff=0.01)
+    for first in [*((code, b'{"error": "busy"}') for code in (429, 500, 502, 503, 504)), "cut", "drop"]:
+        fake.reset(first, GOOD)
+        assert ask_fake() == {"scores": [0.5, 0.25]} and fake.posts == 2, first
+    for answer, why in [("cut", "IncompleteRead(10 bytes read, 90 more expected)"), ("drop", "RemoteDisconnected(")]:
+        fake.reset(answer)
+        with pytest.raises(
+            RunError, match=re.escape(f"{fake.url}/score failed after 3 tries (the answer broke off: {why}")
+        ):
+            ask_fake(tries=3)
+        assert fake.posts == 3
+    for code in (400, 404, 413, 422):
+        fake.reset((code, b'{"error": "your request is wrong"}'), GOOD)
+        with pytest.raises(RunError, match=f"failed after 1 tries \\(HTTP {code}: .*your request is wrong"):
+            ask_fake()
+        assert fake.posts == 1
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{unused.getsockname()[1]}"
+    with pytest.raises(RunError, match=f"{closed}/score failed after 2 tries \\(URLError: .*refused"):
+        remote.request_json(f"{closed}/score", payload, tries=2, backoff=0.01)
+    with pytest.raises(RunError, match="the token \\(\\$REWARD_API_KEY\\) holds a line break"):
+        remote.request_json(f"{fake.url}/score", payload, token="secret\r\nX-Evil: 1")
+    for not_a_url in ("127.0.0.1:8100/score", "scorer-node/score", "ftp://scorer-node/score"):
+        with pytest.raises(RunError, match=f"{not_a_url} is not an http:// or https:// URL"):
+            remote.request_json(not_a_url, payload)
+
+
+def test_a_server_that_is_not_a_reward_server_is_refused_at_start_up(fake):
+    for health, error, reason in [
+        (b'{"rewards": "fake"}', InputError, "not a reward server's"),
+        (b'{"models": ["fake"]}', InputError, "not a reward server's"),
+        (b'{"rewards": ["other"]}', InputError, "that server scores ['other'], not 'fake'"),
+        (b'["fake"]', RunError, "/health answered JSON that is not an object"),
+    ]:
+        fake.health = health
+        with pytest.raises(error, match=re.escape(reason)):
+            remote.Served("fake", fake.url)
+    fake.health = b'{"rewards": ["fake"]}'
