@@ -33,7 +33,7 @@ from functools import partial
 from itertools import groupby
 from operator import itemgetter
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import torch
 from accelerate import Accelerator
@@ -41,7 +41,7 @@ from accelerate.utils import set_seed
 
 from common import InputError
 from common.evaluator import Evaluator
-from common.flags import RunArgs, check_mode_flags, check_run_args, cli, flags_of, need
+from common.flags import ModeDefault, RunArgs, check_mode_flags, check_run_args, cli, flags_of, need
 from common.logs import reward_stats, summarize
 from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser
 from common.prompts import draw_prompts
@@ -59,8 +59,8 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """SD3 time shift k of the sigma schedule: sigma = k u / (1 + (k - 1) u)"""
     sde_type: Literal["dance", "flow"] = "flow"
     """noise schedule g(sigma): 'dance' = constant eta (DanceGRPO, the release), 'flow' = a sqrt(sigma / (1 - sigma))"""
-    noise_level: Optional[float] = None
-    """eta for 'dance', a for 'flow'; if unset: 0.3 for 'dance', 0.7 for 'flow'"""
+    noise_level: Annotated[Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow")] = None
+    """eta for 'dance', a for 'flow'"""
     split_schedule: str = "dense"
     """split steps: 'dense' (0,3,6,...), 'sparse' (evenly spread), 'late' (second half) or a list like '0,3,6,9'"""
     num_splits: int = 4
@@ -89,8 +89,8 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """--pruning width: each last-split parent keeps its best child's chain, or the extreme chains"""
     width_keep_ratio: float = 0.5
     """--width-mode extreme: fraction of post-split chains kept, half best and half worst"""
-    window: Optional[int] = None
-    """--pruning depth / mix: window size W in steps (unset: every step after the last split for depth, 4 for mix)"""
+    window: Annotated[Optional[int], ModeDefault("the steps after the last split for depth, 4 for mix")] = None
+    """--pruning depth / mix: window size W in steps"""
     window_shift_every: int = 30
     """--pruning depth / mix: the window moves one step deeper every E iterations"""
     clip_range: float = 1e-3

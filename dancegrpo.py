@@ -33,14 +33,14 @@ from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from common.evaluator import Evaluator
-from common.flags import RunArgs, check_run_args, cli, flags_of, need
+from common.flags import ModeDefault, RunArgs, check_mode_flags, check_run_args, cli, flags_of, need
 from common.logs import reward_stats, summarize
 from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser
 from common.prompts import draw_prompts
@@ -59,8 +59,8 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """SD3 time shift k of the sigma schedule: s' = k s / (1 + (k - 1) s)"""
     sde_type: Literal["dance", "flow"] = "flow"
     """noise schedule g(sigma): 'dance' = constant eta (DanceGRPO), 'flow' = a sqrt(sigma / (1 - sigma)) (Flow-GRPO)"""
-    noise_level: Optional[float] = None
-    """eta for 'dance' (if unset: 0.3), a for 'flow' (if unset: 0.7)"""
+    noise_level: Annotated[Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow")] = None
+    """eta for 'dance', a for 'flow'"""
     group_size: int = 8
     """images per prompt (G); a group may span processes"""
     samples_per_device: int = 64
@@ -69,8 +69,8 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """images per denoiser forward in sampling; also the training micro-batch"""
     same_noise: bool = False
     """one shared initial noise per prompt group (DanceGRPO --init_same_noise)"""
-    timestep_fraction: Optional[float] = None
-    """fraction of a trajectory's SDE steps trained (if unset: 0.6; 1.0 with --sde-window, as MixGRPO)"""
+    timestep_fraction: Annotated[Optional[float], ModeDefault("0.6; 1.0 with --sde-window")] = None
+    """fraction of a trajectory's SDE steps trained (MixGRPO trains its whole window)"""
     samples_per_update: int = 32
     """trajectories (per process) whose gradients are accumulated into one optimizer step"""
     clip_range: float = 1e-3
@@ -90,10 +90,16 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
 # ---------------------------------------------------------------------------------------------------
 # Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
 # ---------------------------------------------------------------------------------------------------
+MODE_FLAGS = [  # a flag of another mode is an error unless left at its default (no dead flags)
+    ("window_shift_every", lambda a: a.sde_window > 0, "--sde-window W > 0 (MixGRPO)"),
+]
+
+
 def resolve_and_check(args: Args) -> tuple[list[str], list[str]]:
     """The defaults that depend on the mode filled in, then this script's flags checked and the shared ones
     (common/flags.py), before a model loads; returns (training prompts, held-out prompts). A bad flag stops the run
     with one `error:` line naming it; the checks that need the number of processes are in main()."""
+    check_mode_flags(args, MODE_FLAGS)
     if args.noise_level is None:
         args.noise_level = 0.3 if args.sde_type == "dance" else 0.7
     if args.timestep_fraction is None:

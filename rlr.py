@@ -47,14 +47,14 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Literal, Optional
+from typing import Annotated, Callable, Literal, Optional
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
 from common.evaluator import Evaluator
-from common.flags import RunArgs, check_run_args, cli, need
+from common.flags import ModeDefault, RunArgs, check_mode_flags, check_run_args, cli, need
 from common.logs import reward_stats, summarize
 from common.models import check_model_id, load_model, trainable_denoiser
 from common.prompts import draw_prompts, load_dcot
@@ -71,8 +71,10 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """SD3 time shift k of the flow sigma schedule: s' = k s / (1 + (k - 1) s)"""
     sde_type: Literal["dance", "flow"] = "flow"
     """flow models' noise schedule g(sigma): 'dance' = constant eta, 'flow' = a sqrt(sigma / (1 - sigma)); unused for SD1.x"""
-    noise_level: Optional[float] = None
-    """eta for 'dance' (if unset: 0.3), a for 'flow' (if unset: 0.7), DDIM eta for SD1.x (if unset: 1.0)"""
+    noise_level: Annotated[Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow, 1.0 for SD1.x")] = (
+        None
+    )
+    """eta for 'dance', a for 'flow', DDIM eta for SD1.x"""
     group_size: int = 4
     """images per prompt; the others' mean reward is each sample's baseline (a group may span processes)"""
     learning_rate: float = 1.2e-3
@@ -81,8 +83,8 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """images sampled per process per iteration; prompts per iteration = processes * this / group size"""
     rollout_batch_size: int = 4
     """images per denoiser forward; also the unit that shares one sub-chain window"""
-    subchain_len: Optional[int] = None
-    """h, the number of denoising steps back-propagated in the half-order sub-chain (if unset: 2, the paper's choice)"""
+    subchain_len: Annotated[Optional[int], ModeDefault("2, the paper's")] = None
+    """h, the number of denoising steps back-propagated in the half-order sub-chain"""
     memory_budget_gb: Optional[float] = None
     """choose h by the paper's h* rule for this memory budget instead of --subchain-len"""
     ho_step_gb: float = 8.0
@@ -97,9 +99,8 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """diffusion chain-of-thought prompt file (TSV: prompt, coarse, medium, fine); replaces --prompts"""
     zo_scale: float = 1e-3
     """sigma, std of the Gaussian parameter perturbation zeta_i of the zero-order steps"""
-    zo_perturbations: Optional[int] = None
-    """independent parameter perturbations per process and iteration (samples split into that many blocks);
-    None = one per rollout chunk"""
+    zo_perturbations: Annotated[Optional[int], ModeDefault("one per rollout chunk")] = None
+    """independent parameter perturbations per process and iteration (samples split into that many blocks)"""
     terms: Literal["fo+ho+zo", "fo+ho", "fo+zo", "fo"] = "fo+ho"
     """estimator terms: fo+ho+zo = RLR (unbiased); the paper's ablations fo+ho = V2 (biased), fo+zo = V3
     (unbiased, every step but the last is ZO), fo = V1 (one-step truncated backprop, AlignProp K=1; biased)"""
@@ -122,10 +123,19 @@ def grad_norm(params) -> float:
     return math.sqrt(sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None))
 
 
+MODE_FLAGS = [  # a flag of another mode is an error unless left at its default (no dead flags)
+    *[(f, lambda a: a.memory_budget_gb is not None, "--memory-budget-gb (the h* rule)") for f in
+      ("ho_step_gb", "zo_step_gb", "variance_ratio")],
+    *[(f, lambda a: "ho" in a.terms, "--terms with ho") for f in ("subchain_len", "memory_budget_gb", "subchain_stage")],
+    *[(f, lambda a: "zo" in a.terms, "--terms with zo") for f in ("zo_scale", "zo_perturbations")],
+]  # fmt: skip
+
+
 def resolve_and_check(args: Args) -> tuple[list[str], list[str]]:
     """The defaults that depend on the mode filled in, then this script's flags checked and the shared ones
     (common/flags.py), before a model loads; returns (training prompts, held-out prompts). A bad flag stops the run
     with one `error:` line naming it; the checks that need the number of processes are in main()."""
+    check_mode_flags(args, MODE_FLAGS)
     if args.memory_budget_gb is not None:
         need(args.subchain_len is None, "give --subchain-len or --memory-budget-gb, not both")
         args.subchain_len = optimal_subchain_len(

@@ -50,7 +50,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from common.evaluator import Evaluator
-from common.flags import RunArgs, check_run_args, cli, flags_of, need
+from common.flags import RunArgs, check_mode_flags, check_run_args, cli, flags_of, need
 from common.logs import reward_stats, summarize
 from common.models import base_weights, frozen_copy, load_model, trainable_denoiser
 from common.prompts import draw_prompts
@@ -109,10 +109,16 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
 # ---------------------------------------------------------------------------------------------------
 # Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
 # ---------------------------------------------------------------------------------------------------
+MODE_FLAGS = [  # a flag of another mode is an error unless left at its default (no dead flags)
+    ("kl_ref", lambda a: a.kl_beta > 0, "--kl-beta > 0"),
+]
+
+
 def resolve_and_check(args: Args) -> tuple[list[str], list[str]]:
     """The defaults that depend on the mode filled in, then this script's flags checked and the shared ones
     (common/flags.py), before a model loads; returns (training prompts, held-out prompts). A bad flag stops the run
     with one `error:` line naming it; the checks that need the number of processes are in main()."""
+    check_mode_flags(args, MODE_FLAGS)
     args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
     need(args.num_steps >= 1 and args.shift > 0, "--num-steps must be >= 1 and --shift > 0")
     need(args.n_mc >= 1, "--n-mc must be >= 1")

@@ -8,6 +8,7 @@ check_run_args(args)     the shared flags, and every input that can be checked b
 check_mode_flags(args, mode_flags)   a flag of a mode not in use refused (no dead flags)
 flags_of(fn, args)       the flags a function takes as keyword-only arguments, by name (the scripts' objectives)
 need(ok, message)        raise InputError(message) unless ok
+ModeDefault(text)        --help shows `text` as the default of a flag whose default depends on the mode
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ from common.prompts import HPDV2_HOWTO, SOURCES, load_prompts
 from common.rewards import SHAPESBENCH_REWARDS, VIDEO_REWARDS, check_reward_weights, parse_reward_spec
 
 
+def ModeDefault(text: str):
+    """Annotated[Optional[T], ModeDefault("0.3 with --sde-type dance, 0.7 with flow")] = None: a flag whose default
+    depends on other flags (None until the script's resolve_and_check fills it in), and --help says which."""
+    return tyro.conf.arg(help_behavior_hint=f"(default: {text})")
+
+
 @dataclass
 class RunArgs:
     """The flags every script shares (the model, the reward, the prompts, the run around the algorithm); each
@@ -40,9 +47,9 @@ class RunArgs:
     drift near the base model where full fine-tuning collapses it (docs/experiments.md). The real-model recipes
     (run.sh, the scripts' docstrings) pass the papers' values."""
 
-    exp_name: Optional[str] = None
-    """run name (if unset: the script's file name and mode, e.g. dancegrpo_mix, branchgrpo_depth: a copied script is its
-    own run family); the run folder is {output_dir}/{exp_name}__{seed}__{unix time}"""
+    exp_name: Annotated[Optional[str], ModeDefault("the script's file name and mode")] = None
+    """run name, e.g. dancegrpo_mix, branchgrpo_depth (a copied script is its own run family); the run folder is
+    {output_dir}/{exp_name}__{seed}__{unix time}"""
     seed: int = 0
     """seed of every random draw (prompts, noise, trained steps, initial weights of LoRA)"""
     output_dir: str = "runs"
@@ -51,10 +58,10 @@ class RunArgs:
     """'shapesbench' (shipped, CPU-sized), or a diffusers FLUX.1 / SD3.5 / Wan2.1 text-to-video (SD1.x for rlr.py)
     folder or hub id; any other model needs --prompts, --eval-prompts and --reward (the ShapesBench defaults are
     refused)"""
-    resolution: Optional[int] = None
-    """square image side in pixels; None = the model's native size (Wan2.1: 480 x 832)"""
-    num_frames: Optional[int] = None
-    """video models (Wan2.1) only: frames per video, 4k + 1 (if unset: the model's own, 81 = 5 s at 16 fps)"""
+    resolution: Annotated[Optional[int], ModeDefault("the model's native size")] = None
+    """square image side in pixels (Wan2.1's native size: 480 x 832)"""
+    num_frames: Annotated[Optional[int], ModeDefault("the model's own")] = None
+    """video models (Wan2.1) only: frames per video, 4k + 1 (Wan2.1's own: 81 = 5 s at 16 fps)"""
     reward_frames: int = 4
     """video models only: an image reward (hpsv2.1, clip, ...) scores this many evenly spaced frames of each video,
     the first and the last among them, and gives their mean"""

@@ -1,10 +1,15 @@
-"""Bad input to the four scripts: one line naming the flag, exit status 2, no traceback, no run folder left behind."""
+"""Bad input to the four scripts: one line naming the flag, exit status 2, no traceback, no run folder left behind;
+a flag of a mode not in use refused; --help shows the default of a flag that depends on the mode."""
 
+import importlib
+import re
 import subprocess
 import sys
 
 import pytest
+import tyro
 
+from common import InputError
 from tests.helpers import ROOT
 
 SCRIPTS = ["dancegrpo.py", "branchgrpo.py", "vgrpo.py", "rlr.py"]
@@ -61,3 +66,43 @@ def test_bad_input_is_one_clear_line(tmp_path, script, case):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and expected in last, last
     assert not out_dir.exists() or not any(out_dir.iterdir())  # no empty run folder left behind
+
+
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [
+        ("dancegrpo", ["--window-shift-every", "5"], "--window-shift-every only applies with --sde-window"),
+        ("branchgrpo", ["--window", "3"], "--window only applies with --pruning depth or mix"),
+        ("vgrpo", ["--kl-ref", "behaviour"], "--kl-ref only applies with --kl-beta > 0"),
+        ("rlr", ["--zo-scale", "0.01"], "--zo-scale only applies with --terms with zo"),
+        ("rlr", ["--ho-step-gb", "4"], "--ho-step-gb only applies with --memory-budget-gb"),
+        ("rlr", ["--terms", "fo", "--subchain-len", "3"], "--subchain-len only applies with --terms with ho"),
+    ],
+)
+def test_a_flag_of_a_mode_not_in_use_is_refused(script, flags, message):
+    module = importlib.import_module(script)
+    with pytest.raises(InputError, match=re.escape(message)):
+        module.resolve_and_check(tyro.cli(module.Args, args=flags))
+
+
+@pytest.mark.parametrize(
+    "script, shown, nones",
+    [
+        (
+            "dancegrpo",
+            ["(default: 0.3 with --sde-type dance, 0.7 with flow)", "(default: 0.6; 1.0 with --sde-window)"],
+            1,
+        ),
+        ("branchgrpo", ["(default: the steps after the last split for depth, 4 for mix)"], 1),
+        ("rlr", ["(default: 2, the paper's)", "(default: one per rollout chunk)"], 3),
+    ],
+)
+def test_help_shows_the_default_of_a_flag_that_depends_on_the_mode(script, shown, nones, capsys):
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit):
+        tyro.cli(module.Args, args=["--help"])
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())  # the help box's lines joined
+    for default in shown:
+        assert default in text
+    # None only where it is the value: --resume-from (a new run); rlr's --memory-budget-gb and --dcot-prompts (off)
+    assert text.count("(default: None)") == nones

@@ -263,7 +263,7 @@ def test_parameter_perturbation_restores_exactly_and_regenerates():
 
 def test_validation_names_the_flag(tmp_path):
     def args(**kw):
-        return R.Args(**{"subchain_len": 2, "zo_perturbations": 4, **kw})
+        return R.Args(**{"subchain_len": 2, "zo_perturbations": 4, "terms": "fo+ho+zo", **kw})
 
     R.resolve_and_check(args())
     for kw, flag in [

@@ -85,7 +85,7 @@ def test_wan_flags_fail_at_start_up(wan_dir):
         check_run_args(tyro.cli(D.Args, args=["--reward", "temporal"]))
     with pytest.raises(InputError, match="is a video model .* trains image models only"):
         rlr.resolve_and_check(
-            tyro.cli(rlr.Args, args=args("--reward", "temporal", "--subchain-len", "2", "--zo-perturbations", "1"))
+            tyro.cli(rlr.Args, args=args("--reward", "temporal", "--subchain-len", "2"))
         )
     with pytest.raises(InputError, match="--num-frames 7: must be 4k"):
         load_model(str(wan_dir), resolution=RES, num_frames=7)
