@@ -9,14 +9,16 @@ Every model (the base, then each --weights) draws the same initial noise for the
 (common/sampling.py): with the run's evaluation settings (--num-steps = its --eval-steps, --batch-size = its rollout
 batch) this command reproduces a run's last held-out evaluation of its final/ weights exactly. Each reward's mean per
 model; each trained model's difference from the base with its paired standard error over prompts (and per HPDv2
-style); on ShapesBench the verifier's accuracies and diversity too. Models are loaded one at a time; every batch's
-scores are cached under --out, so an interrupted evaluation resumes where it stopped. Outputs in --out:
-results.md (the table), results.json (every figure), scores.jsonl (per prompt and model), grid.png (the first
-sample of --grid-prompts prompts, a row per model). docs/evaluate.md has the papers' settings.
+style); on ShapesBench the verifier's accuracies and diversity too. Every --weights is checked against the model
+before anything is sampled; models are loaded one at a time; every batch's scores are cached under --out (each file
+checked on reload: a truncated or foreign one is computed again), so an interrupted evaluation resumes where it
+stopped. Outputs in --out: results.md (the table), results.json (every figure), scores.jsonl (per prompt and model),
+grid.png (the first sample of --grid-prompts prompts, a row per model). docs/evaluate.md has the papers' settings.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -40,7 +42,8 @@ class EvalArgs:
     """the base model (hub id or local diffusers folder), as --model-id of the training scripts"""
     weights: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
     """trained weights to compare with the base (repeat the flag): a run folder (its final/), a final/ folder, a
-    checkpoint (checkpoints/iter_N), a LoRA folder or a full transformer folder; NAME=PATH names its row"""
+    checkpoint (checkpoints/iter_N), a LoRA folder or a full transformer folder; NAME=PATH names its row. Each is
+    checked against the model before anything is sampled"""
     prompts: str = "shapes-eval"
     """shapes-eval, shapes-train, hpdv2 (HPDv2's 3200 test prompts with their styles, from the hub cache), hpdv2=FOLDER
     (its benchmark/*.json), or a text file with one prompt per line"""
@@ -94,61 +97,271 @@ def load_prompt_set(source: str, max_prompts: int) -> tuple[list[str], list[str]
     return prompts, styles
 
 
+LORA_FILE = "pytorch_lora_weights.safetensors"
+EXPECTED = (
+    "expected a run folder (its final/), a final/ folder, a checkpoint (checkpoints/iter_N), a LoRA adapter folder "
+    f"({LORA_FILE}) or a transformer folder of this --model-id's transformer (config.json and its safetensors)"
+)
+
+
+def weights_kind(folder: Path) -> str | None:
+    """What a --weights folder (a run folder's final/ already taken) holds: 'checkpoint' (model.safetensors, an
+    accelerate checkpoint's trained tensors), 'lora' (diffusers' LoRA file), 'transformer' (transformer/ or a
+    config.json), or None."""
+    if (folder / "model.safetensors").is_file():
+        return "checkpoint"
+    if (folder / LORA_FILE).is_file():
+        return "lora"
+    if (folder / "transformer").is_dir() or (folder / "config.json").is_file():
+        return "transformer"
+    return None
+
+
 def weights_folder(spec: str) -> tuple[str, Path]:
-    """--weights [NAME=]PATH -> (row name, the folder that holds the weights): a run folder gives its final/."""
+    """--weights [NAME=]PATH -> (row name, the folder that holds the weights): a run folder gives its final/. Reads
+    the file system only; check_weights compares the folder's contents with the model."""
     name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
-    folder = Path(path).expanduser()
-    if (folder / "final").is_dir():
-        folder = folder / "final"
-    if (folder / "model.safetensors").is_file():  # a checkpoint, checkpoints/iter_N
-        return name or f"{folder.parent.parent.name}/{folder.name}", folder
-    if not ((folder / "pytorch_lora_weights.safetensors").is_file() or (folder / "transformer").is_dir()):
-        if (folder / "config.json").is_file():  # a transformer folder itself
-            return name or folder.name, folder
+    given = Path(path).expanduser()
+    need(given.is_dir(), f"--weights {spec}: {'not a folder' if given.exists() else 'no such folder'}; {EXPECTED}")
+    folder = given / "final" if (given / "final").is_dir() else given
+    kind = weights_kind(folder)
+    if kind is None:
+        unfinished = " (a run folder without a complete final/: give one of its checkpoints/iter_N)"
         raise InputError(
-            f"--weights {spec}: expected a run folder with final/, a final/ folder (transformer/ or "
-            "pytorch_lora_weights.safetensors), a checkpoint (checkpoints/iter_N) or a transformer folder"
+            f"--weights {spec}: {folder} holds no weights that this command reads"
+            + (unfinished if (given / "checkpoints").is_dir() else "")
+            + f"; {EXPECTED}"
         )
+    if kind == "checkpoint":
+        return name or f"{folder.parent.parent.name}/{folder.name}", folder
     return name or (folder.parent.name if folder.name == "final" else folder.name), folder
 
 
+def _header(spec: str, path: Path) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of a safetensors file, from its header alone (which safetensors checks covers the file)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # missing, truncated, not safetensors
+        raise InputError(f"--weights {spec}: {path} unreadable ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+def _read_json(spec: str, path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except Exception as e:
+        raise InputError(f"--weights {spec}: {path} unreadable ({type(e).__name__}); {EXPECTED}") from None
+    need(isinstance(data, dict), f"--weights {spec}: {path} is not a JSON object; {EXPECTED}")
+    return data
+
+
+def _differences(state: dict, own: dict, every) -> str:
+    """'' when the tensors `state` ({name: shape}) are tensors of `own` with their shapes and include every name in
+    `every`; else a short account of the first differences."""
+    missing = sorted(set(every) - set(state))
+    foreign = sorted(set(state) - set(own))
+    shaped = sorted(k for k in set(state) & set(own) if tuple(state[k]) != tuple(own[k]))
+    parts = []
+    for names, what in ((missing, "missing"), (foreign, "unknown"), (shaped, "of other shapes")):
+        if names:
+            k = names[0]
+            parts.append(f"{len(names)} {what}, e.g. {k}" + (f" {state[k]}, not {own[k]}" if names is shaped else ""))
+    return "; ".join(parts)
+
+
+def check_weights(model, spec: str, folder: Path) -> None:
+    """Check that `folder` (weights_folder's) loads into model.transformer before anything is sampled: its configs
+    and the headers of its safetensors files (names and shapes), never its tensors; model is left as it was. An
+    InputError naming --weights and the folder otherwise."""
+    transformer = model.transformer
+    cls = type(transformer).__name__
+    own = {k: tuple(v.shape) for k, v in transformer.state_dict().items()}
+    kind = weights_kind(folder)
+    if kind == "checkpoint":
+        path = folder / "model.safetensors"
+        state = {k.removeprefix("module."): s for k, s in _header(spec, path).items()}  # DDP's prefix
+        if any(".lora_" in k for k in state):
+            need(
+                (folder / "adapter_config.json").is_file(),
+                f"--weights {spec}: a LoRA checkpoint without adapter_config.json (written since 2026-12); give final/",
+            )
+            own = _with_adapter(spec, transformer, folder / "adapter_config.json")
+            every = [k for k in own if ".lora_" in k]  # the adapter whole; the base comes from --model-id
+        else:
+            every = own  # a full fine-tune: every weight
+        wrong = _differences(state, own, every)
+        need(not wrong, f"--weights {spec}: {path} holds tensors that are not {cls}'s ({wrong}); another --model-id?")
+    elif kind == "lora":
+        path = folder / LORA_FILE
+        wrong = _lora_differences(_header(spec, path), transformer)
+        need(not wrong, f"--weights {spec}: {path} is not a LoRA adapter of {cls} ({wrong}); another --model-id?")
+    else:
+        source = folder / "transformer" if (folder / "transformer").is_dir() else folder
+        need((source / "config.json").is_file(), f"--weights {spec}: {source} has no config.json; {EXPECTED}")
+        config = _read_json(spec, source / "config.json")
+        theirs = config.get("_class_name")
+        need(
+            theirs == cls,
+            f"--weights {spec}: {source / 'config.json'} is "
+            + (f"the config of {theirs}" if theirs else "no diffusers model's config")
+            + f", not of {cls} (this --model-id's transformer); {EXPECTED}",
+        )
+        differ = [k for k, v in transformer.config.items() if not k.startswith("_") and k in config
+                  and json.dumps(config[k], sort_keys=True, default=list) != json.dumps(v, sort_keys=True, default=list)]  # fmt: skip
+        need(
+            not differ,
+            f"--weights {spec}: {source / 'config.json'} is another {cls} than this --model-id's ("
+            + ", ".join(f"{k} {config[k]}, not {transformer.config[k]}" for k in differ[:3])
+            + ")",
+        )
+        index = source / "diffusion_pytorch_model.safetensors.index.json"
+        if (source / "diffusion_pytorch_model.safetensors").is_file():
+            files = [source / "diffusion_pytorch_model.safetensors"]
+        elif index.is_file():
+            weight_map = _read_json(spec, index).get("weight_map")
+            need(isinstance(weight_map, dict), f"--weights {spec}: {index} has no weight_map")
+            files = [source / f for f in sorted(set(weight_map.values()))]
+        else:
+            raise InputError(f"--weights {spec}: {source} has no diffusion_pytorch_model.safetensors; {EXPECTED}")
+        state = {k: s for f in files for k, s in _header(spec, f).items()}
+        wrong = _differences(state, own, own)
+        need(not wrong, f"--weights {spec}: {source}'s weights are not {cls}'s ({wrong})")
+
+
+def _with_adapter(spec: str, transformer, config_path: Path) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of `transformer`'s state dict with the LoRA adapter of `config_path` added, computed on an empty
+    (meta) copy, so that the model itself is not touched."""
+    from accelerate import init_empty_weights
+    from peft import LoraConfig
+
+    try:
+        config = LoraConfig(**_read_json(spec, config_path))
+        with init_empty_weights():
+            empty = type(transformer).from_config(transformer.config)
+        empty.add_adapter(config)
+    except InputError:
+        raise
+    except Exception as e:  # keys of another peft, targets the transformer lacks
+        raise InputError(f"--weights {spec}: {config_path} does not fit {type(transformer).__name__} "
+                         f"({type(e).__name__}: {str(e)[:160]})") from None  # fmt: skip
+    return {k: tuple(v.shape) for k, v in empty.state_dict().items()}
+
+
+def _lora_differences(state: dict, transformer) -> str:
+    """'' when the tensors of a diffusers LoRA file ({name: shape}) all belong to modules of `transformer`
+    ('transformer.<module>.lora_A.weight' ...) with their in / out sizes; else a short account of the first one."""
+    modules = dict(transformer.named_modules())
+    ranks = {}
+    for key, shape in sorted(state.items()):
+        inner = key.removeprefix("transformer.")
+        module, sep, part = inner.partition(".lora_")
+        if inner == key or not sep or module not in modules:
+            return f"{key} is no module of it"
+        weight = getattr(modules[module], "weight", None)
+        if part in ("A.weight", "B.weight"):
+            side = 1 if part == "A.weight" else 0  # A: (rank, in, ...); B: (out, rank, ...)
+            if weight is None or min(len(shape), weight.ndim) < 2 or shape[side] != weight.shape[side]:
+                return f"{key}: {shape}, not for a {tuple(weight.shape) if weight is not None else 'weightless'} module"
+            if ranks.setdefault(module, shape[1 - side]) != shape[1 - side]:
+                return f"{module}: lora_A and lora_B of other ranks"
+    return "" if any(k.endswith(".lora_A.weight") for k in state) else "no lora_A tensors"
+
+
 def load_weights(model, folder: Path) -> None:
-    """Put the weights of `folder` (weights_folder's) into model.transformer: a LoRA adapter as diffusers' loader
-    reads it, a checkpoint's trained tensors (LoRA: with its adapter_config.json; full fine-tuning: every weight), or a
-    full transformer's state dict (into the loaded module, which keeps the model's processors)."""
-    if (folder / "model.safetensors").is_file():
+    """Put the weights of `folder` (weights_folder's, passed by check_weights) into model.transformer: a LoRA adapter
+    as diffusers' loader reads it, a checkpoint's trained tensors (LoRA: with its adapter_config.json; full
+    fine-tuning: every weight), or a full transformer's state dict (into the loaded module, which keeps the model's
+    processors)."""
+    kind = weights_kind(folder)
+    if kind == "checkpoint":
         from peft import LoraConfig
         from safetensors.torch import load_file
 
         state = {k.removeprefix("module."): v for k, v in load_file(folder / "model.safetensors").items()}  # DDP's
-        lora = any(".lora_" in k for k in state)
-        need(
-            not lora or (folder / "adapter_config.json").is_file(),
-            f"--weights {folder}: a LoRA checkpoint without adapter_config.json (written since 2026-12); give final/",
-        )
-        if lora:
+        if any(".lora_" in k for k in state):
             model.transformer.add_adapter(LoraConfig(**json.loads((folder / "adapter_config.json").read_text())))
         own = model.transformer.state_dict()
-        need(
-            set(state) <= set(own) and (not lora or {k for k in own if ".lora_" in k} <= set(state)),
-            f"--weights {folder}: the checkpoint's tensors are not {model.kind}'s transformer's (another --model-id?)",
-        )
         model.transformer.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=False)
-        return
-    if (folder / "pytorch_lora_weights.safetensors").is_file():
+    elif kind == "lora":
         model.transformer.load_lora_adapter(str(folder), prefix="transformer", use_safetensors=True)
-        return
-    source = folder / "transformer" if (folder / "transformer").is_dir() else folder
-    full = type(model.transformer).from_pretrained(source, torch_dtype=model.transformer.dtype)
-    model.transformer.load_state_dict(full.state_dict())
+    else:
+        source = folder / "transformer" if (folder / "transformer").is_dir() else folder
+        full = type(model.transformer).from_pretrained(source, torch_dtype=model.transformer.dtype)
+        model.transformer.load_state_dict(full.state_dict())
 
 
 # ---------------------------------------------------------------------------------------------------
 # Scoring: batches sharded over processes, each cached
 # ---------------------------------------------------------------------------------------------------
-def score_model(args, model, reward_fn, prompts, accelerator, cache: Path, grid: list[int], keep_images: bool) -> list:
-    """Per batch of this process (batch b of [b B, (b + 1) B), process b mod world): {start, scores: name -> (n,),
-    images of the grid's samples, all images on ShapesBench}. A batch found in `cache` is not computed again."""
+BATCH_FILE = "batch_{:05d}.pt"  # batch b of a model's cache: samples [b B, (b + 1) B)
+
+
+def cache_key(setting: dict, name: str, source: str | None) -> str:
+    """The key of a model's cached batches: the settings that change a score (those of cache/settings.json), the
+    row's name and its weights."""
+    blob = json.dumps({"settings": setting, "model": name, "weights": source}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def batch_problem(record, expect: dict) -> str:
+    """'' when a loaded batch file's `record` is the batch `expect` describes ({batch, start, key, prompts, grid: how
+    many grid samples, images: whether all images are kept}); else why it is not."""
+    n = len(expect["prompts"])
+    if not isinstance(record, dict):
+        return f"holds a {type(record).__name__}, not a batch record"
+    if record.get("key") != expect["key"]:
+        return "is another evaluation's or another model's (its key differs)"
+    if (record.get("batch"), record.get("start")) != (expect["batch"], expect["start"]):
+        return f"holds batch {record.get('batch')}, not batch {expect['batch']}"
+    if record.get("prompts") != expect["prompts"]:
+        return "holds other prompts"
+    scores, grid, images = record.get("scores"), record.get("grid"), record.get("images")
+
+    def tensor(x, *shape):
+        return isinstance(x, torch.Tensor) and x.is_floating_point() and tuple(x.shape[: len(shape)]) == shape
+
+    if not (
+        isinstance(scores, dict) and "total" in scores and all(tensor(v, n) and v.ndim == 1 for v in scores.values())
+    ):
+        return f"its scores are not {n} numbers per reward"
+    if not (tensor(grid, expect["grid"]) and grid.ndim in (4, 5)):
+        return f"its grid images are not {expect['grid']} images"
+    if expect["images"] and not (tensor(images, n) and images.shape[1:] == grid.shape[1:]):
+        return f"its images are not {n} images"
+    if not expect["images"] and not (isinstance(images, torch.Tensor) and images.numel() == 0):
+        return "holds images it should not"
+    return ""
+
+
+def load_batch(path: Path, expect: dict) -> tuple[dict | None, str]:
+    """(the record of a batch file, '') or (None, why it may not be used). Tensors and plain types only."""
+    try:
+        record = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, empty, not a torch file, pickled objects
+        return None, f"unreadable ({type(e).__name__})"
+    problem = batch_problem(record, expect)
+    return (None, problem) if problem else (record, "")
+
+
+def save_atomically(obj, path: Path) -> None:
+    """torch.save (dict: JSON) under a temporary name in the same folder, then renamed: a crash never leaves a partial
+    file under `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    if path.suffix == ".json":
+        tmp.write_text(json.dumps(obj, indent=1))
+    else:
+        torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def score_model(args, model, reward_fn, prompts, accelerator, cache: Path, grid: list[int], keep_images: bool,
+                key: str) -> list:  # fmt: skip
+    """Per batch of this process (batch b of [b B, (b + 1) B), process b mod world): {batch, start, key, prompts,
+    scores: name -> (n,), images of the grid's samples, all images on ShapesBench}. A batch file in `cache` is used
+    only if it loads and is this batch (load_batch); else the batch is computed again, and a line says so."""
     n, B = len(prompts), args.batch_size
     noise = fixed_noise(args.seed, "eval", model.latent_shape(), 0, n)  # sample j's noise, as the Evaluator's
     sampler = ode_sampler(
@@ -157,23 +370,29 @@ def score_model(args, model, reward_fn, prompts, accelerator, cache: Path, grid:
     mine = list(range(0, n, B))[accelerator.process_index :: accelerator.num_processes]
     out = []
     for start in tqdm(mine, desc=cache.name, disable=not accelerator.is_local_main_process):
-        path = cache / f"{start:06d}.pt"
-        if path.is_file():
-            out.append(torch.load(path, weights_only=True))
-            continue
         sl = slice(start, min(start + B, n))
+        shown = [j - start for j in range(sl.start, sl.stop) if j in grid]
+        path = cache / BATCH_FILE.format(start // B)
+        expect = dict(batch=start // B, start=start, key=key, prompts=prompts[sl], grid=len(shown), images=keep_images)
+        if path.exists():
+            record, problem = load_batch(path, expect)
+            if record is not None:
+                out.append(record)
+                continue
+            tqdm.write(f"cache: {path} {problem}, computed again")
         with torch.no_grad():
             images = sample_prompts(sampler, model, prompts[sl], noise[sl], B).float()
             total, parts = reward_fn(images, prompts[sl])
         record = {
+            "batch": start // B,
             "start": start,
+            "key": key,
+            "prompts": prompts[sl],
             "scores": {"total": total.cpu(), **{k: v.float().cpu() for k, v in parts.items()}},
-            "grid": images[[j - start for j in range(sl.start, sl.stop) if j in grid]].cpu(),
+            "grid": images[shown].cpu(),
             "images": images.cpu() if keep_images else torch.zeros(0),
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(record, path.with_suffix(".tmp"))
-        os.replace(path.with_suffix(".tmp"), path)  # a killed evaluation leaves no partial batch
+        save_atomically(record, path)
         out.append(record)
     return out
 
@@ -217,7 +436,6 @@ def main(args: EvalArgs) -> None:
     S = args.samples_per_prompt
     prompts = [p for p in prompt_list for _ in range(S)]  # sample j: prompt j // S, noise keyed on j
     grid = [i * S for i in evenly_spaced(list(range(len(prompt_list))), args.grid_prompts)]  # their first samples
-    reward_fn = build_reward(args.reward, device, args.reward_checkpoints())
     setting = dict(model_id=args.model_id, prompts=args.prompts, n_prompts=len(prompt_list), samples_per_prompt=S,
                    num_steps=args.num_steps, shift=args.shift, guidance_scale=args.guidance_scale,
                    resolution=args.resolution, num_frames=args.num_frames, mixed_precision=args.mixed_precision,
@@ -226,28 +444,44 @@ def main(args: EvalArgs) -> None:
     # the cache holds the batches of one setting, each model's under its row name: a name may not change its weights
     sources = {name: str(folder) for name, folder in models}
     saved = out / "cache" / "settings.json"
-    cached = json.loads(saved.read_text()) if saved.is_file() else {"settings": setting, "weights": sources}
+    cached = {"settings": setting, "weights": sources}
+    if saved.is_file():
+        try:
+            cached = json.loads(saved.read_text())
+            ok = isinstance(cached, dict) and isinstance(cached.get("weights"), dict)
+            why = "" if ok else "not a settings record"
+        except Exception as e:  # written whole (save_atomically), so changed by hand
+            why = f"unreadable ({type(e).__name__})"
+        need(not why, f"--out {out}: {saved} {why}; give another --out, or delete the file (each cached batch is "
+             "checked on its own)")  # fmt: skip
     moved = [m for m, src in sources.items() if cached["weights"].get(m, src) != src]
     need(
-        cached["settings"] == setting and not moved,
+        cached.get("settings") == setting and not moved,
         f"--out {out}: its cache holds another evaluation's batches"
         + (f" (another {', '.join(moved)})" if moved else "")
         + "; give another --out",
     )
-    accelerator.wait_for_everyone()  # every process has read it before the main one writes it
+
+    # ---------------------------------------------------------------- every --weights checked before any sampling
+    base = load_model(args.model_id, device, dtype, args.resolution, args.num_frames)
+    for spec, (_, folder) in zip(args.weights, models[1:]):
+        check_weights(base, spec, folder)
+    accelerator.wait_for_everyone()  # every process has read settings.json before the main one writes it
     if accelerator.is_main_process:
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps({"settings": setting, "weights": cached["weights"] | sources}, indent=1))
+        save_atomically({"settings": setting, "weights": cached["weights"] | sources}, saved)
+    reward_fn = build_reward(args.reward, device, args.reward_checkpoints())
 
     # ---------------------------------------------------------------- each model in turn, sharded over processes
     records = {}
     for name, folder in models:
-        model = load_model(args.model_id, device, dtype, args.resolution, args.num_frames)
+        model = base if folder is None else load_model(args.model_id, device, dtype, args.resolution, args.num_frames)
+        base = None  # loaded once, for the first row
         if folder is not None:
             load_weights(model, folder)
         model.transformer.eval()
+        key = cache_key(setting, name, sources[name])
         mine = score_model(args, model, reward_fn, prompts, accelerator, out / "cache" / name, grid,
-                           model.kind == "shapes")  # fmt: skip
+                           model.kind == "shapes", key)  # fmt: skip
         records[name] = sorted(gather_object(mine), key=lambda r: r["start"])  # every process's batches
         del model
     if accelerator.is_main_process:

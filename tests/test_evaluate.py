@@ -1,10 +1,14 @@
 """python -m common.evaluate: a run's final/ scored with the run's own evaluation settings gives exactly the run's
 last held-out evaluation (and the base model its first); an interrupted evaluation recomputes only the batches it
-had not cached; two processes give the table of one; tiny FLUX and tiny Wan end to end; paired differences by hand."""
+had not cached, and a truncated or foreign batch file is computed again; --weights that are not this model's are
+refused before anything is sampled; two processes give the table of one; tiny FLUX and tiny Wan end to end; paired
+differences by hand."""
 
 import json
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -12,9 +16,10 @@ import pytest
 import torch
 import tyro
 
+from common import InputError
 from common import evaluate as E
 from common.models import add_lora, load_model, save_trained_weights
-from tests.helpers import ROOT, find_run, metrics, run_script
+from tests.helpers import ROOT, SHIPPED, find_run, metrics, run_script
 from tests.tiny import BUILDERS, RES
 
 TRAIN = ["--iterations", "2", "--samples-per-device", "8", "--group-size", "4", "--rollout-batch-size", "4",
@@ -44,7 +49,7 @@ def test_a_runs_final_weights_give_its_last_evaluation_and_an_interrupted_evalua
     assert len((out / "scores.jsonl").read_text().splitlines()) == 8
 
     # interrupted: one batch of the trained model was never written; only it is sampled again
-    (out / "cache" / "trained" / "000004.pt").unlink()
+    (out / "cache" / "trained" / "batch_00001.pt").unlink()
     calls = []
     monkeypatch.setattr(E, "sample_prompts", lambda *a, **kw: calls.append(1) or sample_prompts(*a, **kw))
     E.main(tyro.cli(E.EvalArgs, args=argv))
@@ -65,6 +70,73 @@ def test_a_runs_final_weights_give_its_last_evaluation_and_an_interrupted_evalua
 
 
 sample_prompts = E.sample_prompts
+SMALL = ["--num-steps", "2", "--samples-per-prompt", "2", "--max-prompts", "6", "--batch-size", "4", "--reward", "shapes",
+         "--grid-prompts", "2"]  # fmt: skip  # 12 samples: 3 batches of the base model
+
+
+def test_a_truncated_or_another_batchs_cache_file_is_computed_again(tmp_path, monkeypatch, capsys):
+    """Each batch file is checked on reload (it loads; its key, batch index, prompts, shapes): one that fails is
+    computed again, with a line naming it, and the results are a clean evaluation's exactly."""
+    out, other = tmp_path / "eval", tmp_path / "other"
+    E.main(tyro.cli(E.EvalArgs, args=[*SMALL, "--out", str(out)]))
+    clean = json.loads((out / "results.json").read_text())
+    E.main(tyro.cli(E.EvalArgs, args=[*SMALL, "--seed", "1", "--out", str(other)]))  # other settings, same shapes
+    cache = out / "cache" / "base"
+    shutil.copy(cache / "batch_00001.pt", cache / "batch_00002.pt")  # another batch's record
+    shutil.copy(other / "cache" / "base" / "batch_00001.pt", cache / "batch_00001.pt")  # another evaluation's
+    data = (cache / "batch_00000.pt").read_bytes()
+    (cache / "batch_00000.pt").write_bytes(data[: len(data) // 2])  # cut off, as by a full disk
+    capsys.readouterr()
+    calls = []
+    monkeypatch.setattr(E, "sample_prompts", lambda *a, **kw: calls.append(1) or sample_prompts(*a, **kw))
+    E.main(tyro.cli(E.EvalArgs, args=[*SMALL, "--out", str(out)]))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("cache:")]
+    assert len(lines) == 3, lines
+    assert re.fullmatch(rf"cache: {re.escape(str(cache))}/batch_00000.pt unreadable \((OSError|EOFError|RuntimeError)\), "
+                        "computed again", lines[0])  # fmt: skip  # the error depends on where the file ends
+    assert lines[1:] == [
+        f"cache: {cache / 'batch_00001.pt'} is another evaluation's or another model's (its key differs), computed again",
+        f"cache: {cache / 'batch_00002.pt'} holds batch 1, not batch 2, computed again",
+    ]
+    assert len(calls) == 3 and json.loads((out / "results.json").read_text()) == clean
+    assert not list(cache.glob(".*.tmp"))  # written under a temporary name, then renamed
+
+    E.main(tyro.cli(E.EvalArgs, args=[*SMALL, "--out", str(out)]))  # now every batch is a good one
+    assert len(calls) == 3 and "cache:" not in capsys.readouterr().out
+    (out / "cache" / "settings.json").write_text('{"settings": ')  # the cache's index, changed by hand: refused
+    with pytest.raises(InputError, match=r"settings.json unreadable \(JSONDecodeError\); give another --out"):
+        E.main(tyro.cli(E.EvalArgs, args=[*SMALL, "--out", str(out)]))
+
+
+def test_weights_that_are_not_this_models_are_refused_before_anything_is_sampled(tmp_path, monkeypatch):
+    """A folder with a foreign config.json (a VAE's) and an empty folder: one `error:` line naming --weights and the
+    folder, exit status 2, no traceback, and nothing written to --out (the base model was not scored)."""
+    vae, empty = tmp_path / "vae", tmp_path / "empty"
+    vae.mkdir()
+    empty.mkdir()
+    (vae / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKL", "latent_channels": 4}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for folder, why in ((vae, "config of AutoencoderKL, not of SD3Transformer2DModel"), (empty, "holds no weights")):
+        run = subprocess.run([sys.executable, "-m", "common.evaluate", *SMALL, "--weights", str(folder), "--out",
+                              str(tmp_path / "eval")], cwd=ROOT, env=env, capture_output=True, text=True)  # fmt: skip
+        errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+        assert run.returncode == 2 and len(errors) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+        assert errors[0].startswith(f"error: --weights {folder}: ") and why in errors[0], errors
+        assert "expected a run folder" in errors[0]  # and what it takes
+        assert not (tmp_path / "eval").exists()  # no batch file, no settings.json: nothing was sampled
+
+    # a transformer folder of this class but other shapes, or without its weights: refused the same way
+    config = json.loads((SHIPPED / "transformer" / "config.json").read_text())
+    for name, changes, why in (("shallow", {"num_layers": 2}, "num_layers 2, not 4"),
+                               ("bare", {}, "has no diffusion_pytorch_model.safetensors")):  # fmt: skip
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config | changes))
+        monkeypatch.setattr(E, "sample_prompts", lambda *a, **kw: pytest.fail("sampled"))
+        with pytest.raises(InputError, match=re.escape(f"--weights {tmp_path / name}: ") + f".*{why}"):
+            E.main(
+                tyro.cli(E.EvalArgs, args=[*SMALL, "--weights", str(tmp_path / name), "--out", str(tmp_path / "eval")])
+            )
+        assert not (tmp_path / "eval").exists()
 
 
 def test_paired_standard_error_by_hand():
