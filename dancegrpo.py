@@ -44,7 +44,7 @@ from common.flags import ModeDefault, RunArgs, check_mode_flags, check_run_args,
 from common.logs import reward_stats, summarize
 from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser
 from common.prompts import draw_prompts
-from common.rewards import build_reward
+from common.rewards import RewardSpec, build_reward
 from common.runs import Run, all_finite
 from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> a generator
 
@@ -95,9 +95,9 @@ MODE_FLAGS = [  # a flag of another mode is an error unless left at its default 
 ]
 
 
-def resolve_and_check(args: Args) -> tuple[list[str], list[str]]:
+def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     """The defaults that depend on the mode filled in, then this script's flags checked and the shared ones
-    (common/flags.py), before a model loads; returns (training prompts, held-out prompts). A bad flag stops the run
+    (common/flags.py), before a model loads; returns (training prompts, held-out prompts, the parsed --reward). A bad flag stops the run
     with one `error:` line naming it; the checks that need the number of processes are in main()."""
     check_mode_flags(args, MODE_FLAGS)
     if args.noise_level is None:
@@ -245,7 +245,9 @@ def main(args: Args):
     # ---------------------------------------------------------------- SETUP
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     world, rank = accelerator.num_processes, accelerator.process_index
-    prompt_lists = resolve_and_check(args)  # every flag and input checked (prompt files read) before a model loads
+    inputs = resolve_and_check(
+        args
+    )  # every flag and input checked (prompts read, --reward parsed) before a model loads
     S, G = args.samples_per_device, args.group_size
     need(S * world % G == 0, f"--samples-per-device {S} x {world} processes must be a multiple of --group-size {G}")
     frozen = args.kl_beta > 0 and not args.lora  # KL reference: a frozen copy of the base (LoRA: adapter off)
@@ -265,8 +267,8 @@ def main(args: Args):
     ref = denoiser if args.lora else frozen_copy(denoiser, frozen_dtype) if frozen else None
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
-    train_prompts, eval_prompts = prompt_lists
-    reward_fn = build_reward(args.reward, device, args.reward_checkpoints(), args.offload_frozen, args.reward_frames)
+    train_prompts, eval_prompts, reward_spec = inputs
+    reward_fn = build_reward(reward_spec, device, args.offload_frozen, args.reward_frames)
 
     # ---------------------------------------------------------------- OPTIMIZER
     params = [p for p in denoiser.parameters() if p.requires_grad]

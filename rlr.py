@@ -58,7 +58,7 @@ from common.flags import ModeDefault, RunArgs, check_mode_flags, check_run_args,
 from common.logs import reward_stats, summarize
 from common.models import check_model_id, load_model, trainable_denoiser
 from common.prompts import draw_prompts, load_dcot
-from common.rewards import DIFFERENTIABLE, VIDEO_REWARDS, build_reward, is_differentiable, parse_reward_spec
+from common.rewards import RewardSpec, build_reward
 from common.runs import Run, all_finite
 from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> a generator
 
@@ -131,9 +131,9 @@ MODE_FLAGS = [  # a flag of another mode is an error unless left at its default 
 ]  # fmt: skip
 
 
-def resolve_and_check(args: Args) -> tuple[list[str], list[str]]:
+def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     """The defaults that depend on the mode filled in, then this script's flags checked and the shared ones
-    (common/flags.py), before a model loads; returns (training prompts, held-out prompts). A bad flag stops the run
+    (common/flags.py), before a model loads; returns (training prompts, held-out prompts, the parsed --reward). A bad flag stops the run
     with one `error:` line naming it; the checks that need the number of processes are in main()."""
     check_mode_flags(args, MODE_FLAGS)
     if args.memory_budget_gb is not None:
@@ -172,20 +172,12 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str]]:
         "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size",
     )
     need(args.zo_scale > 0, "--zo-scale must be > 0")
-    ckpts = args.reward_checkpoints()  # a reward scored over HTTP (--reward-url) is not differentiable
-    bad = [name for name, w in parse_reward_spec(args.reward) if w != 0 and not is_differentiable(name, ckpts)]
-    good = ", ".join(n for n, d in DIFFERENTIABLE.items() if d and n not in VIDEO_REWARDS)
-    need(
-        not bad,
-        f"--reward {args.reward}: {', '.join(bad)} is not differentiable, and RLR's first-order term backpropagates "
-        f"through the reward; use a differentiable one ({good}, not "
-        "served over --reward-url) or give it weight 0 to log it",
-    )
-    train_prompts, eval_prompts = check_run_args(args, video=False)  # RLR's paper trains images
+    # RLR's paper trains images; its first-order term backpropagates through the reward
+    train_prompts, eval_prompts, reward_spec = check_run_args(args, video=False, differentiable=True)
     if args.dcot_prompts is not None:
         need(args.prompts == "shapes-train", "--dcot-prompts replaces --prompts: give one of them")
         train_prompts = list(load_dcot(args.dcot_prompts))
-    return train_prompts, eval_prompts
+    return train_prompts, eval_prompts, reward_spec
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -437,7 +429,9 @@ def main(args: Args):
     # ---------------------------------------------------------------- SETUP
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     world, rank = accelerator.num_processes, accelerator.process_index
-    prompt_lists = resolve_and_check(args)  # every flag and input checked (prompt files read) before a model loads
+    inputs = resolve_and_check(
+        args
+    )  # every flag and input checked (prompts read, --reward parsed) before a model loads
     T, S, B, G = args.num_steps, args.samples_per_device, args.rollout_batch_size, args.group_size
     need(S * world % G == 0, f"--samples-per-device {S} x {world} processes must be a multiple of --group-size {G}")
     need(
@@ -463,9 +457,9 @@ def main(args: Args):
     denoiser = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
-    train_prompts, eval_prompts = prompt_lists
+    train_prompts, eval_prompts, reward_spec = inputs
     dcot = load_dcot(args.dcot_prompts) if args.dcot_prompts else None
-    reward_fn = build_reward(args.reward, device, args.reward_checkpoints(), offload=args.offload_frozen)
+    reward_fn = build_reward(reward_spec, device, args.offload_frozen)
 
     # ---------------------------------------------------------------- OPTIMIZER
     params = [p for p in denoiser.parameters() if p.requires_grad]

@@ -54,7 +54,7 @@ from common.flags import RunArgs, check_mode_flags, check_run_args, cli, flags_o
 from common.logs import reward_stats, summarize
 from common.models import base_weights, frozen_copy, load_model, trainable_denoiser
 from common.prompts import draw_prompts
-from common.rewards import build_reward, parse_reward_spec
+from common.rewards import RewardSpec, build_reward
 from common.runs import Run, all_finite
 from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> a generator
 
@@ -114,9 +114,9 @@ MODE_FLAGS = [  # a flag of another mode is an error unless left at its default 
 ]
 
 
-def resolve_and_check(args: Args) -> tuple[list[str], list[str]]:
+def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     """The defaults that depend on the mode filled in, then this script's flags checked and the shared ones
-    (common/flags.py), before a model loads; returns (training prompts, held-out prompts). A bad flag stops the run
+    (common/flags.py), before a model loads; returns (training prompts, held-out prompts, the parsed --reward). A bad flag stops the run
     with one `error:` line naming it; the checks that need the number of processes are in main()."""
     check_mode_flags(args, MODE_FLAGS)
     args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
@@ -140,12 +140,7 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str]]:
         args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0 and args.adv_soft_clip >= 0,
         "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0, --adv-soft-clip >= 0",
     )
-    prompts = check_run_args(args)
-    need(
-        any(w != 0 for _, w in parse_reward_spec(args.reward)),
-        "--reward needs at least one component with a non-zero weight",
-    )
-    return prompts
+    return check_run_args(args)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -332,7 +327,9 @@ def main(args: Args):
     # ---------------------------------------------------------------- SETUP
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     world, rank = accelerator.num_processes, accelerator.process_index
-    prompt_lists = resolve_and_check(args)  # every flag and input checked (prompt files read) before a model loads
+    inputs = resolve_and_check(
+        args
+    )  # every flag and input checked (prompts read, --reward parsed) before a model loads
     S, G = args.samples_per_device, args.group_size
     need(S * world % G == 0, f"--samples-per-device {S} x {world} processes must be a multiple of --group-size {G}")
     base_kl = args.kl_beta > 0 and args.kl_ref == "base"
@@ -354,9 +351,8 @@ def main(args: Args):
     ref = (denoiser if args.lora else frozen_copy(denoiser, frozen_dtype)) if base_kl else None
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
-    train_prompts, eval_prompts = prompt_lists
-    reward_fn = build_reward(args.reward, device, args.reward_checkpoints(), args.offload_frozen, args.reward_frames)
-    reward_weights = dict(parse_reward_spec(args.reward))  # canonical name -> weight, the keys of reward_fn's parts
+    train_prompts, eval_prompts, reward_spec = inputs
+    reward_fn = build_reward(reward_spec, device, args.offload_frozen, args.reward_frames)
 
     # ---------------------------------------------------------------- OPTIMIZER
     params = [p for p in denoiser.parameters() if p.requires_grad]
@@ -442,7 +438,7 @@ def main(args: Args):
         all_rewards = accelerator.gather(rewards.float().to(device))  # (world * S,) in global sample order
         parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
         per_reward = args.advantage_aggregation == "per-reward"
-        scores, weights = (parts, reward_weights) if per_reward else ({"sum": all_rewards}, {"sum": 1.0})
+        scores, weights = (parts, reward_fn.weights) if per_reward else ({"sum": all_rewards}, {"sum": 1.0})
         all_adv = combined_advantages(scores, weights, args.group_size, args.adv_clip_max, args.adv_soft_clip)
         adv = all_adv[rank * args.samples_per_device : (rank + 1) * args.samples_per_device]
         all_old = accelerator.gather(old_values.mean(1))  # (world * S,) per-image behaviour surrogates, for logging

@@ -133,13 +133,13 @@ def measure(
     import vgrpo as V
     from common.models import add_lora, load_model
     from common.prompts import load_prompts
-    from common.rewards import build_reward
+    from common.rewards import build_reward, parse_rewards
 
     torch.manual_seed(0)
     model = load_model(model_id)
     tr = add_lora(model.transformer.float(), 32, 64.0)
     params = [p for p in tr.parameters() if p.requires_grad]
-    reward, prompts = build_reward("shapes", "cpu"), load_prompts("shapes-train")
+    reward, prompts = build_reward(parse_rewards("shapes"), "cpu"), load_prompts("shapes-train")
     sig = D.sigma_schedule(10, 3.0)
     g = D.noise_g(sig, sde_type, noise_level)
 

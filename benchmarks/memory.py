@@ -607,10 +607,10 @@ def score_samples(reward, spec: str, frames: int, samples):
     videos (n, F, 3, H, W), with the components that hold GPU memory: HPSv2.1 (`reward`, its network), on `frames`
     evenly spaced frames of each video (--reward-frames), and 'temporal' (videos). Others (jpeg, ...) are left out:
     they work on the CPU or are not modelled (reward_model refuses pickscore and clip)."""
-    from common.rewards import CompositeReward, ScoreFn, parse_reward_spec, temporal
+    from common.rewards import CompositeReward, ScoreFn, parse_rewards, temporal
 
     parts = []
-    for name, weight in parse_reward_spec(spec):
+    for name, weight in parse_rewards(spec).weights.items():
         if name == "hpsv2.1" and reward is not None:
             parts.append((name, weight, ScoreFn(lambda x, prompts: hps_score(reward, x), differentiable=True)))
         elif name == "temporal":
@@ -783,9 +783,9 @@ def parse_args(script: str, flags: list[str]):
 
 def reward_model(spec: str, parts: dict):
     """The reward network's config for --reward (HPSv2.1; None: the reward has no network, e.g. jpeg)."""
-    from common.rewards import parse_reward_spec
+    from common.rewards import parse_rewards
 
-    names = {name for name, _ in parse_reward_spec(spec)}  # every component runs, weight 0 too (for logging)
+    names = set(parse_rewards(spec).weights)  # every component runs, weight 0 too (for logging)
     unknown = names & {"pickscore", "clip"}
     if unknown:
         raise ValueError(f"--reward {spec}: {', '.join(sorted(unknown))} is not modelled here (HPSv2.1 is)")

@@ -44,13 +44,13 @@ def worker(a) -> dict:
     import rlr as R
     from common.models import load_model
     from common.prompts import load_prompts
-    from common.rewards import build_reward
+    from common.rewards import build_reward, parse_rewards
 
     device = torch.device(a.device)
     model = load_model(a.model_id, device=device)
     module = (model.unet if model.kind == "sd1" else model.transformer).float().eval()
     params = [p for p in module.parameters() if p.requires_grad]
-    reward_fn = build_reward(a.reward, device)
+    reward_fn = build_reward(parse_rewards(a.reward), device)
     noise_level = a.noise_level if a.noise_level is not None else 1.0 if model.kind == "sd1" else 0.7
     sched = R.make_schedule(model, a.num_steps, noise_level)
     prompts = (load_prompts(a.prompts) * a.batch)[: a.batch]

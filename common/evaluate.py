@@ -31,7 +31,7 @@ import tyro
 from tqdm import tqdm
 
 from common import InputError
-from common.flags import RunArgs, need
+from common.flags import need
 from common.prompts import evenly_spaced
 from common.sampling import fixed_noise, ode_sampler, sample_prompts, sigma_schedule
 
@@ -70,8 +70,6 @@ class EvalArgs:
     grid_prompts: int = 8
     out: str = "eval_out"
     """folder for the table, the figures, the per-prompt scores, the grid and the cache"""
-
-    reward_checkpoints = RunArgs.reward_checkpoints  # {NAME: PATH or URL} of --reward-ckpt and --reward-url
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -408,7 +406,7 @@ def main(args: EvalArgs) -> None:
     from accelerate.utils import gather_object
 
     from common.models import check_model_id, load_model
-    from common.rewards import SHAPESBENCH_REWARDS, build_reward, check_reward_weights, parse_reward_spec
+    from common.rewards import build_reward, check_rewards, parse_rewards
 
     # ---------------------------------------------------------------- inputs, checked before anything loads
     need(
@@ -417,7 +415,8 @@ def main(args: EvalArgs) -> None:
     )
     kind = check_model_id(args.model_id)
     need(kind != "sd1", f"--model-id {args.model_id}: SD1.x (DDIM) is not evaluated here; flow models only")
-    shapes_only = [n for n, _ in parse_reward_spec(args.reward) if n in SHAPESBENCH_REWARDS]
+    reward_spec = parse_rewards(args.reward, args.reward_ckpt, args.reward_url)  # parsed once
+    shapes_only = [c.name for c in reward_spec.components if c.kind.shapesbench]
     shapes_only += ["--prompts " + args.prompts] if args.prompts.startswith("shapes-") else []
     need(
         kind == "shapes" or not shapes_only,
@@ -427,7 +426,7 @@ def main(args: EvalArgs) -> None:
     prompt_list, styles = load_prompt_set(args.prompts, args.max_prompts)
     models = [("base", None)] + [weights_folder(w) for w in args.weights]
     need(len({m for m, _ in models}) == len(models), "--weights: two rows with one name; give NAME=PATH")
-    check_reward_weights(args.reward, args.reward_checkpoints(), video=kind == "wan")
+    check_rewards(reward_spec, video=kind == "wan")
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     device, out = accelerator.device, Path(args.out)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
@@ -440,7 +439,8 @@ def main(args: EvalArgs) -> None:
                    num_steps=args.num_steps, shift=args.shift, guidance_scale=args.guidance_scale,
                    resolution=args.resolution, num_frames=args.num_frames, mixed_precision=args.mixed_precision,
                    seed=args.seed, batch_size=args.batch_size, reward=args.reward,
-                   reward_checkpoints=args.reward_checkpoints(), grid_prompts=args.grid_prompts)  # fmt: skip
+                   reward_checkpoints={c.name: c.url or c.path for c in reward_spec.components if c.url or c.path},
+                   grid_prompts=args.grid_prompts)  # fmt: skip
     # the cache holds the batches of one setting, each model's under its row name: a name may not change its weights
     sources = {name: str(folder) for name, folder in models}
     saved = out / "cache" / "settings.json"
@@ -469,7 +469,7 @@ def main(args: EvalArgs) -> None:
     accelerator.wait_for_everyone()  # every process has read settings.json before the main one writes it
     if accelerator.is_main_process:
         save_atomically({"settings": setting, "weights": cached["weights"] | sources}, saved)
-    reward_fn = build_reward(args.reward, device, args.reward_checkpoints())
+    reward_fn = build_reward(reward_spec, device)
 
     # ---------------------------------------------------------------- each model in turn, sharded over processes
     records = {}
@@ -485,12 +485,13 @@ def main(args: EvalArgs) -> None:
         records[name] = sorted(gather_object(mine), key=lambda r: r["start"])  # every process's batches
         del model
     if accelerator.is_main_process:
-        report(args, setting, records, prompt_list, styles, prompts, grid, out)
+        report(args, setting, records, prompt_list, styles, prompts, grid, out, reward_spec.path("shapes"))
     accelerator.wait_for_everyone()
 
 
-def report(args, setting, records, prompt_list, styles, prompts, grid, out: Path) -> None:
-    """results.md, results.json, scores.jsonl and grid.png from every model's batch records."""
+def report(args, setting, records, prompt_list, styles, prompts, grid, out: Path, shapes_ckpt=None) -> None:
+    """results.md, results.json, scores.jsonl and grid.png from every model's batch records; `shapes_ckpt`: the
+    learned ShapesBench reward of the verifier's figures (None: the shipped one)."""
     S, names = args.samples_per_prompt, list(records)
     scores = {m: {k: torch.cat([r["scores"][k] for r in rs]) for k in rs[0]["scores"]} for m, rs in records.items()}
     rewards = [k for k in scores["base"] if not k.endswith("_unparsed")]
@@ -504,7 +505,7 @@ def report(args, setting, records, prompt_list, styles, prompts, grid, out: Path
     if records["base"][0]["images"].numel():  # ShapesBench: the verifier's accuracies and diversity, as at training
         from common import shapesbench
 
-        shapes_reward = shapesbench.load_reward_model(args.reward_checkpoints().get("shapes"))
+        shapes_reward = shapesbench.load_reward_model(shapes_ckpt)
         for m, rs in records.items():
             images = torch.cat([r["images"] for r in rs])
             figures[m].update(shapesbench.evaluate(images, prompts, shapes_reward))

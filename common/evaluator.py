@@ -66,7 +66,7 @@ class Evaluator:
         self.shapes_reward = None
         if model.kind == "shapes":
             self.shapes_reward = shapesbench.load_reward_model(
-                args.reward_checkpoints().get("shapes"), device=run.accelerator.device
+                reward_fn.spec.path("shapes") if reward_fn.spec else None, device=run.accelerator.device
             )
 
     def _sample(self, prompts: list[str], tag: str, desc: str) -> torch.Tensor:

@@ -4,7 +4,7 @@ RunArgs                  the shared flags (each script's Args extends it)
 cli(main, Args)          parse the flags (tyro) and run main; an InputError becomes one `error:` line and exit
                          status 2, a RunError or a refused write one `error:` line and exit status 1
 check_run_args(args)     the shared flags, and every input that can be checked before a model loads: prompt
-                         files, --output-dir, --model-id, the rewards, --resume-from
+                         files, --output-dir, --model-id, the rewards (parsed once), --resume-from
 check_mode_flags(args, mode_flags)   a flag of a mode not in use refused (no dead flags)
 flags_of(fn, args)       the flags a function takes as keyword-only arguments, by name (the scripts' objectives)
 need(ok, message)        raise InputError(message) unless ok
@@ -29,7 +29,7 @@ import tyro
 from common import InputError, RunError
 from common.models import VIDEO_KINDS, check_model_id, check_num_frames
 from common.prompts import HPDV2_HOWTO, SOURCES, load_prompts
-from common.rewards import SHAPESBENCH_REWARDS, VIDEO_REWARDS, check_reward_weights, parse_reward_spec
+from common.rewards import RewardSpec, check_rewards, parse_rewards
 
 
 def ModeDefault(text: str):
@@ -132,22 +132,6 @@ class RunArgs:
     wandb_project_name: str = "diffusion-rl"
     """W&B project (with --track)"""
 
-    def reward_checkpoints(self) -> dict[str, str]:
-        """The --reward-ckpt NAME=PATH and --reward-url NAME=URL items as {NAME: PATH or URL}."""
-        for flag, items, what in (
-            ("--reward-ckpt", self.reward_ckpt, "PATH"),
-            ("--reward-url", self.reward_url, "URL"),
-        ):
-            for item in items:
-                need("=" in item, f"{flag} {item!r}: expected NAME={what}")
-        urls = dict(item.split("=", 1) for item in self.reward_url)
-        for name, url in urls.items():
-            need(url.startswith(("http://", "https://")), f"--reward-url {name}={url}: expected an http(s):// URL")
-        paths = dict(item.split("=", 1) for item in self.reward_ckpt)
-        both = sorted(set(paths) & set(urls))
-        need(not both, f"{', '.join(both)}: give --reward-ckpt or --reward-url, not both")
-        return {**paths, **urls}
-
 
 def need(ok: bool, message: str) -> None:
     """Raise InputError(message) unless ok; the message names the flag to change."""
@@ -184,10 +168,11 @@ def cli(main, args_type) -> None:
 # ---------------------------------------------------------------------------------------------------
 # Checks of the shared flags, before any model loads
 # ---------------------------------------------------------------------------------------------------
-def check_run_args(args, video: bool = True) -> tuple[list[str], list[str]]:
-    """Check the flags every script shares; `video`: whether the script trains video models. Returns (training
-    prompts, held-out prompts), read here so that a bad prompt file fails before a model loads (the Evaluator takes
-    its --eval-max-prompts subset)."""
+def check_run_args(args, video: bool = True, differentiable: bool = False) -> tuple[list[str], list[str], RewardSpec]:
+    """Check the flags every script shares; `video`: whether the script trains video models; `differentiable`: whether
+    it backpropagates through the reward. Returns (training
+    prompts, held-out prompts, the parsed --reward), read here so that a bad prompt file or reward fails before a
+    model loads (the Evaluator takes its --eval-max-prompts subset)."""
     need(args.iterations >= 1, f"--iterations must be >= 1 (got {args.iterations})")
     need(args.learning_rate > 0, f"--learning-rate must be > 0 (got {args.learning_rate})")
     need(args.lr_warmup >= 0, "--lr-warmup must be >= 0")
@@ -221,13 +206,9 @@ def check_run_args(args, video: bool = True) -> tuple[list[str], list[str]]:
     need(args.reward_frames >= 1, "--reward-frames must be >= 1")
     if args.num_frames is not None:
         check_num_frames(args.num_frames)
-    check_reward_weights(args.reward, args.reward_checkpoints(), video=is_video)
-    moving = [name for name, _ in parse_reward_spec(args.reward) if name in VIDEO_REWARDS]
-    need(
-        not moving or args.num_frames != 1,
-        f"--reward {args.reward}: {' and '.join(moving)} compares neighbouring frames, and --num-frames 1 gives one",
-    )
-    return load_prompts(args.prompts, "--prompts"), load_prompts(args.eval_prompts, "--eval-prompts")
+    rewards = parse_rewards(args.reward, args.reward_ckpt, args.reward_url)  # parsed once; every later step reads it
+    check_rewards(rewards, is_video, None if kind == "shapes" else args.model_id, args.num_frames, differentiable)
+    return load_prompts(args.prompts, "--prompts"), load_prompts(args.eval_prompts, "--eval-prompts"), rewards
 
 
 def check_mode_flags(args, mode_flags) -> None:
@@ -239,20 +220,14 @@ def check_mode_flags(args, mode_flags) -> None:
 
 
 def check_not_shapesbench(args) -> None:
-    """A real model never falls back on ShapesBench's prompts or reward: a missing --prompts, --eval-prompts or
-    --reward (or a ShapesBench value of one) fails here, before any model loads, naming the flag."""
+    """A real model never falls back on ShapesBench's prompts: a missing --prompts or --eval-prompts (or a ShapesBench
+    value of one) fails here, before any model loads, naming the flag (its reward: check_rewards)."""
     where = f"ShapesBench's, for --model-id shapesbench only; with --model-id {args.model_id}"
     for flag, value in (("--prompts", args.prompts), ("--eval-prompts", args.eval_prompts)):
         need(
             value not in SOURCES,
             f"{flag} {value}: these prompts are {where} pass {flag} FILE, one prompt per line ({HPDV2_HOWTO})",
         )
-    shapes = [name for name, _ in parse_reward_spec(args.reward) if name in SHAPESBENCH_REWARDS]
-    need(
-        not shapes,
-        f"--reward {args.reward}: {' and '.join(shapes)} {'is' if len(shapes) == 1 else 'are'} {where} pass a reward "
-        "of real images, e.g. --reward hpsv2.1 (or pickscore, clip, aesthetic, jpeg)",
-    )
 
 
 def flags_of(fn, args) -> dict:

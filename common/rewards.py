@@ -22,6 +22,7 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 from common import InputError, hub_reachable
 from common.offload import Offloaded
-from common.remote import JUDGES, Judge, Served, request_json
+from common.remote import Judge, Served, request_json
 
 
 class Reward(Protocol):
@@ -484,24 +485,36 @@ def frame_subset(num_frames: int, k: int) -> list[int]:
     return [round(i * (num_frames - 1) / (k - 1)) for i in range(k)] if k > 1 else [num_frames // 2]
 
 
-# ---------------------------------------------------------------- registry, spec parsing, composite
-REWARDS: dict[str, Callable[..., Reward]] = {}  # name -> factory(device, checkpoint=None) -> Reward
-DIFFERENTIABLE: dict[str, bool] = {}  # name -> whether gradients reach the images, known before it is built
-VIDEO_REWARDS: set[str] = set()  # rewards that score videos (B,F,3,H,W) and need a video model
+# ---------------------------------------------------------------- the registry and the parsed --reward
+@dataclass(frozen=True)
+class RewardKind:
+    """What `--reward NAME` builds, and what the start-up checks know of it before anything is built."""
+
+    factory: Callable[..., Reward]  # factory(device, checkpoint=None) -> Reward
+    differentiable: bool  # gradients reach the images (RLR's first-order term needs them)
+    video: bool = False  # scores videos (B,F,3,H,W), so needs a video model
+    judge: bool = False  # a VLM judge: scored only by an OpenAI-compatible server (--reward-url NAME=URL)
+    shapesbench: bool = False  # scores ShapesBench's 32 px images against its prompts: --model-id shapesbench only
+
+
+REWARDS: dict[str, RewardKind] = {}
 ALIASES = {"hps": "hpsv2.1"}
-SHAPESBENCH_REWARDS = ("shapes", "verifier")  # they score 32 px ShapesBench images against ShapesBench prompts
 
 
-def register_reward(name: str, factory: Callable[..., Reward], differentiable: bool, video: bool = False) -> None:
+def register_reward(
+    name: str,
+    factory: Callable[..., Reward],
+    differentiable: bool,
+    video: bool = False,
+    judge: bool = False,
+    shapesbench: bool = False,
+) -> None:
     """Let `--reward name` build factory(device, checkpoint=None) -> Reward (e.g. a ScoreFn), from any file: a fork
-    calls this at import time, before cli() reads the flags, and nothing in common/ changes. `differentiable`: do
-    gradients reach the images (RLR's first-order term needs them; the start-up checks read it before anything is
-    built); `video`: it scores videos (B,F,3,H,W)."""
+    calls this at import time, before cli() reads the flags, and nothing in common/ changes. The other arguments are
+    RewardKind's."""
     if name in REWARDS or name in ALIASES:
         raise ValueError(f"reward {name!r} is registered already")
-    REWARDS[name], DIFFERENTIABLE[name] = factory, differentiable
-    if video:
-        VIDEO_REWARDS.add(name)
+    REWARDS[name] = RewardKind(factory, differentiable, video, judge, shapesbench)
 
 
 def _judge(name: str) -> Callable[..., Reward]:
@@ -520,31 +533,20 @@ def _needs_url(name: str) -> str:
     )
 
 
-for _name, _factory, _differentiable, _video in (
-    ("shapes", shapes_reward, True, False),
-    ("verifier", verifier, False, False),
-    ("jpeg", jpeg, False, False),
-    ("hpsv2.1", hpsv2_1, True, False),
-    ("pickscore", pickscore, True, False),
-    ("clip", clip_score, True, False),
-    ("aesthetic", aesthetic, True, False),
-    ("imagereward", imagereward, True, False),
-    ("temporal", temporal, True, True),
-    ("unifiedreward", _judge("unifiedreward"), False, False),
-    ("ocr", _judge("ocr"), False, False),
+for _name, _factory, _differentiable, _flags in (
+    ("shapes", shapes_reward, True, {"shapesbench": True}),
+    ("verifier", verifier, False, {"shapesbench": True}),
+    ("jpeg", jpeg, False, {}),
+    ("hpsv2.1", hpsv2_1, True, {}),
+    ("pickscore", pickscore, True, {}),
+    ("clip", clip_score, True, {}),
+    ("aesthetic", aesthetic, True, {}),
+    ("imagereward", imagereward, True, {}),
+    ("temporal", temporal, True, {"video": True}),
+    ("unifiedreward", _judge("unifiedreward"), False, {"judge": True}),
+    ("ocr", _judge("ocr"), False, {"judge": True}),
 ):
-    register_reward(_name, _factory, _differentiable, _video)
-
-
-def is_url(value: str | None) -> bool:
-    return value is not None and value.startswith(("http://", "https://"))
-
-
-def is_differentiable(name: str, checkpoints: dict[str, str] | None = None) -> bool:
-    """Whether reward `name` (or its alias) passes gradients to the images, before it is built; a reward scored
-    by another process (a URL among `checkpoints`) does not."""
-    name = _canonical(name)
-    return DIFFERENTIABLE[name] and not is_url((checkpoints or {}).get(name))
+    register_reward(_name, _factory, _differentiable, **_flags)
 
 
 def _canonical(name: str, flag: str = "--reward") -> str:
@@ -555,10 +557,48 @@ def _canonical(name: str, flag: str = "--reward") -> str:
     return name
 
 
-def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
-    """'shapes:1.0,verifier:0.5' -> [('shapes', 1.0), ('verifier', 0.5)]; a bare name has weight 1.0."""
+@dataclass(frozen=True)
+class Component:
+    """One term of --reward: the registered name, its weight, and where its weights are (`path`, --reward-ckpt) or
+    which server scores it (`url`, --reward-url), if given."""
+
+    name: str
+    weight: float
+    path: str | None = None
+    url: str | None = None
+
+    @property
+    def kind(self) -> RewardKind:
+        return REWARDS[self.name]
+
+    @property
+    def differentiable(self) -> bool:  # a reward scored by another process passes no gradient back
+        return self.kind.differentiable and self.url is None
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """--reward, --reward-ckpt and --reward-url parsed once (parse_rewards), read by every later step: the checks
+    (check_rewards), build_reward, the scripts and the evaluation."""
+
+    text: str  # --reward as given, for messages
+    components: tuple[Component, ...]
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {c.name: c.weight for c in self.components}
+
+    def path(self, name: str) -> str | None:
+        """--reward-ckpt's path for `name` (None: the default weights)."""
+        return next((c.path for c in self.components if c.name == name), None)
+
+
+def parse_rewards(spec: str, ckpts=(), urls=()) -> RewardSpec:
+    """--reward 'shapes:1.0,verifier:0.5' (a bare name has weight 1.0) with the --reward-ckpt NAME=PATH and
+    --reward-url NAME=URL items -> a RewardSpec; InputError naming the flag for a malformed item, an unknown or
+    repeated name, a path or URL for a reward the spec does not use, or both for one reward."""
     fmt = f"expected --reward name:weight,name:weight (e.g. shapes:1.0,verifier:0.5), got {spec!r}"
-    parsed = []
+    weights = {}
     for item in spec.split(","):
         name, _, weight = item.rpartition(":") if ":" in item else (item, "", "1")
         name, weight = name.strip(), weight.strip()
@@ -569,10 +609,79 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
         if not name or not math.isfinite(w):
             raise InputError(f"bad entry {item!r}: {fmt}")
         name = _canonical(name)
-        if name in (n for n, _ in parsed):
+        if name in weights:
             raise InputError(f"reward '{name}' given twice: {fmt}")
-        parsed.append((name, w))
-    return parsed
+        weights[name] = w
+    where: dict[str, tuple[str, str]] = {}  # name -> (flag, path or URL)
+    for flag, items, what in (("--reward-ckpt", ckpts, "PATH"), ("--reward-url", urls, "URL")):
+        for item in items:
+            if "=" not in item:
+                raise InputError(f"{flag} {item!r}: expected NAME={what}")
+            name, value = item.split("=", 1)
+            if flag == "--reward-url" and not value.startswith(("http://", "https://")):
+                raise InputError(f"--reward-url {name}={value}: expected an http(s):// URL")
+            name = _canonical(name, "--reward-ckpt")
+            if name in where:
+                raise InputError(f"{name}: give one --reward-ckpt or --reward-url, not two")
+            where[name] = (flag, value)
+    unused = sorted(set(where) - set(weights))
+    if unused:
+        raise InputError(f"--reward-ckpt or --reward-url given for {unused}, which --reward {spec!r} does not use")
+    components = []
+    for name, w in weights.items():
+        flag, value = where.get(name, (None, None))
+        path, url = (value, None) if flag == "--reward-ckpt" else (None, value)
+        components.append(Component(name, w, path, url))
+    return RewardSpec(spec, tuple(components))
+
+
+def check_rewards(
+    spec: RewardSpec,
+    video: bool = False,
+    real_model: str | None = None,
+    frames: int | None = None,
+    differentiable: bool = False,
+) -> None:
+    """Every check of the rewards, before anything loads: not every weight 0; a gradient through every weighted
+    reward where the script needs one (`differentiable`, RLR); a video reward only with a video model (`video`;
+    `frames` the video's frame count, a frame-to-frame reward needs 2); ShapesBench's rewards only on ShapesBench
+    (`real_model`: the --model-id of any other model); a judge only through --reward-url, whose server answers now
+    (one try); a --reward-ckpt path that exists; hub-hosted weights cached or downloadable (one quick check, no
+    retries)."""
+    if all(c.weight == 0 for c in spec.components):
+        raise InputError(f"--reward {spec.text}: every weight is 0, so no reward trains the model (weight 0 logs only)")
+    bad = [c.name for c in spec.components if differentiable and c.weight != 0 and not c.differentiable]
+    if bad:
+        good = ", ".join(n for n, k in REWARDS.items() if k.differentiable and not k.video)
+        raise InputError(
+            f"--reward {spec.text}: {', '.join(bad)} is not differentiable, and this script backpropagates through "
+            f"the reward (RLR's first-order term); use a differentiable one ({good}, not served over --reward-url) "
+            "or give it weight 0 to log it"
+        )
+    shapes = [c.name for c in spec.components if c.kind.shapesbench]
+    if real_model is not None and shapes:
+        raise InputError(
+            f"--reward {spec.text}: {' and '.join(shapes)} {'is' if len(shapes) == 1 else 'are'} ShapesBench's, for "
+            f"--model-id shapesbench only; with --model-id {real_model} pass a reward of real images, e.g. --reward "
+            "hpsv2.1 (or pickscore, clip, aesthetic, jpeg)"
+        )
+    moving = [c.name for c in spec.components if c.kind.video]
+    if moving and frames == 1:
+        raise InputError(
+            f"--reward {spec.text}: {' and '.join(moving)} compares neighbouring frames, and --num-frames 1 gives one"
+        )
+    for c in spec.components:
+        if c.kind.video and not video:
+            raise InputError(f"--reward {spec.text}: '{c.name}' scores videos, and --model-id gives images")
+        if c.kind.judge and c.url is None:
+            raise InputError(_needs_url(c.name))
+        if c.url is not None:  # the server answers now (one try), or the run does not start
+            where = f"{c.url.rstrip('/')}/{'models' if c.kind.judge else 'health'}"
+            request_json(where, token=os.environ.get("REWARD_API_KEY"), timeout=10, tries=1)
+        elif c.path is not None and not os.path.exists(c.path):
+            raise InputError(f"--reward-ckpt {c.name}={c.path}: no such file or folder")
+        elif c.path is None and c.name in HUB_WEIGHTS:
+            _hub_file(c.name, download=False)
 
 
 class CompositeReward:
@@ -582,8 +691,8 @@ class CompositeReward:
     scores `frames` evenly spaced frames of each (frame_subset) and gives their mean.
     """
 
-    def __init__(self, components: list[tuple[str, float, Reward]], frames: int = 4):
-        self.components, self.frames = components, frames
+    def __init__(self, components: list[tuple[str, float, Reward]], frames: int = 4, spec: RewardSpec | None = None):
+        self.components, self.frames, self.spec = components, frames, spec  # spec: the parsed --reward, if any
         self._workers, self.wait_s = {}, 0.0  # request(): one thread per served component; collect()'s wait
         self.weights = {name: w for name, w, _ in components}
         self.differentiable = all(r.differentiable for _, w, r in components if w != 0)
@@ -654,57 +763,19 @@ class CompositeReward:
             reward.parts.park()
 
 
-def _checkpoints(parsed: list[tuple[str, float]], spec: str, checkpoints: dict[str, str] | None) -> dict[str, str]:
-    checkpoints = {_canonical(k, "--reward-ckpt"): v for k, v in (checkpoints or {}).items()}
-    unused = set(checkpoints) - {name for name, _ in parsed}
-    if unused:
-        raise InputError(
-            f"--reward-ckpt or --reward-url given for {sorted(unused)}, which --reward {spec!r} does not use"
-        )
-    return checkpoints
-
-
-def check_reward_weights(spec: str, checkpoints: dict[str, str] | None = None, video: bool = False) -> None:
-    """--reward and --reward-ckpt before anything loads: names and weights, that each checkpoint path exists, that
-    hub-hosted weights are cached or downloadable (one quick check, no retries), and that a video reward comes with
-    a video model (`video`)."""
-    parsed = parse_reward_spec(spec)
-    if all(w == 0 for _, w in parsed):
-        raise InputError(f"--reward {spec}: every weight is 0, so no reward trains the model (weight 0 logs only)")
-    checkpoints = _checkpoints(parsed, spec, checkpoints)
-    for name, _ in parsed:
-        if name in VIDEO_REWARDS and not video:
-            raise InputError(f"--reward {spec}: '{name}' scores videos, and --model-id gives images")
-        path = checkpoints.get(name)
-        if name in JUDGES and not is_url(path):
-            raise InputError(_needs_url(name))
-        if is_url(path):  # the server answers now (one try), or the run does not start
-            where = f"{path.rstrip('/')}/{'models' if name in JUDGES else 'health'}"
-            request_json(where, token=os.environ.get("REWARD_API_KEY"), timeout=10, tries=1)
-            continue
-        if path is not None and not os.path.exists(path):
-            raise InputError(f"--reward-ckpt {name}={path}: no such file or folder")
-        if path is None and name in HUB_WEIGHTS:
-            _hub_file(name, download=False)
-
-
-def build_reward(
-    spec: str, device, checkpoints: dict[str, str] | None = None, offload: bool = False, frames: int = 4
-) -> CompositeReward:
-    """Build the composite of `--reward spec`; `checkpoints` comes from `--reward-ckpt NAME=PATH` flags. With
-    `offload` (--offload-frozen) the reward networks wait on the CPU between scorings (common/offload.py).
-    `frames` (--reward-frames): frames of each video that an image reward scores."""
-    parsed = parse_reward_spec(spec)
-    checkpoints = _checkpoints(parsed, spec, checkpoints)
+def build_reward(spec: RewardSpec, device, offload: bool = False, frames: int = 4) -> CompositeReward:
+    """Build the composite of a parsed --reward. With `offload` (--offload-frozen) the reward networks wait on the CPU
+    between scorings (common/offload.py). `frames` (--reward-frames): frames of each video an image reward scores."""
     token, components = os.environ.get("REWARD_API_KEY"), []
-    for name, w in parsed:
-        where = checkpoints.get(name)
-        served = is_url(where) and name not in JUDGES  # a registered reward hosted by `python -m common.rewards serve`
-        components.append((name, w, Served(name, where, token) if served else REWARDS[name](device, where)))
-    for name, _, reward in components:  # a registration that says otherwise would mislead the start-up checks
-        if reward.differentiable != is_differentiable(name, checkpoints):
-            raise ValueError(f"reward {name!r} was registered with differentiable={DIFFERENTIABLE[name]}")
-    composite = CompositeReward(components, frames)
+    for c in spec.components:
+        if c.url is not None and not c.kind.judge:  # a registered reward hosted by `python -m common.rewards serve`
+            reward = Served(c.name, c.url, token)
+        else:
+            reward = c.kind.factory(device, c.url if c.kind.judge else c.path)
+        if reward.differentiable != c.differentiable:  # a registration that says otherwise misleads the checks
+            raise ValueError(f"reward {c.name!r} was registered with differentiable={c.kind.differentiable}")
+        components.append((c.name, c.weight, reward))
+    composite = CompositeReward(components, frames, spec)
     for _, _, reward in composite.components:
         reward.parts.enabled = offload
     composite.park()
@@ -736,12 +807,12 @@ def serve_main(argv: list[str] | None = None) -> None:
     from common.remote import serve
 
     try:
-        names = [name for name, _ in parse_reward_spec(a.reward)]
-        bad = [n for n in names if n in JUDGES or n in VIDEO_REWARDS]
+        spec = parse_rewards(a.reward, a.reward_ckpt)
+        names = [c.name for c in spec.components]
+        bad = [c.name for c in spec.components if c.kind.judge or c.kind.video]
         if bad:
             raise InputError(f"--reward {a.reward}: {', '.join(bad)} cannot be served here (judges and video rewards)")
-        checkpoints = _checkpoints([(n, 1.0) for n in names], a.reward, dict(c.split("=", 1) for c in a.reward_ckpt))
-        rewards = {n: REWARDS[n](a.device, checkpoints.get(n)) for n in names}
+        rewards = {c.name: c.kind.factory(a.device, c.path) for c in spec.components}
     except InputError as e:
         raise SystemExit(f"error: {e}") from None
     token = os.environ.get("REWARD_API_KEY")

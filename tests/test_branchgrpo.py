@@ -1,6 +1,5 @@
 """branchgrpo.py: tree bookkeeping, branch noise, fusion, depth-wise advantages, pruning, and the script end to end."""
 
-import functools
 import itertools
 import math
 import signal
@@ -394,10 +393,11 @@ def test_two_processes_keep_identical_weights(tmp_path):
 
 def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
     """In-process (open_clip's tiny-hps config is registered in this process only), the real main()."""
-    from common import rewards
 
     ckpt = build_tiny_hps(tmp_path)
-    monkeypatch.setitem(rewards.REWARDS, "hpsv2.1", functools.partial(rewards.REWARDS["hpsv2.1"], arch="tiny-hps"))
+    from tests.tiny import use_tiny_hps
+
+    use_tiny_hps(monkeypatch)
     build_flux(tmp_path / "flux")
     (tmp_path / "prompts.txt").write_text("a cat\na dog\n")
     argv = TINY_RUN + [

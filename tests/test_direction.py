@@ -83,10 +83,8 @@ def run_main(module, monkeypatch, tmp_path, flags, tape_names, perturb_lora=Fals
 @pytest.fixture
 def zero_reward(monkeypatch):
     """A reward that scores every image 0: advantages 0, so that only the KL term trains."""
-    monkeypatch.setitem(
-        rewards.REWARDS, "zero", lambda device, checkpoint=None: ScoreFn(lambda x, p: x.sum((1, 2, 3)) * 0, False)
-    )
-    monkeypatch.setitem(rewards.DIFFERENTIABLE, "zero", False)
+    zero = lambda device, checkpoint=None: ScoreFn(lambda x, p: x.sum((1, 2, 3)) * 0, False)  # noqa: E731
+    monkeypatch.setitem(rewards.REWARDS, "zero", rewards.RewardKind(zero, differentiable=False))
 
 
 DANCE = [
@@ -192,8 +190,8 @@ def flat_reward(monkeypatch):
     def score(x, p):
         return x.sum((1, 2, 3)) * 0 + x.detach().mean((1, 2, 3))
 
-    monkeypatch.setitem(rewards.REWARDS, "flat", lambda device, checkpoint=None: ScoreFn(score, True))
-    monkeypatch.setitem(rewards.DIFFERENTIABLE, "flat", True)
+    flat = rewards.RewardKind(lambda device, checkpoint=None: ScoreFn(score, True), differentiable=True)
+    monkeypatch.setitem(rewards.REWARDS, "flat", flat)
 
 
 def test_rlr_half_order_update_raises_the_likelihood_of_samples_above_their_baseline(

@@ -43,8 +43,8 @@ def test_imagereward_refuses_other_checkpoints(tiny_imagereward, tmp_path):
 def test_imagereward_offline_without_checkpoint(tmp_path, monkeypatch):
     import huggingface_hub
 
-    from common.rewards import build_reward
+    from common.rewards import build_reward, parse_rewards
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(ValueError, match="--reward-ckpt imagereward=/path/to/folder"):
-        build_reward("imagereward", "cpu")
+        build_reward(parse_rewards("imagereward"), "cpu")

@@ -190,7 +190,7 @@ def test_offload_frozen_moves_the_frozen_parts_only_around_their_work(tiny_dir, 
     """With --offload-frozen the text encoders visit the device for encode_prompts and leave after it; the VAE and
     the reward models come for decoding and scoring and leave at park(). (On this CPU-only machine the device is the
     CPU, so the moves are recorded rather than seen.)"""
-    from common.rewards import build_reward
+    from common.rewards import build_reward, parse_rewards
     from tests.tiny import build_tiny_hps
 
     moves = []
@@ -198,13 +198,12 @@ def test_offload_frozen_moves_the_frozen_parts_only_around_their_work(tiny_dir, 
         Offloaded, "_to", lambda self, device: moves.append((self, str(device))) if self.enabled else None
     )
     model = load_model(str(tiny_dir("flux")), resolution=RES, offload=True)
-    import functools
-
-    from common import rewards
 
     ckpt = build_tiny_hps(tmp_path)
-    monkeypatch.setitem(rewards.REWARDS, "hpsv2.1", functools.partial(rewards.REWARDS["hpsv2.1"], arch="tiny-hps"))
-    reward = build_reward("hpsv2.1", "cpu", {"hpsv2.1": ckpt}, offload=True)
+    from tests.tiny import use_tiny_hps
+
+    use_tiny_hps(monkeypatch)
+    reward = build_reward(parse_rewards("hpsv2.1", [f"hpsv2.1={ckpt}"]), "cpu", offload=True)
     text, vae, hps = model._text, model._vae, reward.components[0][2].parts
     assert moves == [(hps, "cpu")]  # built, then parked
     cond = model.encode_prompts(PROMPTS)

@@ -16,7 +16,7 @@ import torch
 import tyro
 
 from common import InputError, RunError, remote
-from common.rewards import CompositeReward, build_reward, check_reward_weights, is_differentiable
+from common.rewards import CompositeReward, build_reward, check_rewards, parse_rewards
 from tests.vlm import JSONHandler
 
 PROMPTS = ['a sign that says "Hello World"', "a red circle on a blue background"]
@@ -75,10 +75,10 @@ def test_judge_scores_retries_and_counts_unparsed_answers(monkeypatch):
     )
     # through build_reward: the composite logs the unparsed fraction next to the score
     answers += ["Final Score: 5", "Final Score: 3"]
-    composite = build_reward("unifiedreward", "cpu", {"unifiedreward": url})
+    composite = build_reward(parse_rewards("unifiedreward", urls=[f"unifiedreward={url}"]), "cpu")
     total, parts = composite(torch.rand(2, 3, 8, 8), ["a", "b"])
     assert sorted(total.tolist()) == [3.0, 5.0] and parts["unifiedreward_unparsed"].tolist() == [0, 0]
-    assert not is_differentiable("unifiedreward", {"unifiedreward": url})
+    assert not parse_rewards("unifiedreward", urls=[f"unifiedreward={url}"]).components[0].differentiable
 
 
 def test_a_judge_that_keeps_failing_stops_the_run_naming_the_url():
@@ -93,9 +93,9 @@ def test_a_judge_that_keeps_failing_stops_the_run_naming_the_url():
 
 def test_judges_need_a_url_and_a_server_that_answers_at_start_up():
     with pytest.raises(InputError, match="--reward-url ocr=http://HOST:PORT/v1"):
-        check_reward_weights("ocr")
+        check_rewards(parse_rewards("ocr"))
     with pytest.raises(RunError, match="http://127.0.0.1:9/v1/models failed after 1 tries"):
-        check_reward_weights("ocr", {"ocr": "http://127.0.0.1:9/v1"})  # port 9 (discard): nothing listens
+        check_rewards(parse_rewards("ocr", urls=["ocr=http://127.0.0.1:9/v1"]))  # port 9 (discard): nothing listens
 
 
 def post(url, body, token=None, raw=None):
@@ -164,7 +164,7 @@ def test_served_scores_arrive_while_the_next_chunk_samples():
         return images.mean((1, 2, 3))
 
     url = start(remote.serve(score, ["bright"], "127.0.0.1", 0))
-    jpeg = build_reward("jpeg", "cpu").components[0][2]
+    jpeg = build_reward(parse_rewards("jpeg"), "cpu").components[0][2]
     composite = CompositeReward([("bright", 1.0, remote.Served("bright", url)), ("jpeg", 0.5, jpeg)])
     images, prompts = torch.rand(6, 3, 16, 16), ["a", "b", "c", "d", "e", "f"]
     handles = []
@@ -178,9 +178,8 @@ def test_served_scores_arrive_while_the_next_chunk_samples():
     assert parts.keys() == expected_parts.keys() == {"bright", "jpeg"}
     torch.testing.assert_close(parts["bright"], expected_parts["bright"])
 
-    judge = build_reward(
-        "unifiedreward", "cpu", {"unifiedreward": start(fake_vlm(["Final Score: 4", 400], [])) + "/v1"}
-    )
+    judge_url = start(fake_vlm(["Final Score: 4", 400], [])) + "/v1"
+    judge = build_reward(parse_rewards("unifiedreward", urls=[f"unifiedreward={judge_url}"]), "cpu")
     handles = [judge.request(images[:1], prompts[:1]), judge.request(images[1:2], prompts[1:2])]
     with pytest.raises(RunError, match="HTTP 400"):
         judge.collect(handles)
@@ -193,17 +192,18 @@ def test_tiny_flux_trains_on_hps_imagereward_and_a_served_judge_that_dies_then_c
     tiny random LLaVA behind a local OpenAI-compatible server. The server dies after iteration 1's checkpoint: the
     run ends with one `error:` line naming the URL and that checkpoint intact. Back (on the same port) but slow, the
     resumed run completes iteration 2 and logs every component and the time it waited for the judge."""
-    import functools
 
     import dancegrpo as D
-    from common import flags, rewards, runs
+    from common import flags, runs
     from tests.helpers import find_run, metrics
     from tests.test_dancegrpo import TINY_RUN
     from tests.tiny import build_flux, build_tiny_hps
     from tests.vlm import TinyJudge
 
     hps = build_tiny_hps(tmp_path)
-    monkeypatch.setitem(rewards.REWARDS, "hpsv2.1", functools.partial(rewards.REWARDS["hpsv2.1"], arch="tiny-hps"))
+    from tests.tiny import use_tiny_hps
+
+    use_tiny_hps(monkeypatch)
     build_flux(tmp_path / "flux")
     (tmp_path / "prompts.txt").write_text("a cat\na dog\n")
     judge = TinyJudge()

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from common import rewards
-from common.rewards import DIFFERENTIABLE, REWARDS, ScoreFn, build_reward, parse_reward_spec
+from common.rewards import REWARDS, RewardKind, ScoreFn, build_reward, parse_rewards
 from tests.tiny import build_tiny_hps
 
 PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
@@ -42,52 +42,69 @@ def assert_finite_grad(reward, images, prompts):
 
 
 # ---------------------------------------------------------------- spec parsing
-def test_parse_reward_spec_valid():
-    assert parse_reward_spec("shapes:1.0,verifier:0.5") == [("shapes", 1.0), ("verifier", 0.5)]
-    assert parse_reward_spec("shapes") == [("shapes", 1.0)]
-    assert parse_reward_spec(" hps : 2 , jpeg:-0.5") == [("hpsv2.1", 2.0), ("jpeg", -0.5)]  # alias, spaces, sign
-    assert parse_reward_spec("hpsv2.1:0") == [("hpsv2.1", 0.0)]  # the dot in the name is not a separator
+def weights(spec: str, *a) -> list[tuple[str, float]]:
+    return [(c.name, c.weight) for c in parse_rewards(spec, *a).components]
+
+
+def build(spec: str, *a, **kw):
+    """The composite of --reward spec (with --reward-ckpt items *a), on the CPU."""
+    return build_reward(parse_rewards(spec, *a), "cpu", **kw)
+
+
+def test_parse_rewards_valid():
+    assert weights("shapes:1.0,verifier:0.5") == [("shapes", 1.0), ("verifier", 0.5)]
+    assert weights("shapes") == [("shapes", 1.0)]
+    assert weights(" hps : 2 , jpeg:-0.5") == [("hpsv2.1", 2.0), ("jpeg", -0.5)]  # alias, spaces, sign
+    assert weights("hpsv2.1:0") == [("hpsv2.1", 0.0)]  # the dot in the name is not a separator
+    spec = parse_rewards("hps:2,unifiedreward:1", ["hps=/w.pt"], ["unifiedreward=http://h:8/v1"])  # paths, URLs apart
+    assert [(c.path, c.url) for c in spec.components] == [("/w.pt", None), (None, "http://h:8/v1")]
+    assert spec.path("hpsv2.1") == "/w.pt" and spec.weights == {"hpsv2.1": 2.0, "unifiedreward": 1.0}
+    assert [c.differentiable for c in spec.components] == [True, False]
+    served = parse_rewards("hps", [], ["hps=http://h:8"]).components[0]  # a reward scored by another process
+    assert served.url == "http://h:8" and served.path is None and not served.differentiable
 
 
 @pytest.mark.parametrize(
     "spec", ["shapes:abc", "shapes:", "", ",", "shapes,,jpeg", ":1", "shapes:nan", "shapes:1,shapes:2", "hps,hpsv2.1"]
 )
-def test_parse_reward_spec_malformed(spec):
+def test_parse_rewards_malformed(spec):
     with pytest.raises(ValueError, match="--reward name:weight,name:weight"):
-        parse_reward_spec(spec)
+        parse_rewards(spec)
 
 
 def test_unknown_reward_lists_valid_names():
     with pytest.raises(ValueError, match="--reward") as e:
-        parse_reward_spec("shapes:1,hpsv3:1")
+        parse_rewards("shapes:1,hpsv3:1")
     assert "hpsv3" in str(e.value) and all(name in str(e.value) for name in REWARDS)
 
 
 def test_checkpoint_for_unused_reward_is_rejected():
     with pytest.raises(ValueError, match="--reward-ckpt"):
-        build_reward("jpeg", "cpu", {"hps": "/x.pt"})
+        build("jpeg", ["hps=/x.pt"])
     with pytest.raises(ValueError, match="--reward-ckpt"):
-        build_reward("jpeg", "cpu", {"jpeg": "/x.pt"})  # jpeg takes none
+        build("jpeg", ["jpeg=/x.pt"])  # jpeg takes none
     with pytest.raises(ValueError, match="--reward-ckpt: unknown reward 'hpsv3'"):
-        build_reward("jpeg", "cpu", {"hpsv3": "/x.pt"})
+        build("jpeg", ["hpsv3=/x.pt"])
+    with pytest.raises(ValueError, match="give one --reward-ckpt or --reward-url, not two"):
+        parse_rewards("hps", ["hps=/x.pt"], ["hpsv2.1=http://h:8"])
 
 
 # ---------------------------------------------------------------- composite and JPEG
 @pytest.fixture
 def dummy(monkeypatch):
     """A cheap differentiable reward: mean brightness."""
-    monkeypatch.setitem(REWARDS, "dummy", lambda device, checkpoint=None: ScoreFn(lambda x, p: x.mean((1, 2, 3)), True))
-    monkeypatch.setitem(DIFFERENTIABLE, "dummy", True)
+    brightness = lambda device, checkpoint=None: ScoreFn(lambda x, p: x.mean((1, 2, 3)), True)  # noqa: E731
+    monkeypatch.setitem(REWARDS, "dummy", RewardKind(brightness, differentiable=True))
 
 
 def test_register_reward_adds_a_name_once_and_says_whether_it_is_differentiable(monkeypatch):
     monkeypatch.setattr(rewards, "REWARDS", dict(REWARDS))  # the registrations here end with the test
-    monkeypatch.setattr(rewards, "DIFFERENTIABLE", dict(DIFFERENTIABLE))
     rewards.register_reward(
         "dark", lambda device, checkpoint=None: ScoreFn(lambda x, p: -x.mean((1, 2, 3)), False), False
     )
-    assert not rewards.is_differentiable("dark") and rewards.is_differentiable("hps")  # an alias of hpsv2.1
-    total, _ = rewards.build_reward("dark", "cpu")(torch.ones(2, 3, 8, 8), PROMPTS)
+    assert not parse_rewards("dark").components[0].differentiable
+    assert parse_rewards("hps").components[0].differentiable  # an alias of hpsv2.1
+    total, _ = build("dark")(torch.ones(2, 3, 8, 8), PROMPTS)
     assert torch.equal(total, -torch.ones(2))
     with pytest.raises(ValueError, match="registered already"):
         rewards.register_reward("jpeg", rewards.jpeg, False)
@@ -95,15 +112,15 @@ def test_register_reward_adds_a_name_once_and_says_whether_it_is_differentiable(
         "liar", lambda device, checkpoint=None: ScoreFn(lambda x, p: x.mean((1, 2, 3)), True), False
     )
     with pytest.raises(ValueError, match="registered with differentiable=False"):
-        rewards.build_reward("liar", "cpu")
+        build("liar")
 
 
 def test_composite_weights_and_components(dummy):
     images = torch.rand(3, 3, 32, 32)
     images[0] = 0.5  # a flat image, so the two components disagree on the ranking
-    reward = build_reward("jpeg:0.3,dummy:-2", "cpu")
+    reward = build("jpeg:0.3,dummy:-2")
     total, scores = reward(images, PROMPTS + ["x"])
-    jpeg, bright = REWARDS["jpeg"]("cpu")(images, PROMPTS + ["x"]), images.mean((1, 2, 3))
+    jpeg, bright = REWARDS["jpeg"].factory("cpu")(images, PROMPTS + ["x"]), images.mean((1, 2, 3))
     assert set(scores) == {"jpeg", "dummy"}
     assert torch.equal(scores["jpeg"], jpeg) and torch.equal(scores["dummy"], bright)
     assert torch.equal(total, 0.3 * jpeg + -2 * bright)
@@ -112,7 +129,7 @@ def test_composite_weights_and_components(dummy):
 
 def test_composite_zero_weight_is_logged_only(dummy):
     images = uint8_images(2, 16, 16).requires_grad_(True)
-    reward = build_reward("dummy:2,jpeg:0", "cpu")
+    reward = build("dummy:2,jpeg:0")
     assert reward.differentiable  # a zero-weight jpeg does not make the sum non-differentiable
     total, scores = reward(images, PROMPTS)
     assert torch.equal(total, 2 * images.mean((1, 2, 3))) and scores["jpeg"].shape == (2,)
@@ -122,7 +139,7 @@ def test_composite_zero_weight_is_logged_only(dummy):
 
 def test_jpeg_prefers_flat_images():
     images = torch.cat([torch.full((1, 3, 64, 64), 0.4), torch.rand(1, 3, 64, 64)])
-    scores = REWARDS["jpeg"]("cpu")(images, PROMPTS)
+    scores = REWARDS["jpeg"].factory("cpu")(images, PROMPTS)
     assert scores.shape == (2,) and scores.dtype == torch.float32 and (scores < 0).all()
     assert scores[0] > scores[1]
 
@@ -138,7 +155,7 @@ def test_shapes_wiring(monkeypatch):
 
     fake = types.SimpleNamespace(load_reward_model=load_reward_model, verifier_reward=lambda x, p: x.amax((1, 2, 3)))
     monkeypatch.setitem(sys.modules, "common.shapesbench", fake)
-    reward = build_reward("shapes:1,verifier:0", "cpu", {"shapes": "ckpt"})
+    reward = build("shapes:1,verifier:0", ["shapes=ckpt"])
     assert calls == {"path": "ckpt", "device": "cpu"} and reward.differentiable
     images = uint8_images(2, 32, 32)
     _, scores = reward(images, PROMPTS)
@@ -147,7 +164,7 @@ def test_shapes_wiring(monkeypatch):
 
 def test_verifier_real():
     pytest.importorskip("common.shapesbench")
-    scores = build_reward("verifier", "cpu")(uint8_images(2, 32, 32), PROMPTS)[1]["verifier"]
+    scores = build("verifier")(uint8_images(2, 32, 32), PROMPTS)[1]["verifier"]
     assert scores.shape == (2,) and torch.isfinite(scores).all()
 
 
@@ -155,7 +172,7 @@ def test_shapes_real():
     shapes = pytest.importorskip("common.shapesbench")
     if not (shapes.REWARD_PATH / "model" / "config.json").exists():
         pytest.skip("the ShapesBench reward model is not trained yet (python -m common.shapesbench.train_reward)")
-    assert_finite_grad(REWARDS["shapes"]("cpu"), uint8_images(2, 32, 32), PROMPTS)
+    assert_finite_grad(REWARDS["shapes"].factory("cpu"), uint8_images(2, 32, 32), PROMPTS)
 
 
 # ---------------------------------------------------------------- HPSv2.1 with a tiny open_clip model
@@ -168,7 +185,7 @@ def tiny_hps(tmp_path_factory):
 def test_hps_matches_open_clip_pil_path(tiny_hps, size):
     import open_clip
 
-    reward = REWARDS["hpsv2.1"]("cpu", tiny_hps, arch="tiny-hps")
+    reward = REWARDS["hpsv2.1"].factory("cpu", tiny_hps, arch="tiny-hps")
     images = uint8_images(2, *size)
     scores = assert_finite_grad(reward, images, PROMPTS)
 
@@ -187,9 +204,9 @@ def test_hps_offline_without_checkpoint(tmp_path, monkeypatch):
     # an empty cache, whatever this machine has downloaded
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(ValueError, match=r"--reward-ckpt hpsv2.1=/path/to/HPS_v2.1_compressed.pt"):
-        build_reward("hps", "cpu")
+        build("hps")
     with pytest.raises(ValueError, match="no such file"):
-        build_reward("hps", "cpu", {"hps": str(tmp_path / "missing.pt")})
+        build("hps", [f"hps={tmp_path / 'missing.pt'}"])
 
 
 # ---------------------------------------------------------------- PickScore / CLIP with a tiny transformers CLIPModel
@@ -241,7 +258,7 @@ def clip_setup(tiny_clip):
     """Both rewards loaded through --reward-ckpt, plus the reference model and processor (loading takes ~1 s)."""
     from transformers import CLIPModel, CLIPProcessor
 
-    rewards = {name: REWARDS[name]("cpu", tiny_clip) for name in ("pickscore", "clip")}
+    rewards = {name: REWARDS[name].factory("cpu", tiny_clip) for name in ("pickscore", "clip")}
     return rewards, CLIPModel.from_pretrained(tiny_clip).eval(), CLIPProcessor.from_pretrained(tiny_clip)
 
 
@@ -304,4 +321,4 @@ def test_clip_rewards_offline_without_checkpoint(tmp_path, monkeypatch, name):
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(ValueError, match=f"--reward-ckpt {name}="):
-        build_reward(name, "cpu")
+        build(name)

@@ -383,12 +383,11 @@ def test_two_processes_keep_identical_weights(tmp_path):
 def test_end_to_end_tiny_sd1_with_tiny_hps(tmp_path, monkeypatch, terms):
     """DDIM with eta > 0 on a tiny random SD1.x pipeline, LoRA, the tiny HPS reward; in-process (open_clip's
     tiny-hps config is registered in this process only), the real main(). Also the ablation V1 (--terms fo)."""
-    import functools
-
-    from common import rewards
 
     ckpt = build_tiny_hps(tmp_path)
-    monkeypatch.setitem(rewards.REWARDS, "hpsv2.1", functools.partial(rewards.REWARDS["hpsv2.1"], arch="tiny-hps"))
+    from tests.tiny import use_tiny_hps
+
+    use_tiny_hps(monkeypatch)
     build_sd1(tmp_path / "sd1")
     (tmp_path / "prompts.txt").write_text("a cat\na dog\n")
     argv = TINY_RUN + [

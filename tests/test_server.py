@@ -40,7 +40,7 @@ def serve_on_a_thread(server) -> str:
 def server():
     """jpeg, verifier and boom (a reward that raises RuntimeError); token 'secret', 4 images and 3 of 32x32 pixels
     a request at most."""
-    rewards = {"jpeg": REWARDS["jpeg"]("cpu"), "verifier": REWARDS["verifier"]("cpu")}
+    rewards = {"jpeg": REWARDS["jpeg"].factory("cpu"), "verifier": REWARDS["verifier"].factory("cpu")}
 
     def score(name, images, prompts):
         if name == "boom":

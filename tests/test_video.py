@@ -13,7 +13,7 @@ import rlr
 from common import InputError
 from common.flags import check_run_args
 from common.models import load_model
-from common.rewards import CompositeReward, ScoreFn, build_reward, frame_subset
+from common.rewards import CompositeReward, ScoreFn, build_reward, frame_subset, parse_rewards
 from common.sampling import sample_ode
 from tests.helpers import assert_same_trained_weights, find_run, metrics, run_script
 from tests.tiny import build_shapes, build_wan
@@ -84,9 +84,7 @@ def test_wan_flags_fail_at_start_up(wan_dir):
     with pytest.raises(InputError, match="'temporal' scores videos"):
         check_run_args(tyro.cli(D.Args, args=["--reward", "temporal"]))
     with pytest.raises(InputError, match="is a video model .* trains image models only"):
-        rlr.resolve_and_check(
-            tyro.cli(rlr.Args, args=args("--reward", "temporal", "--subchain-len", "2"))
-        )
+        rlr.resolve_and_check(tyro.cli(rlr.Args, args=args("--reward", "temporal", "--subchain-len", "2")))
     with pytest.raises(InputError, match="--num-frames 7: must be 4k"):
         load_model(str(wan_dir), resolution=RES, num_frames=7)
 
@@ -107,7 +105,7 @@ def test_image_rewards_score_a_fixed_subset_of_frames():
 
 
 def test_temporal_reward_prefers_smooth_motion_to_stills_and_flicker():
-    temporal = build_reward("temporal", "cpu")
+    temporal = build_reward(parse_rewards("temporal"), "cpu")
     frames, size = 9, 16
     still = torch.rand(1, 1, 3, size, size).expand(1, frames, 3, size, size)
     ramp = torch.linspace(0, 1, size).view(1, 1, 1, 1, size)

@@ -1,6 +1,8 @@
 """Tiny random-weight FLUX, SD3, SD1.x, Wan2.1 and ShapesBench models and a tiny HPS reward, built from configs,
 offline."""
 
+import dataclasses
+import functools
 import json
 
 import torch
@@ -30,6 +32,7 @@ from transformers import (
     UMT5EncoderModel,
 )
 
+from common import rewards
 from common.shapesbench.builders import build_latent_components, make_pipeline, mark_shapesbench
 from common.shapesbench.train_vae import build_vae
 
@@ -164,3 +167,10 @@ def build_tiny_hps(d) -> str:
     torch.manual_seed(0)
     torch.save({"state_dict": open_clip.create_model("tiny-hps", pretrained=None).state_dict()}, d / "tiny.pt")
     return str(d / "tiny.pt")
+
+
+def use_tiny_hps(monkeypatch) -> None:
+    """--reward hpsv2.1 builds the tiny HPS architecture of build_tiny_hps's checkpoints, in this test only."""
+    kind = rewards.REWARDS["hpsv2.1"]
+    tiny = dataclasses.replace(kind, factory=functools.partial(kind.factory, arch="tiny-hps"))
+    monkeypatch.setitem(rewards.REWARDS, "hpsv2.1", tiny)
