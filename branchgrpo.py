@@ -52,7 +52,8 @@ from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> 
 
 @dataclass
 class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/flags.py
-    learning_rate: float = 6e-4  # AdamW learning rate (constant after --lr-warmup); 2x the shared default (docstring)
+    learning_rate: float = 6e-4
+    """AdamW learning rate (constant after --lr-warmup); 2x the shared default, as dancegrpo.py (docs/branchgrpo.md)"""
     num_steps: int = 20
     """sampling steps T of a rollout (shifted sigma schedule), as the paper"""
     shift: float = 3.0
@@ -107,19 +108,16 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
 # Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
 # ---------------------------------------------------------------------------------------------------
 MODE_FLAGS = [  # a flag of another mode is an error unless left at its default (no dead flags)
-    ("fusion_gamma", lambda a: a.fusion == "path", "--fusion path"),
-    ("fusion_temperature", lambda a: a.fusion == "path", "--fusion path"),
+    *[(f, lambda a: a.fusion == "path", "--fusion path") for f in ("fusion_gamma", "fusion_temperature")],
     ("width_mode", lambda a: a.pruning == "width", "--pruning width"),
     ("width_keep_ratio", lambda a: a.width_mode == "extreme", "--pruning width --width-mode extreme"),
-    ("window", lambda a: a.pruning in ("depth", "mix"), "--pruning depth or mix"),
-    ("window_shift_every", lambda a: a.pruning in ("depth", "mix"), "--pruning depth or mix"),
+    *[(f, lambda a: a.pruning in ("depth", "mix"), "--pruning depth or mix") for f in ("window", "window_shift_every")],
 ]
 
 
 def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
-    """The defaults that depend on the mode filled in, then this script's flags checked and the shared ones
-    (common/flags.py), before a model loads; returns (training prompts, held-out prompts, the parsed --reward). A bad flag stops the run
-    with one `error:` line naming it; the checks that need the number of processes are in main()."""
+    """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
+    one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
     check_mode_flags(args, MODE_FLAGS)
     splits = split_steps(args.split_schedule, args.num_steps, args.num_splits)
     if args.noise_level is None:
@@ -434,30 +432,24 @@ def edge_gaussians(x, v, segments, masks, sigmas, g, tree: Tree):
 
 
 def policy_loss(log_prob, old_log_prob, adv, mean, mean_ref, std, *, clip_range, kl_beta):  # same as in dancegrpo.py
-    """The objective to minimise, per sample (B,), and every figure the log reports of it. A fork changes the
-    objective here, in one place: a new term with its own flag is a keyword argument here and a field of Args (main()
-    passes every keyword argument from the flag of the same name), its figure one more entry of `figures`.
-
-    The PPO-clipped surrogate max(-A r, -A clip(r, 1 - eps, 1 + eps)), r = exp(logp - logp_old), plus kl_beta times
-    the exact KL(N(mean, std^2) || N(mean_ref, std^2)) of the step to the base model's (per dimension, averaged like
-    the log-prob) when `mean_ref` is given. log_prob, old_log_prob, adv: (B,); mean, mean_ref: (B, *L); std: (B,) or
-    (B, 1, ...). `figures` (detached) are logged as losses/<name>: the max over the iteration for a name with 'max' in
-    it, else the mean over every value (common.logs.summarize)."""
+    """The objective per sample (B,): the PPO-clipped surrogate max(-A r, -A clip(r, 1 - eps, 1 + eps)), r = exp(logp -
+    logp_old), plus kl_beta * KL(N(mean, std^2) || N(mean_ref, std^2)) to the base model's step (per dimension, as the
+    log-prob) if `mean_ref` is given; log_prob, old_log_prob, adv (B,), mean, mean_ref (B, *L), std (B,) or (B, 1..).
+    Returns it and its figures, logged as losses/<name> (common.logs.summarize). A fork's new term: a keyword argument
+    here (main() passes each from the flag of its name), a field of Args, and its figure."""
     ratio = torch.exp(log_prob - old_log_prob)
     surrogate = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
-    loss, figures = (
-        surrogate,
-        {
-            "policy": surrogate.mean(),
-            "ratio_mean": ratio,
-            "ratio_max_dev": (ratio - 1).abs().max(),
-            "clipfrac": ((ratio - 1).abs() > clip_range).float().mean(),
-            "approx_kl": (0.5 * (log_prob - old_log_prob) ** 2).mean(),
-        },
-    )
+    figures = {
+        "policy": surrogate.mean(),
+        "ratio_mean": ratio,
+        "ratio_max_dev": (ratio - 1).abs().max(),
+        "clipfrac": ((ratio - 1).abs() > clip_range).float().mean(),
+        "approx_kl": (0.5 * (log_prob - old_log_prob) ** 2).mean(),
+    }
+    loss = surrogate
     if mean_ref is not None:
         kl = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * std.flatten() ** 2)  # (B,)
-        loss, figures["kl"] = loss + kl_beta * kl, kl.mean()
+        loss, figures["kl"] = surrogate + kl_beta * kl, kl.mean()
     return loss, {k: v.detach() for k, v in figures.items()}
 
 
@@ -465,9 +457,7 @@ def main(args: Args):
     # ---------------------------------------------------------------- SETUP
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     world, rank = accelerator.num_processes, accelerator.process_index
-    inputs = resolve_and_check(
-        args
-    )  # every flag and input checked (prompts read, --reward parsed) before a model loads
+    inputs = resolve_and_check(args)  # flags checked, prompts read, --reward parsed, before any model loads
     mode = args.pruning + (f" ({args.width_mode})" if args.pruning == "width" else "")
     run = Run(args, accelerator, f"BranchGRPO, pruning {mode}", frozen_copy=args.kl_beta > 0 and not args.lora)
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
@@ -575,16 +565,14 @@ def main(args: Args):
                         mean_ref, _ = edge_gaussians(x, v_ref.float(), segments, masks, sigmas, g, tree)
                     loss, figures = policy_loss(
                         log_prob, old_lp, adv, mean, mean_ref, std, **flags_of(policy_loss, args)
-                    )  # (E,): one per trained edge
+                    )
                     accelerator.backward(loss.sum() / max(1, n_edges))  # the mean over this update's trained edges
                 for k, v in figures.items():
                     stats[k].append(v)
-            # the optimizer step: linear warmup, clipping, skipped on every process if any gradient is not finite
-            lr = args.learning_rate * min(1.0, (run.optimizer_steps + 1) / max(1, args.lr_warmup))
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            lr = args.learning_rate * min(1.0, (run.optimizer_steps + 1) / max(1, args.lr_warmup))  # linear warmup
+            optimizer.param_groups[0]["lr"] = lr  # one group: every trained parameter
             norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)  # before clipping
-            if stepped := all_finite(norm, accelerator):
+            if stepped := all_finite(norm, accelerator):  # else skipped on every process
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             run.count_step(lr, norm, stepped)  # logged at the iteration's end; the warmup and resume count it

@@ -52,7 +52,8 @@ from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> 
 @dataclass
 class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/flags.py
     learning_rate: float = 6e-4
-    """AdamW learning rate (constant after --lr-warmup); 2x the shared default, see the docstring"""
+    """AdamW learning rate (constant after --lr-warmup); 2x the shared default: the per-step estimator's update
+    direction is mostly noise (docs/dancegrpo.md)"""
     num_steps: int = 10
     """sampling steps T of a rollout (shifted sigma schedule)"""
     shift: float = 3.0
@@ -96,9 +97,8 @@ MODE_FLAGS = [  # a flag of another mode is an error unless left at its default 
 
 
 def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
-    """The defaults that depend on the mode filled in, then this script's flags checked and the shared ones
-    (common/flags.py), before a model loads; returns (training prompts, held-out prompts, the parsed --reward). A bad flag stops the run
-    with one `error:` line naming it; the checks that need the number of processes are in main()."""
+    """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
+    one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
     check_mode_flags(args, MODE_FLAGS)
     if args.noise_level is None:
         args.noise_level = 0.3 if args.sde_type == "dance" else 0.7
@@ -183,30 +183,24 @@ def combined_advantages(scores: dict, weights: dict, group_size: int) -> torch.T
 
 
 def policy_loss(log_prob, old_log_prob, adv, mean, mean_ref, std, *, clip_range, kl_beta):
-    """The objective to minimise, per sample (B,), and every figure the log reports of it. A fork changes the
-    objective here, in one place: a new term with its own flag is a keyword argument here and a field of Args (main()
-    passes every keyword argument from the flag of the same name), its figure one more entry of `figures`.
-
-    The PPO-clipped surrogate max(-A r, -A clip(r, 1 - eps, 1 + eps)), r = exp(logp - logp_old), plus kl_beta times
-    the exact KL(N(mean, std^2) || N(mean_ref, std^2)) of the step to the base model's (per dimension, averaged like
-    the log-prob) when `mean_ref` is given. log_prob, old_log_prob, adv: (B,); mean, mean_ref: (B, *L); std: (B,) or
-    (B, 1, ...). `figures` (detached) are logged as losses/<name>: the max over the iteration for a name with 'max' in
-    it, else the mean over every value (common.logs.summarize)."""
+    """The objective per sample (B,): the PPO-clipped surrogate max(-A r, -A clip(r, 1 - eps, 1 + eps)), r = exp(logp -
+    logp_old), plus kl_beta * KL(N(mean, std^2) || N(mean_ref, std^2)) to the base model's step (per dimension, as the
+    log-prob) if `mean_ref` is given; log_prob, old_log_prob, adv (B,), mean, mean_ref (B, *L), std (B,) or (B, 1..).
+    Returns it and its figures, logged as losses/<name> (common.logs.summarize). A fork's new term: a keyword argument
+    here (main() passes each from the flag of its name), a field of Args, and its figure."""
     ratio = torch.exp(log_prob - old_log_prob)
     surrogate = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
-    loss, figures = (
-        surrogate,
-        {
-            "policy": surrogate.mean(),
-            "ratio_mean": ratio,
-            "ratio_max_dev": (ratio - 1).abs().max(),
-            "clipfrac": ((ratio - 1).abs() > clip_range).float().mean(),
-            "approx_kl": (0.5 * (log_prob - old_log_prob) ** 2).mean(),
-        },
-    )
+    figures = {
+        "policy": surrogate.mean(),
+        "ratio_mean": ratio,
+        "ratio_max_dev": (ratio - 1).abs().max(),
+        "clipfrac": ((ratio - 1).abs() > clip_range).float().mean(),
+        "approx_kl": (0.5 * (log_prob - old_log_prob) ** 2).mean(),
+    }
+    loss = surrogate
     if mean_ref is not None:
         kl = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * std.flatten() ** 2)  # (B,)
-        loss, figures["kl"] = loss + kl_beta * kl, kl.mean()
+        loss, figures["kl"] = surrogate + kl_beta * kl, kl.mean()
     return loss, {k: v.detach() for k, v in figures.items()}
 
 
@@ -245,9 +239,7 @@ def main(args: Args):
     # ---------------------------------------------------------------- SETUP
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     world, rank = accelerator.num_processes, accelerator.process_index
-    inputs = resolve_and_check(
-        args
-    )  # every flag and input checked (prompts read, --reward parsed) before a model loads
+    inputs = resolve_and_check(args)  # flags checked, prompts read, --reward parsed, before any model loads
     S, G = args.samples_per_device, args.group_size
     need(S * world % G == 0, f"--samples-per-device {S} x {world} processes must be a multiple of --group-size {G}")
     frozen = args.kl_beta > 0 and not args.lora  # KL reference: a frozen copy of the base (LoRA: adapter off)
@@ -380,12 +372,10 @@ def main(args: Args):
                         accelerator.backward(loss.mean() / (chunks_per_update * len(steps)))
                     for k, v in figures.items():
                         stats[k].append(v)
-            # the optimizer step: linear warmup, clipping, skipped on every process if any gradient is not finite
-            lr = args.learning_rate * min(1.0, (run.optimizer_steps + 1) / max(1, args.lr_warmup))
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            lr = args.learning_rate * min(1.0, (run.optimizer_steps + 1) / max(1, args.lr_warmup))  # linear warmup
+            optimizer.param_groups[0]["lr"] = lr  # one group: every trained parameter
             norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)  # before clipping
-            if stepped := all_finite(norm, accelerator):
+            if stepped := all_finite(norm, accelerator):  # else skipped on every process
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             run.count_step(lr, norm, stepped)  # logged at the iteration's end; the warmup and resume count it

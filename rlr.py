@@ -34,7 +34,7 @@ each): 1. eq. 6 with unit weights and unbiased baselines; 2. one optimizer step 
 (--terms: the paper's ablations V1 = fo, V2 = fo+ho, V3 = fo+zo); 3. the log-density summed over latent dimensions;
 4. a uniform window start (in a --subchain-stage); 5. DDIM's last step lands on x0_hat; 6. randomness keyed on (seed,
 iteration, sample / chunk / block). The default is V2 (biased: the other steps get no gradient) in the DCoT stage
-coarse (the first third, where ShapesBench decides the shape): at 0.38M LoRA parameters the ZO term's noise drowns
+coarse (the first third, where ShapesBench decides the shape): at ShapesBench's LoRA size the ZO term's noise drowns
 the full estimator's signal (docs/rlr.md, benchmarks/rlr_zo_noise.py).
 """
 
@@ -124,17 +124,15 @@ def grad_norm(params) -> float:
 
 
 MODE_FLAGS = [  # a flag of another mode is an error unless left at its default (no dead flags)
-    *[(f, lambda a: a.memory_budget_gb is not None, "--memory-budget-gb (the h* rule)") for f in
-      ("ho_step_gb", "zo_step_gb", "variance_ratio")],
+    *[(f, lambda a: a.memory_budget_gb is not None, "--memory-budget-gb") for f in ("ho_step_gb", "zo_step_gb", "variance_ratio")],
     *[(f, lambda a: "ho" in a.terms, "--terms with ho") for f in ("subchain_len", "memory_budget_gb", "subchain_stage")],
     *[(f, lambda a: "zo" in a.terms, "--terms with zo") for f in ("zo_scale", "zo_perturbations")],
 ]  # fmt: skip
 
 
 def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
-    """The defaults that depend on the mode filled in, then this script's flags checked and the shared ones
-    (common/flags.py), before a model loads; returns (training prompts, held-out prompts, the parsed --reward). A bad flag stops the run
-    with one `error:` line naming it; the checks that need the number of processes are in main()."""
+    """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
+    one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
     check_mode_flags(args, MODE_FLAGS)
     if args.memory_budget_gb is not None:
         need(args.subchain_len is None, "give --subchain-len or --memory-budget-gb, not both")
@@ -429,9 +427,7 @@ def main(args: Args):
     # ---------------------------------------------------------------- SETUP
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     world, rank = accelerator.num_processes, accelerator.process_index
-    inputs = resolve_and_check(
-        args
-    )  # every flag and input checked (prompts read, --reward parsed) before a model loads
+    inputs = resolve_and_check(args)  # flags checked, prompts read, --reward parsed, before any model loads
     T, S, B, G = args.num_steps, args.samples_per_device, args.rollout_batch_size, args.group_size
     need(S * world % G == 0, f"--samples-per-device {S} x {world} processes must be a multiple of --group-size {G}")
     need(
@@ -571,12 +567,10 @@ def main(args: Args):
                 )
             zo_norm = math.sqrt(sum(float((p.grad - g).double().square().sum()) for p, g in zip(params, before)))
             del before
-        # the optimizer step: linear warmup, clipping, skipped on every process if any gradient is not finite
-        lr = args.learning_rate * min(1.0, (run.optimizer_steps + 1) / max(1, args.lr_warmup))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = args.learning_rate * min(1.0, (run.optimizer_steps + 1) / max(1, args.lr_warmup))  # linear warmup
+        optimizer.param_groups[0]["lr"] = lr  # one group: every trained parameter
         norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)  # before clipping
-        if stepped := all_finite(norm, accelerator):
+        if stepped := all_finite(norm, accelerator):  # else skipped on every process
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         run.count_step(lr, norm, stepped)  # logged at the iteration's end; the warmup and resume count it

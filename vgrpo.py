@@ -62,7 +62,8 @@ from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> 
 @dataclass
 class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/flags.py
     iterations: int = 30
-    """training iterations; 30, not the shared 40: by 40 V-GRPO's ShapesBench run keeps 39% of the diversity (docs/vgrpo.md)"""
+    """training iterations; 30, not the shared 40: by 40 V-GRPO's ShapesBench run collapses each prompt toward one
+    image (docs/vgrpo.md has the figures)"""
     num_steps: int = 10
     """sampling steps T of a rollout (shifted sigma schedule); the surrogate's timesteps are drawn from this grid"""
     shift: float = 3.0
@@ -115,9 +116,8 @@ MODE_FLAGS = [  # a flag of another mode is an error unless left at its default 
 
 
 def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
-    """The defaults that depend on the mode filled in, then this script's flags checked and the shared ones
-    (common/flags.py), before a model loads; returns (training prompts, held-out prompts, the parsed --reward). A bad flag stops the run
-    with one `error:` line naming it; the checks that need the number of processes are in main()."""
+    """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
+    one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
     check_mode_flags(args, MODE_FLAGS)
     args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
     need(args.num_steps >= 1 and args.shift > 0, "--num-steps must be >= 1 and --shift > 0")
@@ -286,32 +286,26 @@ def combined_advantages(parts: dict, weights: dict, group_size: int, clip_max: f
 
 
 def policy_loss(values, old_values, adv, x0_hat, ref_x0, *, clip_range, kl_beta):
-    """The objective to minimise, per image (B,), and every figure the log reports of it. A fork changes the objective
-    here, in one place: a new term with its own flag is a keyword argument here and a field of Args (main() passes
-    every keyword argument from the flag of the same name), its figure one more entry of `figures`.
-
-    The PPO-clipped loss on the whole-image ratio: values and old_values (B, N) per-pair surrogates averaged over the
-    pairs FIRST, then log rho = S_theta - S_old; plus kl_beta times D_simple, the mean squared distance of the
-    policy's x0_hat (B, N, *L) on the pairs to the KL reference's ref_x0 (the same shape), when `ref_x0` is given.
-    `figures` (detached) are logged as losses/<name>: the max over the iteration for a name with 'max' in it, else
-    the mean over every value (common.logs.summarize)."""
+    """The objective per image (B,): the PPO-clipped loss on the whole-image ratio, values and old_values (B, N)
+    per-pair surrogates averaged over the pairs FIRST, then log rho = S_theta - S_old; plus kl_beta * D_simple, the
+    mean squared distance of the policy's x0_hat (B, N, *L) on the pairs to the KL reference's ref_x0, if given.
+    Returns it and its figures, logged as losses/<name> (common.logs.summarize). A fork's new term: a keyword argument
+    here (main() passes each from the flag of its name), a field of Args, and its figure."""
     log_ratio = values.mean(1) - old_values.mean(1)
     ratio = torch.exp(log_ratio)
     surrogate = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
-    loss, figures = (
-        surrogate,
-        {
-            "policy": surrogate.mean(),
-            "ratio_mean": ratio,
-            "ratio_max_dev": (ratio - 1).abs().max(),
-            "log_ratio_max_abs": log_ratio.abs().max(),
-            "clipfrac": ((ratio - 1).abs() > clip_range).float().mean(),
-            "approx_kl": 0.5 * log_ratio**2,
-        },
-    )
+    figures = {
+        "policy": surrogate.mean(),
+        "ratio_mean": ratio,
+        "ratio_max_dev": (ratio - 1).abs().max(),
+        "log_ratio_max_abs": log_ratio.abs().max(),
+        "clipfrac": ((ratio - 1).abs() > clip_range).float().mean(),
+        "approx_kl": 0.5 * log_ratio**2,
+    }
+    loss = surrogate
     if ref_x0 is not None:
         kl = (x0_hat - ref_x0).square().flatten(2).mean(2).mean(1)  # (B,)
-        loss, figures["kl"] = loss + kl_beta * kl, kl.mean()
+        loss, figures["kl"] = surrogate + kl_beta * kl, kl.mean()
     return loss, {k: v.detach() for k, v in figures.items()}
 
 
@@ -327,9 +321,7 @@ def main(args: Args):
     # ---------------------------------------------------------------- SETUP
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     world, rank = accelerator.num_processes, accelerator.process_index
-    inputs = resolve_and_check(
-        args
-    )  # every flag and input checked (prompts read, --reward parsed) before a model loads
+    inputs = resolve_and_check(args)  # flags checked, prompts read, --reward parsed, before any model loads
     S, G = args.samples_per_device, args.group_size
     need(S * world % G == 0, f"--samples-per-device {S} x {world} processes must be a multiple of --group-size {G}")
     base_kl = args.kl_beta > 0 and args.kl_ref == "base"
@@ -460,12 +452,10 @@ def main(args: Args):
                     accelerator.backward(loss.mean() / micro_per_update)
                 for k, v in figures.items():
                     stats[k].append(v)
-            # the optimizer step: linear warmup, clipping, skipped on every process if any gradient is not finite
-            lr = args.learning_rate * min(1.0, (run.optimizer_steps + 1) / max(1, args.lr_warmup))
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            lr = args.learning_rate * min(1.0, (run.optimizer_steps + 1) / max(1, args.lr_warmup))  # linear warmup
+            optimizer.param_groups[0]["lr"] = lr  # one group: every trained parameter
             norm = accelerator.clip_grad_norm_(params, args.max_grad_norm)  # before clipping
-            if stepped := all_finite(norm, accelerator):
+            if stepped := all_finite(norm, accelerator):  # else skipped on every process
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             run.count_step(lr, norm, stepped)  # logged at the iteration's end; the warmup and resume count it

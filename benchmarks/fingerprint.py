@@ -52,14 +52,18 @@ def fingerprint(key: str, argv: list[str], iterations: int, tmp: Path) -> dict:
 
 
 def compare(a: dict, b: dict) -> bool:
+    """Same: the same trained weights and every figure BEFORE logged, equal in AFTER (a figure AFTER adds, say a new
+    one that the objective returns, is listed but moves nothing)."""
     same = True
     for key in a:
-        ok = (
-            key in b and a[key]["weights_sha256"] == b[key]["weights_sha256"] and a[key]["records"] == b[key]["records"]
-        )
-        last = [r for r in a[key]["records"] if "eval/reward" in r][-1]
+        old, new = a[key]["records"], b.get(key, {}).get("records", [])
+        added = sorted({k for r in new for k in r} - {k for r in old for k in r})
+        kept = [{k: v for k, v in r.items() if k not in added} for r in new]
+        ok = key in b and a[key]["weights_sha256"] == b[key]["weights_sha256"] and old == kept
+        last = [r for r in old if "eval/reward" in r][-1]
         shown = {k: round(v, 4) for k, v in last.items() if k in ("eval/shape_acc", "eval/all_acc", "eval/reward")}
-        print(f"{'same' if ok else 'DIFFERENT':9s} {a[key]['command']}: last evaluation {shown}")
+        extra = f" (new figures: {', '.join(added)})" if added else ""
+        print(f"{'same' if ok else 'DIFFERENT':9s} {a[key]['command']}: last evaluation {shown}{extra}")
         same &= ok
     return same
 

@@ -1,8 +1,9 @@
 """The flags every training script shares, and their checks: everything about the command line, written once.
 
 RunArgs                  the shared flags (each script's Args extends it)
-cli(main, Args)          parse the flags (tyro) and run main; an InputError becomes one `error:` line and exit
-                         status 2, a RunError or a refused write one `error:` line and exit status 1
+cli(main, Args)          parse the flags (tyro; parse_flags: a flag that does not parse is one `error:` line) and run
+                         main; an InputError becomes one `error:` line and exit status 2, a RunError or a refused
+                         write one `error:` line and exit status 1
 check_run_args(args)     the shared flags, and every input that can be checked before a model loads: prompt
                          files, --output-dir, --model-id, the rewards (parsed once), --resume-from
 check_mode_flags(args, mode_flags)   a flag of a mode not in use refused (no dead flags)
@@ -13,9 +14,11 @@ ModeDefault(text)        --help shows `text` as the default of a flag whose defa
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib.util
 import inspect
+import io
 import os
 import sys
 from dataclasses import dataclass, field
@@ -151,7 +154,7 @@ def cli(main, args_type) -> None:
     transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars of every tiny part: noise
     diffusers.utils.logging.disable_progress_bar()
     try:
-        main(tyro.cli(args_type))  # tyro answers --help and malformed flags itself (exit status 2)
+        main(parse_flags(args_type))
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -163,6 +166,44 @@ def cli(main, args_type) -> None:
             raise
         print(f"error: cannot write {e.filename or 'the run folder'}: {e.strerror}", file=sys.stderr)
         sys.exit(1)
+
+
+def parse_flags(args_type, argv: list[str] | None = None):
+    """tyro.cli(args_type): --help as tyro prints it; a flag that does not parse (an unknown flag, a value that is not
+    of the flag's type or choices) is one `error:` line naming the flag and what it takes, and exit status 2."""
+    box = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(box):
+            return tyro.cli(args_type, args=argv)
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise
+        print(f"error: {tyro_message(box.getvalue())}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def tyro_message(box: str) -> str:
+    """tyro's error box (drawn in Unicode or ASCII) in one line: its first section, and the flag's usage it suggests."""
+    sections, current = [], []
+    for raw in box.splitlines():
+        line = raw.strip().strip("│|").strip()
+        if raw.strip().startswith(("╭", "╰", "+")) or (line and set(line) <= set("─-")):  # a border or a rule
+            sections.append(current)
+            current = []
+        elif line:
+            current.append(line)
+    sections = [part for part in [*sections, current] if part]
+    title = box.strip().splitlines()[0].strip(" │|╭╮+-─") if box.strip() else ""
+    sections = sections[1:] if sections and sections[0] == [title] else sections  # a title drawn on a line of its own
+    sections = sections or [[]]
+    message = " ".join(sections[0]).rstrip(".") if sections[0] else "the flags do not parse"
+    rest = sections[1] if len(sections) > 1 else []
+    for lead, say in (("Argument helptext:", "expected"), ("Perhaps you meant:", "perhaps you meant")):
+        if lead in rest and rest.index(lead) + 1 < len(rest):
+            message += f" ({say} {rest[rest.index(lead) + 1]})"
+    script = Path(sys.argv[0])
+    command = f"python -m common.{script.stem}" if script.parent.name == "common" else script.name
+    return message + f"; `{command} --help` lists every flag"
 
 
 # ---------------------------------------------------------------------------------------------------

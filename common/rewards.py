@@ -29,7 +29,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from common import InputError, hub_reachable
+from common import InputError, RunError, hub_reachable
 from common.offload import Offloaded
 from common.remote import Judge, Served, request_json
 
@@ -750,6 +750,13 @@ class CompositeReward:
                 with torch.set_grad_enabled(torch.is_grad_enabled() and w != 0):
                     r = self._score(reward, images, prompts)  # (B,)
                 unparsed = self._unparsed(reward, len(images))
+            bad = ~torch.isfinite(r.detach())
+            if bad.any():  # a score that is not a number never trains (nor is averaged into an evaluation)
+                k = int(bad.nonzero()[0])
+                raise RunError(
+                    f"reward '{name}' gave {r[k].item()} for image {k} (prompt {prompts[k]!r}), not a finite number; "
+                    "the run stops here, its last checkpoint intact"
+                )
             if w != 0:
                 total = total + w * r
             scores[name] = r.detach()
@@ -787,7 +794,11 @@ def serve_main(argv: list[str] | None = None) -> None:
     runs elsewhere (`--reward-url hpsv2.1=http://HOST:8100`); docs/models.md gives the schema."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m common.rewards", description=serve_main.__doc__.split("\n")[0])
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):  # one line, as the training scripts' (common.flags.parse_flags)
+            self.exit(2, f"error: {message}; `python -m common.rewards serve --help` lists every flag\n")
+
+    parser = Parser(prog="python -m common.rewards", description=serve_main.__doc__.split("\n")[0])
     parser.add_argument("command", choices=["serve"])
     parser.add_argument("--reward", required=True, help="comma-separated registered rewards, e.g. hpsv2.1,aesthetic")
     parser.add_argument("--reward-ckpt", action="append", default=[], help="NAME=PATH, as the training scripts take")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import tyro
 
 from common import InputError
@@ -106,3 +107,42 @@ def test_help_shows_the_default_of_a_flag_that_depends_on_the_mode(script, shown
         assert default in text
     # None only where it is the value: --resume-from (a new run); rlr's --memory-budget-gb and --dcot-prompts (off)
     assert text.count("(default: None)") == nones
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--clip-range", "abc"], "--clip-range FLOAT"),
+        (["--group-size", "2.5"], "--group-size INT"),
+        (["--sde-type", "sde"], "--sde-type"),
+        (["--clip-rang", "1"], "perhaps you meant --clip-range FLOAT"),
+    ],
+)
+def test_a_flag_that_does_not_parse_is_one_error_line(argv, named, capsys):
+    import dancegrpo
+    from common.flags import parse_flags
+
+    with pytest.raises(SystemExit) as e:
+        parse_flags(dancegrpo.Args, argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and named in err[0], err
+
+
+def test_the_reward_servers_flags_that_do_not_parse_are_one_error_line():
+    out = subprocess.run([sys.executable, "-m", "common.rewards", "serve", "--reward", "jpeg", "--port", "x"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "error: argument --port: invalid int value: 'x'; `python -m common.rewards serve --help` lists every flag"
+    ]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_reward_that_gives_a_non_finite_score_stops_the_run_naming_it(bad, monkeypatch):
+    from common import RunError, rewards
+
+    score = lambda x, p: x.mean((1, 2, 3)) * torch.tensor([1.0, bad])  # noqa: E731
+    kind = rewards.RewardKind(lambda device, checkpoint=None: rewards.ScoreFn(score, True), differentiable=True)
+    monkeypatch.setitem(rewards.REWARDS, "broken", kind)
+    composite = rewards.build_reward(rewards.parse_rewards("jpeg:1,broken:0"), "cpu")  # even at weight 0 (logged)
+    with pytest.raises(RunError, match=r"reward 'broken' gave (nan|inf) for image 1 \(prompt 'b'\)"):
+        composite(torch.rand(2, 3, 8, 8), ["a", "b"])
