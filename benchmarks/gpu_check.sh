@@ -25,6 +25,35 @@ if [ "${1:-}" = "--prepare" ]; then
     echo '  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PY=python3 bash benchmarks/gpu_check.sh --plan .whl/plan.json --results RESULTS'
     exit 0
 fi
-# gpu_check.py keeps its own limit (--limit-s, 480 s after the plans and the disk check) and records a script that
-# overruns; this outer limit only ends a hang of the harness itself
-exec timeout "${GPU_CHECK_LIMIT_S:-900}" "$PY" benchmarks/gpu_check.py "$@"
+# gpu_check.py keeps its own limit (--limit-s, 480 s after the plans and the disk check), records a script that
+# overruns and writes its results from the start; this outer limit only ends a hang of the harness itself (SIGTERM,
+# which gpu_check.py records, then SIGKILL 30 s later). With --results DIR, everything the check prints (stdout and
+# stderr, each still to its own stream) also goes to DIR/console.txt, so that what gpu_check.py cannot record itself
+# (an import that fails, a crash, a kill) is there too; if it ends without having written DIR/gpu_check.json, a
+# gpu_check.json saying so is written.
+results=""
+prev=""
+for arg in "$@"; do
+    case "$arg" in --results=*) results=${arg#--results=} ;; esac
+    [ "$prev" = "--results" ] && results=$arg
+    prev=$arg
+done
+limit=(timeout -k 30 "${GPU_CHECK_LIMIT_S:-900}")
+if [ -z "$results" ]; then
+    exec "${limit[@]}" "$PY" benchmarks/gpu_check.py "$@"
+fi
+mkdir -p "$results"
+rm -f "$results/gpu_check.json"  # not an earlier check's
+console="$results/console.txt"
+: >"$console"
+rc_file=$(mktemp)
+# stdout and stderr each to its own stream and both to the console file; the pipelines wait for their tee's
+{ { set +e; "${limit[@]}" "$PY" benchmarks/gpu_check.py "$@"; echo $? >"$rc_file"; } 2>&1 1>&3 3>&- |
+    tee -a "$console" >&2; } 3>&1 | tee -a "$console"
+rc=$(cat "$rc_file")
+rm -f "$rc_file"
+if [ "$rc" != 0 ] && [ ! -f "$results/gpu_check.json" ]; then
+    printf '{"status": "gpu_check.py ended with exit status %s before it wrote any results: see console.txt"}\n' \
+        "$rc" >"$results/gpu_check.json"
+fi
+exit "$rc"

@@ -26,6 +26,7 @@ import importlib.metadata as m
 print("versions:", ", ".join(f"{p} {m.version(p)}" for p in ("torch", "torchvision", "transformers", "huggingface_hub",
       "accelerate", "peft", "diffusers", "tyro", "open_clip_torch")))
 PY
-PY="$VENV/bin/python" bash benchmarks/gpu_check.sh --tiny --out "$SITE/check"
+# the tiny mode scores with HPSv2.1 (open_clip from the wheels) and writes its results and console to --results
+PY="$VENV/bin/python" bash benchmarks/gpu_check.sh --tiny --out "$SITE/check" --results "$SITE/results"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_real_models.py tests/test_video.py
 echo "gpu_env_check: passed"
