@@ -167,7 +167,7 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
 # ---------------------------------------------------------------------------------------------------
 def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:  # same as in dancegrpo.py
     """linspace(1, 0, T + 1) warped by s' = k s / (1 + (k - 1) s) (SD3 shift); shape (T + 1,)."""
-    s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
+    s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)  # cpu: read as 0-dim scalars or moved with .to()
     return (shift * s / (1 + (shift - 1) * s)).float()
 
 
@@ -296,7 +296,7 @@ def tree_rollout(model, denoiser, cond, roots, noise_fn, tree, sigmas, g, sde_id
     noise (P * n_parents * n_children, *L). Returns states, T + 1 tensors (P * n_i, *L) fp32 over depths, and
     log_probs, T tensors (P * n_{i+1},) over steps: the old log-prob of every edge (0 at ODE steps)."""
     states, log_probs = [roots], []
-    tree_of = torch.arange(len(roots))  # (nodes,) tree index of each node
+    tree_of = torch.arange(len(roots), device=roots.device)  # (nodes,) tree index of each node
     for i in range(len(sigmas) - 1):
         x = states[-1]
         v = []
@@ -489,7 +489,7 @@ def main(args: Args):
     start = run.resume()  # 0, or the iteration of the --resume-from checkpoint (weights, optimizer, RNG, counters)
     evaluate = Evaluator(args, model, denoiser, reward_fn, eval_prompts, run, args.rollout_batch_size)  # Euler ODE
     forwards, edges = tree.counts()
-    zeros = [torch.zeros(1, n) for n in sizes[1:]]  # advantages do not matter to the count
+    zeros = [torch.zeros(1, n) for n in sizes[1:]]  # cpu: dummy advantages (they don't matter) for the banner's count
     edges_at_0 = sum(int(k.sum()) for k in trained_edges(tree, sde_steps(tree, 0), zeros, 0))
     corr = f" (sibling correlation {1 / (1 + tree.branch_s):.3f})" if args.branch_noise == "correlated" else ""
     lines = [
@@ -514,7 +514,7 @@ def main(args: Args):
             ids = tree_ids[u * args.trees_per_update : (u + 1) * args.trees_per_update]
             cond = model.encode_prompts([drawn[t] for t in ids])
             gens = [rng(args.seed, it, "root", t) for t in ids]
-            roots = torch.stack([torch.randn(latent_shape, generator=gen) for gen in gens]).to(device)  # (P_u, *L)
+            roots = torch.stack([torch.randn(latent_shape, generator=gen, device="cpu") for gen in gens]).to(device)
             noise_fn = partial(tree_noise, tree, args.seed, it, ids, latent_shape)
             states, log_probs = tree_rollout(
                 model, denoiser, cond, roots, noise_fn, tree, sigmas, g, sde_idx, args.rollout_batch_size,

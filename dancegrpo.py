@@ -47,6 +47,7 @@ from common.prompts import draw_prompts
 from common.rewards import RewardSpec, build_reward
 from common.runs import Run, all_finite
 from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> a generator
+from common.sampling import keyed_randn
 
 
 @dataclass
@@ -128,7 +129,7 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
 # ---------------------------------------------------------------------------------------------------
 def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:
     """linspace(1, 0, T + 1) warped by s' = k s / (1 + (k - 1) s) (SD3 shift); shape (T + 1,)."""
-    s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
+    s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)  # cpu: read as 0-dim scalars or moved with .to()
     return (shift * s / (1 + (shift - 1) * s)).float()
 
 
@@ -287,16 +288,11 @@ def main(args: Args):
         drawn = draw_prompts(train_prompts, prompts_per_iter, args.seed, it)
         global_idx = range(rank * args.samples_per_device, (rank + 1) * args.samples_per_device)
         my_prompts = [drawn[k // args.group_size] for k in global_idx]
-        init = torch.stack(
-            [
-                torch.randn(
-                    latent_shape, generator=rng(args.seed, it, "init", k // args.group_size if args.same_noise else k)
-                )
-                for k in global_idx
-            ]
-        )
+        # keyed noise, drawn on the CPU and moved to the device chunk by chunk; --same-noise: one per prompt group
+        noise_ids = [k // args.group_size if args.same_noise else k for k in global_idx]
+        init = torch.stack([keyed_randn(latent_shape, args.seed, it, "init", k) for k in noise_ids])
         step_noise = torch.stack(
-            [torch.randn((args.num_steps, *latent_shape), generator=rng(args.seed, it, "sde", k)) for k in global_idx]
+            [keyed_randn((args.num_steps, *latent_shape), args.seed, it, "sde", k) for k in global_idx]
         )
         sde_idx = sde_steps(args.num_steps, args.sde_window, args.window_shift_every, it)
         cond = model.encode_prompts(my_prompts)
@@ -343,10 +339,8 @@ def main(args: Args):
                 ch, sl = chunks[ci], slice(ci * args.rollout_batch_size, (ci + 1) * args.rollout_batch_size)
                 # trained steps of this chunk: a random subset of its SDE steps (DanceGRPO: per sample, here per chunk)
                 first_k = ci * args.rollout_batch_size + rank * args.samples_per_device
-                steps = [
-                    sde_idx[j]
-                    for j in torch.randperm(len(sde_idx), generator=rng(args.seed, it, "steps", first_k))[:n_train]
-                ]
+                order = torch.randperm(len(sde_idx), generator=rng(args.seed, it, "steps", first_k), device="cpu")
+                steps = [sde_idx[j] for j in order[:n_train]]  # indices into the list sde_idx
                 for j, i in enumerate(steps):
                     last = ci == (u + 1) * chunks_per_update - 1 and j == len(steps) - 1
                     x, x_next = ch["latents"][:, i], ch["latents"][:, i + 1]

@@ -61,6 +61,7 @@ from common.prompts import draw_prompts, load_dcot
 from common.rewards import RewardSpec, build_reward
 from common.runs import Run, all_finite
 from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> a generator
+from common.sampling import keyed_randn
 
 
 @dataclass
@@ -183,7 +184,7 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
 # ---------------------------------------------------------------------------------------------------
 def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:  # same as in dancegrpo.py
     """linspace(1, 0, T + 1) warped by s' = k s / (1 + (k - 1) s) (SD3 shift); shape (T + 1,)."""
-    s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
+    s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)  # cpu: read as 0-dim scalars or moved with .to()
     return (shift * s / (1 + (shift - 1) * s)).float()
 
 
@@ -239,14 +240,15 @@ def make_schedule(model, num_steps: int, noise_level: float, shift=3.0, sde_type
     if model.kind == "sd1":
         ac = model.alphas_cumprod.double()
         ratio = len(ac) // num_steps
-        t = torch.arange(num_steps - 1, -1, -1) * ratio + model.pipe.scheduler.config.get("steps_offset", 0)
+        offset = model.pipe.scheduler.config.get("steps_offset", 0)
+        t = torch.arange(num_steps - 1, -1, -1, device=ac.device) * ratio + offset
         prev = t - ratio
-        a_prev = torch.where(prev >= 0, ac[prev.clamp(min=0)], torch.ones((), dtype=ac.dtype))
-        eta = torch.full((num_steps,), noise_level if stochastic else 0.0)
+        a_prev = torch.where(prev >= 0, ac[prev.clamp(min=0)], torch.ones((), dtype=ac.dtype, device=ac.device))
+        eta = torch.full((num_steps,), noise_level if stochastic else 0.0, device=ac.device)
         eta[-1] = 0
         return {"t": t, "a": ac[t].float(), "a_prev": a_prev.float(), "eta": eta}
     sigmas = sigma_schedule(num_steps, shift)
-    g = noise_g(sigmas, sde_type, noise_level) if stochastic else torch.zeros(num_steps)
+    g = noise_g(sigmas, sde_type, noise_level) if stochastic else torch.zeros(num_steps, device=sigmas.device)
     g[-1] = 0
     return {"sigmas": sigmas, "g": g}
 
@@ -493,19 +495,18 @@ def main(args: Args):
         drawn = draw_prompts(train_prompts, prompts_per_iter, args.seed, it)
         global_idx = range(rank * S, (rank + 1) * S)
         my_prompts = [drawn[k // G] for k in global_idx]
-        init = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, it, "init", k)) for k in global_idx])
-        step_noise = torch.stack(
-            [torch.randn((T - 1, *latent_shape), generator=rng(args.seed, it, "sde", k)) for k in global_idx]
-        )
+        # keyed noise, drawn on the CPU and moved to the device chunk by chunk
+        init = torch.stack([keyed_randn(latent_shape, args.seed, it, "init", k) for k in global_idx])
+        step_noise = torch.stack([keyed_randn((T - 1, *latent_shape), args.seed, it, "sde", k) for k in global_idx])
         cond = model.encode_prompts(my_prompts)
         # conditioning per stage (coarse, medium, fine): the DCoT prompts, else the prompt itself three times
         conds = [model.encode_prompts([dcot[p][s] for p in my_prompts]) for s in range(3)] if dcot else [cond] * 3
-        # every global chunk's window start j and perturbation block, drawn identically on every process
+        # every global chunk's window start j and perturbation block (global chunks,), drawn identically on every process
         j_of = [
-            starts[int(torch.randint(len(starts), (1,), generator=rng(args.seed, it, "window", gc)))]
+            starts[int(torch.randint(len(starts), (1,), generator=rng(args.seed, it, "window", gc), device="cpu"))]
             for gc in range(world * n_chunks)
         ]
-        block_of = torch.arange(world * n_chunks) // chunks_per_block  # (global chunks,)
+        block_of = torch.arange(world * n_chunks) // chunks_per_block  # cpu: read by int(), or moved with .to(device)
         chunks, rewards, parts = [], [], []
         for c in range(n_chunks):
             gc, sl = rank * n_chunks + c, slice(c * B, (c + 1) * B)

@@ -57,6 +57,7 @@ from common.prompts import draw_prompts
 from common.rewards import RewardSpec, build_reward
 from common.runs import Run, all_finite
 from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> a generator
+from common.sampling import keyed_randn
 
 
 @dataclass
@@ -148,7 +149,7 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
 # ---------------------------------------------------------------------------------------------------
 def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:  # same as in dancegrpo.py
     """linspace(1, 0, T + 1) warped by s' = k s / (1 + (k - 1) s) (SD3 shift); shape (T + 1,)."""
-    s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
+    s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)  # cpu: read as 0-dim scalars or moved with .to()
     return (shift * s / (1 + (shift - 1) * s)).float()
 
 
@@ -380,7 +381,7 @@ def main(args: Args):
         global_idx = range(rank * args.samples_per_device, (rank + 1) * args.samples_per_device)
         my_prompts = [drawn[k // args.group_size] for k in global_idx]
         # every image its own initial noise: the ODE is deterministic, so shared noise would give identical images
-        init = torch.stack([torch.randn(latent_shape, generator=rng(args.seed, it, "init", k)) for k in global_idx])
+        init = torch.stack([keyed_randn(latent_shape, args.seed, it, "init", k) for k in global_idx])  # (CPU)
         cond = model.encode_prompts(my_prompts)
         denoiser.eval()
         chunks = [

@@ -195,7 +195,7 @@ class Judge:
         self.model = models[0].get("id")  # what `vllm serve MODEL` serves
         if not self.model:
             raise InputError(f"--reward-url {name}={url}: {self.base}/models lists no model")
-        self.unparsed = torch.zeros(0)
+        self.unparsed = torch.zeros(0)  # cpu: a placeholder; every call replaces it with flags on the images' device
 
     def _ask(self, image_b64: str, prompt: str) -> str:
         text = self.template.format(prompt=prompt) if "{prompt}" in self.template else self.template

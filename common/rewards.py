@@ -158,7 +158,7 @@ def jpeg(device, checkpoint=None) -> Reward:
             buffer = io.BytesIO()
             Image.fromarray(array).save(buffer, format="JPEG", quality=95)
             sizes.append(buffer.tell() / 1000)
-        return -torch.tensor(sizes)
+        return -torch.tensor(sizes)  # cpu: PIL's sizes; ScoreFn moves the scores to the images' device
 
     return ScoreFn(score, differentiable=False)
 
@@ -738,7 +738,9 @@ class CompositeReward:
     def _unparsed(reward, n: int) -> torch.Tensor:
         """(n,) the fraction of each image's judge answers (one per scored frame) that gave no score; 0 for a reward
         that is not a judge. Read right after the reward's call, which sets it."""
-        return reward.unparsed.view(n, -1).mean(1) if isinstance(reward, Judge) else torch.zeros(n)
+        if isinstance(reward, Judge):
+            return reward.unparsed.view(n, -1).mean(1)
+        return torch.zeros(n)  # cpu: a placeholder: _combine keeps the flags of a judge only
 
     def _combine(self, images, prompts, served: dict):
         total = torch.zeros(len(images), device=images.device)  # (B,)

@@ -17,7 +17,7 @@ import torch
 
 def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:  # same as in dancegrpo.py
     """linspace(1, 0, T + 1) warped by s' = k s / (1 + (k - 1) s) (SD3 shift); shape (T + 1,)."""
-    s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
+    s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)  # cpu: read as 0-dim scalars or moved with .to()
     return (shift * s / (1 + (shift - 1) * s)).float()
 
 
@@ -29,10 +29,23 @@ def keyed_generator(*keys) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
+def keyed_randn(shape, *keys) -> torch.Tensor:
+    """Standard normal noise of `shape` from keyed_generator(*keys), on the CPU (the caller moves it to its device):
+    the same numbers whatever the process count, the batch size or a resume."""
+    return torch.randn(shape, generator=keyed_generator(*keys), device="cpu")
+
+
 def fixed_noise(seed: int, tag: str, shape, start: int, n: int) -> torch.Tensor:
     """Initial noise of samples start..start + n - 1, (n, *shape), each keyed on (seed, tag, index): the same
     whatever the batching. tag 'eval' is the held-out evaluation's, 'grid' the sample grid's."""
-    return torch.stack([torch.randn(shape, generator=keyed_generator(seed, tag, start + j)) for j in range(n)])
+    return torch.stack(
+        [
+            torch.randn(  # cpu: keyed noise (a CPU generator); sample_prompts() moves each batch to the device
+                shape, generator=keyed_generator(seed, tag, start + j)
+            )
+            for j in range(n)
+        ]
+    )
 
 
 @torch.no_grad()
