@@ -138,8 +138,9 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
         "--branch-s, --noise-level, --fusion-temperature, --clip-range and --adv-clip-max must be > 0, --kl-beta >= 0",
     )
     need(0 < args.width_keep_ratio <= 1, "--width-keep-ratio must be in (0, 1]")
+    windowed = args.pruning in ("depth", "mix")  # otherwise the window is not used
     need(
-        args.window_shift_every >= 1 and 1 <= args.window <= args.num_steps - 1,
+        args.window_shift_every >= 1 and (not windowed or 1 <= args.window <= args.num_steps - 1),
         f"--window must be in [1, {args.num_steps - 1}] and --window-shift-every >= 1",
     )
     after = args.num_steps - 2 - max(splits)  # trainable steps after the last split (T - 1 is deterministic)
