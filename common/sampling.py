@@ -38,14 +38,7 @@ def keyed_randn(shape, *keys) -> torch.Tensor:
 def fixed_noise(seed: int, tag: str, shape, start: int, n: int) -> torch.Tensor:
     """Initial noise of samples start..start + n - 1, (n, *shape), each keyed on (seed, tag, index): the same
     whatever the batching. tag 'eval' is the held-out evaluation's, 'grid' the sample grid's."""
-    return torch.stack(
-        [
-            torch.randn(  # cpu: keyed noise (a CPU generator); sample_prompts() moves each batch to the device
-                shape, generator=keyed_generator(seed, tag, start + j)
-            )
-            for j in range(n)
-        ]
-    )
+    return torch.stack([keyed_randn(shape, seed, tag, start + j) for j in range(n)])  # sample_prompts() moves them
 
 
 @torch.no_grad()

@@ -123,3 +123,22 @@ def test_wandb_goes_on_logging_to_the_same_run(make_run, monkeypatch):
     assert [c["id"] for c in calls] == ["id0", "id0"] and calls[1]["resume"] == "allow"
     assert (run.dir / "wandb_run_id").read_text() == "id0"
     assert json.loads((run.dir / "metrics.jsonl").read_text().splitlines()[-1])["iteration"] == 2
+
+
+def test_summarize_takes_the_max_of_a_max_figure_and_the_mean_over_every_value_of_the_others():
+    import torch
+
+    from common.logs import summarize
+
+    figures = {
+        "ratio_max_dev": [torch.tensor(0.125), torch.tensor(0.375)],  # one per micro-batch
+        "clipfrac": [torch.tensor(0.25), torch.tensor(0.75)],
+        "ratio_mean": [torch.tensor([1.0, 2.0]), torch.tensor([6.0])],  # per sample: each sample counts once
+        "kl": torch.tensor(2.5),  # a single value, not a list
+    }
+    assert summarize(figures, "losses/") == {
+        "losses/ratio_max_dev": 0.375,
+        "losses/clipfrac": 0.5,
+        "losses/ratio_mean": 3.0,
+        "losses/kl": 2.5,
+    }
