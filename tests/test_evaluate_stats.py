@@ -1,0 +1,204 @@
+"""common/evaluate.py's statistics on realistic shapes, by hand: report() on hand-built batch records (4 prompts x 2
+samples, two models, three reward columns, two HPDv2 styles interleaved, batches of uneven size), so that a reshape
+that mixes the samples of different prompts, a mean over the wrong axis, a standard deviation in place of a standard
+error or the wrong rows of a style each give another number; and the evaluation noise (fixed_noise): one draw per
+sample index, the same whatever the batching, never shared by two samples."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from common import evaluate as E
+from common.sampling import fixed_noise, keyed_generator
+
+# sample j belongs to prompt j // 2; total = a + b / 2 (the rewards' weighted sum, as a reward function returns it)
+BASE = {  # the total first, as score_model records it
+    "total": [0.6, 2.0, 1.2, 1.9, 0.4, 2.0, 3.2, 0.8],  # per prompt 1.3, 1.55, 1.2, 2.0; overall 12.1 / 8
+    "a": [0.1, 0.5, 0.2, 0.9, 0.4, 0.0, 0.7, 0.3],  # per prompt 0.3, 0.55, 0.2, 0.5; overall 3.1 / 8
+    "b": [1.0, 3.0, 2.0, 2.0, 0.0, 4.0, 5.0, 1.0],  # per prompt 2, 2, 2, 3; overall 18 / 8
+}
+TRAINED = {
+    "total": [1.6, 1.8, 0.6, 3.4, 2.4, 2.0, 0.4, 3.2],  # per prompt 1.7, 2.0, 2.2, 1.8; overall 15.4 / 8
+    "a": [0.6, 0.8, 0.1, 0.9, 0.9, 0.5, 0.4, 0.2],  # per prompt 0.7, 0.5, 0.7, 0.3; overall 4.4 / 8
+    "b": [2.0, 2.0, 1.0, 5.0, 3.0, 3.0, 0.0, 6.0],  # per prompt 2, 3, 3, 3; overall 22 / 8
+}
+PER_PROMPT = {
+    "base": {"a": [0.3, 0.55, 0.2, 0.5], "b": [2.0, 2.0, 2.0, 3.0], "total": [1.3, 1.55, 1.2, 2.0]},
+    "trained": {"a": [0.7, 0.5, 0.7, 0.3], "b": [2.0, 3.0, 3.0, 3.0], "total": [1.7, 2.0, 2.2, 1.8]},
+}
+PROMPTS = ["a red circle", "a blue square", "a green triangle", "a white circle"]
+STYLES = ["anime", "photo", "anime", "photo"]  # interleaved: a style's rows are not a contiguous block
+
+
+def standard_error(diffs):
+    """sqrt(sum (d - mean)^2 / (n - 1)) / sqrt(n), written out."""
+    n, m = len(diffs), sum(diffs) / len(diffs)
+    return math.sqrt(sum((d - m) ** 2 for d in diffs) / (n - 1)) / math.sqrt(n)
+
+
+def records_of(scores, batch_sizes, grid, image_gen):
+    """Batch records as score_model returns them: consecutive batches of the given sizes, the grid samples' images."""
+    out, start = [], 0
+    for size in batch_sizes:
+        sl = slice(start, start + size)
+        shown = [j for j in range(start, start + size) if j in grid]
+        out.append(
+            {
+                "batch": len(out),
+                "start": start,
+                "key": "k",
+                "prompts": [PROMPTS[j // 2] for j in range(start, start + size)],
+                "scores": {k: torch.tensor(v[sl], dtype=torch.float32) for k, v in scores.items()},
+                "grid": torch.rand(len(shown), 3, 16, 16, generator=image_gen),
+                "images": torch.zeros(0),  # not ShapesBench: no verifier figures
+            }
+        )
+        start += size
+    return out
+
+
+def test_report_per_prompt_means_paired_differences_and_styles_by_hand(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    grid = [0, 4]  # the first samples of prompts 0 and 2
+    records = {
+        "base": records_of(BASE, [3, 3, 2], grid, gen),  # batches that cut through prompt 1's samples
+        "trained": records_of(TRAINED, [4, 4], grid, gen),
+    }
+    args = SimpleNamespace(samples_per_prompt=2, num_steps=4, shift=3.0, guidance_scale=1.0, seed=0,
+                           weights=["trained=/weights"])  # fmt: skip
+    setting = {"n_prompts": 4, "samples_per_prompt": 2}
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    E.report(args, setting, records, PROMPTS, STYLES, prompts, grid, tmp_path)
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["settings"] == setting and result["models"]["trained"] == "trained=/weights"
+
+    # the mean of every sample per model (which is also the mean of the per-prompt means: equal samples per prompt)
+    figures = result["figures"]
+    assert figures["base"] == pytest.approx({"reward": 12.1 / 8, "reward_a": 3.1 / 8, "reward_b": 18 / 8}, rel=1e-6)
+    assert figures["trained"] == pytest.approx({"reward": 15.4 / 8, "reward_a": 4.4 / 8, "reward_b": 22 / 8}, rel=1e-6)
+
+    # trained - base per prompt, then their mean and paired standard error over the 4 prompts
+    diffs = {"a": [0.4, -0.05, 0.5, -0.2], "b": [0.0, 1.0, 1.0, 0.0], "total": [0.4, 0.45, 1.0, -0.2]}
+    for k, d in diffs.items():
+        assert d == pytest.approx([t - b for t, b in zip(PER_PROMPT["trained"][k], PER_PROMPT["base"][k])])
+    deltas = result["deltas"]["trained"]
+    # a: mean 0.65 / 4; deviations .2375, -.2125, .3375, -.3625: sum of squares .346875, / 3, sqrt, / 2
+    assert deltas["a"] == pytest.approx([0.1625, math.sqrt(0.346875 / 3) / 2], rel=1e-5)
+    assert deltas["b"] == pytest.approx([0.5, math.sqrt(1 / 3) / 2], rel=1e-5)  # deviations +-0.5
+    # total: mean 1.65 / 4; deviations -.0125, .0375, .5875, -.6125: sum of squares .721875
+    assert deltas["total"] == pytest.approx([0.4125, math.sqrt(0.721875 / 3) / 2], rel=1e-5)
+    for k, d in diffs.items():
+        assert deltas[k] == pytest.approx([sum(d) / 4, standard_error(d)], rel=1e-5)
+    # per style: anime = prompts 0 and 2, photo = prompts 1 and 3; two values d1, d2: se = |d1 - d2| / 2
+    assert deltas["a/anime"] == pytest.approx([0.45, 0.05], rel=1e-5)
+    assert deltas["a/photo"] == pytest.approx([-0.125, 0.075], rel=1e-5)
+    assert deltas["b/anime"] == pytest.approx([0.5, 0.5], rel=1e-5)
+    assert deltas["b/photo"] == pytest.approx([0.5, 0.5], rel=1e-5)
+    assert deltas["total/anime"] == pytest.approx([0.7, 0.3], rel=1e-5)
+    assert deltas["total/photo"] == pytest.approx([0.125, 0.325], rel=1e-5)
+    assert set(deltas) == {f"{k}{s}" for k in ("total", "a", "b") for s in ("", "/anime", "/photo")}
+
+    # scores.jsonl: one line per prompt with its style and each model's per-prompt means
+    rows = [json.loads(line) for line in (tmp_path / "scores.jsonl").read_text().splitlines()]
+    assert [(r["prompt"], r["style"]) for r in rows] == list(zip(PROMPTS, STYLES))
+    for i, row in enumerate(rows):
+        for m in ("base", "trained"):
+            assert row[m] == pytest.approx({k: v[i] for k, v in PER_PROMPT[m].items()}, abs=1e-6)
+
+    # the table: mean per model, and trained - base +- the paired standard error (a: se 0.170019...)
+    table = (tmp_path / "results.md").read_text()
+    assert "4 prompts x 2 samples" in table and "| model | total | a | b |" in table
+    assert "| trained | 1.9250 (+0.4125 +- 0.2453) | 0.5500 (+0.1625 +- 0.1700) | 2.7500 (+0.5000 +- 0.2887) |" in table
+    assert "| trained | a | +0.4500 +- 0.0500 | -0.1250 +- 0.0750 |" in table  # per style
+    assert (tmp_path / "grid.png").stat().st_size > 0
+
+
+def test_report_one_reward_uses_its_total_and_no_styles(tmp_path):
+    """One reward: its column is the reward itself (the total is not repeated); prompts without a style give no
+    per-style rows. 3 prompts x 3 samples, batches of 4, 4, 1."""
+    base = [0.0, 0.3, 0.6, 1.0, 1.0, 0.1, 0.2, 0.2, 0.5]  # per prompt 0.3, 0.7, 0.3
+    trained = [0.9, 0.0, 0.6, 0.4, 0.4, 0.4, 0.0, 0.3, 0.0]  # per prompt 0.5, 0.4, 0.1
+    gen = torch.Generator().manual_seed(1)
+
+    def recs(values):
+        out = []
+        for start, size in ((0, 4), (4, 4), (8, 1)):
+            v = torch.tensor(values[start : start + size])
+            out.append({"start": start, "scores": {"total": v, "shapes": v.clone()},
+                        "grid": torch.rand(int(start == 0), 3, 16, 16, generator=gen), "images": torch.zeros(0)})  # fmt: skip
+        return out
+
+    args = SimpleNamespace(samples_per_prompt=3, num_steps=4, shift=3.0, guidance_scale=1.0, seed=0, weights=["w"])
+    prompts3 = PROMPTS[:3]
+    E.report(args, {}, {"base": recs(base), "w": recs(trained)}, prompts3, [""] * 3,
+             [p for p in prompts3 for _ in range(3)], [0], tmp_path)  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    # per-prompt differences 0.2, -0.3, -0.2: mean -0.1; deviations .3, -.2, -.1: sum of squares .14
+    assert set(result["deltas"]["w"]) == {"shapes"}
+    assert result["deltas"]["w"]["shapes"] == pytest.approx([-0.1, math.sqrt(0.14 / 2) / math.sqrt(3)], rel=1e-5)
+    assert result["figures"]["w"]["reward_shapes"] == pytest.approx(3.0 / 9, rel=1e-6)
+    assert result["figures"]["base"]["reward"] == pytest.approx(3.9 / 9, rel=1e-6)
+    assert "| model | shapes |" in (tmp_path / "results.md").read_text()
+
+
+def test_paired_mean_and_standard_error_by_hand():
+    mean, se = E.paired(torch.tensor([0.4, -0.05, 0.5, -0.2]))
+    assert mean == pytest.approx(0.1625, rel=1e-6)
+    assert se == pytest.approx(math.sqrt(0.346875 / 3) / 2, rel=1e-5)  # not the std (2x), not the biased one
+    mean, se = E.paired(torch.tensor([3.0]))
+    assert mean == 3.0 and math.isnan(se)  # one prompt: no standard error
+
+
+SHAPE = (4, 8, 8)
+
+
+def test_fixed_noise_is_one_draw_per_sample_index_whatever_the_batching():
+    whole = fixed_noise(0, "eval", SHAPE, 0, 6)
+    assert whole.shape == (6, *SHAPE)
+    assert torch.equal(fixed_noise(0, "eval", SHAPE, 0, 4)[2], fixed_noise(0, "eval", SHAPE, 2, 1)[0])
+    for cuts in ([0, 3, 6], [0, 1, 5, 6], [0, 2, 4, 6]):  # batches of any sizes
+        parts = [fixed_noise(0, "eval", SHAPE, a, b - a) for a, b in zip(cuts, cuts[1:])]
+        assert torch.equal(torch.cat(parts), whole)
+    for j in range(6):  # sample j's noise is the draw keyed on (seed, tag, j)
+        assert torch.equal(whole[j], torch.randn(SHAPE, generator=keyed_generator(0, "eval", j)))
+    # no two samples share noise (shared noise: identical images, diversity 0): nearly uncorrelated draws
+    flat = whole.flatten(1)
+    corr = torch.corrcoef(flat)
+    for i in range(6):
+        for j in range(i + 1, 6):
+            assert not torch.equal(whole[i], whole[j]) and abs(float(corr[i, j])) < 0.3, (i, j)
+    # each is standard normal noise (256 numbers): mean ~0, std ~1
+    assert flat.mean(1).abs().max() < 0.3 and ((flat.std(1) - 1).abs() < 0.2).all()
+    # the seed and the tag select other draws: evaluation and grid noise differ, and so do seeds
+    assert not torch.equal(fixed_noise(0, "grid", SHAPE, 0, 6), whole)
+    assert not torch.equal(fixed_noise(1, "eval", SHAPE, 0, 6), whole)
+
+
+def test_score_model_gives_each_sample_its_own_noise_whatever_the_batch_size(tmp_path, monkeypatch):
+    """score_model's batches through a sampler that returns the noise it was given: every sample's score is its own
+    keyed noise's, for batch sizes 3 and 8 alike, and no two samples' are equal."""
+    seen = []
+
+    def sample_prompts(sampler, model, prompts, noise, batch_size, progress=iter):
+        seen.append(noise.clone())
+        return noise[:, :3]  # "images": the first three latent channels of each sample's noise
+
+    monkeypatch.setattr(E, "sample_prompts", sample_prompts)
+    model = SimpleNamespace(latent_shape=lambda: SHAPE, transformer=None)
+    accelerator = SimpleNamespace(autocast=None, process_index=0, num_processes=1, is_local_main_process=False)
+    reward_fn = lambda images, prompts: (images.mean((1, 2, 3)), {})  # noqa: E731
+    prompts = [p for p in PROMPTS[:4] for _ in range(2)]
+    scores = {}
+    for bs in (3, 8):
+        args = SimpleNamespace(seed=5, num_steps=4, shift=3.0, guidance_scale=1.0, batch_size=bs)
+        recs = E.score_model(args, model, reward_fn, prompts, accelerator, tmp_path / f"cache{bs}", [0], False, "k")
+        assert [r["start"] for r in recs] == list(range(0, 8, bs))
+        scores[bs] = torch.cat([r["scores"]["total"] for r in recs])
+    assert [len(n) for n in seen] == [3, 3, 2, 8]
+    expected = torch.stack([torch.randn(SHAPE, generator=keyed_generator(5, "eval", j))[:3].mean() for j in range(8)])
+    torch.testing.assert_close(scores[3], expected, rtol=1e-6, atol=1e-7)  # (the mean's summation order may differ)
+    torch.testing.assert_close(scores[8], expected, rtol=1e-6, atol=1e-7)
+    assert len(set(expected.tolist())) == 8
