@@ -27,6 +27,12 @@ def test_group_aggregations_by_hand():
     torch.testing.assert_close(V.combined_advantages(scores, weights, 4, 5.0, 0.0), PER_REWARD)
     torch.testing.assert_close(V.combined_advantages({"sum": WEIGHTED}, {"sum": 1.0}, 4, 5.0, 0.0), SUM)
     assert not torch.allclose(PER_REWARD, SUM, atol=0.05)  # the two choices differ on these numbers
+    # a negative weight penalises its reward: a - 0.5 c, by hand; with two groups, each normalised on its own
+    against = (A - 3) / math.sqrt(14 / 3) - 0.5 * (C - 1) / math.sqrt(2)
+    two = D.combined_advantages({"a": torch.cat([A, C]), "c": torch.cat([C, A])}, {"a": 1.0, "c": -0.5}, 4)
+    torch.testing.assert_close(two[:4], against)
+    torch.testing.assert_close(two[4:], (C - 1) / math.sqrt(2) - 0.5 * (A - 3) / math.sqrt(14 / 3))
+    torch.testing.assert_close(V.combined_advantages({"a": A, "c": C}, {"a": 1.0, "c": -0.5}, 4, 5.0, 0.0), against)
 
 
 def test_tree_aggregations_by_hand():
