@@ -17,6 +17,7 @@ TRAINING_PATH = [
     "dancegrpo.py",
     "branchgrpo.py",
     "vgrpo.py",
+    "diffusionnft.py",
     "rlr.py",
     *(
         f"common/{name}.py"

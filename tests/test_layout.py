@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ("dancegrpo", "branchgrpo", "vgrpo", "rlr")
+SCRIPTS = ("dancegrpo", "branchgrpo", "vgrpo", "rlr", "diffusionnft")
 # common/'s layers, lowest first (common/__init__.py's docstring): a module imports only from its own layer or lower
 LAYERS = {
     "common": 0,

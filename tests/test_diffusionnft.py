@@ -1,0 +1,361 @@
+"""diffusionnft.py: the loss against its closed form and its minimiser, r, the schedules, the EMA, the direction of an
+update, the old adapter (never optimised, soft-updated, checkpointed), the script end to end and resumed."""
+
+import math
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import diffusionnft as N
+from common import InputError
+from common.models import base_weights, load_model, trainable_denoiser
+from tests.helpers import LORA_WEIGHTS, assert_final_loads, find_run, metrics
+from tests.helpers import run_script as run
+
+TINY_RUN = [
+    "--iterations",
+    "2",
+    "--samples-per-device",
+    "8",
+    "--group-size",
+    "4",
+    "--rollout-batch-size",
+    "4",
+    "--train-batch-size",
+    "4",
+    "--samples-per-update",
+    "4",
+    "--num-steps",
+    "4",
+    "--timestep-fraction",
+    "0.5",
+    "--eval-every",
+    "2",
+    "--eval-samples-per-prompt",
+    "1",
+    "--eval-steps",
+    "4",
+    "--eval-max-prompts",
+    "12",
+    "--sample-every",
+    "2",
+]
+PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
+
+
+def run_script(args, tmp_path, *rest, **kw):
+    return run("diffusionnft.py", args, tmp_path, *rest, **kw)
+
+
+def sample(seed=0, shape=(3, 4, 2, 2)):
+    g = torch.Generator().manual_seed(seed)
+    x0, eps, v_old, v_theta, v_ref = (torch.randn(shape, generator=g) for _ in range(5))
+    return x0, eps, v_old, v_theta, v_ref
+
+
+# ---------------------------------------------------------------- the objective
+@pytest.mark.parametrize("self_normalize", [True, False])
+def test_policy_loss_is_the_closed_form(self_normalize):
+    x0, eps, v_old, v_theta, v_ref = sample()
+    t, r, beta, kl_beta = torch.tensor([1.0, 0.6, 0.1]), torch.tensor([0.9, 0.5, 0.2]), 0.3, 0.01
+    tv = t.view(-1, 1, 1, 1)
+    x_t = (1 - tv) * x0 + tv * eps
+    # written in velocity space: x0_hat - x0 = t (v - v_pred) with the target v = eps - x0
+    v = eps - x0
+    expected = []
+    for b in range(3):
+        tb = float(t[b])
+        e_pos = (v[b] - (beta * v_theta[b] + (1 - beta) * v_old[b])).flatten()
+        e_neg = (v[b] - ((1 + beta) * v_old[b] - beta * v_theta[b])).flatten()
+        if self_normalize:
+            pos = tb * (e_pos**2).mean() / (e_pos.abs().mean())
+            neg = tb * (e_neg**2).mean() / (e_neg.abs().mean())
+        else:
+            pos, neg = tb**2 * (e_pos**2).mean(), tb**2 * (e_neg**2).mean()
+        kl = ((v_theta[b] - v_ref[b]) ** 2).mean()
+        expected.append(5 * (r[b] * pos + (1 - r[b]) * neg) / beta + kl_beta * kl)
+    v_theta = v_theta.clone().requires_grad_()
+    v_old_g = v_old.clone().requires_grad_()
+    loss, figures = N.policy_loss(
+        v_theta, v_old_g, v_ref, x0, x_t, t, r, beta=beta, kl_beta=kl_beta, self_normalize=self_normalize
+    )
+    torch.testing.assert_close(loss, torch.stack(expected), rtol=1e-5, atol=1e-6)
+    assert set(figures) == {"policy", "pos", "neg", "old_deviation", "kl"}
+    assert all(not f.requires_grad for f in figures.values())
+    torch.testing.assert_close(figures["old_deviation"], ((v_theta - v_old) ** 2).flatten(1).mean(1).detach())
+    loss.sum().backward()
+    assert v_old_g.grad is None and v_theta.grad.abs().sum() > 0  # v_old is a constant of the loss
+    # without the KL term there is no kl figure, and at v_theta = v_old pos = neg: r makes no difference
+    loss0, figures0 = N.policy_loss(v_old, v_old, None, x0, x_t, t, r, beta=beta, kl_beta=1.0, self_normalize=True)
+    assert "kl" not in figures0 and torch.equal(figures0["pos"], figures0["neg"])
+
+
+def test_weights_are_detached_and_clamped():
+    x0, eps, v_old, _, _ = sample(1, (1, 2, 2, 2))
+    t, r = torch.tensor([0.5]), torch.tensor([1.0])
+    x_t = (1 - t) * x0 + t * eps
+    v_exact = (eps - x0).clone().requires_grad_()  # x0_hat = x0 exactly: the weight is clamped at 1e-5, no NaN
+    loss, _ = N.policy_loss(v_exact, v_exact.detach(), None, x0, x_t, t, r, beta=1.0, kl_beta=0, self_normalize=True)
+    loss.sum().backward()
+    assert loss.item() < 1e-6 and torch.isfinite(v_exact.grad).all()
+    # the gradient is that of mean(err^2) / w with w a constant: 2 err / (N w) d err / d v
+    v_theta = v_old.clone().requires_grad_()
+    loss, _ = N.policy_loss(v_theta, v_old, None, x0, x_t, t, r, beta=1.0, kl_beta=0, self_normalize=True)
+    loss.sum().backward()
+    err = (x_t - t * v_old - x0).flatten()
+    expected = 5 * 2 * err / 8 / err.abs().mean() * (-t)
+    torch.testing.assert_close(v_theta.grad.flatten(), expected)
+
+
+def minimise(r, beta, self_normalize, steps=800):
+    """v_theta minimising the loss of one sample (Adam, a decaying rate scaled to the step 1 / beta)."""
+    x0, eps, v_old, _, _ = sample(2, (1, 4, 2, 2))
+    t = torch.tensor([0.7])
+    x_t = (1 - t) * x0 + t * eps
+    v_theta = v_old.clone().requires_grad_()
+    opt = torch.optim.Adam([v_theta], lr=0.05 / beta)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.995**k)
+    for _ in range(steps):
+        loss, _ = N.policy_loss(
+            v_theta, v_old, None, x0, x_t, t, torch.tensor([r]), beta=beta, kl_beta=0, self_normalize=self_normalize
+        )
+        opt.zero_grad()
+        loss.sum().backward()
+        opt.step()
+        sched.step()
+    return v_theta.detach(), v_old, eps - x0
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.1])
+def test_minimiser_is_v_old_plus_2r_minus_1_over_beta_times_the_step(beta):
+    """With equal weights (--no-self-normalize) the per-sample minimiser is v_old + (2r - 1)(v - v_old) / beta; with
+    the official adaptive weight, whose normaliser follows each error, it is v+ = v (r > 1/2) or v- = v (r < 1/2):
+    v_old +- (v - v_old) / beta (deviation 7 of the docstring)."""
+    for r in (0.9, 0.5, 0.3):
+        v_star, v_old, v = minimise(r, beta, self_normalize=False)
+        scale = ((v - v_old) / beta).abs().max()
+        torch.testing.assert_close(v_star, v_old + (2 * r - 1) * (v - v_old) / beta, atol=1e-3 * scale, rtol=0)
+    for r in (0.9, 0.3):
+        v_star, v_old, v = minimise(r, beta, self_normalize=True)
+        scale = ((v - v_old) / beta).abs().max()
+        sign = 1 if r > 0.5 else -1
+        torch.testing.assert_close(v_star, v_old + sign * (v - v_old) / beta, atol=1e-3 * scale, rtol=0)
+
+
+# ---------------------------------------------------------------- r, schedules, EMA
+def test_optimality_probability_by_hand():
+    adv = torch.tensor([0.0, 5.0, 7.0, -2.5, -5.0, -9.0, 1.0])
+    torch.testing.assert_close(N.optimality(adv, 5.0), torch.tensor([0.5, 1.0, 1.0, 0.25, 0.0, 0.0, 0.6]))
+    torch.testing.assert_close(N.optimality(torch.tensor([1.0]), 2.0), torch.tensor([0.75]))
+
+
+def test_advantages_use_the_prompt_mean_and_the_global_population_std():
+    rewards = torch.tensor([1.0, 2.0, 3.0, 6.0, 5.0, 5.0, 5.0, 5.0])
+    # groups of 4: means 3 and 5; population std of all 8 rewards
+    mean = rewards.mean()
+    std = math.sqrt(((rewards - mean) ** 2).mean().item())
+    expected = torch.tensor([-2.0, -1.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0]) / (std + 1e-4)
+    torch.testing.assert_close(N.nft_advantages(rewards, 4), expected)
+    assert torch.all(N.nft_advantages(torch.ones(8), 4) == 0)  # all equal: every r is 1/2
+
+
+def test_old_policy_schedules_by_hand():
+    linear = {0: 0.0, 1: 0.001, 250: 0.25, 500: 0.5, 501: 0.5, 10_000: 0.5}
+    delayed = {0: 0.0, 74: 0.0, 75: 0.0, 76: 0.0075, 100: 0.1875, 208: 0.9975, 209: 0.999, 10_000: 0.999}
+    for s, eta in linear.items():
+        assert N.old_decay(s, "linear") == pytest.approx(eta)
+    for s, eta in delayed.items():
+        assert N.old_decay(s, "delayed") == pytest.approx(eta)
+
+
+def test_ema_decay_and_soft_update():
+    for s, d in {0: 0.1, 1: 2 / 11, 10: 0.55, 80: 0.9, 81: 0.9, 10_000: 0.9}.items():
+        assert N.ema_decay(s, 0.9) == pytest.approx(d)
+    assert N.ema_decay(10_000, 0.5) == 0.5
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(5, generator=g), torch.randn(5, generator=g)
+    target = [a.clone()]
+    N.soft_update(target, [b], 0.25)
+    torch.testing.assert_close(target[0], 0.25 * a + 0.75 * b)
+    N.soft_update(target, [b], 0.0)  # decay 0 copies bitwise (the delayed schedule's first 75 steps)
+    assert torch.equal(target[0], b)
+
+
+# ---------------------------------------------------------------- the update on the real (tiny) model
+@pytest.fixture(scope="module")
+def shapes():
+    return load_model("shapesbench")
+
+
+def velocities(model, module, x, t, cond):
+    with torch.no_grad():
+        return model.velocity(module, x, t, cond)
+
+
+def test_an_update_lowers_the_x0_error_of_high_r_images_against_low_r_ones(shapes):
+    """The same image and noise, once with r = 1 and once with r = 0: one SGD step on each lowers the x0 error of
+    the image with r = 1 and raises it for r = 0, for the official beta of 1 and the OCR beta of 0.1."""
+    model = shapes
+    tr = model.transformer
+    start = {k: v.clone() for k, v in tr.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(2, *model.latent_shape(), generator=g).clamp(-1, 1)
+    eps, t = torch.randn(2, *model.latent_shape(), generator=g), torch.tensor([0.8, 0.5])
+    tv = t.view(-1, 1, 1, 1)
+    x_t = (1 - tv) * x0 + tv * eps
+    cond = model.encode_prompts(PROMPTS)
+    v_old = velocities(model, tr, x_t, t, cond)
+    error = lambda v: (x_t - tv * v - x0).square().flatten(1).mean(1)  # noqa: E731
+    before = error(v_old)
+    for beta in (1.0, 0.1):
+        change = {}
+        for r in (1.0, 0.0):
+            tr.load_state_dict(start)
+            tr.zero_grad()
+            v_theta = model.velocity(tr, x_t, t, cond)
+            loss, _ = N.policy_loss(
+                v_theta, v_old, None, x0, x_t, t, torch.full((2,), r), beta=beta, kl_beta=0, self_normalize=True
+            )
+            loss.mean().backward()
+            with torch.no_grad():
+                for p in tr.parameters():
+                    if p.grad is not None:
+                        p -= 1e-4 * p.grad
+            change[r] = error(velocities(model, tr, x_t, t, cond)) - before
+        assert torch.all(change[1.0] < 0) and torch.all(change[0.0] > 0), (beta, change)
+    tr.load_state_dict(start)
+
+
+def test_old_adapter_is_never_optimised_only_soft_updated_and_checkpointed(tmp_path):
+    model = load_model("shapesbench")
+    args = N.Args(lora_rank=4)
+    policy = trainable_denoiser(model, args)
+    assert N.add_old_policy(policy, True) is None
+    params = N.trained_weights(policy)
+    old = N.old_weights(policy, None, True)
+    assert len(old) == len(params) and all(not o.requires_grad for o in old)
+    assert all(torch.equal(o, p) and o.data_ptr() != p.data_ptr() for o, p in zip(old, params))
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    assert {id(p) for g in optimizer.param_groups for p in g["params"]}.isdisjoint({id(o) for o in old})
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(2, *model.latent_shape(), generator=g), torch.tensor([0.9, 0.4])
+    cond = model.encode_prompts(PROMPTS)
+    old_before = [o.clone() for o in old]
+    for _ in range(2):  # two optimizer steps with the old policy's velocity in the loss
+        with N.old_policy(policy, None, True) as pi_old:
+            v_old = velocities(model, pi_old, x, t, cond)
+        assert all(p.requires_grad for p in params) and not any(o.requires_grad for o in old)  # restored
+        v_theta = model.velocity(policy, x, t, cond)
+        loss, _ = N.policy_loss(
+            v_theta, v_old, None, x, x, t, torch.tensor([1.0, 0.0]), beta=1.0, kl_beta=0, self_normalize=True
+        )
+        loss.mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert all(torch.equal(o, b) for o, b in zip(old, old_before))  # bitwise untouched by the optimiser
+    assert any(not torch.equal(p, b) for p, b in zip(params, old_before))  # while the trained adapter moved
+    with N.old_policy(policy, None, True) as pi_old:  # the old adapter still gives the start's velocity: the base's
+        v_old = velocities(model, pi_old, x, t, cond)
+    with base_weights(policy, True) as base:
+        torch.testing.assert_close(v_old, velocities(model, base, x, t, cond), atol=0, rtol=0)
+    assert not torch.allclose(velocities(model, policy, x, t, cond), v_old)
+    N.soft_update(old, params, 0.3)  # only the soft update moves it
+    for o, b, p in zip(old, old_before, params):
+        torch.testing.assert_close(o, 0.3 * b + 0.7 * p)
+    # a checkpoint carries it: saved, scrambled, loaded back bitwise
+    carried = N.Carried(old=old, ema=[p.detach().clone() for p in params])
+    state = carried.state_dict()
+    saved = [o.clone() for o in old]
+    N.soft_update(old, params, 0.0)
+    carried.load_state_dict(state)
+    assert all(torch.equal(o, s) for o, s in zip(old, saved))
+
+
+def test_validation_names_the_flag(tmp_path):
+    with pytest.raises(InputError, match="--timestep-fraction"):
+        N.resolve_and_check(N.Args(num_steps=4, timestep_fraction=0.2))
+    with pytest.raises(InputError, match="--beta"):
+        N.resolve_and_check(N.Args(beta=0.0))
+    with pytest.raises(InputError, match="--ema-max-decay only applies with --ema"):
+        N.resolve_and_check(N.Args(ema=False, ema_max_decay=0.5))
+    with pytest.raises(InputError, match="--samples-per-update"):
+        N.resolve_and_check(N.Args(samples_per_update=24))
+
+
+# ---------------------------------------------------------------- the script
+def test_end_to_end_shapesbench(tmp_path):
+    run_script(TINY_RUN + ["--exp-name", "e2e", "--save-every", "1"], tmp_path)
+    run = find_run(tmp_path / "e2e")
+    rows = metrics(run)
+    train = [r for r in rows if "losses/policy" in r]
+    assert [r["iteration"] for r in train] == [1, 2]
+    first, second = train
+    assert first["losses/first_old_deviation"] == 0  # the old adapter starts as a copy of the trained one
+    assert first["losses/old_deviation"] > 0  # the second optimizer step of iteration 1 sees a moved policy
+    assert second["losses/first_old_deviation"] > 0  # eta = min(0.001 s, 0.5) > 0: old lags behind theta
+    assert [r["nft/old_eta"] for r in train] == pytest.approx([0.002, 0.004])  # 2 optimizer steps per iteration
+    assert [r["nft/ema_decay"] for r in train] == pytest.approx([3 / 12, 5 / 14])
+    assert all(r["losses/kl"] > 0 and 0 < r["nft/r_abs_dev"] <= 0.5 and r["nft/old_distance"] > 0 for r in train)
+    assert all(r["perf/nfe_per_image"] == 4 + 2 * 3 for r in train)  # 4 rollout + 2 timesteps x (old, theta, base)
+    assert 0 < first["charts/lr"] < second["charts/lr"] <= 3e-4
+    evals = [r for r in rows if "eval/shape_acc" in r]
+    assert [r["iteration"] for r in evals] == [0, 2]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001", "iter_000002"]
+    # the checkpoint carries the old adapter and the EMA; final/ holds the EMA weights, loadable by diffusers
+    carried = torch.load(run / "checkpoints" / "iter_000002" / "custom_checkpoint_1.pkl", weights_only=False)
+    trained = load_file(run / "checkpoints" / "iter_000002" / "model.safetensors")
+    assert len(carried["old"]) == len(carried["ema"]) == len(trained)
+    final = load_file(run / "final" / LORA_WEIGHTS)
+    policy = trainable_denoiser(load_model("shapesbench"), N.Args())
+    N.add_old_policy(policy, True)
+    names = [n for n, p in policy.named_parameters() if p.requires_grad]  # the order of Carried's lists
+    assert sorted(names) == sorted(trained)
+    ema = dict(zip(names, carried["ema"]))
+    for k, v in final.items():
+        key = k.removeprefix("transformer.").replace(".weight", ".default.weight")
+        assert torch.equal(v, ema[key]), k
+    assert not all(torch.equal(ema[k], trained[k]) for k in names if "lora_B" in k)
+    assert_final_loads(run)
+    assert (run / "samples" / "samples_000002.png").is_file()
+
+
+def test_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path):
+    """2 iterations, then --resume-from latest to 3, equals 3 straight: the trained adapter, the optimiser, the old
+    adapter and the EMA all come back (without the old adapter in the checkpoint the third rollout would differ)."""
+    quiet = TINY_RUN + ["--eval-every", "0", "--sample-every", "0", "--save-every", "1"]
+    run_script([*quiet, "--iterations", "3", "--exp-name", "straight"], tmp_path)
+    run_script([*quiet, "--iterations", "2", "--exp-name", "cut"], tmp_path)
+    run_script([*quiet, "--iterations", "3", "--exp-name", "cut", "--resume-from", "latest"], tmp_path)
+    a, b = (find_run(tmp_path / n) / "checkpoints" / "iter_000003" for n in ("straight", "cut"))
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    ca, cb = (torch.load(d / "custom_checkpoint_1.pkl", weights_only=False) for d in (a, b))
+    assert all(torch.equal(x, y) for k in ("old", "ema") for x, y in zip(ca[k], cb[k], strict=True))
+    ra, rb = (metrics(tmp_path / n) for n in ("straight", "cut"))
+    keys = ("rewards/mean", "losses/policy", "losses/first_old_deviation", "nft/old_distance")
+    assert [[r[k] for k in keys] for r in ra if "losses/policy" in r] == [
+        [r[k] for k in keys] for r in rb if "losses/policy" in r
+    ]
+
+
+def test_two_processes_match_one_with_the_delayed_schedule(tmp_path):
+    """Groups of 4 over 2 CPU processes x 2 samples (every group spans both) against 1 process x 4: the same rollouts
+    and rewards, the same gradients up to the order of sums (the losses logged are rank 0's own), identical weights on both ranks. --old-decay delayed has
+    eta = 0 for 75 steps, so the old adapter is theta bitwise after each iteration: no deviation at its start."""
+    quiet = TINY_RUN + ["--eval-every", "0", "--sample-every", "0", "--old-decay", "delayed", "--no-save"]
+    one = ["--samples-per-device", "8", "--rollout-batch-size", "2", "--train-batch-size", "2"]
+    run_script([*quiet, *one, "--samples-per-update", "8", "--exp-name", "one"], tmp_path)  # 1 step / iteration
+    two = ["--samples-per-device", "4", "--rollout-batch-size", "2", "--train-batch-size", "2"]
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2")
+    env = {"ACCELERATE_USE_CPU": "1"}
+    run_script([*quiet, *two, "--samples-per-update", "4", "--exp-name", "two"], tmp_path, launcher, env)
+    rows = {n: [r for r in metrics(tmp_path / n) if "losses/policy" in r] for n in ("one", "two")}
+    assert [len(v) for v in rows.values()] == [2, 2]
+    for a, b in zip(rows["one"], rows["two"]):
+        assert a["rewards/mean"] == pytest.approx(b["rewards/mean"], rel=1e-5)
+        assert a["nft/r_abs_dev"] == pytest.approx(b["nft/r_abs_dev"], rel=1e-5)
+        assert a["charts/grad_norm"] == pytest.approx(b["charts/grad_norm"], rel=1e-4)  # all-reduced: global
+        assert a["losses/first_old_deviation"] == b["losses/first_old_deviation"] == 0 and a["nft/old_eta"] == 0
+    assert rows["two"][-1]["charts/rank_weight_spread"] == 0
