@@ -1,6 +1,6 @@
 """What each training script's lines are for: a count by category, read from the scripts' own section banners.
 
-    python benchmarks/anatomy.py                 # the four scripts of this checkout
+    python benchmarks/anatomy.py                 # the training scripts of this checkout
     python benchmarks/anatomy.py --at REV        # the same at a git revision, e.g. to compare before and after
 
 Categories: header (module docstring and imports), flags (`Args`), algorithm functions (the ALGO LOGIC section),
@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ("dancegrpo.py", "branchgrpo.py", "vgrpo.py", "rlr.py")
+SCRIPTS = ("dancegrpo.py", "branchgrpo.py", "vgrpo.py", "rlr.py", "diffusionnft.py")
 COLUMNS = ("header", "flags", "algorithm functions", "checks", "main's algorithm", "plumbing", "logging")
 MAIN_SECTIONS = {"SAMPLING": "main's algorithm", "REWARDS & ADVANTAGES": "main's algorithm",
                  "TRAINING": "main's algorithm", "LOGGING": "logging"}  # fmt: skip

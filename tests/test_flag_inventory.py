@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "testing.md"
 SECTION = "## Flag inventory"
 TEST_REF = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
-SCRIPTS = ("dancegrpo", "branchgrpo", "vgrpo", "rlr")
+SCRIPTS = ("dancegrpo", "branchgrpo", "vgrpo", "rlr", "diffusionnft")
 
 
 def flag(name: str) -> str:

@@ -425,3 +425,101 @@ def test_branchgrpo_num_steps_four_without_pruning_is_accepted():
     B.resolve_and_check(B.Args(num_steps=4, num_splits=1))
     with pytest.raises(InputError, match=r"--window must be in \[1, 3\]"):
         B.resolve_and_check(B.Args(num_steps=4, num_splits=1, pruning="mix"))
+
+
+# ---------------------------------------------------------------- diffusionnft.py
+def test_diffusionnft_shift_and_euler_solver_by_hand():
+    """--shift 2 warps the grid as the other scripts'; --solver euler integrates dx/ds = v: with v = x each step
+    multiplies x by 1 + (s' - s), while the default DPM-Solver-2 lands elsewhere."""
+    from contextlib import nullcontext
+
+    import diffusionnft as N
+
+    sigmas = N.sigma_schedule(4, 2.0)
+    torch.testing.assert_close(sigmas, torch.tensor(SHIFT2_4))
+    model = types.SimpleNamespace(velocity=lambda denoiser, x, sigma, cond, guidance_scale: x)
+    x = torch.ones(2, 3)
+    euler = N.rollout(model, None, {}, x, sigmas, "euler", 1.0, nullcontext)
+    # 1 + (s' - s) at 1 -> 6/7 -> 2/3 -> 2/5 -> 0: 6/7, 17/21, 11/15, 3/5
+    torch.testing.assert_close(euler, torch.full((2, 3), 6 / 7 * 17 / 21 * 11 / 15 * 3 / 5))
+    dpm2 = N.rollout(model, None, {}, x, sigmas, "dpm2", 1.0, nullcontext)
+    assert (dpm2 - euler).abs().min() > 1e-3
+
+
+def test_diffusionnft_main_applies_the_sampling_and_training_flags(monkeypatch, tmp_path):
+    """8 samples in groups of 4, rolled out 2 at a time with Euler on the shift-2 grid, trained 2 at a time at 2 of
+    4 timesteps, 2 optimizer steps; r = 1/2 + clip(A, -0.5, 0.5) by hand; beta 0.5, KL 0.1 and the plain MSE reach
+    the loss; the delayed schedule keeps the old policy equal to theta; the weights handed to final/ are the EMA
+    with its decay capped at 0.2."""
+    import diffusionnft as N
+
+    finals = []
+    save_final = Run.save_final
+
+    def recorded_save_final(self, model, prepared, lora):
+        finals.append([p.detach().clone() for p in prepared.parameters() if p.requires_grad])
+        return save_final(self, model, prepared, lora)
+
+    monkeypatch.setattr(Run, "save_final", recorded_save_final)
+    argv = ["--iterations", "1", "--samples-per-device", "8", "--group-size", "4", "--rollout-batch-size", "2",
+            "--train-batch-size", "2", "--samples-per-update", "4", "--num-steps", "4", "--timestep-fraction", "0.5",
+            "--shift", "2", "--solver", "euler", "--beta", "0.5", "--kl-beta", "0.1", "--adv-clip-max", "0.5",
+            "--no-self-normalize", "--old-decay", "delayed", "--ema-max-decay", "0.2", "--learning-rate", "1e-2",
+            *QUIET]  # fmt: skip
+    tape, record = run_flags(N, monkeypatch, tmp_path, argv, ["rollout", "nft_advantages", "policy_loss"])
+    rollouts = tape.calls["rollout"]
+    assert [len(c[0][3]) for c in rollouts] == [2, 2, 2, 2]  # --rollout-batch-size 2 of --samples-per-device 8
+    assert all(c[0][5] == "euler" for c in rollouts)
+    assert all(torch.equal(c[0][4], torch.tensor(SHIFT2_4)) for c in rollouts)
+    prompts = record["encode"][0]
+    assert len(prompts) == 8 and all(prompts[k] == prompts[4 * (k // 4)] for k in range(8))  # groups of 4
+    ((rewards_in, group), _, _) = tape.calls["nft_advantages"][0]
+    assert group == 4
+    rw = rewards_in.double().tolist()
+    mean, means = sum(rw) / 8, [sum(rw[:4]) / 4, sum(rw[4:]) / 4]
+    std = math.sqrt(sum((x - mean) ** 2 for x in rw) / 8)
+    adv = [(x - means[k // 4]) / (std + 1e-4) for k, x in enumerate(rw)]
+    assert max(abs(a) for a in adv) > 0.5  # the clip acts
+    r = [0.5 + max(-0.5, min(0.5, a)) for a in adv]  # 1/2 + clip(A, -c, c) / (2 c), c = 0.5
+    losses = tape.calls["policy_loss"]
+    assert len(losses) == 4 * 2  # 4 micro-batches of 2 x 2 trained timesteps
+    for k, (a, kw, _) in enumerate(losses):
+        assert kw == {"beta": 0.5, "kl_beta": 0.1, "self_normalize": False} and a[2] is not None
+        assert len(a[0]) == 2 and a[6].tolist() == pytest.approx(r[2 * (k // 2) : 2 * (k // 2) + 2], abs=1e-6)
+        assert all(any(abs(t - s) < 1e-6 for s in SHIFT2_4[:4]) for t in a[5].tolist())  # the shift-2 grid
+    assert [n for _, n, grad in record["velocity"] if grad] == [2] * 8
+    steps = record["steps"]
+    assert len(steps) == 2  # --samples-per-update 4 of 8
+    (row,) = train_rows(record)
+    assert row["perf/trained_timesteps_per_image"] == 2 and row["perf/nfe_per_image"] == 4 + 2 * 3
+    assert row["nft/old_eta"] == 0 and row["nft/old_distance"] == 0  # delayed: eta 0 (linear: 0.002)
+    assert row["nft/ema_decay"] == pytest.approx(0.2)  # min(3 / 12, 0.2)
+    # the EMA by hand: decay min(2 / 11, 0.2) = 2/11 after the first step, min(3 / 12, 0.2) = 0.2 after the second
+    (final,) = finals
+    for p0, p1, p2, f in zip(steps[0]["before"], steps[0]["after"], steps[1]["after"], final):
+        ema1 = 2 / 11 * p0 + 9 / 11 * p1
+        torch.testing.assert_close(f, 0.2 * ema1 + 0.8 * p2, rtol=0, atol=1e-6)
+    assert any(not torch.equal(f, p) for f, p in zip(final, steps[1]["after"]))
+
+
+def test_diffusionnft_no_ema_saves_the_live_weights(monkeypatch, tmp_path):
+    """--no-ema: the weights handed to final/ are those of the last optimizer step, not the EMA (2/11 p0 + 9/11 p1
+    after one step)."""
+    import diffusionnft as N
+
+    finals = []
+    save_final = Run.save_final
+
+    def recorded_save_final(self, model, prepared, lora):
+        finals.append([p.detach().clone() for p in prepared.parameters() if p.requires_grad])
+        return save_final(self, model, prepared, lora)
+
+    monkeypatch.setattr(Run, "save_final", recorded_save_final)
+    argv = ["--iterations", "1", "--samples-per-device", "2", "--group-size", "2", "--rollout-batch-size", "2",
+            "--train-batch-size", "2", "--samples-per-update", "2", "--num-steps", "2", "--timestep-fraction", "0.5",
+            "--kl-beta", "0", "--no-ema", *QUIET]  # fmt: skip
+    _, record = run_flags(N, monkeypatch, tmp_path, argv)
+    (step,) = record["steps"]
+    (final,) = finals
+    assert all(torch.equal(f, p) for f, p in zip(final, step["after"], strict=True))
+    assert any(not torch.equal(p0, p1) for p0, p1 in zip(step["before"], step["after"]))  # the EMA would differ
