@@ -15,10 +15,10 @@ Launch (run.sh has more):
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 branchgrpo.py   # 2 CPU processes
     python branchgrpo.py --resume-from latest                       # continue the newest runs/branchgrpo__*
 
-ShapesBench's defaults differ from the paper's (the GPU recipes of run.sh use the paper's); docs/branchgrpo.md lists
-them and explains each deviation from the release: 1. correlated branch noise (the release's 4x scaled noise is
---branch-noise scaled); 2. nodes batched per depth; 3. path fusion as a softmax over descendant leaves; 4. width pruning
-keeps each last-split parent's best chain; 5. sliding windows; 6. the last step untrained; 7. steps counted in trees.
+ShapesBench's defaults differ from the paper's (run.sh's GPU recipes use the paper's). Deviations from the release
+(docs/branchgrpo.md explains each): 1. correlated branch noise (the release's: --branch-noise scaled); 2. nodes batched
+per depth; 3. path fusion as a softmax over descendant leaves; 4. width pruning keeps each last-split parent's best
+chain; 5. sliding windows; 6. the last step untrained; 7. steps counted in trees.
 """
 
 from __future__ import annotations
@@ -138,9 +138,9 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
         "--branch-s, --noise-level, --fusion-temperature, --clip-range and --adv-clip-max must be > 0, --kl-beta >= 0",
     )
     need(0 < args.width_keep_ratio <= 1, "--width-keep-ratio must be in (0, 1]")
-    windowed = args.pruning in ("depth", "mix")  # otherwise the window is not used
-    need(
-        args.window_shift_every >= 1 and (not windowed or 1 <= args.window <= args.num_steps - 1),
+    need(  # the window only where it is used
+        args.window_shift_every >= 1
+        and (args.pruning not in ("depth", "mix") or 1 <= args.window <= args.num_steps - 1),
         f"--window must be in [1, {args.num_steps - 1}] and --window-shift-every >= 1",
     )
     after = args.num_steps - 2 - max(splits)  # trainable steps after the last split (T - 1 is deterministic)

@@ -20,7 +20,7 @@ first / half / zero order, sg = stop-gradient:
 Baselines keep it unbiased: b = mean reward of the other samples of the prompt (independent of this sample's z);
 b' = mean reward of the prompt's samples in other perturbation blocks (independent of this block's zetas).
 The objective is that of the chain actually sampled (ZO steps perturbed: eq. 1), O(sigma^2) from the unperturbed
-one; tests/test_rlr.py checks unbiasedness against a linear-Gaussian chain's closed-form gradient. h: --subchain-len.
+one; tests/test_rlr.py checks unbiasedness against a linear-Gaussian chain's closed-form gradient.
 
 Launch (run.sh has more):
     python rlr.py                                                    # ShapesBench on CPU: the paper's V2, see below
@@ -29,13 +29,11 @@ Launch (run.sh has more):
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 rlr.py --samples-per-device 4  # 2 CPU processes
     python rlr.py --resume-from latest                               # continue the newest runs/rlr__*
 
-Deviations from the public code, which implements neither the sub-chain nor the ZO term (docs/rlr.md explains
-each): 1. eq. 6 with unit weights and unbiased baselines; 2. one optimizer step per iteration on the sum of the terms
-(--terms: the paper's ablations V1 = fo, V2 = fo+ho, V3 = fo+zo); 3. the log-density summed over latent dimensions;
-4. a uniform window start (in a --subchain-stage); 5. DDIM's last step lands on x0_hat; 6. randomness keyed on (seed,
-iteration, sample / chunk / block). The default is V2 (biased: the other steps get no gradient) in the DCoT stage
-coarse (the first third, where ShapesBench decides the shape): at ShapesBench's LoRA size the ZO term's noise drowns
-the full estimator's signal (docs/rlr.md, benchmarks/rlr_zo_noise.py).
+Deviations from the public code (it has neither the sub-chain nor the ZO term; docs/rlr.md explains each): 1. eq. 6
+with unit weights and unbiased baselines; 2. one optimizer step per iteration on the terms' sum (--terms: ablations
+V1 = fo, V2 = fo+ho, V3 = fo+zo); 3. the log-density summed over latent dimensions; 4. a uniform window start;
+5. DDIM's last step lands on x0_hat; 6. randomness keyed on (seed, iteration, sample / chunk / block). The default is
+V2 in the DCoT stage coarse: at ShapesBench's LoRA size the ZO term's noise drowns the full estimator's signal.
 """
 
 from __future__ import annotations
