@@ -725,7 +725,12 @@ class CompositeReward:
         order; a served component's failure raises here. self.wait_s: the seconds spent waiting for served scores."""
         images, prompts = torch.cat([h[0] for h in handles]), [p for h in handles for p in h[1]]
         start = time.perf_counter()
-        served = {name: [h[2][name].result() for h in handles] for name in handles[0][2]}
+        try:
+            served = {name: [h[2][name].result() for h in handles] for name in handles[0][2]}
+        except Exception:  # the run stops: the requests still queued are not sent
+            for future in (f for h in handles for f in h[2].values()):
+                future.cancel()
+            raise
         self.wait_s = time.perf_counter() - start
         served = {name: tuple(torch.cat(x) for x in zip(*chunks)) for name, chunks in served.items()}
         return self._combine(images, prompts, served)
