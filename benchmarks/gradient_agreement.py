@@ -42,7 +42,9 @@ def dance_loss(model, tr, cond, lat, lp, adv, sig, g, steps, idx):
     for i in steps:
         v = model.velocity(tr, lat[idx, i], sig[i].expand(len(idx)), c, 1.0)
         _, logp, _, _ = D.sde_step(lat[idx, i], v.float(), sig[i], sig[i + 1], g[i], prev_sample=lat[idx, i + 1])
-        total = total + D.policy_loss(logp, lp[idx, i], adv[idx], 1e-3)[0].mean()
+        total = (
+            total + D.policy_loss(logp, lp[idx, i], adv[idx], None, None, None, clip_range=1e-3, kl_beta=0)[0].mean()
+        )
     return total
 
 
@@ -51,7 +53,7 @@ def vgrpo_loss(model, tr, cond, x, t, eps, old, adv, idx):
     import vgrpo as V
 
     new, _ = V.surrogate(model, tr, x[idx], {k: v[idx] for k, v in cond.items()}, t[idx], eps[idx], 1.0, nullcontext)
-    return V.policy_loss(new, old[idx], adv[idx], 6e-3)[0].mean()
+    return V.policy_loss(new, old[idx], adv[idx], None, None, clip_range=6e-3, kl_beta=0)[0].mean()
 
 
 def branch_loss(model, tr, B, args, cond, states, log_probs, adv, keep, sigmas, g, tree, trees):
@@ -73,7 +75,12 @@ def branch_loss(model, tr, B, args, cond, states, log_probs, adv, keep, sigmas, 
         mean, std = B.edge_gaussians(states[i][nodes], v.float(), [(i, nodes)], [mask], sigmas, g, tree)
         logp = B.gaussian_log_prob(states[i + 1][edges][mask], mean, std)
         a = adv[i + 1].flatten()[edges][mask]
-        total = total + B.policy_loss(logp, log_probs[i][edges][mask], a, args.clip_range)[0].sum()
+        total = (
+            total
+            + B.policy_loss(
+                logp, log_probs[i][edges][mask], a, None, None, None, clip_range=args.clip_range, kl_beta=0
+            )[0].sum()
+        )
         n_edges += int(mask.sum())
     return total / n_edges
 

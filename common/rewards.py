@@ -691,8 +691,12 @@ class CompositeReward:
     scores `frames` evenly spaced frames of each (frame_subset) and gives their mean.
     """
 
-    def __init__(self, components: list[tuple[str, float, Reward]], frames: int = 4, spec: RewardSpec | None = None):
-        self.components, self.frames, self.spec = components, frames, spec  # spec: the parsed --reward, if any
+    def __init__(
+        self, components: list[tuple[str, float, Reward]], frames: int = 4, spec: RewardSpec | None = None, check=True
+    ):
+        """`spec`: the parsed --reward, if any; `check`: refuse a non-finite score (off only for the memory plan's
+        tensors, which have shapes and no values)."""
+        self.components, self.frames, self.spec, self.check = components, frames, spec, check
         self._workers, self.wait_s = {}, 0.0  # request(): one thread per served component; collect()'s wait
         self.weights = {name: w for name, w, _ in components}
         self.differentiable = all(r.differentiable for _, w, r in components if w != 0)
@@ -757,8 +761,10 @@ class CompositeReward:
                 with torch.set_grad_enabled(torch.is_grad_enabled() and w != 0):
                     r = self._score(reward, images, prompts)  # (B,)
                 unparsed = self._unparsed(reward, len(images))
-            bad = ~torch.isfinite(r.detach())
-            if bad.any():  # a score that is not a number never trains (nor is averaged into an evaluation)
+            bad = ~torch.isfinite(r.detach()) if self.check else None
+            if (
+                bad is not None and bad.any()
+            ):  # a score that is not a number never trains (nor is averaged into an evaluation)
                 k = int(bad.nonzero()[0])
                 raise RunError(
                     f"reward '{name}' gave {r[k].item()} for image {k} (prompt {prompts[k]!r}), not a finite number; "

@@ -97,7 +97,7 @@ def test_each_shapesbench_default_is_refused_for_a_real_model(tiny_dir, tmp_path
         assert str(e.value).startswith(message) and f"--model-id {flux}" in str(e.value)
     # the same flags on ShapesBench are its defaults; a real model with a real reward passes
     assert len(check_run_args(run_args("shapesbench"))[1]) == 48
-    train, held_out = check_run_args(run_args(flux, prompts=prompts, **{"eval-prompts": prompts, "reward": "jpeg"}))
+    train, held_out, _ = check_run_args(run_args(flux, prompts=prompts, **{"eval-prompts": prompts, "reward": "jpeg"}))
     assert train == held_out == ["a cat", "a dog"]
 
 
