@@ -33,6 +33,12 @@
 #   branchgrpo-wan-1gpu    Wan2.1-T2V-1.3B video, 16-leaf trees, depth pruning, LoRA r128, 480x832, 33 frames, 1 GPU; 58 GB per GPU
 #   branchgrpo-wan-8gpu    the same on 8 GPUs (DDP); 59 GB per GPU
 #   vgrpo-wan-8gpu         Wan2.1-T2V-1.3B video, V-GRPO, LoRA r128, 480x832, 33 frames, 8 GPUs (DDP); 33 GB per GPU
+#   diffusionnft-cpu       DiffusionNFT on ShapesBench, 1 CPU process
+#   diffusionnft-cpu-2proc the same, 2 CPU processes (gloo): groups span processes
+#   diffusionnft-sd35-8gpu SD3.5-Medium + HPSv2.1, the official sd3_hpsv2 config: LoRA r32, 512 px, 8 GPUs (DDP); 24 GB per GPU
+#   diffusionnft-sd35-curriculum-8gpu  the paper's five stages (800/300/200/200/100 iterations), each resuming the last;
+#                          needs PICKAPIC_PROMPTS, GENEVAL_PROMPTS, OCR_PROMPTS, JUDGE_URL; FROM_STAGE=k restarts at stage k
+#   diffusionnft-flux-8gpu FLUX.1-dev + HPSv2.1, Flow-Factory's NFT setting: LoRA r64, 384 px, 8 GPUs (DDP); 24 GB per GPU
 #   rlr-cpu                RLR on ShapesBench, 1 CPU process: ablation V2 (no zero-order term), DCoT stage coarse
 #   rlr-full-cpu           RLR's full, unbiased estimator (FO + HO + ZO, window anywhere): learns nothing here
 #   rlr-v1-cpu             RLR ablation V1: first-order term only (AlignProp with K = 1)
@@ -82,7 +88,7 @@ need_env() {  # a GPU recipe's required variable; --print shows $NAME in its pla
   fi
 }
 
-case "$recipe" in evaluate-*) ;; *flux*|*sd35*|*sd15*|*wan*)
+case "$recipe" in evaluate-*|*curriculum*) ;; *flux*|*sd35*|*sd15*|*wan*)
   need_env PROMPTS "a prompt file, one prompt per line; HPDv2's 3200 test prompts, from the Hugging Face dataset \
 zhwang/HPDv2 (benchmark/*.json), are written to one by: python -m common.prompts hpdv2 prompts/hpdv2_test.txt"
   EVAL_PROMPTS=${EVAL_PROMPTS:-$PROMPTS} ;;
@@ -137,6 +143,54 @@ SD15_RLR=(--model-id "${MODEL_ID:-stable-diffusion-v1-5/stable-diffusion-v1-5}" 
   --num-steps 50 --noise-level 1.0 --guidance-scale 5 --group-size 4 --samples-per-device 4 --rollout-batch-size 2
   --subchain-len 2 --terms fo+ho --subchain-stage any --lora --lora-rank 4 --lora-alpha 4 --learning-rate 1e-4
   --iterations 100 --eval-every 10 --eval-samples-per-prompt 1 --eval-steps 50 --sample-every 5 --save-every 10)
+# DiffusionNFT's SD3.5-Medium setting (https://github.com/NVlabs/DiffusionNFT, config/nft.py, sd3_hpsv2): 512 px,
+# 10-step DPM-Solver-2 rollouts without CFG, 24 images per prompt, 48 prompts per iteration (144 images per GPU on 8),
+# one optimizer step per iteration, 9 of the 10 grid timesteps per image, NFT beta 1, KL 1e-4, old policy
+# eta = min(0.001 s, 0.5), EMA 0.9, LoRA r32 alpha 64, lr 3e-4, weight decay 1e-4, 40-step Euler evaluation.
+SD35_NFT_BASE=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 "${GPU_MEMORY[@]}"
+  --num-steps 10 --solver dpm2 --shift 3 --guidance-scale 1 --group-size 24 --samples-per-device 144
+  --rollout-batch-size 9 --train-batch-size 9 --samples-per-update 144 --timestep-fraction 0.99 --beta 1
+  --kl-beta 1e-4 --old-decay linear --lora --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --lr-warmup 0
+  --weight-decay 1e-4 --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 40 --sample-every 10 --save-every 20)
+SD35_NFT=("${SD35_NFT_BASE[@]}" --reward hpsv2.1 "${HPS_CKPT[@]}" "${GPU_PROMPTS[@]}" --weight-decay 1e-4
+  --iterations 1000)
+# DiffusionNFT on FLUX.1-dev has no official recipe (the official code is SD3 only); Flow-Factory's
+# (https://github.com/X-GenGroup/Flow-Factory, examples/nft/lora/flux1/default.yaml): 384 px, 8 ODE steps, embedded
+# guidance 3.5 in sampling and training, 16 images per prompt, 48 prompts per iteration (96 images per GPU on 8), 2
+# trained timesteps per image (Flow-Factory: in the noisiest 70%; here: 2 of the 8 grid points, as the official
+# code draws them), NFT beta 1, no KL, old policy (0, 0.001, 0.5) = --old-decay linear, LoRA r64 alpha 128, lr 3e-4.
+FLUX_NFT=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 384 "${GPU_COMMON[@]}"
+  --num-steps 8 --solver dpm2 --guidance-scale 3.5 --group-size 16 --samples-per-device 96 --rollout-batch-size 8
+  --train-batch-size 8 --samples-per-update 96 --timestep-fraction 0.25 --beta 1 --kl-beta 0 --old-decay linear
+  --lora --lora-rank 64 --lora-alpha 128 --learning-rate 3e-4 --iterations 1000 --eval-every 20
+  --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
+
+curriculum() {  # FLAGS...: DiffusionNFT's five-stage SD3.5-M curriculum (the paper's appendix C) on 8 GPUs
+  need_env PICKAPIC_PROMPTS "the Pick-a-Pic training prompts, one per line"
+  need_env GENEVAL_PROMPTS "GenEval-style compositional prompts, one per line"
+  need_env OCR_PROMPTS "prompts with the text to render in quotes, one per line"
+  need_env JUDGE_URL "an OpenAI-compatible VLM server for the GenEval and OCR stages, e.g. http://judge:8000/v1"
+  # human preference: the official multi-reward trio (1:1:1, beta 0.1, 25 steps); GenEval: its detector-based score
+  # is not packaged here, so the UnifiedReward judge's prompt alignment stands in (beta 1, 10 steps); OCR: the OCR
+  # judge (the official sd3_ocr: beta 0.1, 2 optimizer steps per iteration)
+  local pref=(--prompts "$PICKAPIC_PROMPTS" --eval-prompts "$PICKAPIC_PROMPTS" --reward pickscore,hpsv2.1,clip
+    "${HPS_CKPT[@]}" --beta 0.1 --num-steps 25)
+  local geneval=(--prompts "$GENEVAL_PROMPTS" --eval-prompts "$GENEVAL_PROMPTS" --reward unifiedreward
+    --reward-url "unifiedreward=$JUDGE_URL" --beta 1 --num-steps 10)
+  local ocr=(--prompts "$OCR_PROMPTS" --eval-prompts "$OCR_PROMPTS" --reward ocr --reward-url "ocr=$JUDGE_URL"
+    --beta 0.1 --num-steps 10 --samples-per-update 72)
+  local k=0 end=0 stage
+  for stage in 800:pref 300:geneval 200:pref 200:geneval 100:ocr; do  # iterations:prompts and reward
+    k=$((k + 1)) end=$((end + ${stage%%:*}))
+    [ "$k" -lt "${FROM_STAGE:-1}" ] && continue
+    local -n flags=${stage#*:}
+    local resume=()
+    [ "$k" -gt 1 ] && resume=(--resume-from latest)  # the newest checkpoint of runs/diffusionnft-curriculum__*
+    go "${DDP8[@]}" diffusionnft.py "${SD35_NFT_BASE[@]}" --exp-name diffusionnft-curriculum "${flags[@]}" \
+      --iterations "$end" "${resume[@]}" "$@"
+    unset -n flags
+  done
+}
 
 # Wan2.1 text-to-video 1.3B (docs/video.md). BranchGRPO's paper (§4.6) trains it with VideoAlign's motion-quality
 # reward and gives no other video setting; here: Wan's 480p (480 x 832, the pipeline's default size) and 33 frames
@@ -206,6 +260,11 @@ case "$recipe" in
   branchgrpo-wan-1gpu) go "${LAUNCH[@]}" --num_processes 1 branchgrpo.py "${WAN_BRANCH[@]}" "$@" ;;
   branchgrpo-wan-8gpu) go "${DDP8[@]}" branchgrpo.py "${WAN_BRANCH[@]}" "$@" ;;
   vgrpo-wan-8gpu) go "${DDP8[@]}" vgrpo.py "${WAN_VGRPO[@]}" "$@" ;;
+  diffusionnft-cpu) go "$PY" diffusionnft.py "$@" ;;
+  diffusionnft-cpu-2proc) go "${CPU2[@]}" diffusionnft.py --samples-per-device 32 --samples-per-update 16 "$@" ;;
+  diffusionnft-sd35-8gpu) go "${DDP8[@]}" diffusionnft.py "${SD35_NFT[@]}" "$@" ;;
+  diffusionnft-sd35-curriculum-8gpu) curriculum "$@" ;;
+  diffusionnft-flux-8gpu) go "${DDP8[@]}" diffusionnft.py "${FLUX_NFT[@]}" "$@" ;;
   rlr-cpu) go "$PY" rlr.py "$@" ;;
   rlr-v1-cpu) go "$PY" rlr.py --exp-name rlr-v1 --terms fo "$@" ;;
   rlr-v2-cpu) go "$PY" rlr.py --exp-name rlr-v2 --terms fo+ho --subchain-stage any "$@" ;;

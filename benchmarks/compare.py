@@ -7,14 +7,16 @@
     python benchmarks/compare.py --tradeoff  # + the sweep of SWEEP (seed 0): docs/tradeoff.md, docs/tradeoff.png
     bash run.sh compare [--quick]
 
-DanceGRPO, MixGRPO (--sde-window 4), BranchGRPO (no / width / depth / mix pruning), V-GRPO and RLR run one at a
+DanceGRPO, MixGRPO (--sde-window 4), BranchGRPO (no / width / depth / mix pruning), V-GRPO, RLR and DiffusionNFT
+(and V-GRPO and DiffusionNFT at 1 optimizer step per iteration, for V-GRPO's claim against DiffusionNFT) run one at a
 time, as subprocesses with the same thread count (--threads), the held-out evaluation every few iterations (48
 prompts; 4 samples each, 2 with --quick) and a fixed-seed sample grid at the start and the end. Every run keeps its
 folder under <out>/runs/ and its log under <out>/logs/: rerunning the command skips finished runs (final/ written)
 and resumes interrupted ones from their last checkpoint (--save-every 5). --jobs 2 runs two at a time (one thread
 each by default), which halves the wall time on 2 cores; the table says how the runs shared the machine. "Time" is
 training time (the sum of the iterations' wall times, evaluations excluded), so methods compare whatever their
-evaluation schedule. Every row is checked against the bars of docs/shapesbench.md (BARS).
+evaluation schedule. Every row is checked against the bars of docs/shapesbench.md (BARS). --methods reruns some:
+every method's last runs are on record in results.json beside the table, so the other rows stay.
 
 --tradeoff adds one seed of each method at weaker settings of the regularisers that keep diversity (SWEEP: the
 KL to the base model at two strengths, half the learning rate) and draws held-out shape accuracy against diversity
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import platform
 import shutil
@@ -49,7 +52,16 @@ METHODS = {  # key: (label, script and flags)
     "branchgrpo_mix": ("BranchGRPO, Mix", ["branchgrpo.py", "--pruning", "mix"]),
     "vgrpo": ("V-GRPO", ["vgrpo.py"]),
     "rlr": ("RLR", ["rlr.py"]),
+    "diffusionnft": ("DiffusionNFT", ["diffusionnft.py"]),
+    # V-GRPO's claim against DiffusionNFT (arXiv 2604.23380, Sec. 5) at the papers' 1 optimizer step per iteration
+    "vgrpo_1step": ("V-GRPO, 1 step / it.", ["vgrpo.py", "--samples-per-update", "64"]),
+    "diffusionnft_1step": ("DiffusionNFT, 1 step / it.", ["diffusionnft.py", "--samples-per-update", "64"]),
 }
+# (method, method, setting): gradient steps and time of each to the held-out reward both reach
+HEAD_TO_HEAD = [
+    ("vgrpo", "diffusionnft", "defaults: 32 images per step, 2 steps / iteration"),
+    ("vgrpo_1step", "diffusionnft_1step", "1 step / iteration, as both papers: 64 images per step"),
+]
 # the trade-off sweep (seed 0): (label, flags added to the method's) per method. "KL" = --kl-beta (V-GRPO's KL is per
 # ELBO pair, on another scale); "lr / 2" = half the script's default learning rate; "40 it." = the shared length where a
 # default stops earlier. Each default run's own evaluations give one more regulariser, fewer iterations. Swept: the
@@ -144,8 +156,14 @@ def curves(run: Path) -> dict:
     for it in sorted(train):
         total += train[it]["perf/iteration_s"]
         elapsed[it] = total
+    steps = {0: 0, **{it: r.get("charts/optimizer_steps", float("nan")) for it, r in train.items()}}
     evals = [
-        {"iteration": r["iteration"], "time": elapsed.get(r["iteration"], total), **{k: r[f"eval/{k}"] for k in EVAL}}
+        {
+            "iteration": r["iteration"],
+            "time": elapsed.get(r["iteration"], total),
+            "steps": steps.get(r["iteration"], float("nan")),  # optimizer steps so far
+            **{k: r[f"eval/{k}"] for k in EVAL},
+        }
         for r in rows
         if "eval/shape_acc" in r
     ]
@@ -162,9 +180,10 @@ def curves(run: Path) -> dict:
     }
 
 
-def to_reach(c: dict, target: float) -> tuple[int, float] | None:
-    """(iteration, training seconds) of the first evaluation whose learned reward reaches target."""
-    return next(((e["iteration"], e["time"]) for e in c["evals"] if e["reward_mean"] >= target), None)
+def reach(c: dict, target: float) -> dict | None:
+    """The first evaluation (iteration, training seconds, optimizer steps, metrics) whose learned reward reaches
+    target."""
+    return next((e for e in c["evals"] if e["reward_mean"] >= target), None)
 
 
 def start_end(cs: list[dict], k: str) -> str:
@@ -173,8 +192,49 @@ def start_end(cs: list[dict], k: str) -> str:
     return f"{sum(first) / len(first):.3f} -> {sum(last) / len(last):.3f}"
 
 
-def write_table(results: dict, path: Path, command: str, threads: int, jobs: int, seeds: list[int]) -> None:
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+def mean(xs) -> float:
+    return sum(xs) / len(xs)
+
+
+def head_to_head(results: dict) -> list[str]:
+    """The lines of the HEAD_TO_HEAD table: per pair, the lower of the two final held-out rewards (means over seeds)
+    is the target, and each method's optimizer steps and training time to its first evaluation that reaches it."""
+    lines = [
+        "## V-GRPO against DiffusionNFT",
+        "",
+        "V-GRPO's paper (arXiv 2604.23380, Sec. 5) reports that it reaches in 580 gradient steps what DiffusionNFT "
+        "needs about 1.7k for on SD3.5-M. Here: the optimizer steps and training time each takes to reach the lower "
+        "of the two final held-out learned rewards, at the evaluation points (so steps are rounded up to the next "
+        "evaluation), means over the seeds that reach it.",
+        "",
+        "| setting | target reward | V-GRPO: steps, time | DiffusionNFT: steps, time | DiffusionNFT / V-GRPO steps |",
+        "|---|---|---|---|---|",
+    ]
+    for a, b, setting in HEAD_TO_HEAD:
+        if a not in results or b not in results:
+            continue
+        target = min(mean([c["evals"][-1]["reward_mean"] for c in results[k]]) for k in (a, b))
+        got = {k: [e for e in (reach(c, target) for c in results[k]) if e is not None] for k in (a, b)}
+        cell = {
+            k: f"{mean([e['steps'] for e in g]):.0f} steps, {mean([e['time'] for e in g]) / 60:.1f} min "
+            f"({len(g)}/{len(results[k])})"
+            if g
+            else "not reached"
+            for k, g in got.items()
+        }
+        ratio = mean([e["steps"] for e in got[b]]) / mean([e["steps"] for e in got[a]]) if all(got.values()) else None
+        lines.append(
+            f"| {setting} | {target:.3f} | {cell[a]} | {cell[b]} | " + (f"{ratio:.2f}" if ratio else "n/a") + " |"
+        )
+    return lines + [""] if len(lines) > 7 else []
+
+
+def write_table(
+    results: dict, kept: dict, made: dict, path: Path, command: str, threads: int, jobs: int, seeds: list[int]
+) -> None:
+    """docs/results.md: a row per method of `results` (method -> curves per seed), then the rows `kept` (label ->
+    line) of the previous table that no run on record can redraw; `made` (method -> the command, commit and date of
+    its runs) says where every row not made by `command` comes from."""
     dance = results["dancegrpo"]
     target = mean([c["evals"][-1]["reward_mean"] for c in dance])
     fell = target <= mean([c["evals"][0]["reward_mean"] for c in dance])  # then every run "reaches" it at once
@@ -196,11 +256,12 @@ def write_table(results: dict, path: Path, command: str, threads: int, jobs: int
     ]
     for key, cs in results.items():
         label = METHODS[key][0]
-        got = [r for r in (to_reach(c, target) for c in cs) if r is not None]
+        got = [e for e in (reach(c, target) for c in cs) if e is not None]
         when = (
             "n/a"
             if fell
-            else f"{mean([r[0] for r in got]):.0f} it., {mean([r[1] for r in got]) / 60:.1f} min ({len(got)}/{len(cs)})"
+            else f"{mean([e['iteration'] for e in got]):.0f} it., {mean([e['time'] for e in got]) / 60:.1f} min "
+            f"({len(got)}/{len(cs)})"
             if got
             else "not reached"
         )
@@ -211,6 +272,13 @@ def write_table(results: dict, path: Path, command: str, threads: int, jobs: int
             + " | ".join(start_end(cs, k) for k in EVAL)
             + f" | {when} | {', '.join(missed(cs)) or 'none'} |"
         )
+    lines += list(kept.values())
+    other = {k: m for k, m in made.items() if m["command"] != command or k not in results}
+    if other or kept:
+        lines += ["", "Rows made at other times (the table keeps every method's last runs, docs/results.json):"]
+        lines += [f"- {METHODS[k][0]}: `{m['command']}` at {m['commit']}, {m['date']}" for k, m in other.items()]
+        if kept:
+            lines.append(f"- {', '.join(kept)}: kept from the table before results.json existed (2026-12-03)")
     lines += [
         "",
         "Trained per image: DanceGRPO / MixGRPO trained SDE steps, BranchGRPO trained edges per leaf, V-GRPO ELBO "
@@ -221,6 +289,7 @@ def write_table(results: dict, path: Path, command: str, threads: int, jobs: int
         "",
         "![held-out shape accuracy and learned reward](results.png)",
         "",
+        *head_to_head(results),
     ]
     path.write_text("\n".join(lines))
 
@@ -345,8 +414,6 @@ def main():
     parser.add_argument("--threads", type=int, help="threads per run (default: the cores divided by --jobs)")
     parser.add_argument("--out", type=Path, help="runs, logs and (--quick) results; default benchmarks/compare_out/")
     a = parser.parse_args()
-    if "dancegrpo" not in a.methods:
-        parser.error("--methods must include dancegrpo (the reference of the last column)")
     if a.jobs < 1 or (a.threads is not None and a.threads < 1):
         parser.error("--jobs and --threads must be >= 1")
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.jobs)
@@ -358,16 +425,39 @@ def main():
         + (" --quick" if a.quick else "")
         + (f" --jobs {a.jobs}" if a.jobs > 1 else "")
         + (" --tradeoff" if a.tradeoff else "")
+        + (f" --methods {' '.join(a.methods)}" if a.methods != list(METHODS) else "")
+        + (f" --seeds {' '.join(map(str, a.seeds))}" if a.seeds else "")
     )
+    store = docs / "results.json"  # every method's last runs: curves per seed, and how they were made
+    saved = json.loads(store.read_text()) if store.exists() else {}
+    if "dancegrpo" not in a.methods and "dancegrpo" not in saved:
+        parser.error("--methods must include dancegrpo (the reference of the last column) until it has runs on record")
     sweep = sweep_runs(a.methods) if a.tradeoff else {}
     argvs = {**{key: METHODS[key][1] for key in a.methods}, **{k: v[2] for k, v in sweep.items()}}
     todo = [(key, s) for key in a.methods for s in seeds] + [(k, seeds[0]) for k in sweep]
     with ThreadPoolExecutor(a.jobs) as pool:  # each job waits on its subprocess
         done = dict(zip(todo, pool.map(lambda ks: run_one(ks[0], argvs[ks[0]], ks[1], out, a.quick, threads), todo)))
     runs = {key: [done[key, s] for s in seeds] for key in a.methods}
-    results = {key: [curves(r) for r in runs[key]] for key in a.methods}
     docs.mkdir(parents=True, exist_ok=True)
-    write_table(results, docs / "results.md", command, threads, a.jobs, seeds)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    made = {"command": command, "commit": commit.stdout.strip() or "?", "date": time.strftime("%Y-%m-%d")}
+    saved.update({key: {**made, "seeds": seeds, "curves": [curves(r) for r in runs[key]]} for key in a.methods})
+    store.write_text(json.dumps(saved, indent=1) + "\n")
+    results = {key: saved[key]["curves"] for key in METHODS if key in saved}
+    old = (docs / "results.md").read_text().splitlines() if (docs / "results.md").exists() else []
+    kept = {  # rows of methods that have no runs on record: the previous table's, as they were
+        METHODS[k][0]: row for k in METHODS if k not in saved for row in old if row.startswith(f"| {METHODS[k][0]} |")
+    }
+    write_table(
+        results,
+        kept,
+        {k: {x: saved[k][x] for x in made} for k in results},
+        docs / "results.md",
+        command,
+        threads,
+        a.jobs,
+        seeds,
+    )
     plot(results, docs / "results.png")
     grids(runs, docs / "results_grids")
     print(f"wrote {docs / 'results.md'}, {docs / 'results.png'}, {docs / 'results_grids'}/")

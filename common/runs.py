@@ -143,6 +143,7 @@ class Run:
             "charts/grad_norm": sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else float("nan"),
             "charts/skipped_updates": self.skipped,
             "charts/lr": self.lr,
+            "charts/optimizer_steps": self.optimizer_steps,  # so far, this iteration's included
             "perf/iteration_s": time.perf_counter() - self.t_iter,
             "perf/wall_s": time.perf_counter() - self.t_start,
             "perf/peak_mem_gb": peak_memory_gb(self.accelerator.device),  # this iteration's (CUDA) or the run's (CPU)
