@@ -35,10 +35,10 @@
 #   vgrpo-wan-8gpu         Wan2.1-T2V-1.3B video, V-GRPO, LoRA r128, 480x832, 33 frames, 8 GPUs (DDP); 33 GB per GPU
 #   diffusionnft-cpu       DiffusionNFT on ShapesBench, 1 CPU process
 #   diffusionnft-cpu-2proc the same, 2 CPU processes (gloo): groups span processes
-#   diffusionnft-sd35-8gpu SD3.5-Medium + HPSv2.1, the official sd3_hpsv2 config: LoRA r32, 512 px, 8 GPUs (DDP); 24 GB per GPU
+#   diffusionnft-sd35-8gpu SD3.5-Medium + HPSv2.1, the official sd3_hpsv2 config: LoRA r32, 512 px, 8 GPUs (DDP); 26 GB per GPU
 #   diffusionnft-sd35-curriculum-8gpu  the paper's five stages (800/300/200/200/100 iterations), each resuming the last;
 #                          needs PICKAPIC_PROMPTS, GENEVAL_PROMPTS, OCR_PROMPTS, JUDGE_URL; FROM_STAGE=k restarts at stage k
-#   diffusionnft-flux-8gpu FLUX.1-dev + HPSv2.1, Flow-Factory's NFT setting: LoRA r64, 384 px, 8 GPUs (DDP); 24 GB per GPU
+#   diffusionnft-flux-8gpu FLUX.1-dev + HPSv2.1, Flow-Factory's NFT setting: LoRA r64, 384 px, offload, 8 GPUs (DDP); 47 GB per GPU
 #   rlr-cpu                RLR on ShapesBench, 1 CPU process: ablation V2 (no zero-order term), DCoT stage coarse
 #   rlr-full-cpu           RLR's full, unbiased estimator (FO + HO + ZO, window anywhere): learns nothing here
 #   rlr-v1-cpu             RLR ablation V1: first-order term only (AlignProp with K = 1)
@@ -152,8 +152,8 @@ SD35_NFT_BASE=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}"
   --rollout-batch-size 9 --train-batch-size 9 --samples-per-update 144 --timestep-fraction 0.99 --beta 1
   --kl-beta 1e-4 --old-decay linear --lora --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --lr-warmup 0
   --weight-decay 1e-4 --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 40 --sample-every 10 --save-every 20)
-SD35_NFT=("${SD35_NFT_BASE[@]}" --reward hpsv2.1 "${HPS_CKPT[@]}" "${GPU_PROMPTS[@]}" --weight-decay 1e-4
-  --iterations 1000)
+SD35_NFT=("${SD35_NFT_BASE[@]}" --reward hpsv2.1 "${HPS_CKPT[@]}" --prompts "${PROMPTS:-}"
+  --eval-prompts "${EVAL_PROMPTS:-}" --iterations 1000)
 # DiffusionNFT on FLUX.1-dev has no official recipe (the official code is SD3 only); Flow-Factory's
 # (https://github.com/X-GenGroup/Flow-Factory, examples/nft/lora/flux1/default.yaml): 384 px, 8 ODE steps, embedded
 # guidance 3.5 in sampling and training, 16 images per prompt, 48 prompts per iteration (96 images per GPU on 8), 2
@@ -163,7 +163,7 @@ FLUX_NFT=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 38
   --num-steps 8 --solver dpm2 --guidance-scale 3.5 --group-size 16 --samples-per-device 96 --rollout-batch-size 8
   --train-batch-size 8 --samples-per-update 96 --timestep-fraction 0.25 --beta 1 --kl-beta 0 --old-decay linear
   --lora --lora-rank 64 --lora-alpha 128 --learning-rate 3e-4 --iterations 1000 --eval-every 20
-  --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
+  --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20 --offload-frozen)
 
 curriculum() {  # FLAGS...: DiffusionNFT's five-stage SD3.5-M curriculum (the paper's appendix C) on 8 GPUs
   need_env PICKAPIC_PROMPTS "the Pick-a-Pic training prompts, one per line"

@@ -2,7 +2,8 @@
 downloaded), bf16, LoRA r128, gradient checkpointing and --offload-frozen as in run.sh's recipes, 2 iterations of each
 script with small batches, in two cases:
 
-  flux   FLUX.1-dev at 512 px: dancegrpo.py, branchgrpo.py --pruning depth and vgrpo.py (8 steps, 10 for the tree)
+  flux   FLUX.1-dev at 512 px: dancegrpo.py, branchgrpo.py --pruning depth, vgrpo.py and diffusionnft.py (8 steps,
+         10 for the tree)
   wan    Wan2.1-T2V-1.3B video, 480 x 832 x 9 frames, CFG 5, reward hpsv2.1 on 4 frames + temporal:0.5 (the wan
          recipes' settings): dancegrpo.py (4 videos, rollout batch 4, 8 steps) and branchgrpo.py --pruning depth
          (one tree of 4 leaves, 10 steps)
@@ -290,6 +291,10 @@ def script_flags(case: str, tiny: bool) -> dict[str, list[str]]:
             "vgrpo.py": [*steps, "--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "1",
                          "--train-batch-size", "1", "--samples-per-update", "4", "--n-mc", "4", "--clip-range", "6e-3",
                          "--kl-beta", "0"],
+            # Flow-Factory's NFT setting (run.sh's diffusionnft-flux-8gpu): 2 of 8 grid timesteps trained per image
+            "diffusionnft.py": [*steps, "--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "1",
+                                "--train-batch-size", "1", "--samples-per-update", "4", "--timestep-fraction", "0.25",
+                                "--kl-beta", "0"],
         }  # fmt: skip
     # Wan: the recipes' micro-batch (4 videos, CFG: 8 rows), 4 videos or one tree of 4 leaves per iteration
     return {

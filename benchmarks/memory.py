@@ -92,7 +92,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_map_only  # noqa: E402
 
 GB = 1e9
-SCRIPTS = ("dancegrpo", "branchgrpo", "vgrpo", "rlr")
+SCRIPTS = ("dancegrpo", "branchgrpo", "vgrpo", "rlr", "diffusionnft")
 
 # ---------------------------------------------------------------------------------------------------
 # Published configurations (no weights are read; these are the hub configs' values)
@@ -251,7 +251,8 @@ def gpu_recipes() -> list[str]:
     """run.sh's training recipes on FLUX / SD3.5 / SD1.5 / Wan2.1 GPUs; multi-node ones are left out (per GPU as their
     8-GPU twin), and so are the evaluation recipes (evaluate-*: no training)."""
     names = [n for n in _run_sh("--list").split() if not n.startswith("evaluate-") and not n.endswith("-multinode")]
-    return [n for n in names if any(k in n for k in ("flux", "sd35", "sd15", "wan"))]
+    # DiffusionNFT's curriculum: five runs with diffusionnft-sd35-8gpu's batches (its plan), other prompts and rewards
+    return [n for n in names if any(k in n for k in ("flux", "sd35", "sd15", "wan")) and "curriculum" not in n]
 
 
 @dataclass
@@ -634,6 +635,7 @@ class Workload:
     kl_copy: bool  # a frozen bf16 copy of the denoiser as KL reference (full fine-tuning)
     data: int  # bytes of rollout data resident through the iteration
     rlr: dict | None = None  # RLR: first-order rows, sub-chain length h, zero-order term
+    copies: int = 0  # fp32 copies of the trained weights kept beside them (DiffusionNFT: the old policy, the EMA)
 
 
 def _bytes(shape, count=1, element=4) -> int:
@@ -690,6 +692,13 @@ def workload(script: str, args, shapes: Shapes, cfg: bool, frozen_bytes: int) ->
         data = _bytes(L, S * T) + _bytes(L, S * (T - 1)) + cond * (S + 1)
         zo = "zo" in args.terms
         return Workload(S, B * mult, B, B, B * mult, False, False, data, rlr={"rows": B, "h": h, "zo": zo})
+    if script == "diffusionnft":
+        S, R, B = args.samples_per_device, args.rollout_batch_size, args.train_batch_size
+        # final latents (S, *L) and decoded images, each chunk's sent to the reward as it is decoded; conditioning.
+        # The old policy's and the base's no-grad forwards run before the trained one's, so no graph is alive then.
+        data = _bytes(L, S) + _bytes(img, S) + cond * (S + 1)
+        full_ft_kl = args.kl_beta > 0 and not args.lora
+        return Workload(S, R * mult, R, R, B * mult, False, full_ft_kl, data, copies=2)
     raise ValueError(f"unknown script {script}")
 
 
@@ -830,6 +839,8 @@ def estimate(
     offload, ddp = args.offload_frozen, num_processes > 1 and not fsdp
     cfg = kind in ("sd3", "sd1", "wan") and args.guidance_scale > 1  # FLUX.1-dev's guidance is embedded: no CFG
     work = workload(script, args, shapes, cfg, esize)
+    if fsdp and work.copies:
+        raise ValueError(f"{script}.py refuses FSDP: it keeps the old policy and the EMA beside the trained weights")
     if fsdp and work.kl_copy:
         raise ValueError("the scripts refuse a frozen KL reference copy under FSDP (--kl-beta 0, or --lora)")
     evaluates = args.eval_every > 0 or args.sample_every > 0
@@ -937,7 +948,7 @@ def estimate(
         vae_bytes, reward_bytes = nbytes(vae), nbytes(reward) if reward is not None else 0
 
     # ---------------------------------------------------------------- phases: resident state + the phase's own
-    state = w_train + frozen + opt + buckets + work.data
+    state = w_train * (1 + work.copies) + frozen + opt + buckets + work.data
     zo = 2 * w_train if work.rlr and work.rlr["zo"] else 0  # RLR's ZO: a saved copy of the weights + a perturbation
     scorers = vae_bytes + reward_bytes
     text_out = 0 if offload else text  # text encoders outside the encode phase
@@ -991,7 +1002,7 @@ def estimate(
         "rollout_rows": work.rollout_rows,
         "params": {"denoiser": n_all, "trainable": n_train},
         "gb": {
-            "trainable": w_train / GB,
+            "trainable": w_train * (1 + work.copies) / GB,  # DiffusionNFT: with its old policy and EMA copies
             "frozen": frozen / GB,
             "grads": g_train / GB,
             "optimizer": opt / GB,

@@ -24,6 +24,9 @@ CASES = {  # script, flags, images per iteration
                            "--kl-beta", "0.1", "--kl-ref", "base"], 4),
     "rlr": ("rlr.py", ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "2", "--num-steps",
                        "5", "--subchain-len", "3"], 4),
+    "diffusionnft": ("diffusionnft.py", ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "2",
+                                         "--train-batch-size", "2", "--samples-per-update", "2", "--num-steps", "5",
+                                         "--timestep-fraction", "0.4", "--kl-beta", "0.1"], 4),
 }  # fmt: skip
 
 

@@ -37,7 +37,7 @@ def test_gpu_check_tiny_mode_runs_the_flux_and_the_video_case(tmp_path):
     assert results["device"] == "CPU" and results["cases"] == ["flux", "wan"]
     assert results["status"] == "done" and results["failures"] == []
     flux, wan = results["flux"], results["wan"]
-    assert list(flux["scripts"]) == ["dancegrpo.py", "branchgrpo.py", "vgrpo.py"]
+    assert list(flux["scripts"]) == ["dancegrpo.py", "branchgrpo.py", "vgrpo.py", "diffusionnft.py"]
     assert list(wan["scripts"]) == ["dancegrpo.py", "branchgrpo.py"]
     for case in (flux, wan):
         assert case["build"] == {"status": "ok"}
@@ -58,16 +58,18 @@ def test_gpu_check_tiny_mode_runs_the_flux_and_the_video_case(tmp_path):
         assert flags[flags.index("--reward") + 1].split(",")[0] == "hpsv2.1" and "hpsv2.1=OUT/hps.pt" in flags
     # transformer forwards without gradients in the second iteration, counted by the wrapper's hook on the
     # transformer class: 4 images x 4 steps; one tree of 6 steps split at 0 and 3 (K = 2): nodes per depth
-    # 1, 2, 2, 2, 4, 4 = 15; V-GRPO adds its behaviour values, 4 images x 4 pairs
+    # 1, 2, 2, 2, 4, 4 = 15; V-GRPO adds its behaviour values, 4 images x 4 pairs; DiffusionNFT the old policy's
+    # velocity at each image's int(0.25 x 4) = 1 trained timestep (no KL), with one forward with gradients beside it
     rows = {s: r["nograd_rows"] for s, r in flux["scripts"].items()}
-    assert rows == {"dancegrpo.py": 16, "branchgrpo.py": 15, "vgrpo.py": 32}
+    assert rows == {"dancegrpo.py": 16, "branchgrpo.py": 15, "vgrpo.py": 32, "diffusionnft.py": 20}
+    assert flux["scripts"]["diffusionnft.py"]["grad_rows"] == 4
     # the video case's CFG doubles the rows: one conditional and one unconditional half per video and step
     assert {s: r["nograd_rows"] for s, r in wan["scripts"].items()} == {"dancegrpo.py": 32, "branchgrpo.py": 30}
     work = tmp_path / "work"
     assert not (work / "flux").exists() and not (work / "wan").exists()  # the model folders are cleaned up
     assert not list(work.rglob("final")) and not list(work.rglob("checkpoints"))  # --no-save: nothing written
     table = (tmp_path / "results" / "gpu_check.md").read_text()
-    assert all(f"| {s} | ok |" in table for s in ("dancegrpo.py", "branchgrpo.py", "vgrpo.py")) and "n/a" in table
+    assert all(f"| {s} | ok |" in table for s in flux["scripts"]) and "n/a" in table
     assert "tiny Wan2.1 video, 32x32 px x 5 frames" in table and "time per phase: " in table
     assert "status: done" in table and "forward + backward" in table and "failures:" not in table
     assert (tmp_path / "results" / "flux_dancegrpo.log").is_file()
@@ -81,7 +83,7 @@ def test_gpu_check_records_a_script_that_overruns_and_goes_on(tmp_path):
     assert out.returncode != 0 and "not every script ran" in out.stderr
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     scripts = results["flux"]["scripts"]
-    assert list(scripts) == ["dancegrpo.py", "branchgrpo.py", "vgrpo.py"]  # every script was tried
+    assert list(scripts) == ["dancegrpo.py", "branchgrpo.py", "vgrpo.py", "diffusionnft.py"]  # every one was tried
     assert all(r["status"] == "timed out after 2 s" and "log_tail" in r for r in scripts.values())
     assert [f["case"] for f in results["failures"]] == [f"flux: {s}" for s in scripts]
     assert all(f["type"] == "timed out after 2 s" for f in results["failures"])

@@ -8,6 +8,8 @@ checkpointing saves and what FSDP shards; a video model's phases (CFG rows, the 
 concatenated, the reward on a few frames of each); and that every GPU recipe of run.sh parses.
 """
 
+import math
+
 import pytest
 
 from benchmarks import memory
@@ -145,3 +147,36 @@ def test_the_fake_tensor_plan_matches_a_real_cpu_run(checkpointing):
     assert sum(fake[k] for k in ("trainable", "frozen", "grads", "optimizer", "activations")) == pytest.approx(
         real["peak"] / GB, rel=1e-3
     )
+
+
+# ---------------------------------------------------------------- diffusionnft.py: the old policy and the EMA
+def test_diffusionnft_keeps_two_more_copies_of_the_trained_weights_and_refuses_fsdp():
+    """diffusionnft.py keeps the old policy (a second LoRA adapter, or an fp32 copy) and the EMA beside the trained
+    weights: 3 x the adapter's fp32 bytes; its training rows are --train-batch-size (FLUX: no CFG rows); its
+    rollout data is the final latents and images only (no trajectory)."""
+    nft = ["--model-id", "black-forest-labs/FLUX.1-dev", "--resolution", "64", "--mixed-precision", "bf16",
+           "--reward", "hpsv2.1", "--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "2",
+           "--train-batch-size", "2", "--samples-per-update", "2", "--num-steps", "3", "--timestep-fraction", "0.5"]  # fmt: skip
+    config = dict(memory.TINY_FLUX, denoiser={**memory.TINY_FLUX["denoiser"], "num_layers": 1})
+    config["denoiser"]["num_single_layers"] = 1
+    e = memory.estimate("diffusionnft.py", nft + LORA, model_config=config)
+    g = plan(LORA)  # dancegrpo.py: the same tiny FLUX, the same adapter
+    assert e["params"]["trainable"] == g["params"]["trainable"]
+    assert e["gb"]["trainable"] * GB == pytest.approx(3 * 4 * e["params"]["trainable"])
+    for part in ("grads", "optimizer", "frozen"):
+        assert e["gb"][part] == pytest.approx(g["gb"][part])
+    assert e["train_rows"] == 2 and e["rollout_rows"] == 2  # FLUX.1-dev's embedded guidance: no CFG rows
+    # 4 fp32 latents and images, the conditioning of 4 prompts and one more (bf16): no trajectory, no log-probs
+    parts = {**memory.MODELS["flux"], "denoiser": {**memory.MODELS["flux"]["denoiser"], **config["denoiser"]}}
+    parts |= {"vae": {**memory.MODELS["flux"]["vae"], **config["vae"]}, "text": config["text"]}
+    shapes = memory.Shapes.of("flux", parts, 64)
+    cond = sum(2 * math.prod(c) for c in shapes.cond.values())
+    data = 4 * 4 * (math.prod(shapes.latent) + math.prod(shapes.image)) + 5 * cond
+    assert e["gb"]["rollout_data"] * GB == pytest.approx(data)
+    # full fine-tuning: the KL's frozen base copy (--kl-beta > 0) and 3 fp32 copies of every weight
+    full = memory.estimate("diffusionnft.py", nft + ["--no-lora", "--kl-beta", "1e-4"], model_config=config)
+    n = full["params"]["denoiser"]
+    assert full["gb"]["trainable"] * GB == pytest.approx(3 * 4 * n)
+    assert full["gb"]["frozen"] * GB == pytest.approx(2 * n)
+    with pytest.raises(ValueError, match="FSDP"):
+        memory.estimate("diffusionnft.py", nft + LORA, 8, fsdp=True, model_config=config)

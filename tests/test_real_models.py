@@ -17,6 +17,7 @@ import tyro
 
 import branchgrpo
 import dancegrpo as D
+import diffusionnft
 import rlr
 import vgrpo
 from common import InputError
@@ -27,7 +28,13 @@ from common.prompts import evenly_spaced
 from tests.helpers import ROOT
 from tests.tiny import BUILDERS, PROMPTS, RES
 
-SCRIPTS = {"dancegrpo.py": D, "branchgrpo.py": branchgrpo, "vgrpo.py": vgrpo, "rlr.py": rlr}
+SCRIPTS = {
+    "dancegrpo.py": D,
+    "branchgrpo.py": branchgrpo,
+    "vgrpo.py": vgrpo,
+    "rlr.py": rlr,
+    "diffusionnft.py": diffusionnft,
+}
 
 
 @pytest.fixture(scope="module")
@@ -233,9 +240,33 @@ def gpu_recipes():
     return [n for n in names if re.search("flux|sd35|sd15|wan", n)]
 
 
+CURRICULUM = {  # DiffusionNFT's five stages: prompts, reward, cumulative iterations
+    "PICKAPIC_PROMPTS": "pickscore,hpsv2.1,clip", "GENEVAL_PROMPTS": "unifiedreward", "OCR_PROMPTS": "ocr",
+}  # fmt: skip
+
+
+def test_the_curriculum_recipe_runs_five_stages_each_resuming_the_last():
+    env = {k: f"{k}.txt" for k in CURRICULUM} | {"JUDGE_URL": "http://judge:8000/v1"}
+    stages = [shlex.split(line) for line in recipe("diffusionnft-sd35-curriculum-8gpu", **env).splitlines()]
+    args = [tyro.cli(diffusionnft.Args, args=w[w.index("diffusionnft.py") + 1 :]) for w in stages]
+    order = ["PICKAPIC_PROMPTS", "GENEVAL_PROMPTS", "PICKAPIC_PROMPTS", "GENEVAL_PROMPTS", "OCR_PROMPTS"]
+    assert [a.prompts for a in args] == [a.eval_prompts for a in args] == [f"{k}.txt" for k in order]
+    assert [a.reward for a in args] == [CURRICULUM[k] for k in order]
+    assert [a.iterations for a in args] == [800, 1100, 1300, 1500, 1600]
+    assert [a.resume_from for a in args] == [None] + ["latest"] * 4 and {a.exp_name for a in args} == {
+        "diffusionnft-curriculum"
+    }
+    assert [a.beta for a in args] == [0.1, 1, 0.1, 1, 0.1] and args[-1].samples_per_update == 72
+    assert all(a.gradient_checkpointing and a.mixed_precision == "bf16" and a.lora_rank == 32 for a in args)
+    later = recipe("diffusionnft-sd35-curriculum-8gpu", FROM_STAGE="4", **env).splitlines()  # a restart at stage 4
+    assert later == recipe("diffusionnft-sd35-curriculum-8gpu", **env).splitlines()[3:]
+
+
 def test_every_gpu_recipe_parses_and_uses_the_memory_settings():
     assert len(gpu_recipes()) >= 15
     for name in gpu_recipes():
+        if "curriculum" in name:  # five commands (the test above)
+            continue
         words = shlex.split(recipe(name, PROMPTS="p.txt", NUM_MACHINES="2", MAIN_IP="ip", MACHINE_RANK="0"))
         if "common.evaluate" in words:  # the evaluation recipes: bf16, HPDv2, the recipes' evaluation sampler
             from common.evaluate import EvalArgs
