@@ -1,17 +1,19 @@
 """diffusionnft.py: the loss against its closed form and its minimiser, r, the schedules, the EMA, the direction of an
-update, the old adapter (never optimised, soft-updated, checkpointed), the script end to end and resumed."""
+update, the old adapter (never optimised, soft-updated, checkpointed), --help, the script end to end on ShapesBench
+and on a tiny SD3 with CFG (a video model refused), through preemption, a full disk and kills, and on 2 processes."""
 
 import math
 import sys
 
 import pytest
 import torch
+import tyro
 from safetensors.torch import load_file
 
 import diffusionnft as N
 from common import InputError
 from common.models import base_weights, load_model, trainable_denoiser
-from tests.helpers import LORA_WEIGHTS, assert_final_loads, find_run, metrics
+from tests.helpers import LORA_WEIGHTS, assert_final_loads, assert_survives_kills, find_run, metrics, replace_flags
 from tests.helpers import run_script as run
 
 TINY_RUN = [
@@ -284,6 +286,17 @@ def test_validation_names_the_flag(tmp_path):
         N.resolve_and_check(N.Args(samples_per_update=24))
 
 
+def test_help_gives_the_official_value_beside_each_shapesbench_default(capsys):
+    with pytest.raises(SystemExit):
+        tyro.cli(N.Args, args=["--help"])
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    for official in ("official: 24)", "0.99, so 9 of 10)", "(official: 1e-4, its `train.beta`)", "(official: 9)",
+                     "1.0; 0.1 for OCR and multi-reward)", "(official: 0.9)", "(official: 10)"):  # fmt: skip
+        assert official in text, official
+    for default in ("(default: 30)", "(default: 8)", "(default: 0.4)", "(default: 64)", "(default: 0.0001)"):
+        assert default in text, default
+
+
 # ---------------------------------------------------------------- the script
 def test_end_to_end_shapesbench(tmp_path):
     run_script(TINY_RUN + ["--exp-name", "e2e", "--save-every", "1"], tmp_path)
@@ -321,23 +334,49 @@ def test_end_to_end_shapesbench(tmp_path):
     assert (run / "samples" / "samples_000002.png").is_file()
 
 
-def test_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path):
-    """2 iterations, then --resume-from latest to 3, equals 3 straight: the trained adapter, the optimiser, the old
-    adapter and the EMA all come back (without the old adapter in the checkpoint the third rollout would differ)."""
-    quiet = TINY_RUN + ["--eval-every", "0", "--sample-every", "0", "--save-every", "1"]
-    run_script([*quiet, "--iterations", "3", "--exp-name", "straight"], tmp_path)
-    run_script([*quiet, "--iterations", "2", "--exp-name", "cut"], tmp_path)
-    run_script([*quiet, "--iterations", "3", "--exp-name", "cut", "--resume-from", "latest"], tmp_path)
-    a, b = (find_run(tmp_path / n) / "checkpoints" / "iter_000003" for n in ("straight", "cut"))
-    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+def test_tiny_sd3_with_cfg_and_kl_trains_and_diffusers_loads_its_final_weights_and_video_is_refused(tmp_path):
+    """A real model's path: a tiny random SD3 (tests/tiny.py), guidance 2 in the rollout and in every training
+    velocity (CFG rows: one forward each), the KL term through the adapters switched off, the JPEG reward; final/
+    (the EMA weights) read by diffusers' load_lora_weights. A video model stops at start-up, before it loads."""
+    from tests.tiny import BUILDERS, RES
+
+    BUILDERS["sd3"](tmp_path / "sd3")
+    BUILDERS["wan"](tmp_path / "wan")
+    (tmp_path / "p.txt").write_text("\n".join(PROMPTS) + "\n")
+    real = ["--resolution", str(RES), "--prompts", str(tmp_path / "p.txt"), "--eval-prompts", str(tmp_path / "p.txt"),
+            "--reward", "jpeg", "--guidance-scale", "2", "--kl-beta", "0.1", "--lora-rank", "4"]  # fmt: skip
+    flags = replace_flags(TINY_RUN, {"--eval-max-prompts": "2", "--sample-every": "0"}) + real
+    run_script(
+        [*flags, "--model-id", str(tmp_path / "sd3"), "--exp-name", "sd3"], tmp_path, env={"HF_HUB_OFFLINE": "1"}
+    )
+    run_dir = find_run(tmp_path / "sd3")
+    train = [r for r in metrics(run_dir) if "losses/policy" in r]
+    assert len(train) == 2 and all(r["perf/nfe_per_image"] == 4 + 2 * 3 and r["losses/kl"] > 0 for r in train)
+    assert train[0]["losses/first_old_deviation"] == 0 < train[1]["losses/first_old_deviation"]
+    assert all(math.isfinite(r["rewards/jpeg"]) for r in train)
+    assert_final_loads(run_dir, str(tmp_path / "sd3"))
+    out = run_script([*flags, "--model-id", str(tmp_path / "wan"), "--exp-name", "wan"], tmp_path, check=False,
+                     env={"HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert out.returncode == 2 and "video model" in out.stderr and "diffusionnft.py trains image models" in out.stderr
+    assert not list(tmp_path.glob("wan__*"))  # no run folder
+
+
+def test_preempted_full_disk_and_killed_runs_resume_to_the_uninterrupted_weights(tmp_path):
+    """SIGTERM, a full disk while checkpointing, SIGKILL twice, each followed by --resume-from latest: the trained
+    adapter, the optimiser, the old adapter and the EMA all come back, so the last resume ends with the weights (the
+    EMA's, in final/) and the carried state of an uninterrupted run (without the old adapter in the checkpoint the
+    next rollout would differ)."""
+    small = {"--samples-per-device": "4", "--group-size": "2", "--rollout-batch-size": "4", "--train-batch-size": "4"}
+    args = replace_flags(TINY_RUN, small) + ["--eval-every", "0", "--sample-every", "0"]
+    assert_survives_kills("diffusionnft.py", args, tmp_path)
+    a, b = (find_run(tmp_path / n) / "checkpoints" / "iter_000006" for n in ("straight", "faulty"))
     ca, cb = (torch.load(d / "custom_checkpoint_1.pkl", weights_only=False) for d in (a, b))
     assert all(torch.equal(x, y) for k in ("old", "ema") for x, y in zip(ca[k], cb[k], strict=True))
-    ra, rb = (metrics(tmp_path / n) for n in ("straight", "cut"))
     keys = ("rewards/mean", "losses/policy", "losses/first_old_deviation", "nft/old_distance")
-    assert [[r[k] for k in keys] for r in ra if "losses/policy" in r] == [
-        [r[k] for k in keys] for r in rb if "losses/policy" in r
-    ]
+    ra, rb = (
+        [[r[k] for k in keys] for r in metrics(tmp_path / n) if "losses/policy" in r] for n in ("straight", "faulty")
+    )
+    assert ra == rb
 
 
 def test_two_processes_match_one_with_the_delayed_schedule(tmp_path):

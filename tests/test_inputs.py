@@ -13,7 +13,7 @@ import tyro
 from common import InputError
 from tests.helpers import ROOT
 
-SCRIPTS = ["dancegrpo.py", "branchgrpo.py", "vgrpo.py", "rlr.py"]
+SCRIPTS = ["dancegrpo.py", "branchgrpo.py", "vgrpo.py", "rlr.py", "diffusionnft.py"]
 
 
 def bad_inputs(tmp):
