@@ -91,6 +91,7 @@ TRAINED = [
     "tree/trained_edges_per_leaf",
     "perf/trained_pairs_per_image",
     "rlr/subchain_len",
+    "perf/trained_timesteps_per_image",
 ]
 
 
@@ -282,7 +283,8 @@ def write_table(
     lines += [
         "",
         "Trained per image: DanceGRPO / MixGRPO trained SDE steps, BranchGRPO trained edges per leaf, V-GRPO ELBO "
-        "pairs with a graph, RLR the back-propagated sub-chain's length. Forwards per image: every transformer "
+        "pairs with a graph, RLR the back-propagated sub-chain's length, DiffusionNFT the timesteps trained per "
+        "image (each one forward of the old policy, of the base for the KL term and of the trained one). Forwards per image: every transformer "
         "forward of an iteration (rollout, behaviour or reference passes, training) divided by its images. "
         "Bars (docs/shapesbench.md): " + ", ".join(BARS) + " (shape and all correct in points of accuracy, "
         "start to end; diversity kept = diversity / the renderer's own for the same prompts; training time).",
