@@ -490,7 +490,7 @@ def trained_module(kind: str, config: dict, args, frozen_dtype, checkpointing: b
 
 
 # ---------------------------------------------------------------------------------------------------
-# Forwards as common/models.py calls the parts
+# Forwards as common/models/ calls the parts
 # ---------------------------------------------------------------------------------------------------
 @dataclass
 class Shapes:
@@ -577,7 +577,7 @@ def encode_text(encoders, batch: int):
 
 
 def vae_decode(vae, shapes: Shapes, latents):
-    """common.models._vae_decode: (B, *latent) fp32 -> images (B, 3, H, W) fp32 in [0, 1]. Wan2.1: WanModel.decode
+    """common.models.base._vae_decode: (B, *latent) fp32 -> images (B, 3, H, W) fp32 in [0, 1]. Wan2.1: WanModel.decode
     itself (one video at a time, fp32) -> videos (B, F, 3, H, W)."""
     if shapes.kind == "wan":
         from common.models import WanModel

@@ -22,7 +22,7 @@ TRAINING_PATH = [
     *(
         f"common/{name}.py"
         for name in (
-            "models", "rewards", "sampling", "runs", "logs", "evaluator", "checkpoints", "signals", "offload", "remote"
+            "models/__init__", "models/base", "models/sd3", "models/flux", "models/wan", "models/sd1", "rewards", "sampling", "runs", "logs", "evaluator", "checkpoints", "signals", "offload", "remote"
         )
     ),
 ]  # fmt: skip
@@ -139,7 +139,7 @@ t = x.new_zeros(2)
 
 KNOWN = [  # (file, function or None for the whole file, assigned name): calls that must keep their device=
     ("dancegrpo.py", "rollout", "log_probs"),  # the old log-probs of a rollout, filled with device values
-    ("common/models.py", None, "guidance"),  # FLUX's embedded guidance, an input of the transformer
+    ("common/models/flux.py", None, "guidance"),  # FLUX's embedded guidance, an input of the transformer
     ("vgrpo.py", "main", "old_values"),  # the Monte-Carlo values, filled with device values
 ]
 

@@ -1,4 +1,4 @@
-"""common/models.py on tiny random-weight FLUX, SD3, SD1.x, Wan2.1 and ShapesBench models built from configs (offline)."""
+"""common/models/ on tiny random-weight FLUX, SD3, SD1.x, Wan2.1 and ShapesBench models built from configs (offline)."""
 
 import json
 

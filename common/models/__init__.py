@@ -1,0 +1,224 @@
+"""Text-to-image models behind one small interface, for the RL scripts' own samplers.
+
+Flow models (ShapesBench, SD3/SD3.5, FLUX.1, Wan2.1 text-to-video) share one convention, whatever the
+checkpoint's:
+    x_s = (1 - s) x0 + s eps,   v = eps - x0,   s in [0, 1],   s = 1 is pure noise.
+`FlowModel.velocity(transformer, x, sigma, cond)` returns v; the scripts integrate it themselves. A video model's
+decode gives (B, F, 3, H, W) where an image model's gives (B, 3, H, W); the rewards take either (common/rewards.py).
+SD1.x/2.x (for RLR) is a DDPM-style eps model, so it gets its own `DDIMModel`.
+
+One file per model family, as diffusers does: base.py (the interface), sd3.py (SD3.5 and ShapesBench), flux.py
+(FLUX.1), wan.py (Wan2.1), sd1.py (SD1.x). This file loads a `--model-id` as the right kind and prepares what RL
+trains (LoRA or all weights) and saves.
+
+The trainable denoiser is passed *into* `velocity`/`eps` rather than read from the object, so scripts
+can hand in a LoRA'd, DDP/FSDP-wrapped or reference copy of it. Everything else is frozen.
+"""
+
+import contextlib
+import copy
+import json
+from pathlib import Path
+
+import torch
+from huggingface_hub import hf_hub_download
+from peft import LoraConfig, get_peft_model_state_dict
+
+from common import InputError, hub_reachable
+from common.models.base import FlowModel, _cfg, _Parts, check_num_frames
+from common.models.flux import FluxModel
+from common.models.sd1 import DDIMModel
+from common.models.sd3 import SD3Model, ShapesModel
+from common.models.wan import WanModel
+from common.shapesbench.builders import LATENT_PATH, SHAPESBENCH_KEY
+
+__all__ = [  # the interface the scripts, common/ and the tests use
+    "FlowModel", "SD3Model", "ShapesModel", "FluxModel", "WanModel", "DDIMModel", "KINDS",
+    "VIDEO_KINDS",
+    "check_model_id", "check_num_frames", "load_model", "LORA_TARGETS", "trainable_denoiser", "frozen_copy",
+    "base_weights", "reference_velocity", "add_lora", "save_trained_weights", "_cfg", "_Parts",
+]  # fmt: skip
+SHAPESBENCH_DIR = LATENT_PATH  # what --model-id shapesbench loads
+# model_index.json `_class_name` -> kind; a StableDiffusion3Pipeline folder with the key "_shapesbench" is "shapes"
+KINDS = {
+    "FluxPipeline": "flux",
+    "StableDiffusion3Pipeline": "sd3",
+    "StableDiffusionPipeline": "sd1",
+    "WanPipeline": "wan",
+}
+VIDEO_KINDS = ("wan",)
+HOW_TO_GET_WEIGHTS = (
+    "To run without hub access: on a machine with internet run `hf download <hub-id> --local-dir /path` "
+    "(e.g. black-forest-labs/FLUX.1-dev; gated models need their licence accepted and `hf auth login`), copy /path "
+    "here and pass `--model-id /path`; or pre-populate the HF_HOME cache."
+)
+
+
+def _model_index(model_id: str) -> tuple[dict, str]:
+    """Read model_index.json from a local folder or the hub (the local HF cache first; the hub only if reachable)."""
+    if model_id == "shapesbench":
+        if not (SHAPESBENCH_DIR / "model_index.json").is_file():
+            raise InputError(
+                f"the ShapesBench model is missing from {SHAPESBENCH_DIR} (it ships with the repo: restore it with "
+                "git, or train it again); or pass another model with --model-id"
+            )
+        model_id = str(SHAPESBENCH_DIR)
+    path = Path(model_id).expanduser()
+    if path.is_dir():
+        if not (path / "model_index.json").is_file():
+            raise InputError(f"--model-id {model_id}: no model_index.json, so not a diffusers pipeline folder")
+        return json.loads((path / "model_index.json").read_text()), str(path)
+    if model_id.startswith(("/", ".", "~")) or model_id.count("/") != 1:
+        raise InputError(f"--model-id {model_id}: no such folder, and not a hub id of the form owner/name")
+    try:  # the local cache first: no network, no retries
+        return json.loads(
+            Path(hf_hub_download(model_id, "model_index.json", local_files_only=True)).read_text()
+        ), model_id
+    except Exception:
+        pass
+
+    if not hub_reachable():
+        raise InputError(
+            f"--model-id {model_id}: not in the local Hugging Face cache and the hub cannot be reached "
+            f"(offline, or HF_HUB_OFFLINE=1). {HOW_TO_GET_WEIGHTS}"
+        )
+    try:
+        return json.loads(Path(hf_hub_download(model_id, "model_index.json")).read_text()), model_id
+    except Exception as e:  # bad id, gated without login
+        raise InputError(
+            f"--model-id {model_id!r} is neither a local diffusers folder nor a hub model available here "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). {HOW_TO_GET_WEIGHTS}"
+        ) from None
+
+
+def check_model_id(model_id: str) -> str:
+    """--model-id names a supported model that is here or downloadable; checked before anything loads. Returns its
+    kind ('shapes', 'flux', 'sd3', 'sd1', 'wan'), read from model_index.json alone."""
+    return _kind(_model_index(model_id)[0], model_id)
+
+
+def _kind(index: dict, model_id: str) -> str:
+    name = index.get("_class_name")
+    if name not in KINDS:
+        raise InputError(f"--model-id {model_id}: unsupported model class {name!r}; supported: {', '.join(KINDS)}")
+    return "shapes" if index.get(SHAPESBENCH_KEY) and name == "StableDiffusion3Pipeline" else KINDS[name]
+
+
+def load_model(
+    model_id: str = "shapesbench",
+    device="cpu",
+    dtype=torch.float32,
+    resolution: int | None = None,
+    num_frames: int | None = None,
+    offload: bool = False,
+) -> FlowModel | DDIMModel:
+    """Load a model by hub id or local path (`--model-id`), all parts in `dtype` on `device` (with `offload`,
+    --offload-frozen, the text encoders and the VAE on the CPU until they work: common/offload.py).
+
+    The kind comes from model_index.json's `_class_name`. `resolution` (`--resolution`) is the square image
+    side in pixels; None = the model's native size (Wan2.1: 480 x 832). `num_frames` (`--num-frames`, video models
+    only): frames of each video; None = the model's native count (Wan2.1: 81). Frozen parts are eval() with requires_grad False; the
+    denoiser keeps requires_grad (the script decides: LoRA via add_lora, or full fine-tuning).
+    """
+    index, where = _model_index(model_id)
+    kind = _kind(index, model_id)
+    if num_frames is not None and kind not in VIDEO_KINDS:
+        raise InputError(f"--num-frames only applies to a video model (Wan2.1); --model-id {model_id} is {kind}")
+    try:
+        if kind == "sd1":
+            pipe = DDIMModel.pipeline.from_pretrained(
+                where, dtype=dtype, safety_checker=None, requires_safety_checker=False
+            )
+            model = DDIMModel(pipe, resolution)
+        elif kind == "wan":
+            model = WanModel(WanModel.pipeline.from_pretrained(where, dtype=dtype), resolution, num_frames)
+        else:
+            model_cls = {"flux": FluxModel, "sd3": SD3Model, "shapes": ShapesModel}[kind]
+            model = model_cls(model_cls.pipeline.from_pretrained(where, dtype=dtype), resolution)
+    except OSError as e:  # model_index.json found but weights not (partial download / cache)
+        raise InputError(f"--model-id {model_id}: could not load the weights ({e}). {HOW_TO_GET_WEIGHTS}") from None
+    return model.to(device, offload=offload)
+
+
+# Attention projections of joint (MM-DiT) blocks, single blocks and UNet cross/self-attention; names that a
+# model lacks are skipped by peft (add_* only exist in SD3/FLUX joint blocks).
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+
+def trainable_denoiser(model: FlowModel | DDIMModel, args):
+    """The module RL trains (the transformer, or an SD1.x UNet), in train mode.
+
+    Full fine-tuning: fp32 master weights for AdamW; autocast runs the forwards in bf16 (--mixed-precision bf16).
+    --lora: a LoRA adapter (rank --lora-rank, alpha --lora-alpha) whose weights alone are trainable and fp32; the
+    frozen base stays in its load dtype (bf16 under --mixed-precision bf16), as diffusers' LoRA training examples
+    cast only the trainable parameters: FLUX.1-dev's 11.9B base weights take 24 GB in bf16, 48 GB in fp32.
+    --gradient-checkpointing: diffusers' activation recomputation in the backward (same values, less memory).
+    """
+    denoiser = model.unet if model.kind == "sd1" else model.transformer
+    if args.lora:
+        add_lora(denoiser, args.lora_rank, args.lora_alpha)
+        for p in denoiser.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    else:
+        denoiser.float()
+    if args.gradient_checkpointing:
+        denoiser.enable_gradient_checkpointing()
+    return denoiser.train()
+
+
+def frozen_copy(module, dtype):
+    """A frozen copy of `module` (the KL reference policy of full fine-tuning), in bf16 if `dtype` is bf16."""
+    ref = copy.deepcopy(module).requires_grad_(False).eval()
+    return ref.bfloat16() if dtype == torch.bfloat16 else ref  # (not .to(dtype): diffusers warns on it)
+
+
+@contextlib.contextmanager
+def base_weights(ref, lora: bool):
+    """Inside the block `ref` computes the KL reference policy, the base model: with --lora `ref` is the trained
+    (unwrapped) module and its adapter is switched off; in full fine-tuning it is a frozen_copy of the base."""
+    if lora:
+        ref.disable_adapters()
+    try:
+        yield ref
+    finally:
+        if lora:
+            ref.enable_adapters()
+
+
+@torch.no_grad()
+def reference_velocity(model, ref, lora: bool, x, sigma, cond, guidance_scale):
+    """Velocity (B, *L) of the KL reference policy (see base_weights)."""
+    with base_weights(ref, lora):
+        return model.velocity(ref, x, sigma, cond, guidance_scale)
+
+
+def add_lora(transformer, rank: int, alpha: float, target_modules: list[str] | None = None):
+    """Add a LoRA adapter (B = 0 at init, so outputs are unchanged) in place; base weights are frozen."""
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules or LORA_TARGETS)
+    transformer.requires_grad_(False)
+    transformer.add_adapter(config)  # diffusers PeftAdapterMixin: only the new lora_A/lora_B require grad
+    return transformer
+
+
+def save_trained_weights(model: FlowModel | DDIMModel, transformer, out_dir, lora: bool, state_dict=None):
+    """Save what was trained. LoRA: `<Pipeline>.from_pretrained(base).load_lora_weights(out_dir)` reads it (ShapesBench:
+    StableDiffusion3Pipeline). Full: out_dir/transformer (out_dir/unet for sd1), for `<ModelClass>.from_pretrained`.
+
+    Pass the unwrapped denoiser (`accelerator.unwrap_model`); a `.module` wrapper (DDP) is unwrapped here. Under
+    FSDP pass `state_dict=accelerator.get_state_dict(prepared)` (gathered on every process, full on the main one).
+    Call it on the main process only.
+    """
+    transformer = getattr(transformer, "module", transformer)
+    out_dir = Path(out_dir)
+    if not lora:
+        transformer.save_pretrained(out_dir / ("unet" if model.kind == "sd1" else "transformer"), state_dict=state_dict)
+        return
+    layers = get_peft_model_state_dict(transformer, state_dict=state_dict)
+    metadata = transformer.peft_config["default"].to_dict()  # keeps lora_alpha, so the scale survives reloading
+    if model.kind == "sd1":
+        DDIMModel.pipeline.save_lora_weights(out_dir, unet_lora_layers=layers, unet_lora_adapter_metadata=metadata)
+    else:
+        type(model).pipeline.save_lora_weights(
+            out_dir, transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata
+        )

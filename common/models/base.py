@@ -1,0 +1,132 @@
+"""The interface every model kind implements (common/models/__init__.py has the convention): the frozen parts and
+their device, the batched classifier-free guidance, the VAE decode, and the checks of a size or a frame count."""
+
+import torch
+
+from common import InputError
+from common.offload import Offloaded
+
+
+def _cfg(forward, x, t, cond, get_uncond, scale):
+    """Classifier-free guidance as diffusers does it: one batched forward on [uncond; cond] when scale > 1."""
+    if scale <= 1.0:
+        return forward(x, t, cond)
+    B, uncond = x.shape[0], get_uncond()
+    both = {k: torch.cat([uncond[k].expand(B, *uncond[k].shape[1:]), cond[k]]) for k in cond}
+    out_uncond, out_cond = forward(torch.cat([x, x]), torch.cat([t, t]), both).chunk(2)
+    return out_uncond + scale * (out_cond - out_uncond)
+
+
+def _vae_decode(vae, latents):
+    """(B, C, h, w) model latents -> (B, 3, H, W) in [0, 1], differentiable w.r.t. latents."""
+    shift = vae.config.shift_factor or 0.0  # SD3/FLUX VAEs are shifted, SD1.x ones (None) are not
+    img = vae.decode((latents / vae.config.scaling_factor + shift).to(vae.dtype)).sample
+    return ((img + 1) / 2).clamp(0, 1).to(latents.dtype)
+
+
+def _move(modules, device, dtype):
+    # only pass what is set: diffusers' ModelMixin.to() warns whenever a `dtype` kwarg is present, even None
+    # (and no dtype when a module has it already: the warning is noise then)
+    for m in modules:
+        if m is not None:
+            kwargs = {"device": device} if device is not None else {}
+            if dtype is not None and any(p.dtype != dtype for p in m.parameters()):
+                kwargs["dtype"] = dtype
+            if kwargs:
+                m.to(**kwargs)
+
+
+class _Parts:
+    """What every model wrapper shares: the denoiser, the frozen text encoders and VAE (eval, no grad), where they
+    live (`device`; with `offload` the frozen parts stay on the CPU and visit `device` only for their work: see
+    common/offload.py), and the cached unconditional embedding for CFG."""
+
+    def __init__(self, denoiser, text_encoders, vae, height, width):
+        self.height, self.width, self.vae = height, width, vae
+        self.text_encoders = [m for m in text_encoders if m is not None]
+        for m in [*self.text_encoders, vae]:
+            if m is not None:
+                m.requires_grad_(False).eval()
+        self._denoiser, self.device, self.offload = denoiser, torch.device("cpu"), False
+        self._text, self._vae = Offloaded(self.text_encoders, "cpu", False), Offloaded([vae], "cpu", False)
+        self._uncond = None  # encode_prompts([""]) for CFG, computed on first use and dropped by .to()
+
+    def to(self, device=None, dtype=None, offload: bool | None = None):
+        """Everything to `device` / `dtype`; with `offload` (--offload-frozen) the frozen parts go to the CPU instead
+        (None: as before)."""
+        self.device = torch.device(device) if device is not None else self.device
+        self.offload = self.offload if offload is None else offload
+        self._text, self._vae = (Offloaded(m, self.device, self.offload) for m in (self.text_encoders, [self.vae]))
+        _move([self._denoiser], device, dtype)
+        _move([*self.text_encoders, self.vae], "cpu" if self.offload else device, dtype)
+        self._uncond = None
+        return self
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Batch-first conditioning tensors of `prompts` on `device` (the text encoders visit it with --offload-frozen)."""
+        with self._text.visit():
+            return self._encode(prompts)
+
+    def _encode(self, prompts):
+        raise NotImplementedError
+
+    def uncond(self) -> dict[str, torch.Tensor]:
+        if self._uncond is None:
+            self._uncond = self.encode_prompts([""])
+        return self._uncond
+
+    def decode(self, x) -> torch.Tensor:
+        """(B, *latent_shape()) -> (B, 3, H, W) in [0, 1], differentiable; the VAE comes to `device` if offloaded."""
+        self._vae.fetch()
+        return _vae_decode(self.vae, self._vae_latents(x))
+
+    def _vae_latents(self, x):
+        return x
+
+    def park(self) -> None:
+        """With --offload-frozen, the VAE back to the CPU (the text encoders go back after each encode_prompts). The
+        scripts call it before their backward passes, where no autograd graph through the VAE is alive."""
+        self._vae.park()
+
+
+class FlowModel(_Parts):
+    """A flow model's parts. x: (B, *latent_shape()), sigma: (B,) in [0, 1], cond: dict from encode_prompts.
+
+    velocity(transformer, x, sigma, cond, guidance_scale) -> v like x; differentiable w.r.t. `transformer`.
+    guidance_scale means what it means in the matching diffusers pipeline (CFG for sd3/shapes, embedded for FLUX).
+    decode(x) -> (B, 3, H, W) in [0, 1], differentiable. encode_prompts is batch-first, so it can be sliced.
+    """
+
+    kind: str
+    transformer: torch.nn.Module  # trainable; returned with requires_grad as loaded
+    height: int  # image size in pixels
+    width: int
+
+    def __init__(self, transformer, text_encoders, vae, height, width):
+        super().__init__(transformer, text_encoders, vae, height, width)
+        self.transformer = transformer
+
+    def latent_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def velocity(self, transformer, x, sigma, cond, guidance_scale: float = 1.0) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _io_dtype(self):
+        return self.transformer.dtype  # wrapped copies passed to velocity() share the unwrapped one's dtype
+
+
+def check_num_frames(num_frames: int, temporal_scale: int = 4) -> None:
+    """--num-frames of a Wan2.1 video: its VAE (temporal_scale 4) keeps the first frame and packs the others 4 to a
+    latent frame, so the count is 4k + 1."""
+    if num_frames < 1 or (num_frames - 1) % temporal_scale:
+        raise InputError(
+            f"--num-frames {num_frames}: must be {temporal_scale}k + 1 (Wan's VAE keeps the first frame and "
+            f"compresses the rest {temporal_scale}x in time), e.g. 33 or 81"
+        )
+
+
+def _check_multiple(size, multiple, kind):
+    if size % multiple:
+        raise InputError(f"--resolution {size} must be a multiple of {multiple} for {kind} models")

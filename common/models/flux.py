@@ -1,0 +1,58 @@
+"""FLUX.1 (dev, schnell): packed 2x2 latent tokens, CLIP pooled + T5 text, guidance embedded in the transformer."""
+
+import torch
+from diffusers import FluxPipeline
+
+from common import InputError
+from common.models.base import FlowModel, _check_multiple
+
+
+class FluxModel(FlowModel):
+    """FLUX.1: packed latent tokens (seq, 4 * 16) with 2x2 patches, CLIP pooled + T5 text, embedded guidance."""
+
+    kind = "flux"
+    pipeline = FluxPipeline  # loads the folder; saves and loads a LoRA adapter (save_lora_weights)
+
+    def __init__(self, pipe: FluxPipeline, resolution: int | None):
+        self.pipe = pipe
+        self.vae_scale = pipe.vae_scale_factor
+        size = resolution or pipe.default_sample_size * self.vae_scale
+        _check_multiple(size, self.vae_scale * 2, "flux")  # 2x2 packing of the VAE latent
+        super().__init__(pipe.transformer, [pipe.text_encoder, pipe.text_encoder_2], pipe.vae, size, size)
+        h, w = size // self.vae_scale, size // self.vae_scale
+        self.img_ids = FluxPipeline._prepare_latent_image_ids(None, h // 2, w // 2, "cpu", torch.float32)  # (seq, 3)
+
+    def latent_shape(self):
+        seq = (self.height // self.vae_scale // 2) * (self.width // self.vae_scale // 2)
+        return (seq, self.transformer.config.in_channels)  # in_channels = 4 * VAE latent channels
+
+    def _encode(self, prompts):
+        embeds, pooled, _ = self.pipe.encode_prompt(prompts, None, device=self.device)  # txt_ids (zeros): in velocity
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}  # (B, 512, 4096), (B, 768)
+
+    def velocity(self, transformer, x, sigma, cond, guidance_scale=1.0):
+        # FLUX.1-dev is guidance-distilled: the scale is an input of the transformer, there is no CFG.
+        # FluxPipeline passes timestep = sigma and the raw guidance scale; the transformer multiplies both by 1000.
+        dt = self._io_dtype()
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((x.shape[0],), guidance_scale, device=x.device)
+        elif guidance_scale != 1.0:
+            raise InputError(
+                "this FLUX checkpoint has no guidance embedding (e.g. FLUX.1-schnell) and FluxPipeline does no CFG; "
+                "use --guidance-scale 1"
+            )
+        embeds = cond["prompt_embeds"].to(dt)
+        return transformer(
+            hidden_states=x.to(dt),
+            timestep=sigma.to(dt),
+            guidance=guidance,
+            pooled_projections=cond["pooled_prompt_embeds"].to(dt),
+            encoder_hidden_states=embeds,
+            txt_ids=embeds.new_zeros(embeds.shape[1], 3),
+            img_ids=self.img_ids.to(x.device, dt),
+            return_dict=False,
+        )[0].to(x.dtype)
+
+    def _vae_latents(self, x):
+        return FluxPipeline._unpack_latents(x, self.height, self.width, self.vae_scale)  # (B, 16, H/8, W/8)
