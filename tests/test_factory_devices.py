@@ -22,7 +22,8 @@ TRAINING_PATH = [
     *(
         f"common/{name}.py"
         for name in (
-            "models/__init__", "models/base", "models/sd3", "models/flux", "models/wan", "models/sd1", "rewards", "sampling", "runs", "logs", "evaluator", "checkpoints", "signals", "offload", "remote"
+            "models/__init__", "models/base", "models/sd3", "models/flux", "models/qwenimage", "models/wan", "models/sd1",
+            "rewards", "sampling", "runs", "logs", "evaluator", "checkpoints", "signals", "offload", "remote"
         )
     ),
 ]  # fmt: skip

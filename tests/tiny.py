@@ -1,4 +1,4 @@
-"""Tiny random-weight FLUX, SD3, SD1.x, Wan2.1 and ShapesBench models and a tiny HPS reward, built from configs,
+"""Tiny random-weight FLUX, SD3, Qwen-Image, SD1.x, Wan2.1 and ShapesBench models and a tiny HPS reward, built from configs,
 offline."""
 
 import dataclasses
@@ -8,11 +8,14 @@ import json
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLQwenImage,
     AutoencoderKLWan,
     DDIMScheduler,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
@@ -25,6 +28,9 @@ from transformers import (
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Tokenizer,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -138,6 +144,48 @@ def build_wan(path):
     ).save_pretrained(path)  # fmt: skip
 
 
+def qwen_tokenizer():
+    """Byte-level BPE with no merges (one token per UTF-8 byte, GPT-2's byte-to-character map) and the chat markers
+    QwenImagePipeline's prompt template uses."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    chars = [chr(b) for b in printable] + [chr(256 + k) for k in range(len(others))]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    return Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=2048, additional_special_tokens=specials[1:])
+
+
+def build_qwen(path):
+    """Qwen-Image: a 2-layer Qwen2.5-VL text model (its vision tower, unused for text-to-image, one block), one
+    double-stream block of width 32 (RoPE axes 4 + 6 + 6 = the head width 16), the 3D VAE with 8x spatial
+    compression (3 downsamplings) and 16 channels: 32 px images are 4 x 4 latents, 4 packed tokens of 64. The
+    scheduler config is Qwen-Image's (exponential dynamic shift, terminal sigma 0.02)."""
+    torch.manual_seed(0)
+    tok = qwen_tokenizer()
+    ids = dict(vocab_size=len(tok), bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    text = dict(**ids, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=2048,
+                rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6})  # fmt: skip
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                  fullatt_block_indexes=[0], patch_size=14, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
+    special = {k: len(tok) - 1 - i for i, k in enumerate(["image_token_id", "video_token_id", "vision_start_token_id",
+                                                          "vision_end_token_id"])}  # inside the vocab  # fmt: skip
+    te = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**ids, **special, text_config=text, vision_config=vision))
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+    )  # fmt: skip
+    qwen_vae = AutoencoderKLQwenImage(base_dim=4, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+                                      temperal_downsample=[False, True, True])  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0, shift_terminal=0.02,
+        use_dynamic_shifting=True, time_shift_type="exponential",
+    )  # fmt: skip
+    QwenImagePipeline(
+        scheduler=scheduler, vae=qwen_vae, text_encoder=te, tokenizer=tok, transformer=transformer
+    ).save_pretrained(path)  # fmt: skip
+
+
 def build_shapes(path):
     """The ShapesBench pipeline's architecture (builders.build_latent_components), one block, a narrow VAE."""
     parts = build_latent_components(4, seed=0, heads=1, layers=1)
@@ -147,7 +195,10 @@ def build_shapes(path):
     mark_shapesbench(path)
 
 
-BUILDERS = {"flux": build_flux, "sd3": build_sd3, "shapes": build_shapes, "sd1": build_sd1, "wan": build_wan}
+BUILDERS = {
+    "flux": build_flux, "sd3": build_sd3, "qwen": build_qwen, "shapes": build_shapes, "sd1": build_sd1,
+    "wan": build_wan,
+}  # fmt: skip
 
 
 # HPSv2.1 architecture shrunk: open_clip config 'tiny-hps' (the real one is ViT-H-14)

@@ -1,6 +1,6 @@
 """Text-to-image models behind one small interface, for the RL scripts' own samplers.
 
-Flow models (ShapesBench, SD3/SD3.5, FLUX.1, Wan2.1 text-to-video) share one convention, whatever the
+Flow models (ShapesBench, SD3/SD3.5, FLUX.1, Qwen-Image, Wan2.1 text-to-video) share one convention, whatever the
 checkpoint's:
     x_s = (1 - s) x0 + s eps,   v = eps - x0,   s in [0, 1],   s = 1 is pure noise.
 `FlowModel.velocity(transformer, x, sigma, cond)` returns v; the scripts integrate it themselves. A video model's
@@ -8,8 +8,8 @@ decode gives (B, F, 3, H, W) where an image model's gives (B, 3, H, W); the rewa
 SD1.x/2.x (for RLR) is a DDPM-style eps model, so it gets its own `DDIMModel`.
 
 One file per model family, as diffusers does: base.py (the interface), sd3.py (SD3.5 and ShapesBench), flux.py
-(FLUX.1), wan.py (Wan2.1), sd1.py (SD1.x). This file loads a `--model-id` as the right kind and prepares what RL
-trains (LoRA or all weights) and saves.
+(FLUX.1), qwenimage.py (Qwen-Image), wan.py (Wan2.1), sd1.py (SD1.x). This file loads a `--model-id` as the right
+kind and prepares what RL trains (LoRA or all weights) and saves.
 
 The trainable denoiser is passed *into* `velocity`/`eps` rather than read from the object, so scripts
 can hand in a LoRA'd, DDP/FSDP-wrapped or reference copy of it. Everything else is frozen.
@@ -27,13 +27,14 @@ from peft import LoraConfig, get_peft_model_state_dict
 from common import InputError, hub_reachable
 from common.models.base import FlowModel, _cfg, _Parts, check_num_frames
 from common.models.flux import FluxModel
+from common.models.qwenimage import QwenImageModel
 from common.models.sd1 import DDIMModel
 from common.models.sd3 import SD3Model, ShapesModel
 from common.models.wan import WanModel
 from common.shapesbench.builders import LATENT_PATH, SHAPESBENCH_KEY
 
 __all__ = [  # the interface the scripts, common/ and the tests use
-    "FlowModel", "SD3Model", "ShapesModel", "FluxModel", "WanModel", "DDIMModel", "KINDS",
+    "FlowModel", "SD3Model", "ShapesModel", "FluxModel", "QwenImageModel", "WanModel", "DDIMModel", "KINDS",
     "VIDEO_KINDS",
     "check_model_id", "check_num_frames", "load_model", "LORA_TARGETS", "trainable_denoiser", "frozen_copy",
     "base_weights", "reference_velocity", "add_lora", "save_trained_weights", "_cfg", "_Parts",
@@ -42,6 +43,7 @@ SHAPESBENCH_DIR = LATENT_PATH  # what --model-id shapesbench loads
 # model_index.json `_class_name` -> kind; a StableDiffusion3Pipeline folder with the key "_shapesbench" is "shapes"
 KINDS = {
     "FluxPipeline": "flux",
+    "QwenImagePipeline": "qwen",
     "StableDiffusion3Pipeline": "sd3",
     "StableDiffusionPipeline": "sd1",
     "WanPipeline": "wan",
@@ -93,7 +95,7 @@ def _model_index(model_id: str) -> tuple[dict, str]:
 
 def check_model_id(model_id: str) -> str:
     """--model-id names a supported model that is here or downloadable; checked before anything loads. Returns its
-    kind ('shapes', 'flux', 'sd3', 'sd1', 'wan'), read from model_index.json alone."""
+    kind ('shapes', 'flux', 'sd3', 'qwen', 'sd1', 'wan'), read from model_index.json alone."""
     return _kind(_model_index(model_id)[0], model_id)
 
 
@@ -133,7 +135,7 @@ def load_model(
         elif kind == "wan":
             model = WanModel(WanModel.pipeline.from_pretrained(where, dtype=dtype), resolution, num_frames)
         else:
-            model_cls = {"flux": FluxModel, "sd3": SD3Model, "shapes": ShapesModel}[kind]
+            model_cls = {"flux": FluxModel, "sd3": SD3Model, "shapes": ShapesModel, "qwen": QwenImageModel}[kind]
             model = model_cls(model_cls.pipeline.from_pretrained(where, dtype=dtype), resolution)
     except OSError as e:  # model_index.json found but weights not (partial download / cache)
         raise InputError(f"--model-id {model_id}: could not load the weights ({e}). {HOW_TO_GET_WEIGHTS}") from None
