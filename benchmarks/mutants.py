@@ -4,8 +4,8 @@ normalisation); it is applied to a copy of the repository, the tests meant to ca
 KILLED (they failed) or SURVIVED (they passed: the suite cannot see that bug). The same tests run first on the
 unmutated copy, which they must pass.
 
-    python benchmarks/mutants.py                  # every mutant, one after another, one thread: about 8 minutes
-    python benchmarks/mutants.py --only 3,7       # some of them (numbers as the table prints them)
+    python benchmarks/mutants.py                  # every mutant, one after another, one thread: about 20 minutes
+    python benchmarks/mutants.py --only 3,7,50-61 # some of them (numbers as the table prints them)
 
 A mutant whose text is not found exactly once is reported as STALE (the code it targets has changed).
 """
@@ -71,7 +71,7 @@ MUTANTS = [
      "tests/test_direction.py -k rlr", "RLR: the half-order weights' sign flipped in main()"),
     ("rlr.py", "gb_sum.sum(1)[group] - gb_sum[group, block]", "gb_sum.sum(1)[group]",
      "tests/test_rlr.py -k unbiased", "RLR: a zero-order baseline that reads the sample's own block"),
-    ("common/models.py", "return out_uncond + scale * (out_cond - out_uncond)",
+    ("common/models/base.py", "return out_uncond + scale * (out_cond - out_uncond)",
      "return out_uncond + 1.001 * scale * (out_cond - out_uncond)", "tests/test_video.py -k stock",
      "CFG 0.1% too strong (Wan2.1, SD3)"),
     ("common/rewards.py", "total = total + w * r", "total = total + r", "tests/test_rewards.py -k composite_weights",
@@ -133,6 +133,36 @@ MUTANTS = [
      "tests/test_evaluate_stats.py", "evaluation noise: every sample of a batch from the same noise (diversity 0)"),
     ("dancegrpo.py", "for name, w in weights.items() if w != 0)", "for name, w in weights.items() if w > 0)",
      "tests/test_aggregation.py -k group_aggregations", "advantages: a negative reward weight dropped"),
+    # DiffusionNFT: the implicit policies, r, the statistics, the schedules, the old policy and the EMA
+    ("diffusionnft.py", "v_neg = (1 + beta) * v_old - beta * v_theta", "v_neg = (1 - beta) * v_old + beta * v_theta",
+     "tests/test_diffusionnft.py -k closed_form", "DiffusionNFT: the negative policy the same as the positive one"),
+    ("diffusionnft.py", "loss = LOSS_SCALE * (r * pos + (1 - r) * neg) / beta",
+     "loss = LOSS_SCALE * ((1 - r) * pos + r * neg) / beta", "tests/test_diffusionnft.py -k update_lowers",
+     "DiffusionNFT: r weighting the negative policy"),
+    ("diffusionnft.py", "sq / err.detach().abs().mean(1)", "sq / err.abs().mean(1)",
+     "tests/test_diffusionnft.py -k detached", "DiffusionNFT: a gradient through the adaptive weight"),
+    ("diffusionnft.py", "/ (r.std(correction=0) + 1e-4)", "/ (r.std() + 1e-4)",
+     "tests/test_diffusionnft.py -k global_population_std", "DiffusionNFT: the unbiased std of the rewards"),
+    ("diffusionnft.py", "adv.clamp(-clip_max, clip_max) / clip_max / 2 + 0.5",
+     "adv.clamp(-clip_max, clip_max) / clip_max + 0.5", "tests/test_diffusionnft.py -k optimality_probability",
+     "DiffusionNFT: r twice as far from 1/2"),
+    ("diffusionnft.py", "return min(0.001 * step, 0.5)", "return min(0.001 * step, 0.9)",
+     "tests/test_diffusionnft.py -k schedules_by_hand", "DiffusionNFT: the linear old-policy decay capped at 0.9"),
+    ("diffusionnft.py", "min(0.0075 * (step - 75), 0.999)", "min(0.0075 * (step - 74), 0.999)",
+     "tests/test_diffusionnft.py -k schedules_by_hand", "DiffusionNFT: the delayed schedule one step early"),
+    ("diffusionnft.py", "t.lerp_(s.detach(), 1 - decay)", "t.lerp_(s.detach(), decay)",
+     "tests/test_diffusionnft.py -k soft_update", "DiffusionNFT: the soft update's weights swapped"),
+    ("diffusionnft.py", "v_theta, v_old, v_ref, x0, x_t, t, r[sl],", "v_theta, v_old, v_ref, x0, x_t, t, 1 - r[sl],",
+     "tests/test_flags_applied.py -k diffusionnft_main_applies", "DiffusionNFT: r flipped where main() passes it"),
+    ("diffusionnft.py", "eta = old_decay(run.optimizer_steps, args.old_decay)",
+     "eta = old_decay(run.optimizer_steps - 1, args.old_decay)", "tests/test_diffusionnft.py -k end_to_end",
+     "DiffusionNFT: the old policy's soft update one step behind"),
+    ("diffusionnft.py", "ema_decay(run.optimizer_steps, args.ema_max_decay))  # the evaluation EMA",
+     "ema_decay(run.optimizer_steps + 1, args.ema_max_decay))  # the evaluation EMA",
+     "tests/test_flags_applied.py -k diffusionnft_main_applies", "DiffusionNFT: the EMA's decay one step ahead"),
+    ("diffusionnft.py", "accelerator.register_for_checkpointing(Carried(old=old_params, ema=ema))",
+     "Carried(old=old_params, ema=ema)", "tests/test_diffusionnft.py -k preempted",
+     "DiffusionNFT: the old adapter and the EMA left out of the checkpoint"),
 ]  # fmt: skip
 
 
@@ -173,9 +203,10 @@ def run_mutant(n: int, mutant, work: Path) -> tuple[str, float]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", help="comma-separated mutant numbers (1-based)")
+    parser.add_argument("--only", help="mutant numbers (1-based), comma-separated, or ranges: 3,7,50-61")
     a = parser.parse_args()
-    chosen = [int(k) for k in a.only.split(",")] if a.only else range(1, len(MUTANTS) + 1)
+    ranges = [[int(n) for n in k.split("-")] for k in a.only.split(",")] if a.only else [[1, len(MUTANTS)]]
+    chosen = [n for r in ranges for n in range(r[0], r[-1] + 1)]  # "3,7" or "50-61"
     rows = ["| # | mutant | file | tests | result |", "|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
