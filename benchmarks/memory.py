@@ -3,6 +3,7 @@
     python benchmarks/memory.py                                # every GPU recipe: a markdown table (~3 min)
     python benchmarks/memory.py --out docs/gpu_memory.md       # the same, also written to a file
     python benchmarks/memory.py --recipes vgrpo-flux-8gpu vgrpo-wan-8gpu   # some recipes only
+    python benchmarks/memory.py --command "accelerate launch --num_processes 8 dancegrpo.py --model-id ..."  # any
     OMP_NUM_THREADS=1 python benchmarks/memory.py --cross-check   # the estimate against a real CPU run (~4 min)
 
 Each recipe's command comes from `bash run.sh --print NAME` (`--list` names them; GPU recipes are those on flux,
@@ -69,6 +70,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -156,6 +158,23 @@ UMT5_XXL = dict(
 # Wan2.1 vae/config.json: AutoencoderKLWan's defaults (127M), 8x in space, 4x in time after the first frame; kept in
 # fp32 by common.models.WanModel, which decodes one video at a time
 VAE_WAN = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
+# Qwen/Qwen-Image transformer/config.json: QwenImageTransformer2DModel's defaults are the released model (60 double-stream
+# blocks, width 3072, 20.43B parameters); its text_encoder is Qwen2.5-VL-7B-Instruct (8.29B, of which the vision tower,
+# loaded by QwenImagePipeline but unused for text-to-image, is 0.68B); its VAE AutoencoderKLQwenImage's defaults (127M)
+QWEN_IMAGE = dict(
+    patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128, num_attention_heads=24,
+    joint_attention_dim=3584, axes_dims_rope=(16, 56, 56),
+)  # fmt: skip
+QWEN25_VL_7B = dict(
+    vocab_size=152064, tie_word_embeddings=False,
+    text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
+                     rope_scaling={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6}),
+    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                       fullatt_block_indexes=[7, 15, 23, 31], patch_size=14, spatial_merge_size=2,
+                       temporal_patch_size=2, window_size=112),
+)  # fmt: skip
+VAE_QWEN = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
 # HPSv2.1 is open_clip's ViT-H-14 (986M), kept in fp32 by common/rewards.py; None = open_clip's registered config
 HPS = None
 
@@ -191,6 +210,21 @@ TINY_WAN = {
     "vae": dict(base_dim=3, dim_mult=[1, 1, 1, 1], num_res_blocks=1),
     "reward": TINY_FLUX["reward"],
 }  # fmt: skip
+# A CPU-sized Qwen-Image (tests/tiny.py's build_qwen: one block of width 32, a 2-layer Qwen2.5-VL of width 32, a VAE of
+# base width 4), the same classes
+TINY_QWEN = {
+    "denoiser": dict(num_layers=1, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                     axes_dims_rope=(4, 6, 6)),
+    "text": [("qwen25vl", dict(
+        vocab_size=264, text_config=dict(vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                                         rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           fullatt_block_indexes=[0]),
+    ), 34 + 64)],
+    "vae": dict(base_dim=4),
+    "reward": TINY_FLUX["reward"],
+}  # fmt: skip
 
 # Per model kind: the denoiser, its text encoders (family, config, tokens per prompt as the pipeline pads them), the
 # VAE, the reward model, the native resolution (side, or (height, width)), the native frame count of a video model,
@@ -208,6 +242,10 @@ MODELS = {
         denoiser=SD15_UNET, text=[("clip", CLIP_L, 77)], vae=VAE_4CH, reward=HPS, resolution=512,
         fsdp_units=("BasicTransformerBlock", "ResnetBlock2D"),
     ),
+    "qwen": dict(
+        denoiser=QWEN_IMAGE, text=[("qwen25vl", QWEN25_VL_7B, 34 + 256)], vae=VAE_QWEN, reward=HPS, resolution=1328,
+        fsdp_units=("QwenImageTransformerBlock",),
+    ),  # QwenImagePipeline: the template's 34 tokens + the prompt's (the longest in the batch; 256 here), 1328 px
     "wan": dict(
         denoiser=WAN_T2V_1_3B, text=[("umt5", UMT5_XXL, 512)], vae=VAE_WAN, reward=HPS, resolution=(480, 832),
         frames=81, fsdp_units=("WanTransformerBlock",),
@@ -235,8 +273,11 @@ def model_kind(model_id: str) -> str:
         return "sd1"
     if "wan" in low and not any(k in low for k in ("14b", "wan2.2", "i2v")):
         return "wan"
+    if "qwen-image" in low and not any(k in low for k in ("edit", "2.1", "layered")):
+        return "qwen"
     raise ValueError(
-        f"--model-id {model_id}: not FLUX.1, SD3.5-Medium, SD1.5 or Wan2.1-T2V-1.3B, whose published configs are here"
+        f"--model-id {model_id}: not FLUX.1, SD3.5-Medium, SD1.5, Qwen-Image or Wan2.1-T2V-1.3B, whose published "
+        "configs are here"
     )
 
 
@@ -426,10 +467,17 @@ def nbytes(*tensors_or_modules) -> int:
 # Building the parts (inside fake_world)
 # ---------------------------------------------------------------------------------------------------
 def build_denoiser(kind: str, config: dict, dtype):
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel, WanTransformer3DModel
+    from diffusers import (
+        FluxTransformer2DModel,
+        QwenImageTransformer2DModel,
+        SD3Transformer2DModel,
+        UNet2DConditionModel,
+        WanTransformer3DModel,
+    )
 
     classes = {"flux": FluxTransformer2DModel, "sd3": SD3Transformer2DModel, "sd1": UNet2DConditionModel}
-    return (classes | {"wan": WanTransformer3DModel})[kind](**config).to(dtype)
+    classes |= {"wan": WanTransformer3DModel, "qwen": QwenImageTransformer2DModel}
+    return classes[kind](**config).to(dtype)
 
 
 def build_text_encoder(family: str, config: dict, dtype, with_projection: bool):
@@ -447,16 +495,22 @@ def build_text_encoder(family: str, config: dict, dtype, with_projection: bool):
         return T5EncoderModel(T5Config(**config)).to(dtype).eval()
     if family == "umt5":
         return UMT5EncoderModel(UMT5Config(**config)).to(dtype).eval()
+    if family == "qwen25vl":  # the whole VL model, as QwenImagePipeline loads it (its vision tower unused)
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**config)).to(dtype).eval()
     cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel  # SD3's CLIPs have a projection
     return cls(CLIPTextConfig(**config)).to(dtype).eval()
 
 
 def build_vae(kind: str, config: dict, dtype):
     """The VAE in the dtype the scripts decode in: the frozen dtype, fp32 for Wan2.1 (common.models.WanModel.to)."""
-    from diffusers import AutoencoderKL, AutoencoderKLWan
+    from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan
 
     if kind == "wan":
         return AutoencoderKLWan(**config).float().eval()
+    if kind == "qwen":
+        return AutoencoderKLQwenImage(**config).to(dtype).eval()
     return AutoencoderKL(**config).to(dtype).eval()
 
 
@@ -518,6 +572,13 @@ class Shapes:
             latent = (vae["z_dim"], (frames - 1) // t_scale + 1, height // scale, width // scale)
             cond = {"prompt_embeds": (parts["text"][0][2], den["text_dim"])}  # UMT5 tokens, padded with zeros
             return Shapes(kind, latent, latent, (3, height, width), cond, frames)
+        if kind == "qwen":  # 8x (3 downsamplings), 2x2 patches packed into tokens of 4 x 16; the 3D VAE's one frame
+            h, w = height // 2 ** len(vae["temperal_downsample"]), width // 2 ** len(vae["temperal_downsample"])
+            tokens = parts["text"][0][2] - 34  # the template's system part is dropped
+            cond = {"prompt_embeds": (tokens, den["joint_attention_dim"]), "prompt_embeds_mask": (tokens,)}
+            return Shapes(
+                kind, ((h // 2) * (w // 2), den["in_channels"]), (vae["z_dim"], 1, h, w), (3, height, width), cond
+            )
         scale = 2 ** (len(vae["block_out_channels"]) - 1)
         side = height // scale
         vae_latent = (vae["latent_channels"], side, side)
@@ -553,6 +614,13 @@ def denoise(shapes: Shapes, module, x):
             hidden_states=x.to(dt), timestep=torch.full((rows,), 500.0), encoder_hidden_states=cond["prompt_embeds"],
             pooled_projections=cond["pooled"], return_dict=False,
         )[0]  # fmt: skip
+    elif shapes.kind == "qwen":  # QwenImageModel.velocity: timestep = sigma, the text mask, RoPE from the latent grid
+        side = int(math.isqrt(x.shape[1]))
+        out = module(
+            hidden_states=x.to(dt), timestep=torch.full((rows,), 0.5, dtype=dt),
+            encoder_hidden_states=cond["prompt_embeds"], encoder_hidden_states_mask=torch.ones(rows, cond["prompt_embeds"].shape[1]),
+            img_shapes=[[(1, side, side)]] * rows, return_dict=False,
+        )[0]  # fmt: skip
     elif shapes.kind == "wan":  # WanModel.velocity: timestep = 1000 sigma (fp32), UMT5 embeddings
         out = module(
             hidden_states=x.to(dt), timestep=torch.full((rows,), 500.0), encoder_hidden_states=cond["prompt_embeds"],
@@ -573,6 +641,9 @@ def encode_text(encoders, batch: int):
                 out = module(ids, torch.ones_like(ids)).last_hidden_state
                 torch.stack([torch.cat([u[:1], u.new_zeros(tokens - 1, u.shape[1])]) for u in out])
                 continue
+            if family == "qwen25vl":  # the last hidden layer of the language model, with the mask
+                module(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
+                continue
             module(ids, output_hidden_states=family == "clip")  # SD3 reads CLIP's penultimate hidden states
 
 
@@ -584,6 +655,14 @@ def vae_decode(vae, shapes: Shapes, latents):
         from common.offload import Offloaded
 
         return WanModel.decode(types.SimpleNamespace(vae=vae, _vae=Offloaded([vae], "cpu", False)), latents)
+    if shapes.kind == "qwen":
+        from common.models import QwenImageModel
+        from common.offload import Offloaded
+
+        side = shapes.image[-1]
+        holder = types.SimpleNamespace(vae=vae, _vae=Offloaded([vae], "cpu", False), height=side, width=side)
+        holder.vae_scale = side // shapes.vae_latent[-1]
+        return QwenImageModel.decode(holder, latents)
     if shapes.kind == "flux":
         from diffusers import FluxPipeline
 
@@ -837,7 +916,7 @@ def estimate(
     fsdp_config = fsdp_config or {}
     checkpointing = args.gradient_checkpointing or (fsdp and bool(fsdp_config.get("fsdp_activation_checkpointing")))
     offload, ddp = args.offload_frozen, num_processes > 1 and not fsdp
-    cfg = kind in ("sd3", "sd1", "wan") and args.guidance_scale > 1  # FLUX.1-dev's guidance is embedded: no CFG
+    cfg = kind in ("sd3", "sd1", "wan", "qwen") and args.guidance_scale > 1  # FLUX.1-dev's guidance is embedded
     work = workload(script, args, shapes, cfg, esize)
     if fsdp and work.copies:
         raise ValueError(f"{script}.py refuses FSDP: it keeps the old policy and the EMA beside the trained weights")
@@ -985,7 +1064,7 @@ def estimate(
             ]
         phases["evaluate"] = state + text_out + working + max(steps)
     peak_phase = max(phases, key=phases.get)
-    goal = 80 if not args.lora or max(height, width) > 512 else 48
+    goal = 80 if not args.lora or max(height, width) > 512 or n_all > 12e9 else 48  # Qwen-Image's 20B: one 80 GB GPU
     peak = phases[peak_phase] / GB
     return {
         "script": script,
@@ -1151,7 +1230,7 @@ def cross_check() -> None:
 # ---------------------------------------------------------------------------------------------------
 # The table
 # ---------------------------------------------------------------------------------------------------
-MODEL_NAMES = {"flux": "FLUX.1-dev", "sd3": "SD3.5-M", "sd1": "SD1.5", "wan": "Wan2.1-1.3B"}
+MODEL_NAMES = {"flux": "FLUX.1-dev", "sd3": "SD3.5-M", "sd1": "SD1.5", "wan": "Wan2.1-1.3B", "qwen": "Qwen-Image"}
 
 
 def setting(e: dict) -> str:
@@ -1221,6 +1300,11 @@ def main():
     parser.add_argument("--out", help="also write the report (markdown) here, e.g. docs/gpu_memory.md")
     parser.add_argument("--recipes", nargs="+", help="these run.sh recipes only (default: every GPU recipe)")
     parser.add_argument("--json", help="also write the estimates as JSON here")
+    parser.add_argument(
+        "--command",
+        help="plan this launch line instead of run.sh's recipes, e.g. 'accelerate launch --num_processes 8 "
+        "dancegrpo.py --model-id Qwen/Qwen-Image --resolution 512 ...' (the model's kind from its name)",
+    )
     parser.add_argument("--cross-check", action="store_true", help="compare with a real CPU run of a 2-block FLUX")
     a = parser.parse_args()
     if a.cross_check:
@@ -1228,9 +1312,9 @@ def main():
         return
     t0 = time.perf_counter()
     rows = []
-    for name in a.recipes or gpu_recipes():
+    for name in ["command"] if a.command else a.recipes or gpu_recipes():
         t = time.perf_counter()
-        e = recipe_estimate(recipe(name))
+        e = recipe_estimate(parse_command(name, a.command) if a.command else recipe(name))
         rows.append((name, e))
         print(f"{name}: peak {e['peak']:.1f} GB in {e['peak_phase']} ({time.perf_counter() - t:.0f} s)", flush=True)
     text = report(rows, time.perf_counter() - t0)

@@ -11,6 +11,7 @@ concatenated, the reward on a few frames of each); and that every GPU recipe of 
 import math
 
 import pytest
+import torch
 
 from benchmarks import memory
 
@@ -180,3 +181,33 @@ def test_diffusionnft_keeps_two_more_copies_of_the_trained_weights_and_refuses_f
     assert full["gb"]["frozen"] * GB == pytest.approx(2 * n)
     with pytest.raises(ValueError, match="FSDP"):
         memory.estimate("diffusionnft.py", nft + LORA, 8, fsdp=True, model_config=config)
+
+
+# ---------------------------------------------------------------- Qwen-Image: true CFG, the VL text encoder, its 3D VAE
+def test_qwen_image_plan_doubles_cfg_rows_keeps_its_text_encoder_and_decodes_one_frame():
+    """dancegrpo.py on a tiny Qwen-Image (memory.TINY_QWEN) at 64 px: LoRA keeps the base in bf16 and the adapter in
+    fp32, true CFG doubles the denoiser rows, the whole Qwen2.5-VL (its vision tower too, as the pipeline loads it) is
+    resident, and --offload-frozen takes it out of the training phase."""
+    flags = ["--model-id", "Qwen/Qwen-Image", "--resolution", "64", "--mixed-precision", "bf16", "--reward", "hpsv2.1",
+             "--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "2", "--samples-per-update", "4",
+             "--kl-beta", "0", "--guidance-scale", "4", *LORA]  # fmt: skip
+    e = memory.estimate("dancegrpo.py", flags, model_config=memory.TINY_QWEN)
+    assert e["model"] == "qwen" and e["resolution"] == 64
+    assert e["rollout_rows"] == e["train_rows"] == 4  # [uncond; cond] of a 2-image batch
+    assert memory.estimate("dancegrpo.py", flags[:-7] + LORA, model_config=memory.TINY_QWEN)["train_rows"] == 2
+    assert e["gb"]["frozen"] * GB == pytest.approx(2 * (e["params"]["denoiser"] - e["params"]["trainable"]))
+    assert e["gb"]["trainable"] * GB == pytest.approx(4 * e["params"]["trainable"])
+    with memory.fake_world():
+        te = memory.build_text_encoder("qwen25vl", memory.TINY_QWEN["text"][0][1], torch.bfloat16, False)
+        assert (
+            e["gb"]["text_encoders"] * GB
+            == memory.nbytes(te)
+            > 2 * sum(p.numel() for p in te.model.visual.parameters())
+        )
+    offloaded = memory.estimate("dancegrpo.py", flags + ["--offload-frozen"], model_config=memory.TINY_QWEN)
+    assert e["phases"]["train"] - offloaded["phases"]["train"] == pytest.approx(
+        sum(e["gb"][k] for k in ("text_encoders", "vae", "reward"))
+    )
+    assert memory.model_kind("Qwen/Qwen-Image-2512") == "qwen"
+    with pytest.raises(ValueError, match="Qwen-Image"):
+        memory.model_kind("Qwen/Qwen-Image-Edit")
