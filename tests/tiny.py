@@ -1,4 +1,4 @@
-"""Tiny random-weight FLUX, SD3, Qwen-Image, SD1.x, Wan2.1 and ShapesBench models and a tiny HPS reward, built from configs,
+"""Tiny random-weight FLUX.1, FLUX.2 [klein], SD3, Qwen-Image, SD1.x, Wan2.1 and ShapesBench models and a tiny HPS reward, built from configs,
 offline."""
 
 import dataclasses
@@ -8,10 +8,13 @@ import json
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLFlux2,
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
     DDIMScheduler,
     FlowMatchEulerDiscreteScheduler,
+    Flux2KleinPipeline,
+    Flux2Transformer2DModel,
     FluxPipeline,
     FluxTransformer2DModel,
     QwenImagePipeline,
@@ -31,6 +34,8 @@ from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Tokenizer,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -152,7 +157,17 @@ def qwen_tokenizer():
     chars = [chr(b) for b in printable] + [chr(256 + k) for k in range(len(others))]
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab = {t: i for i, t in enumerate(specials + chars)}
-    return Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=2048, additional_special_tokens=specials[1:])
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=2048, additional_special_tokens=specials[1:])
+    tok.chat_template = QWEN3_CHAT  # Flux2KleinPipeline formats its prompts with it
+    return tok
+
+
+# Qwen3's chat template, reduced to what Flux2KleinPipeline uses: user turns, the generation prompt, enable_thinking
+QWEN3_CHAT = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
 
 
 def build_qwen(path):
@@ -186,6 +201,34 @@ def build_qwen(path):
     ).save_pretrained(path)  # fmt: skip
 
 
+def build_flux2_klein(path, distilled=False):
+    """FLUX.2 [klein]: a 27-layer Qwen3 of width 16 (the pipeline stacks hidden states 9, 18 and 27: 48 wide), one
+    double and one single block of width 32, a VAE with 2x compression and 4 latent channels (16 after the 2x2
+    patchify) whose BatchNorm statistics are random, so that decoding un-normalises for real; 32 px images are 8 x 8
+    tokens. `distilled`: the guidance-distilled variant (no CFG), else the base one (CFG with "")."""
+    torch.manual_seed(0)
+    tok = qwen_tokenizer()
+    te = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=27, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    ))  # fmt: skip
+    transformer = Flux2Transformer2DModel(
+        in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
+    )  # fmt: skip
+    flux2_vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+    )  # fmt: skip
+    flux2_vae.bn.running_mean.normal_(0, 0.5)
+    flux2_vae.bn.running_var.uniform_(0.5, 2.0)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
+    Flux2KleinPipeline(
+        scheduler=scheduler, vae=flux2_vae, text_encoder=te, tokenizer=tok, transformer=transformer,
+        is_distilled=distilled,
+    ).save_pretrained(path)  # fmt: skip
+
+
 def build_shapes(path):
     """The ShapesBench pipeline's architecture (builders.build_latent_components), one block, a narrow VAE."""
     parts = build_latent_components(4, seed=0, heads=1, layers=1)
@@ -196,7 +239,7 @@ def build_shapes(path):
 
 
 BUILDERS = {
-    "flux": build_flux, "sd3": build_sd3, "qwen": build_qwen, "shapes": build_shapes, "sd1": build_sd1,
+    "flux": build_flux, "flux2": build_flux2_klein, "sd3": build_sd3, "qwen": build_qwen, "shapes": build_shapes, "sd1": build_sd1,
     "wan": build_wan,
 }  # fmt: skip
 

@@ -1,15 +1,15 @@
 """Text-to-image models behind one small interface, for the RL scripts' own samplers.
 
-Flow models (ShapesBench, SD3/SD3.5, FLUX.1, Qwen-Image, Wan2.1 text-to-video) share one convention, whatever the
-checkpoint's:
+Flow models (ShapesBench, SD3/SD3.5, FLUX.1, FLUX.2, Qwen-Image, Wan2.1 text-to-video) share one convention,
+whatever the checkpoint's:
     x_s = (1 - s) x0 + s eps,   v = eps - x0,   s in [0, 1],   s = 1 is pure noise.
 `FlowModel.velocity(transformer, x, sigma, cond)` returns v; the scripts integrate it themselves. A video model's
 decode gives (B, F, 3, H, W) where an image model's gives (B, 3, H, W); the rewards take either (common/rewards.py).
 SD1.x/2.x (for RLR) is a DDPM-style eps model, so it gets its own `DDIMModel`.
 
 One file per model family, as diffusers does: base.py (the interface), sd3.py (SD3.5 and ShapesBench), flux.py
-(FLUX.1), qwenimage.py (Qwen-Image), wan.py (Wan2.1), sd1.py (SD1.x). This file loads a `--model-id` as the right
-kind and prepares what RL trains (LoRA or all weights) and saves.
+(FLUX.1), flux2.py (FLUX.2 [dev] and [klein]), qwenimage.py (Qwen-Image), wan.py (Wan2.1), sd1.py (SD1.x). This
+file loads a `--model-id` as the right kind and prepares what RL trains (LoRA or all weights) and saves.
 
 The trainable denoiser is passed *into* `velocity`/`eps` rather than read from the object, so scripts
 can hand in a LoRA'd, DDP/FSDP-wrapped or reference copy of it. Everything else is frozen.
@@ -20,6 +20,7 @@ import copy
 import json
 from pathlib import Path
 
+import diffusers
 import torch
 from huggingface_hub import hf_hub_download
 from peft import LoraConfig, get_peft_model_state_dict
@@ -27,6 +28,7 @@ from peft import LoraConfig, get_peft_model_state_dict
 from common import InputError, hub_reachable
 from common.models.base import FlowModel, _cfg, _Parts, check_num_frames
 from common.models.flux import FluxModel
+from common.models.flux2 import Flux2Model
 from common.models.qwenimage import QwenImageModel
 from common.models.sd1 import DDIMModel
 from common.models.sd3 import SD3Model, ShapesModel
@@ -34,7 +36,7 @@ from common.models.wan import WanModel
 from common.shapesbench.builders import LATENT_PATH, SHAPESBENCH_KEY
 
 __all__ = [  # the interface the scripts, common/ and the tests use
-    "FlowModel", "SD3Model", "ShapesModel", "FluxModel", "QwenImageModel", "WanModel", "DDIMModel", "KINDS",
+    "FlowModel", "SD3Model", "ShapesModel", "FluxModel", "Flux2Model", "QwenImageModel", "WanModel", "DDIMModel", "KINDS",
     "VIDEO_KINDS",
     "check_model_id", "check_num_frames", "load_model", "LORA_TARGETS", "trainable_denoiser", "frozen_copy",
     "base_weights", "reference_velocity", "add_lora", "save_trained_weights", "_cfg", "_Parts",
@@ -44,6 +46,8 @@ SHAPESBENCH_DIR = LATENT_PATH  # what --model-id shapesbench loads
 KINDS = {
     "FluxPipeline": "flux",
     "QwenImagePipeline": "qwen",
+    "Flux2Pipeline": "flux2",
+    "Flux2KleinPipeline": "flux2",
     "StableDiffusion3Pipeline": "sd3",
     "StableDiffusionPipeline": "sd1",
     "WanPipeline": "wan",
@@ -95,7 +99,7 @@ def _model_index(model_id: str) -> tuple[dict, str]:
 
 def check_model_id(model_id: str) -> str:
     """--model-id names a supported model that is here or downloadable; checked before anything loads. Returns its
-    kind ('shapes', 'flux', 'sd3', 'qwen', 'sd1', 'wan'), read from model_index.json alone."""
+    kind ('shapes', 'flux', 'flux2', 'sd3', 'qwen', 'sd1', 'wan'), read from model_index.json alone."""
     return _kind(_model_index(model_id)[0], model_id)
 
 
@@ -132,6 +136,8 @@ def load_model(
                 where, dtype=dtype, safety_checker=None, requires_safety_checker=False
             )
             model = DDIMModel(pipe, resolution)
+        elif kind == "flux2":  # [dev] or [klein]: the folder's own pipeline class
+            model = Flux2Model(getattr(diffusers, index["_class_name"]).from_pretrained(where, dtype=dtype), resolution)
         elif kind == "wan":
             model = WanModel(WanModel.pipeline.from_pretrained(where, dtype=dtype), resolution, num_frames)
         else:
@@ -158,7 +164,7 @@ def trainable_denoiser(model: FlowModel | DDIMModel, args):
     """
     denoiser = model.unet if model.kind == "sd1" else model.transformer
     if args.lora:
-        add_lora(denoiser, args.lora_rank, args.lora_alpha)
+        add_lora(denoiser, args.lora_rank, args.lora_alpha, getattr(model, "lora_targets", None))
         for p in denoiser.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
@@ -195,8 +201,9 @@ def reference_velocity(model, ref, lora: bool, x, sigma, cond, guidance_scale):
         return model.velocity(ref, x, sigma, cond, guidance_scale)
 
 
-def add_lora(transformer, rank: int, alpha: float, target_modules: list[str] | None = None):
-    """Add a LoRA adapter (B = 0 at init, so outputs are unchanged) in place; base weights are frozen."""
+def add_lora(transformer, rank: int, alpha: float, target_modules: list[str] | str | None = None):
+    """Add a LoRA adapter (B = 0 at init, so outputs are unchanged) in place; base weights are frozen.
+    `target_modules`: module-name suffixes or one regex of whole names (peft's); None: LORA_TARGETS."""
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules or LORA_TARGETS)
     transformer.requires_grad_(False)
     transformer.add_adapter(config)  # diffusers PeftAdapterMixin: only the new lora_A/lora_B require grad
@@ -221,6 +228,6 @@ def save_trained_weights(model: FlowModel | DDIMModel, transformer, out_dir, lor
     if model.kind == "sd1":
         DDIMModel.pipeline.save_lora_weights(out_dir, unet_lora_layers=layers, unet_lora_adapter_metadata=metadata)
     else:
-        type(model).pipeline.save_lora_weights(
+        model.pipeline.save_lora_weights(
             out_dir, transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata
         )
