@@ -22,7 +22,7 @@ TRAINING_PATH = [
     *(
         f"common/{name}.py"
         for name in (
-            "models/__init__", "models/base", "models/sd3", "models/flux", "models/flux2", "models/qwenimage", "models/wan",
+            "models/__init__", "models/base", "models/sd3", "models/flux", "models/flux2", "models/qwenimage", "models/zimage", "models/wan",
             "models/sd1",
             "rewards", "sampling", "runs", "logs", "evaluator", "checkpoints", "signals", "offload", "remote"
         )

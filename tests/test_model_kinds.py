@@ -1,25 +1,30 @@
 """The newer model kinds on tiny random-weight pipelines built from configs (tests/tiny.py): Qwen-Image
-(common/models/qwenimage.py) and FLUX.2 [klein] (common/models/flux2.py, base and guidance-distilled). Our velocity,
+(common/models/qwenimage.py), FLUX.2 [klein] (common/models/flux2.py, base and guidance-distilled) and Z-Image
+(common/models/zimage.py: time reversed, output negated, captions of their own lengths). Our velocity,
 Euler sampler and decode give each pipeline's own images and latents with guidance on and off; Qwen-Image's padded,
 masked CFG batch equals two separate forwards; the LoRA targets exist in each transformer; and every script trains on
 each kind, its final/ read by the pipeline's load_lora_weights."""
 
 import pytest
 import torch
-from diffusers import Flux2KleinPipeline, QwenImagePipeline
+from diffusers import Flux2KleinPipeline, QwenImagePipeline, ZImagePipeline
 
 from common import InputError
 from common.models import LORA_TARGETS, load_model
 from common.sampling import sample_ode
 from tests.helpers import find_run, metrics, run_script
-from tests.tiny import RES, build_flux2_klein, build_qwen
+from tests.tiny import RES, build_flux2_klein, build_qwen, build_zimage
 
-PROMPTS = ["a red circle", "a green square on a white background"]  # of different lengths: Qwen-Image's mask matters
+# of different lengths: Qwen-Image's mask matters. A tuple: ZImagePipeline writes its chat template into the prompt list
+# it is given, and each call below gets its own list
+PROMPTS = ("a red circle", "a green square on a white background")
 KINDS = {  # kind: builder, pipeline class, its guidance arguments at scale s, what its output_type="latent" holds
     "qwen": (build_qwen, QwenImagePipeline, lambda s: dict(true_cfg_scale=s, negative_prompt=" " if s > 1 else None),
              lambda model, x: x),  # packed tokens
     "flux2": (build_flux2_klein, Flux2KleinPipeline, lambda s: dict(guidance_scale=s),
               lambda model, x: model._vae_latents(x)),  # the VAE's latents: un-normalised, un-patchified
+    "zimage": (build_zimage, ZImagePipeline, lambda s: dict(guidance_scale=s - 1),  # its w: c + w (c - u)
+               lambda model, x: x),  # the VAE's latents
 }  # fmt: skip
 
 
@@ -47,32 +52,35 @@ def qwen_dir(kind_dir):
 def test_samples_what_the_stock_pipeline_samples(kind, kind_dir):
     """Euler along the pipeline scheduler's sigmas (its dynamic shift; Qwen-Image's ends at 0.02) on the model's
     velocity, then its decode, against the pipeline: the timestep (sigma), the packing, the position ids or RoPE grid,
-    Qwen-Image's text mask, true CFG with " " and its per-token norm rescale, FLUX.2 [klein] base's CFG with "", and
-    each VAE's latent statistics (Qwen-Image: per channel; FLUX.2: its BatchNorm's running ones)."""
+    Qwen-Image's text mask, true CFG with " " and its per-token norm rescale, FLUX.2 [klein] base's CFG with "",
+    Z-Image's 1 - sigma, negated output and list of captions, and each VAE's latent statistics (Qwen-Image: per
+    channel; FLUX.2: its BatchNorm's running ones; Z-Image: scaling and shift)."""
     _, pipe_cls, guidance, as_stock_latents = KINDS[kind]
     model = load_model(str(kind_dir(kind)), resolution=RES)
     assert model.kind == kind
-    assert model.latent_shape() == {"qwen": (4, 64), "flux2": (64, 16)}[kind]  # 8x / 2x VAEs, then 2 x 2 patches
+    assert model.latent_shape() == {"qwen": (4, 64), "flux2": (64, 16), "zimage": (4, 16, 16)}[kind]  # 8x / 2x VAEs
     pipe = pipe_cls.from_pretrained(kind_dir(kind))
     pipe.set_progress_bar_config(disable=True)
     noise = torch.randn(2, *model.latent_shape(), generator=torch.Generator().manual_seed(0))
     # the pipeline's own layout of the same noise: packed tokens (Qwen-Image), the patchified grid (FLUX.2)
-    stock_noise = noise if kind == "qwen" else noise.transpose(1, 2).reshape(2, -1, *model.grid)
-    cond = model.encode_prompts(PROMPTS)
+    stock_noise = noise if kind != "flux2" else noise.transpose(1, 2).reshape(2, -1, *model.grid)
+    prompts = list(PROMPTS)
+    cond = model.encode_prompts(prompts)
+    assert prompts == list(PROMPTS)  # the caller's list as it was (ZImagePipeline templates the list it is given)
     for scale in (1.0, 4.0):
-        kw = dict(prompt=PROMPTS, height=RES, width=RES, num_inference_steps=3, **guidance(scale))
-        stock = pipe(latents=stock_noise.clone(), output_type="pt", **kw).images
+        kw = dict(height=RES, width=RES, num_inference_steps=3, **guidance(scale))
+        stock = pipe(prompt=list(PROMPTS), latents=stock_noise.clone(), output_type="pt", **kw).images
         sigmas = pipe.scheduler.sigmas  # set by the call: 3 shifted steps, then 0
         ours = sample_ode(model, model.transformer, cond, noise, sigmas, scale)
         assert ours.shape == stock.shape == (2, 3, RES, RES)
         torch.testing.assert_close(ours, stock, atol=1e-5, rtol=1e-5)
         # and the latents themselves, tightly: a tiny random VAE barely moves its pixels when a latent moves
-        latents = pipe(latents=stock_noise.clone(), output_type="latent", **kw).images
+        latents = pipe(prompt=list(PROMPTS), latents=stock_noise.clone(), output_type="latent", **kw).images
         model.decode = lambda x: x
         ours_latents = as_stock_latents(model, sample_ode(model, model.transformer, cond, noise, sigmas, scale))
         del model.decode
         torch.testing.assert_close(ours_latents, latents, atol=1e-5, rtol=0)
-    if kind == "qwen":
+    if kind == "qwen":  # Qwen-Image's dynamic schedule ends at 0.02; a prompt shorter than the batch's is padded
         assert sigmas[-2].item() == pytest.approx(0.02)
         assert cond["prompt_embeds_mask"].sum(1).tolist()[0] < cond["prompt_embeds"].shape[1]  # the short one padded
 
@@ -86,7 +94,9 @@ def test_a_distilled_flux2_klein_samples_without_cfg_and_refuses_a_guidance_scal
     pipe.set_progress_bar_config(disable=True)
     noise = torch.randn(2, *model.latent_shape(), generator=torch.Generator().manual_seed(0))
     stock_noise = noise.transpose(1, 2).reshape(2, -1, *model.grid)
-    stock = pipe(prompt=PROMPTS, height=RES, width=RES, num_inference_steps=2, latents=stock_noise, output_type="pt")
+    stock = pipe(
+        prompt=list(PROMPTS), height=RES, width=RES, num_inference_steps=2, latents=stock_noise, output_type="pt"
+    )
     ours = sample_ode(model, model.transformer, model.encode_prompts(PROMPTS), noise, pipe.scheduler.sigmas, 1.0)
     torch.testing.assert_close(ours, stock.images, atol=1e-5, rtol=1e-5)
     with pytest.raises(InputError, match="--guidance-scale 1"):
@@ -116,20 +126,26 @@ def test_the_lora_adapter_lands_on_modules_that_exist(kind, kind_dir):
     """A target list that names no module trains nothing there, silently (two frameworks' lists do). Qwen-Image: every
     LORA_TARGETS name is a module, 8 Linears per double-stream block adapted. FLUX.2: the same 8 in each double block
     and the single blocks' two fused Linears (q, k, v + MLP in; attention + MLP out), which no LORA_TARGETS name
-    reaches."""
+    reaches. Z-Image: q, k, v and out of every main and refiner block (single-stream: no add_* projections)."""
     from types import SimpleNamespace
 
     from common.models import trainable_denoiser
 
     model = load_model(str(kind_dir(kind)), resolution=RES)
     names = [n for n, _ in model.transformer.named_modules()]
-    for target in LORA_TARGETS:
-        assert any(n == target or n.endswith("." + target) for n in names) or kind == "flux2", target
+    if kind == "qwen":
+        for target in LORA_TARGETS:
+            assert any(n == target or n.endswith("." + target) for n in names), target
     flags = SimpleNamespace(lora=True, lora_rank=4, lora_alpha=4.0, gradient_checkpointing=False)
     module = trainable_denoiser(model, flags)
     adapted = sorted({n.rsplit(".lora_A", 1)[0] for n, _ in module.named_parameters() if ".lora_A" in n})
-    config = module.config
-    assert len(adapted) == 8 * config.num_layers + 2 * config.get("num_single_layers", 0)
+    c = module.config
+    expected = {
+        "qwen": lambda: 8 * c.num_layers,
+        "flux2": lambda: 8 * c.num_layers + 2 * c.num_single_layers,
+        "zimage": lambda: 4 * (c.n_layers + 2 * c.n_refiner_layers),  # the noise and the context refiners
+    }
+    assert len(adapted) == expected[kind]()
     if kind == "flux2":
         assert adapted[:2] == [
             "single_transformer_blocks.0.attn.to_out",
@@ -168,10 +184,10 @@ def test_script_trains_two_iterations_and_the_pipeline_loads_its_lora(script, ki
     pipe = KINDS[kind][1].from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     kw = dict(height=RES, width=RES, num_inference_steps=2, output_type="latent", **KINDS[kind][2](1.0))
-    before = pipe(prompt=PROMPTS[:1], generator=torch.Generator().manual_seed(0), **kw).images
+    before = pipe(prompt=list(PROMPTS[:1]), generator=torch.Generator().manual_seed(0), **kw).images
     pipe.load_lora_weights(str(run / "final"))
     assert pipe.transformer.peft_config
-    after = pipe(prompt=PROMPTS[:1], generator=torch.Generator().manual_seed(0), **kw).images
+    after = pipe(prompt=list(PROMPTS[:1]), generator=torch.Generator().manual_seed(0), **kw).images
     assert not torch.allclose(before, after, atol=1e-6)
     if script == "dancegrpo.py":  # and `python -m common.evaluate` scores the trained weights against the base
         import json

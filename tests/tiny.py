@@ -1,4 +1,4 @@
-"""Tiny random-weight FLUX.1, FLUX.2 [klein], SD3, Qwen-Image, SD1.x, Wan2.1 and ShapesBench models and a tiny HPS reward, built from configs,
+"""Tiny random-weight FLUX.1, FLUX.2 [klein], SD3, Qwen-Image, Z-Image, SD1.x, Wan2.1 and ShapesBench models and a tiny HPS reward, built from configs,
 offline."""
 
 import dataclasses
@@ -25,6 +25,8 @@ from diffusers import (
     UNet2DConditionModel,
     WanPipeline,
     WanTransformer3DModel,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
 )
 from transformers import (
     CLIPTextConfig,
@@ -36,6 +38,7 @@ from transformers import (
     Qwen2Tokenizer,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3Model,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -229,6 +232,31 @@ def build_flux2_klein(path, distilled=False):
     ).save_pretrained(path)  # fmt: skip
 
 
+def build_zimage(path):
+    """Z-Image(-Turbo): a 2-layer Qwen3 (no LM head) of width 16, one refiner and one main block of width 32 (RoPE axes
+    4 + 6 + 6 = the head width 16), the FLUX.1-style VAE (2x, 4 channels, Z-Image's scaling and shift factors);
+    32 px images are 4 x 16 x 16 latents, 8 x 8 tokens of 2 x 2 patches. The scheduler is Turbo's (static shift 3)."""
+    torch.manual_seed(0)
+    tok = qwen_tokenizer()
+    te = Qwen3Model(Qwen3Config(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    ))  # fmt: skip
+    transformer = ZImageTransformer2DModel(
+        in_channels=4, dim=32, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16,
+        axes_dims=[4, 6, 6], axes_lens=[256, 64, 64],
+    )  # fmt: skip
+    zimage_vae = AutoencoderKL(
+        block_out_channels=(8, 16), latent_channels=4, norm_num_groups=4, use_quant_conv=False,
+        use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+    )  # fmt: skip
+    ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=zimage_vae, text_encoder=te, tokenizer=tok,
+        transformer=transformer,
+    ).save_pretrained(path)  # fmt: skip
+
+
 def build_shapes(path):
     """The ShapesBench pipeline's architecture (builders.build_latent_components), one block, a narrow VAE."""
     parts = build_latent_components(4, seed=0, heads=1, layers=1)
@@ -239,7 +267,7 @@ def build_shapes(path):
 
 
 BUILDERS = {
-    "flux": build_flux, "flux2": build_flux2_klein, "sd3": build_sd3, "qwen": build_qwen, "shapes": build_shapes, "sd1": build_sd1,
+    "flux": build_flux, "flux2": build_flux2_klein, "sd3": build_sd3, "qwen": build_qwen, "zimage": build_zimage, "shapes": build_shapes, "sd1": build_sd1,
     "wan": build_wan,
 }  # fmt: skip
 

@@ -1,6 +1,6 @@
 """Text-to-image models behind one small interface, for the RL scripts' own samplers.
 
-Flow models (ShapesBench, SD3/SD3.5, FLUX.1, FLUX.2, Qwen-Image, Wan2.1 text-to-video) share one convention,
+Flow models (ShapesBench, SD3/SD3.5, FLUX.1, FLUX.2, Qwen-Image, Z-Image, Wan2.1 text-to-video) share one convention,
 whatever the checkpoint's:
     x_s = (1 - s) x0 + s eps,   v = eps - x0,   s in [0, 1],   s = 1 is pure noise.
 `FlowModel.velocity(transformer, x, sigma, cond)` returns v; the scripts integrate it themselves. A video model's
@@ -8,7 +8,7 @@ decode gives (B, F, 3, H, W) where an image model's gives (B, 3, H, W); the rewa
 SD1.x/2.x (for RLR) is a DDPM-style eps model, so it gets its own `DDIMModel`.
 
 One file per model family, as diffusers does: base.py (the interface), sd3.py (SD3.5 and ShapesBench), flux.py
-(FLUX.1), flux2.py (FLUX.2 [dev] and [klein]), qwenimage.py (Qwen-Image), wan.py (Wan2.1), sd1.py (SD1.x). This
+(FLUX.1), flux2.py (FLUX.2 [dev] and [klein]), qwenimage.py (Qwen-Image), zimage.py (Z-Image), wan.py (Wan2.1), sd1.py (SD1.x). This
 file loads a `--model-id` as the right kind and prepares what RL trains (LoRA or all weights) and saves.
 
 The trainable denoiser is passed *into* `velocity`/`eps` rather than read from the object, so scripts
@@ -33,10 +33,11 @@ from common.models.qwenimage import QwenImageModel
 from common.models.sd1 import DDIMModel
 from common.models.sd3 import SD3Model, ShapesModel
 from common.models.wan import WanModel
+from common.models.zimage import ZImageModel
 from common.shapesbench.builders import LATENT_PATH, SHAPESBENCH_KEY
 
 __all__ = [  # the interface the scripts, common/ and the tests use
-    "FlowModel", "SD3Model", "ShapesModel", "FluxModel", "Flux2Model", "QwenImageModel", "WanModel", "DDIMModel", "KINDS",
+    "FlowModel", "SD3Model", "ShapesModel", "FluxModel", "Flux2Model", "QwenImageModel", "ZImageModel", "WanModel", "DDIMModel", "KINDS",
     "VIDEO_KINDS",
     "check_model_id", "check_num_frames", "load_model", "LORA_TARGETS", "trainable_denoiser", "frozen_copy",
     "base_weights", "reference_velocity", "add_lora", "save_trained_weights", "_cfg", "_Parts",
@@ -48,6 +49,7 @@ KINDS = {
     "QwenImagePipeline": "qwen",
     "Flux2Pipeline": "flux2",
     "Flux2KleinPipeline": "flux2",
+    "ZImagePipeline": "zimage",
     "StableDiffusion3Pipeline": "sd3",
     "StableDiffusionPipeline": "sd1",
     "WanPipeline": "wan",
@@ -99,7 +101,7 @@ def _model_index(model_id: str) -> tuple[dict, str]:
 
 def check_model_id(model_id: str) -> str:
     """--model-id names a supported model that is here or downloadable; checked before anything loads. Returns its
-    kind ('shapes', 'flux', 'flux2', 'sd3', 'qwen', 'sd1', 'wan'), read from model_index.json alone."""
+    kind ('shapes', 'flux', 'flux2', 'sd3', 'qwen', 'zimage', 'sd1', 'wan'), read from model_index.json alone."""
     return _kind(_model_index(model_id)[0], model_id)
 
 
@@ -141,7 +143,9 @@ def load_model(
         elif kind == "wan":
             model = WanModel(WanModel.pipeline.from_pretrained(where, dtype=dtype), resolution, num_frames)
         else:
-            model_cls = {"flux": FluxModel, "sd3": SD3Model, "shapes": ShapesModel, "qwen": QwenImageModel}[kind]
+            model_cls = {"flux": FluxModel, "sd3": SD3Model, "shapes": ShapesModel, "qwen": QwenImageModel}
+            model_cls |= {"zimage": ZImageModel}
+            model_cls = model_cls[kind]
             model = model_cls(model_cls.pipeline.from_pretrained(where, dtype=dtype), resolution)
     except OSError as e:  # model_index.json found but weights not (partial download / cache)
         raise InputError(f"--model-id {model_id}: could not load the weights ({e}). {HOW_TO_GET_WEIGHTS}") from None
