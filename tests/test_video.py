@@ -12,11 +12,11 @@ import dancegrpo as D
 import rlr
 from common import InputError
 from common.flags import check_run_args
-from common.models import load_model
+from common.models import WanModel, load_model
 from common.rewards import CompositeReward, ScoreFn, build_reward, frame_subset, parse_rewards
 from common.sampling import sample_ode
 from tests.helpers import assert_same_trained_weights, find_run, metrics, run_script
-from tests.tiny import build_shapes, build_wan
+from tests.tiny import build_shapes, build_wan, build_wan22_5b
 
 RES, FRAMES = 32, 5  # latents (16, 2, 4, 4): 2 latent frames of 2 x 2 tokens
 
@@ -52,6 +52,35 @@ def test_wan_samples_what_the_stock_pipeline_samples(wan_dir):
         ours_latents = sample_ode(model, model.transformer, model.encode_prompts(prompts), noise, sigmas, scale)
         del model.decode
         torch.testing.assert_close(ours_latents, stock_latents, atol=1e-5, rtol=0)  # 0.1% of CFG 5: 6e-5 off
+
+
+def test_wan22_5b_feeds_one_timestep_per_token_and_samples_what_the_stock_pipeline_samples(tmp_path):
+    """Wan2.2-TI2V-5B (a tiny one): 48 latent channels, 16x in space (the VAE's 2x2 pixel patchify, then 8x), one
+    timestep per token as WanPipeline's expand_timesteps path feeds it; our Euler sampler's latents equal the
+    pipeline's exactly with CFG 5 and without, and its decoded frames to float rounding. A two-expert Wan2.2 (A14B)
+    is refused with the checkpoints that work."""
+    build_wan22_5b(tmp_path / "wan22")
+    model = load_model(str(tmp_path / "wan22"), resolution=64, num_frames=FRAMES)
+    assert model.kind == "wan" and model.per_token and model.latent_shape() == (48, 2, 4, 4)
+    pipe = WanPipeline.from_pretrained(tmp_path / "wan22")
+    pipe.set_progress_bar_config(disable=True)
+    prompts, noise = ["a cat walks", "a red car drives"], torch.randn(2, *model.latent_shape())
+    cond = model.encode_prompts(prompts)
+    for scale in (1.0, 5.0):
+        kw = dict(height=64, width=64, num_frames=FRAMES, num_inference_steps=3, guidance_scale=scale)
+        stock = pipe(prompts, latents=noise.clone(), output_type="pt", **kw).frames
+        ours = sample_ode(model, model.transformer, cond, noise, pipe.scheduler.sigmas, scale)
+        assert ours.shape == stock.shape == (2, FRAMES, 3, 64, 64)
+        torch.testing.assert_close(ours, stock, atol=1e-5, rtol=1e-4)
+        stock_latents = pipe(prompts, latents=noise.clone(), output_type="latent", **kw).frames
+        model.decode = lambda x: x
+        ours_latents = sample_ode(model, model.transformer, cond, noise, pipe.scheduler.sigmas, scale)
+        del model.decode
+        assert torch.equal(ours_latents, stock_latents)
+    two_experts = WanPipeline(**{k: getattr(pipe, k) for k in ("tokenizer", "text_encoder", "vae", "scheduler")},
+                              transformer=pipe.transformer, transformer_2=pipe.transformer, boundary_ratio=0.875)  # fmt: skip
+    with pytest.raises(InputError, match="two-expert Wan2.2"):
+        WanModel(two_experts, 64, FRAMES)
 
 
 def test_wan_decode_is_differentiable_and_the_vae_stays_fp32(wan_dir):
@@ -177,3 +206,26 @@ def test_script_trains_video_resumes_bit_equal_and_writes_videos(script, wan_dir
         assert (
             video_tree == image_tree and video_tree[0]["tree/rollout_forwards_per_leaf"] == (1 + 2 + 2 + 2 + 4 + 4) / 4
         )
+
+
+@pytest.mark.parametrize("script", TINY)
+def test_script_trains_wan22_5b_and_the_pipeline_loads_its_lora(script, tmp_path):
+    """2 iterations on a tiny Wan2.2-TI2V-5B (per-token timesteps, 48-channel 16x VAE) with CFG 5 and the video
+    rewards; WanPipeline.load_lora_weights reads final/ and it changes the pipeline's latents."""
+    build_wan22_5b(tmp_path / "wan22")
+    (tmp_path / "prompts.txt").write_text("a cat walks\na red car drives\n")
+    prompts = str(tmp_path / "prompts.txt")
+    flags = [*TINY[script], "--model-id", str(tmp_path / "wan22"), "--resolution", "64", "--num-frames", str(FRAMES),
+             "--prompts", prompts, "--eval-prompts", prompts, "--reward", "jpeg,temporal:0.5", "--guidance-scale", "5",
+             "--iterations", "2", "--eval-every", "0", "--sample-every", "0", "--lora-rank", "4", "--learning-rate",
+             "1e-2", "--exp-name", "wan22"]  # fmt: skip
+    run_script(script, flags, tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    run = find_run(tmp_path / "wan22")
+    assert len([r for r in metrics(run) if "rewards/temporal" in r]) == 2
+    pipe = WanPipeline.from_pretrained(tmp_path / "wan22")
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(height=64, width=64, num_frames=FRAMES, num_inference_steps=2, guidance_scale=1.0, output_type="latent")
+    before = pipe(["a cat walks"], generator=torch.Generator().manual_seed(0), **kw).frames
+    pipe.load_lora_weights(str(run / "final"))
+    after = pipe(["a cat walks"], generator=torch.Generator().manual_seed(0), **kw).frames
+    assert not torch.allclose(before, after, atol=1e-6)

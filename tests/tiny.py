@@ -1,5 +1,5 @@
-"""Tiny random-weight FLUX.1, FLUX.2 [klein], SD3, Qwen-Image, Z-Image, SD1.x, Wan2.1 and ShapesBench models and a tiny HPS reward, built from configs,
-offline."""
+"""Tiny random-weight FLUX.1, FLUX.2 [klein], SD3, Qwen-Image, Z-Image, SD1.x, Wan2.1, Wan2.2-TI2V-5B and ShapesBench
+models and a tiny HPS reward, built from configs, offline."""
 
 import dataclasses
 import functools
@@ -152,6 +152,32 @@ def build_wan(path):
     ).save_pretrained(path)  # fmt: skip
 
 
+def build_wan22_5b(path):
+    """Wan2.2-TI2V-5B text-to-video: as build_wan, but the transformer has 48 latent channels and gets one timestep
+    per token (expand_timesteps), and the VAE is Wan2.2's: pixels patchified 2x2 (3 -> 12 channels), a residual 8x
+    encoder, 48 channels, so 16x in space (scale_factor_spatial must say so: it is a config value); 5 frames at 64 px
+    give latents (48, 2, 4, 4), 8 tokens."""
+    torch.manual_seed(0)
+    tok, _ = t5(32)
+    te = UMT5EncoderModel(UMT5Config(vocab_size=len(tok), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2,
+                                     pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))  # fmt: skip
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=48, out_channels=48,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=32,
+    )  # fmt: skip
+    stats = torch.rand(2, 48, generator=torch.Generator().manual_seed(1))  # per-channel statistics, exercised
+    wan_vae = AutoencoderKLWan(
+        base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+        temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+        scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=(stats[0] - 0.5).tolist(),
+        latents_std=(stats[1] + 0.5).tolist(),
+    )  # fmt: skip
+    WanPipeline(
+        tokenizer=tok, text_encoder=te, transformer=transformer, vae=wan_vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), expand_timesteps=True,
+    ).save_pretrained(path)  # fmt: skip
+
+
 def qwen_tokenizer():
     """Byte-level BPE with no merges (one token per UTF-8 byte, GPT-2's byte-to-character map) and the chat markers
     QwenImagePipeline's prompt template uses."""
@@ -268,7 +294,7 @@ def build_shapes(path):
 
 BUILDERS = {
     "flux": build_flux, "flux2": build_flux2_klein, "sd3": build_sd3, "qwen": build_qwen, "zimage": build_zimage, "shapes": build_shapes, "sd1": build_sd1,
-    "wan": build_wan,
+    "wan": build_wan, "wan22": build_wan22_5b,
 }  # fmt: skip
 
 

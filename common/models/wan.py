@@ -1,4 +1,5 @@
-"""Wan2.1 text-to-video: latents (16, F', H/8, W/8), UMT5 text, CFG; the VAE decodes in fp32, a video at a time."""
+"""Wan2.1 and Wan2.2-TI2V-5B text-to-video: latents (16, F', H/8, W/8) (Wan2.2-5B: (48, F', H/16, W/16)), UMT5 text,
+CFG; the VAE decodes in fp32, a video at a time."""
 
 import torch
 from diffusers import WanPipeline
@@ -8,8 +9,11 @@ from common.models.base import FlowModel, _cfg, _check_multiple, check_num_frame
 
 
 class WanModel(FlowModel):
-    """Wan2.1 text-to-video: latents (16, F', H/8, W/8) with F' = (F - 1) / 4 + 1 (the VAE keeps the first frame
-    and packs every 4 after it into one latent frame), 1x2x2 patches, UMT5 text, classifier-free guidance."""
+    """Wan2.1 / Wan2.2-TI2V-5B text-to-video: latents (C, F', H/s, W/s) with F' = (F - 1) / 4 + 1 (the VAE keeps the
+    first frame and packs every 4 after it into one latent frame), 1x2x2 patches, UMT5 text, classifier-free
+    guidance. Wan2.1: C = 16, s = 8. Wan2.2-TI2V-5B (expand_timesteps): C = 48, s = 16 (its VAE patchifies pixels 2x2
+    before an 8x encoder), and the transformer gets one timestep per token, as WanPipeline feeds it (a scalar per
+    sample gives the same velocity only to about 1e-6). Wan2.2-T2V-A14B's two experts are refused."""
 
     kind = "wan"
     pipeline = WanPipeline  # loads the folder; saves and loads a LoRA adapter (save_lora_weights)
@@ -18,11 +22,12 @@ class WanModel(FlowModel):
     native_frames = 81  # WanPipeline's default num_frames (5 s at 16 fps)
 
     def __init__(self, pipe: WanPipeline, resolution: int | None, num_frames: int | None):
-        if pipe.transformer_2 is not None or pipe.config.boundary_ratio is not None or pipe.config.expand_timesteps:
+        if pipe.transformer_2 is not None or pipe.config.boundary_ratio is not None:
             raise InputError(
-                "--model-id: a Wan2.2 pipeline (two experts or per-token timesteps); give a Wan2.1 text-to-video "
-                "checkpoint, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+                "--model-id: a two-expert Wan2.2 pipeline (A14B: transformer_2, boundary_ratio) is not supported; give "
+                "Wan-AI/Wan2.2-TI2V-5B-Diffusers or a Wan2.1 text-to-video checkpoint"
             )
+        self.per_token = bool(pipe.config.expand_timesteps)  # Wan2.2-TI2V-5B
         self.pipe = pipe
         self.vae_scale, self.vae_scale_t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
         height, width = (resolution, resolution) if resolution else self.native_size
@@ -51,9 +56,12 @@ class WanModel(FlowModel):
         dt = self._io_dtype()
 
         def forward(x, sigma, cond):
+            t = sigma * 1000
+            if self.per_token:  # (rows, tokens): F' x h/2 x w/2 patches, all at the sample's timestep
+                t = t[:, None].expand(-1, x.shape[2] * (x.shape[3] // 2) * (x.shape[4] // 2))
             return transformer(
                 hidden_states=x.to(dt),
-                timestep=sigma * 1000,
+                timestep=t,
                 encoder_hidden_states=cond["prompt_embeds"].to(dt),
                 return_dict=False,
             )[0]
