@@ -85,6 +85,37 @@ def test_samples_what_the_stock_pipeline_samples(kind, kind_dir):
         assert cond["prompt_embeds_mask"].sum(1).tolist()[0] < cond["prompt_embeds"].shape[1]  # the short one padded
 
 
+def test_flux2_dev_embeds_its_guidance_and_samples_what_the_stock_pipeline_samples(tmp_path):
+    """FLUX.2 [dev] (Flux2Pipeline, a tiny Mistral3 behind a PixtralProcessor): the guidance scale is an input of the
+    transformer, not CFG; our sampler's tokens equal the pipeline's latents exactly at guidance 1 and 4, and
+    dancegrpo.py trains on it, its final/ read by Flux2Pipeline.load_lora_weights."""
+    from diffusers import Flux2Pipeline
+
+    from tests.tiny import build_flux2_dev
+
+    build_flux2_dev(tmp_path / "dev")
+    model = load_model(str(tmp_path / "dev"), resolution=RES)
+    assert model.kind == "flux2" and model.transformer.config.guidance_embeds and model.pipeline is Flux2Pipeline
+    pipe = Flux2Pipeline.from_pretrained(tmp_path / "dev")
+    pipe.set_progress_bar_config(disable=True)
+    noise = torch.randn(2, *model.latent_shape(), generator=torch.Generator().manual_seed(0))
+    cond = model.encode_prompts(PROMPTS)
+    assert not torch.equal(cond["prompt_embeds"][0], cond["prompt_embeds"][1])  # the prompts survive the template
+    model.decode = lambda x: x
+    for scale in (1.0, 4.0):
+        stock = pipe(prompt=list(PROMPTS), height=RES, width=RES, num_inference_steps=3, guidance_scale=scale,
+                     latents=noise.transpose(1, 2).reshape(2, -1, *model.grid), output_type="latent").images  # fmt: skip
+        assert torch.equal(sample_ode(model, model.transformer, cond, noise, pipe.scheduler.sigmas, scale), stock)
+    (tmp_path / "p.txt").write_text("\n".join(PROMPTS) + "\n")
+    flags = [*TINY["dancegrpo.py"], "--model-id", str(tmp_path / "dev"), "--resolution", str(RES), "--prompts",
+             str(tmp_path / "p.txt"), "--eval-prompts", str(tmp_path / "p.txt"), "--reward", "jpeg", "--guidance-scale",
+             "4", "--iterations", "2", "--eval-every", "0", "--sample-every", "0", "--lora-rank", "4",
+             "--learning-rate", "1e-2", "--exp-name", "dev"]  # fmt: skip
+    run_script("dancegrpo.py", flags, tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    pipe.load_lora_weights(str(find_run(tmp_path / "dev") / "final"))
+    assert pipe.transformer.peft_config
+
+
 def test_a_distilled_flux2_klein_samples_without_cfg_and_refuses_a_guidance_scale(tmp_path):
     """FLUX.2 [klein] 4B / 9B (is_distilled): no CFG in Flux2KleinPipeline; --guidance-scale other than 1 is an
     error naming the flag, not a silent CFG."""

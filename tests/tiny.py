@@ -14,6 +14,7 @@ from diffusers import (
     DDIMScheduler,
     FlowMatchEulerDiscreteScheduler,
     Flux2KleinPipeline,
+    Flux2Pipeline,
     Flux2Transformer2DModel,
     FluxPipeline,
     FluxTransformer2DModel,
@@ -33,6 +34,10 @@ from transformers import (
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
+    PixtralImageProcessor,
+    PixtralProcessor,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Tokenizer,
@@ -230,20 +235,14 @@ def build_qwen(path):
     ).save_pretrained(path)  # fmt: skip
 
 
-def build_flux2_klein(path, distilled=False):
-    """FLUX.2 [klein]: a 27-layer Qwen3 of width 16 (the pipeline stacks hidden states 9, 18 and 27: 48 wide), one
-    double and one single block of width 32, a VAE with 2x compression and 4 latent channels (16 after the 2x2
-    patchify) whose BatchNorm statistics are random, so that decoding un-normalises for real; 32 px images are 8 x 8
-    tokens. `distilled`: the guidance-distilled variant (no CFG), else the base one (CFG with "")."""
-    torch.manual_seed(0)
-    tok = qwen_tokenizer()
-    te = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=27, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    ))  # fmt: skip
+def flux2_parts(guidance_embeds: bool):
+    """FLUX.2's transformer (one double and one single block of width 32, 48-wide text features: three stacked
+    hidden states of width 16), its VAE (2x compression, 4 latent channels, 16 after the 2x2 patchify, random BatchNorm
+    statistics so that decoding un-normalises for real) and its scheduler: 32 px images are 8 x 8 tokens."""
     transformer = Flux2Transformer2DModel(
         in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
+        joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=guidance_embeds,
     )  # fmt: skip
     flux2_vae = AutoencoderKLFlux2(
         block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4,
@@ -252,10 +251,53 @@ def build_flux2_klein(path, distilled=False):
     flux2_vae.bn.running_mean.normal_(0, 0.5)
     flux2_vae.bn.running_var.uniform_(0.5, 2.0)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
+    return dict(transformer=transformer, vae=flux2_vae, scheduler=scheduler)
+
+
+def build_flux2_klein(path, distilled=False):
+    """FLUX.2 [klein]: a 27-layer Qwen3 of width 16 (the pipeline stacks hidden states 9, 18 and 27), flux2_parts.
+    `distilled`: the guidance-distilled variant (no CFG), else the base one (CFG with "")."""
+    torch.manual_seed(0)
+    tok = qwen_tokenizer()
+    te = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=27, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    ))  # fmt: skip
     Flux2KleinPipeline(
-        scheduler=scheduler, vae=flux2_vae, text_encoder=te, tokenizer=tok, transformer=transformer,
-        is_distilled=distilled,
+        text_encoder=te, tokenizer=tok, is_distilled=distilled, **flux2_parts(guidance_embeds=False)
     ).save_pretrained(path)  # fmt: skip
+
+
+MISTRAL_SPECIALS = ["<pad>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]",
+                    "[IMG_BREAK]", "[IMG_END]"]  # fmt: skip
+# Mistral's chat template, reduced to what Flux2Pipeline sends: a system message, then the user's text
+MISTRAL_CHAT = (
+    "<s>{% for m in messages %}{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{% for c in m['content'] %}{{ c['text'] }}"
+    "{% endfor %}[/SYSTEM_PROMPT]{% else %}[INST]{% for c in m['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}"
+    "{% else %}[IMG]{% endif %}{% endfor %}[/INST]{% endif %}{% endfor %}"
+)
+
+
+def build_flux2_dev(path):
+    """FLUX.2 [dev]: a 30-layer Mistral3 of width 16 behind a PixtralProcessor (the pipeline stacks hidden states 10,
+    20 and 30; Mistral's 168-character system message takes 168 of the 512 byte tokens), flux2_parts with the
+    guidance embedding."""
+    torch.manual_seed(0)
+    chars = [t for t in sorted(qwen_tokenizer().get_vocab().items(), key=lambda kv: kv[1]) if not t[0].startswith("<|")]
+    vocab = {t: i for i, t in enumerate(MISTRAL_SPECIALS + [c for c, _ in chars])}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token="<pad>", eos_token="</s>", pad_token="<pad>", bos_token="<s>",
+                         additional_special_tokens=MISTRAL_SPECIALS[3:], model_max_length=4096)  # fmt: skip
+    processor = PixtralProcessor(image_processor=PixtralImageProcessor(patch_size=4), tokenizer=tok, patch_size=4,
+                                 spatial_merge_size=2, chat_template=MISTRAL_CHAT)  # fmt: skip
+    te = Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=len(tok), hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=30, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, head_dim=8, patch_size=4, image_size=64),
+        image_token_index=MISTRAL_SPECIALS.index("[IMG]"), spatial_merge_size=2,
+    ))  # fmt: skip
+    Flux2Pipeline(text_encoder=te, tokenizer=processor, **flux2_parts(guidance_embeds=True)).save_pretrained(path)
 
 
 def build_zimage(path):
@@ -293,8 +335,8 @@ def build_shapes(path):
 
 
 BUILDERS = {
-    "flux": build_flux, "flux2": build_flux2_klein, "sd3": build_sd3, "qwen": build_qwen, "zimage": build_zimage, "shapes": build_shapes, "sd1": build_sd1,
-    "wan": build_wan, "wan22": build_wan22_5b,
+    "flux": build_flux, "flux2": build_flux2_klein, "flux2-dev": build_flux2_dev, "sd3": build_sd3, "qwen": build_qwen,
+    "zimage": build_zimage, "shapes": build_shapes, "sd1": build_sd1, "wan": build_wan, "wan22": build_wan22_5b,
 }  # fmt: skip
 
 
