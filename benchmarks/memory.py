@@ -175,6 +175,19 @@ QWEN25_VL_7B = dict(
                        temporal_patch_size=2, window_size=112),
 )  # fmt: skip
 VAE_QWEN = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers: the transformer of Wan's wan_ti2v_5B config (5.00B: width 3072, 30 layers, 48 latent
+# channels) and the Wan2.2 VAE (705M: pixels patchified 2x2, a residual 8x encoder, 48 channels; 16x in space; its 48
+# published latent statistics' values do not change a memory plan)
+WAN22_TI2V_5B = dict(
+    patch_size=(1, 2, 2), num_attention_heads=24, attention_head_dim=128, in_channels=48, out_channels=48,
+    text_dim=4096, freq_dim=256, ffn_dim=14336, num_layers=30, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+    eps=1e-6, rope_max_seq_len=1024,
+)  # fmt: skip
+VAE_WAN22 = dict(
+    base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+    temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+    scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=[0.0] * 48, latents_std=[1.0] * 48,
+)  # fmt: skip
 # HPSv2.1 is open_clip's ViT-H-14 (986M), kept in fp32 by common/rewards.py; None = open_clip's registered config
 HPS = None
 
@@ -250,8 +263,12 @@ MODELS = {
         denoiser=WAN_T2V_1_3B, text=[("umt5", UMT5_XXL, 512)], vae=VAE_WAN, reward=HPS, resolution=(480, 832),
         frames=81, fsdp_units=("WanTransformerBlock",),
     ),  # WanPipeline: 512 UMT5 tokens, 480 x 832, 81 frames by default
+    "wan22": dict(
+        denoiser=WAN22_TI2V_5B, text=[("umt5", UMT5_XXL, 512)], vae=VAE_WAN22, reward=HPS, resolution=(704, 1280),
+        frames=121, fsdp_units=("WanTransformerBlock",),
+    ),  # Wan2.2-TI2V-5B's own 720p: 704 x 1280, 121 frames (5 s at 24 fps); one timestep per token
 }  # fmt: skip
-VIDEO_KINDS = ("wan",)
+VIDEO_KINDS = ("wan", "wan22")
 
 
 def model_kind(model_id: str) -> str:
@@ -261,7 +278,10 @@ def model_kind(model_id: str) -> str:
     if index.is_file():
         from common.models import KINDS
 
-        kind = KINDS.get(json.loads(index.read_text()).get("_class_name"))
+        config = json.loads(index.read_text())
+        kind = KINDS.get(config.get("_class_name"))
+        if kind == "wan" and config.get("expand_timesteps"):
+            return "wan22"
         if kind in MODELS:
             return kind
     low = model_id.lower()
@@ -271,13 +291,15 @@ def model_kind(model_id: str) -> str:
         return "sd3"
     if "stable-diffusion-v1" in low:
         return "sd1"
+    if "wan2.2-ti2v-5b" in low:
+        return "wan22"
     if "wan" in low and not any(k in low for k in ("14b", "wan2.2", "i2v")):
         return "wan"
     if "qwen-image" in low and not any(k in low for k in ("edit", "2.1", "layered")):
         return "qwen"
     raise ValueError(
-        f"--model-id {model_id}: not FLUX.1, SD3.5-Medium, SD1.5, Qwen-Image or Wan2.1-T2V-1.3B, whose published "
-        "configs are here"
+        f"--model-id {model_id}: not FLUX.1, SD3.5-Medium, SD1.5, Qwen-Image, Wan2.1-T2V-1.3B or Wan2.2-TI2V-5B, whose "
+        "published configs are here"
     )
 
 
@@ -476,7 +498,7 @@ def build_denoiser(kind: str, config: dict, dtype):
     )
 
     classes = {"flux": FluxTransformer2DModel, "sd3": SD3Transformer2DModel, "sd1": UNet2DConditionModel}
-    classes |= {"wan": WanTransformer3DModel, "qwen": QwenImageTransformer2DModel}
+    classes |= {"wan": WanTransformer3DModel, "wan22": WanTransformer3DModel, "qwen": QwenImageTransformer2DModel}
     return classes[kind](**config).to(dtype)
 
 
@@ -507,7 +529,7 @@ def build_vae(kind: str, config: dict, dtype):
     """The VAE in the dtype the scripts decode in: the frozen dtype, fp32 for Wan2.1 (common.models.WanModel.to)."""
     from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan
 
-    if kind == "wan":
+    if kind in VIDEO_KINDS:
         return AutoencoderKLWan(**config).float().eval()
     if kind == "qwen":
         return AutoencoderKLQwenImage(**config).to(dtype).eval()
@@ -567,8 +589,9 @@ class Shapes:
         """`resolution`: the side of a square image, or (height, width); `frames`: a video model's frame count."""
         height, width = (resolution, resolution) if isinstance(resolution, int) else resolution
         den, vae = parts["denoiser"], parts["vae"]
-        if kind == "wan":  # WanPipeline: vae_scale_factor_spatial / _temporal from the VAE's downsampling
-            scale, t_scale = 2 ** len(vae["temperal_downsample"]), 2 ** sum(vae["temperal_downsample"])
+        if kind in VIDEO_KINDS:  # WanPipeline: vae_scale_factor_spatial / _temporal from the VAE's config
+            scale = vae.get("scale_factor_spatial", 2 ** len(vae["temperal_downsample"]))
+            t_scale = 2 ** sum(vae["temperal_downsample"])
             latent = (vae["z_dim"], (frames - 1) // t_scale + 1, height // scale, width // scale)
             cond = {"prompt_embeds": (parts["text"][0][2], den["text_dim"])}  # UMT5 tokens, padded with zeros
             return Shapes(kind, latent, latent, (3, height, width), cond, frames)
@@ -621,10 +644,12 @@ def denoise(shapes: Shapes, module, x):
             encoder_hidden_states=cond["prompt_embeds"], encoder_hidden_states_mask=torch.ones(rows, cond["prompt_embeds"].shape[1]),
             img_shapes=[[(1, side, side)]] * rows, return_dict=False,
         )[0]  # fmt: skip
-    elif shapes.kind == "wan":  # WanModel.velocity: timestep = 1000 sigma (fp32), UMT5 embeddings
+    elif shapes.kind in VIDEO_KINDS:  # WanModel.velocity: timestep = 1000 sigma (fp32), UMT5 embeddings
+        t = torch.full((rows,), 500.0)
+        if shapes.kind == "wan22":  # one timestep per token: (rows, F' x h/2 x w/2)
+            t = t[:, None].expand(-1, x.shape[2] * (x.shape[3] // 2) * (x.shape[4] // 2))
         out = module(
-            hidden_states=x.to(dt), timestep=torch.full((rows,), 500.0), encoder_hidden_states=cond["prompt_embeds"],
-            return_dict=False,
+            hidden_states=x.to(dt), timestep=t, encoder_hidden_states=cond["prompt_embeds"], return_dict=False,
         )[0]  # fmt: skip
     else:
         t = torch.full((rows,), 500, dtype=torch.long)
@@ -650,7 +675,7 @@ def encode_text(encoders, batch: int):
 def vae_decode(vae, shapes: Shapes, latents):
     """common.models.base._vae_decode: (B, *latent) fp32 -> images (B, 3, H, W) fp32 in [0, 1]. Wan2.1: WanModel.decode
     itself (one video at a time, fp32) -> videos (B, F, 3, H, W)."""
-    if shapes.kind == "wan":
+    if shapes.kind in VIDEO_KINDS:
         from common.models import WanModel
         from common.offload import Offloaded
 
@@ -916,7 +941,9 @@ def estimate(
     fsdp_config = fsdp_config or {}
     checkpointing = args.gradient_checkpointing or (fsdp and bool(fsdp_config.get("fsdp_activation_checkpointing")))
     offload, ddp = args.offload_frozen, num_processes > 1 and not fsdp
-    cfg = kind in ("sd3", "sd1", "wan", "qwen") and args.guidance_scale > 1  # FLUX.1-dev's guidance is embedded
+    cfg = (
+        kind in ("sd3", "sd1", "wan", "wan22", "qwen") and args.guidance_scale > 1
+    )  # FLUX.1-dev's guidance is embedded
     work = workload(script, args, shapes, cfg, esize)
     if fsdp and work.copies:
         raise ValueError(f"{script}.py refuses FSDP: it keeps the old policy and the EMA beside the trained weights")
@@ -1230,7 +1257,14 @@ def cross_check() -> None:
 # ---------------------------------------------------------------------------------------------------
 # The table
 # ---------------------------------------------------------------------------------------------------
-MODEL_NAMES = {"flux": "FLUX.1-dev", "sd3": "SD3.5-M", "sd1": "SD1.5", "wan": "Wan2.1-1.3B", "qwen": "Qwen-Image"}
+MODEL_NAMES = {
+    "flux": "FLUX.1-dev",
+    "sd3": "SD3.5-M",
+    "sd1": "SD1.5",
+    "wan": "Wan2.1-1.3B",
+    "wan22": "Wan2.2-5B",
+    "qwen": "Qwen-Image",
+}
 
 
 def setting(e: dict) -> str:

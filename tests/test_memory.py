@@ -211,3 +211,23 @@ def test_qwen_image_plan_doubles_cfg_rows_keeps_its_text_encoder_and_decodes_one
     assert memory.model_kind("Qwen/Qwen-Image-2512") == "qwen"
     with pytest.raises(ValueError, match="Qwen-Image"):
         memory.model_kind("Qwen/Qwen-Image-Edit")
+
+
+def test_wan22_5b_plan_has_its_published_sizes_48_channel_16x_latents_and_per_token_timesteps():
+    """Wan2.2-TI2V-5B: the transformer (5.00B) and the VAE (0.705B) built from the published configs; its latents are
+    (48, F', H/16, W/16); with one timestep per token the training forward keeps more than with one per sample."""
+    with memory.fake_world():
+        den = memory.build_denoiser("wan22", memory.WAN22_TI2V_5B, torch.bfloat16)
+        vae = memory.build_vae("wan22", memory.VAE_WAN22, None)
+        assert sum(p.numel() for p in den.parameters()) / 1e9 == pytest.approx(5.00, abs=0.01)
+        assert sum(p.numel() for p in vae.parameters()) / 1e9 == pytest.approx(0.705, abs=0.001)
+    shapes = memory.Shapes.of("wan22", memory.MODELS["wan22"], (704, 1280), 121)
+    assert shapes.latent == (48, 31, 44, 80) and shapes.sample == (121, 3, 704, 1280)
+    assert memory.model_kind("Wan-AI/Wan2.2-TI2V-5B-Diffusers") == "wan22"
+    tiny = {**memory.TINY_WAN, "denoiser": {**memory.TINY_WAN["denoiser"], "in_channels": 48, "out_channels": 48}}
+    tiny["vae"] = dict(base_dim=8, decoder_base_dim=8, num_res_blocks=1)
+    flags = [f if f != "Wan-AI/Wan2.1-T2V-1.3B-Diffusers" else "Wan-AI/Wan2.2-TI2V-5B-Diffusers" for f in WAN]
+    flags[flags.index("--resolution") + 1] = "64"
+    e = memory.estimate("dancegrpo.py", flags, model_config=tiny)
+    assert e["model"] == "wan22" and e["frames"] == 5 and e["rollout_rows"] == 4  # CFG rows
+    assert e["gb"]["rollout_data"] * GB > 4 * 5 * 3 * 64 * 64 * 4  # the 4 decoded videos are kept
