@@ -5,14 +5,18 @@ Euler sampler and decode give each pipeline's own images and latents with guidan
 masked CFG batch equals two separate forwards; the LoRA targets exist in each transformer; and every script trains on
 each kind, its final/ read by the pipeline's load_lora_weights."""
 
+import importlib
+
 import pytest
 import torch
+import tyro
 from diffusers import Flux2KleinPipeline, QwenImagePipeline, ZImagePipeline
 
+import dancegrpo as D
 from common import InputError
 from common.models import LORA_TARGETS, load_model
 from common.sampling import sample_ode
-from tests.helpers import find_run, metrics, run_script
+from tests.helpers import find_run, metrics
 from tests.tiny import RES, build_flux2_klein, build_qwen, build_zimage
 
 # of different lengths: Qwen-Image's mask matters. A tuple: ZImagePipeline writes its chat template into the prompt list
@@ -111,7 +115,7 @@ def test_flux2_dev_embeds_its_guidance_and_samples_what_the_stock_pipeline_sampl
              str(tmp_path / "p.txt"), "--eval-prompts", str(tmp_path / "p.txt"), "--reward", "jpeg", "--guidance-scale",
              "4", "--iterations", "2", "--eval-every", "0", "--sample-every", "0", "--lora-rank", "4",
              "--learning-rate", "1e-2", "--exp-name", "dev"]  # fmt: skip
-    run_script("dancegrpo.py", flags, tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    D.main(tyro.cli(D.Args, args=[*flags, "--output-dir", str(tmp_path)]))
     pipe.load_lora_weights(str(find_run(tmp_path / "dev") / "final"))
     assert pipe.transformer.peft_config
 
@@ -207,7 +211,8 @@ def test_script_trains_two_iterations_and_the_pipeline_loads_its_lora(script, ki
              "--eval-prompts", prompts, "--reward", "jpeg", "--guidance-scale", "4", "--iterations", "2",
              "--eval-every", "2", "--eval-samples-per-prompt", "1", "--eval-steps", "3", "--sample-every", "0",
              "--lora-rank", "4", "--learning-rate", "1e-2", "--exp-name", kind]  # fmt: skip
-    run_script(script, flags, tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    module = importlib.import_module(script[:-3])  # in-process: a subprocess would spend most of its time importing
+    module.main(tyro.cli(module.Args, args=[*flags, "--output-dir", str(tmp_path)]))
     run = find_run(tmp_path / kind)
     records = metrics(run)
     assert len([r for r in records if "rewards/jpeg" in r]) == 2
@@ -222,8 +227,6 @@ def test_script_trains_two_iterations_and_the_pipeline_loads_its_lora(script, ki
     assert not torch.allclose(before, after, atol=1e-6)
     if script == "dancegrpo.py":  # and `python -m common.evaluate` scores the trained weights against the base
         import json
-
-        import tyro
 
         from common import evaluate as E
 
@@ -242,8 +245,6 @@ def test_rlr_trains_through_the_decoder_and_a_differentiable_reward(kind, kind_d
     """rlr.py's first-order term backpropagates through the kind's VAE decode (Qwen-Image's 3D VAE, FLUX.2's
     BatchNorm-normalised one) and the (tiny) HPSv2.1 reward, its zero-order term perturbs the adapter, with CFG 4;
     in-process (the tiny HPS config is registered here only)."""
-    import tyro
-
     import rlr
     from tests.tiny import build_tiny_hps, use_tiny_hps
 
