@@ -18,7 +18,7 @@ from common.flags import check_run_args
 from common.models import WanModel, load_model
 from common.rewards import CompositeReward, ScoreFn, build_reward, frame_subset, parse_rewards
 from common.sampling import sample_ode
-from tests.helpers import assert_same_trained_weights, find_run, metrics, run_script
+from tests.helpers import assert_same_trained_weights, find_run, metrics
 from tests.tiny import build_shapes, build_wan, build_wan22_5b
 
 RES, FRAMES = 32, 5  # latents (16, 2, 4, 4): 2 latent frames of 2 x 2 tokens
@@ -154,6 +154,12 @@ def test_temporal_reward_prefers_smooth_motion_to_stills_and_flicker():
 
 
 # ---------------------------------------------------------------- the scripts end to end
+def run_in_process(script, flags, tmp_path):
+    """`python SCRIPT --output-dir TMP FLAGS` in this process (a subprocess would spend most of its time importing)."""
+    module = importlib.import_module(script[:-3])
+    module.main(tyro.cli(module.Args, args=[*flags, "--output-dir", str(tmp_path)]))
+
+
 TINY = {  # one prompt group (tree) per iteration
     "dancegrpo.py": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4",
                      "--samples-per-update", "4", "--num-steps", "4"],
@@ -175,9 +181,9 @@ def test_script_trains_video_resumes_bit_equal_and_writes_videos(script, wan_dir
              "--prompts", prompts, "--eval-prompts", prompts, "--reward", "jpeg,temporal:0.5", "--guidance-scale", "5",
              "--eval-every", "2", "--eval-samples-per-prompt", "1", "--eval-steps", "4", "--sample-every", "2",
              "--lora-rank", "4"]  # fmt: skip
-    run_script(script, [*flags, "--iterations", "2", "--exp-name", "whole"], tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    run_in_process(script, [*flags, "--iterations", "2", "--exp-name", "whole"], tmp_path)
     for extra in (["--iterations", "1"], ["--iterations", "2", "--resume-from", "latest"]):
-        run_script(script, [*flags, *extra, "--exp-name", "resumed"], tmp_path, env={"HF_HUB_OFFLINE": "1"})
+        run_in_process(script, [*flags, *extra, "--exp-name", "resumed"], tmp_path)
     assert_same_trained_weights(find_run(tmp_path / "whole"), find_run(tmp_path / "resumed"))
 
     records = metrics(tmp_path / "whole")
@@ -204,7 +210,7 @@ def test_script_trains_video_resumes_bit_equal_and_writes_videos(script, wan_dir
         build_shapes(tmp_path / "shapes")
         image_flags = [*TINY[script], "--model-id", str(tmp_path / "shapes"), "--iterations", "2", "--eval-every", "0",
                        "--sample-every", "0", "--exp-name", "image"]  # fmt: skip
-        run_script(script, image_flags, tmp_path)
+        run_in_process(script, image_flags, tmp_path)
         video_tree, image_tree = tree_counts(records), tree_counts(metrics(tmp_path / "image"))
         assert (
             video_tree == image_tree and video_tree[0]["tree/rollout_forwards_per_leaf"] == (1 + 2 + 2 + 2 + 4 + 4) / 4
@@ -221,9 +227,8 @@ def test_script_trains_wan22_5b_and_the_pipeline_loads_its_lora(script, tmp_path
     flags = [*TINY[script], "--model-id", str(tmp_path / "wan22"), "--resolution", "64", "--num-frames", str(FRAMES),
              "--prompts", prompts, "--eval-prompts", prompts, "--reward", "jpeg,temporal:0.5", "--guidance-scale", "5",
              "--iterations", "2", "--eval-every", "0", "--sample-every", "0", "--lora-rank", "4", "--learning-rate",
-             "1e-2", "--exp-name", "wan22", "--output-dir", str(tmp_path)]  # fmt: skip
-    module = importlib.import_module(script[:-3])  # in-process: a subprocess would spend most of its time importing
-    module.main(tyro.cli(module.Args, args=flags))
+             "1e-2", "--exp-name", "wan22"]  # fmt: skip
+    run_in_process(script, flags, tmp_path)
     run = find_run(tmp_path / "wan22")
     assert len([r for r in metrics(run) if "rewards/temporal" in r]) == 2
     pipe = WanPipeline.from_pretrained(tmp_path / "wan22")
