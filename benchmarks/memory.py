@@ -175,6 +175,18 @@ QWEN25_VL_7B = dict(
                        temporal_patch_size=2, window_size=112),
 )  # fmt: skip
 VAE_QWEN = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
+# black-forest-labs/FLUX.2-klein-base-4B: the transformer (3.88B: 5 double + 20 single blocks, width 3072, 128-channel
+# tokens), Qwen3-4B as text encoder (4.02B; the pipeline stacks its hidden states 9, 18, 27: 7680 wide), the FLUX.2 VAE
+# (AutoencoderKLFlux2's defaults, 84M: 32 channels, 8x)
+FLUX2_KLEIN_4B = dict(
+    in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128, num_attention_heads=24,
+    joint_attention_dim=7680, guidance_embeds=False, axes_dims_rope=(32, 32, 32, 32),
+)  # fmt: skip
+QWEN3_4B = dict(
+    vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=40960,
+)  # fmt: skip
+VAE_FLUX2 = dict()
 # Wan-AI/Wan2.2-TI2V-5B-Diffusers: the transformer of Wan's wan_ti2v_5B config (5.00B: width 3072, 30 layers, 48 latent
 # channels) and the Wan2.2 VAE (705M: pixels patchified 2x2, a residual 8x encoder, 48 channels; 16x in space; its 48
 # published latent statistics' values do not change a memory plan)
@@ -255,6 +267,10 @@ MODELS = {
         denoiser=SD15_UNET, text=[("clip", CLIP_L, 77)], vae=VAE_4CH, reward=HPS, resolution=512,
         fsdp_units=("BasicTransformerBlock", "ResnetBlock2D"),
     ),
+    "flux2": dict(
+        denoiser=FLUX2_KLEIN_4B, text=[("qwen3", QWEN3_4B, 512)], vae=VAE_FLUX2, reward=HPS, resolution=1024,
+        fsdp_units=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"),
+    ),  # Flux2KleinPipeline: prompts padded to 512 tokens, 1024 px; the base model's CFG with ""
     "qwen": dict(
         denoiser=QWEN_IMAGE, text=[("qwen25vl", QWEN25_VL_7B, 34 + 256)], vae=VAE_QWEN, reward=HPS, resolution=1328,
         fsdp_units=("QwenImageTransformerBlock",),
@@ -282,10 +298,14 @@ def model_kind(model_id: str) -> str:
         kind = KINDS.get(config.get("_class_name"))
         if kind == "wan" and config.get("expand_timesteps"):
             return "wan22"
+        if kind == "flux2" and config.get("_class_name") != "Flux2KleinPipeline":
+            raise ValueError(f"--model-id {model_id}: FLUX.2 [dev] is not modelled here (FLUX.2 [klein] 4B is)")
         if kind in MODELS:
             return kind
     low = model_id.lower()
-    if "flux" in low:
+    if "flux.2-klein" in low and "9b" not in low:
+        return "flux2"
+    if "flux" in low and "flux.2" not in low:
         return "flux"
     if "stable-diffusion-3.5" in low and "large" not in low:
         return "sd3"
@@ -298,7 +318,8 @@ def model_kind(model_id: str) -> str:
     if "qwen-image" in low and not any(k in low for k in ("edit", "2.1", "layered")):
         return "qwen"
     raise ValueError(
-        f"--model-id {model_id}: not FLUX.1, SD3.5-Medium, SD1.5, Qwen-Image, Wan2.1-T2V-1.3B or Wan2.2-TI2V-5B, whose "
+        f"--model-id {model_id}: not FLUX.1, FLUX.2 [klein] 4B, SD3.5-Medium, SD1.5, Qwen-Image, Wan2.1-T2V-1.3B or "
+        "Wan2.2-TI2V-5B, whose "
         "published configs are here"
     )
 
@@ -499,6 +520,10 @@ def build_denoiser(kind: str, config: dict, dtype):
 
     classes = {"flux": FluxTransformer2DModel, "sd3": SD3Transformer2DModel, "sd1": UNet2DConditionModel}
     classes |= {"wan": WanTransformer3DModel, "wan22": WanTransformer3DModel, "qwen": QwenImageTransformer2DModel}
+    if kind == "flux2":
+        from diffusers import Flux2Transformer2DModel
+
+        classes["flux2"] = Flux2Transformer2DModel
     return classes[kind](**config).to(dtype)
 
 
@@ -517,6 +542,10 @@ def build_text_encoder(family: str, config: dict, dtype, with_projection: bool):
         return T5EncoderModel(T5Config(**config)).to(dtype).eval()
     if family == "umt5":
         return UMT5EncoderModel(UMT5Config(**config)).to(dtype).eval()
+    if family == "qwen3":  # FLUX.2 [klein]'s: the causal LM as the pipeline loads it
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        return Qwen3ForCausalLM(Qwen3Config(**config)).to(dtype).eval()
     if family == "qwen25vl":  # the whole VL model, as QwenImagePipeline loads it (its vision tower unused)
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -533,6 +562,10 @@ def build_vae(kind: str, config: dict, dtype):
         return AutoencoderKLWan(**config).float().eval()
     if kind == "qwen":
         return AutoencoderKLQwenImage(**config).to(dtype).eval()
+    if kind == "flux2":
+        from diffusers import AutoencoderKLFlux2
+
+        return AutoencoderKLFlux2(**config).to(dtype).eval()
     return AutoencoderKL(**config).to(dtype).eval()
 
 
@@ -558,7 +591,11 @@ def trained_module(kind: str, config: dict, args, frozen_dtype, checkpointing: b
     from common.models import trainable_denoiser
 
     module = build_denoiser(kind, config, frozen_dtype)
+    from common.models import Flux2Model
+
     holder = types.SimpleNamespace(kind=kind, unet=module, transformer=module)
+    if kind == "flux2":  # its adapter also covers the single blocks' fused Linears
+        holder.lora_targets = Flux2Model.lora_targets
     module = trainable_denoiser(holder, args)
     if checkpointing or module.is_gradient_checkpointing:  # FSDP's config can ask for it too
         module.enable_gradient_checkpointing(checkpoint_under_policy)
@@ -595,6 +632,11 @@ class Shapes:
             latent = (vae["z_dim"], (frames - 1) // t_scale + 1, height // scale, width // scale)
             cond = {"prompt_embeds": (parts["text"][0][2], den["text_dim"])}  # UMT5 tokens, padded with zeros
             return Shapes(kind, latent, latent, (3, height, width), cond, frames)
+        if kind == "flux2":  # 8x, then 2x2 patchified into tokens of 4 x 32; text: 3 stacked hidden states, 512 tokens
+            h, w = height // 8, width // 8
+            text = parts["text"][0]
+            cond = {"prompt_embeds": (text[2], 3 * text[1]["hidden_size"])}
+            return Shapes(kind, ((h // 2) * (w // 2), den["in_channels"]), (32, h, w), (3, height, width), cond)
         if kind == "qwen":  # 8x (3 downsamplings), 2x2 patches packed into tokens of 4 x 16; the 3D VAE's one frame
             h, w = height // 2 ** len(vae["temperal_downsample"]), width // 2 ** len(vae["temperal_downsample"])
             tokens = parts["text"][0][2] - 34  # the template's system part is dropped
@@ -637,6 +679,13 @@ def denoise(shapes: Shapes, module, x):
             hidden_states=x.to(dt), timestep=torch.full((rows,), 500.0), encoder_hidden_states=cond["prompt_embeds"],
             pooled_projections=cond["pooled"], return_dict=False,
         )[0]  # fmt: skip
+    elif shapes.kind == "flux2":  # Flux2Model.velocity: timestep = sigma, 4-axis ids, no guidance input ([klein])
+        tokens = shapes.cond["prompt_embeds"][0]
+        out = module(
+            hidden_states=x.to(dt), timestep=torch.full((rows,), 0.5, dtype=dt), guidance=None,
+            encoder_hidden_states=cond["prompt_embeds"], txt_ids=torch.zeros(tokens, 4, dtype=torch.long),
+            img_ids=torch.zeros(x.shape[1], 4, dtype=torch.long), return_dict=False,
+        )[0]  # fmt: skip
     elif shapes.kind == "qwen":  # QwenImageModel.velocity: timestep = sigma, the text mask, RoPE from the latent grid
         side = int(math.isqrt(x.shape[1]))
         out = module(
@@ -666,6 +715,9 @@ def encode_text(encoders, batch: int):
                 out = module(ids, torch.ones_like(ids)).last_hidden_state
                 torch.stack([torch.cat([u[:1], u.new_zeros(tokens - 1, u.shape[1])]) for u in out])
                 continue
+            if family == "qwen3":  # every hidden state (the pipeline stacks three of them), with the mask
+                module(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True, use_cache=False)
+                continue
             if family == "qwen25vl":  # the last hidden layer of the language model, with the mask
                 module(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
                 continue
@@ -680,6 +732,16 @@ def vae_decode(vae, shapes: Shapes, latents):
         from common.offload import Offloaded
 
         return WanModel.decode(types.SimpleNamespace(vae=vae, _vae=Offloaded([vae], "cpu", False)), latents)
+    if shapes.kind == "flux2":  # Flux2Model.decode itself: BatchNorm statistics, un-patchify, decode
+        from diffusers import Flux2KleinPipeline
+
+        from common.models import Flux2Model
+        from common.offload import Offloaded
+
+        holder = types.SimpleNamespace(vae=vae, _vae=Offloaded([vae], "cpu", False), pipe=Flux2KleinPipeline)
+        holder.grid = (shapes.vae_latent[1] // 2, shapes.vae_latent[2] // 2)
+        holder._vae_latents = lambda x: Flux2Model._vae_latents(holder, x)
+        return Flux2Model.decode(holder, latents)
     if shapes.kind == "qwen":
         from common.models import QwenImageModel
         from common.offload import Offloaded
@@ -941,9 +1003,7 @@ def estimate(
     fsdp_config = fsdp_config or {}
     checkpointing = args.gradient_checkpointing or (fsdp and bool(fsdp_config.get("fsdp_activation_checkpointing")))
     offload, ddp = args.offload_frozen, num_processes > 1 and not fsdp
-    cfg = (
-        kind in ("sd3", "sd1", "wan", "wan22", "qwen") and args.guidance_scale > 1
-    )  # FLUX.1-dev's guidance is embedded
+    cfg = kind in ("sd3", "sd1", "wan", "wan22", "qwen", "flux2") and args.guidance_scale > 1  # FLUX.1-dev: embedded
     work = workload(script, args, shapes, cfg, esize)
     if fsdp and work.copies:
         raise ValueError(f"{script}.py refuses FSDP: it keeps the old policy and the EMA beside the trained weights")
@@ -1264,6 +1324,7 @@ MODEL_NAMES = {
     "wan": "Wan2.1-1.3B",
     "wan22": "Wan2.2-5B",
     "qwen": "Qwen-Image",
+    "flux2": "FLUX.2-klein-4B",
 }
 
 

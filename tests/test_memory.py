@@ -231,3 +231,32 @@ def test_wan22_5b_plan_has_its_published_sizes_48_channel_16x_latents_and_per_to
     e = memory.estimate("dancegrpo.py", flags, model_config=tiny)
     assert e["model"] == "wan22" and e["frames"] == 5 and e["rollout_rows"] == 4  # CFG rows
     assert e["gb"]["rollout_data"] * GB > 4 * 5 * 3 * 64 * 64 * 4  # the 4 decoded videos are kept
+
+
+def test_flux2_klein_plan_has_its_published_sizes_and_adapts_the_single_blocks():
+    """FLUX.2 [klein] base 4B: the transformer (3.88B), Qwen3-4B (4.02B) and the VAE (84M) built from the published
+    configs; 128-channel tokens of 2x2-patchified 32-channel latents; the plan's adapter is the one the scripts add
+    (common.models.Flux2Model.lora_targets: the single blocks' fused Linears too). FLUX.2 [dev] is not modelled."""
+    with memory.fake_world():
+        den = memory.build_denoiser("flux2", memory.FLUX2_KLEIN_4B, torch.bfloat16)
+        te = memory.build_text_encoder("qwen3", memory.QWEN3_4B, torch.bfloat16, False)
+        vae = memory.build_vae("flux2", memory.VAE_FLUX2, torch.bfloat16)
+        sizes = [sum(p.numel() for p in m.parameters()) / 1e9 for m in (den, te, vae)]
+    assert sizes == pytest.approx([3.876, 4.022, 0.084], abs=0.001)
+    shapes = memory.Shapes.of("flux2", memory.MODELS["flux2"], 384)
+    assert (
+        shapes.latent == (576, 128)
+        and shapes.vae_latent == (32, 48, 48)
+        and shapes.cond["prompt_embeds"]
+        == (
+            512,
+            7680,
+        )
+    )
+    assert memory.model_kind("black-forest-labs/FLUX.2-klein-base-4B") == "flux2"
+    args = memory.parse_args("dancegrpo", ["--model-id", "x", "--lora", "--lora-rank", "4", "--lora-alpha", "4"])
+    with memory.fake_world():
+        small = {**memory.FLUX2_KLEIN_4B, "num_layers": 1, "num_single_layers": 1}
+        module = memory.trained_module("flux2", small, args, torch.bfloat16, False)
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in module.named_parameters() if ".lora_A" in n}
+    assert len(adapted) == 8 + 2 and "single_transformer_blocks.0.attn.to_qkv_mlp_proj" in adapted
