@@ -31,6 +31,17 @@ def run_script(script, args, tmp_path, launcher=(sys.executable,), env=None, che
     return out
 
 
+def run_in_process(script, args, tmp_path):
+    """`python SCRIPT --output-dir TMP ARGS` in this process, its main() on its Args: a subprocess would spend most of
+    its time importing. For runs whose exit status and output do not matter (run_script checks those)."""
+    import importlib
+
+    import tyro
+
+    module = importlib.import_module(script.removesuffix(".py"))
+    module.main(tyro.cli(module.Args, args=[*args, "--output-dir", str(tmp_path)]))
+
+
 def run_recipe(recipe, args, tmp_path):
     """`bash run.sh RECIPE ARGS --output-dir TMP` with this interpreter; asserts success."""
     out = subprocess.run(

@@ -5,18 +5,15 @@ Euler sampler and decode give each pipeline's own images and latents with guidan
 masked CFG batch equals two separate forwards; the LoRA targets exist in each transformer; and every script trains on
 each kind, its final/ read by the pipeline's load_lora_weights."""
 
-import importlib
-
 import pytest
 import torch
 import tyro
 from diffusers import Flux2KleinPipeline, QwenImagePipeline, ZImagePipeline
 
-import dancegrpo as D
 from common import InputError
 from common.models import LORA_TARGETS, load_model
 from common.sampling import sample_ode
-from tests.helpers import find_run, metrics
+from tests.helpers import find_run, metrics, run_in_process
 from tests.tiny import RES, build_flux2_klein, build_qwen, build_zimage
 
 # of different lengths: Qwen-Image's mask matters. A tuple: ZImagePipeline writes its chat template into the prompt list
@@ -115,7 +112,7 @@ def test_flux2_dev_embeds_its_guidance_and_samples_what_the_stock_pipeline_sampl
              str(tmp_path / "p.txt"), "--eval-prompts", str(tmp_path / "p.txt"), "--reward", "jpeg", "--guidance-scale",
              "4", "--iterations", "2", "--eval-every", "0", "--sample-every", "0", "--lora-rank", "4",
              "--learning-rate", "1e-2", "--exp-name", "dev"]  # fmt: skip
-    D.main(tyro.cli(D.Args, args=[*flags, "--output-dir", str(tmp_path)]))
+    run_in_process("dancegrpo.py", flags, tmp_path)
     pipe.load_lora_weights(str(find_run(tmp_path / "dev") / "final"))
     assert pipe.transformer.peft_config
 
@@ -211,8 +208,7 @@ def test_script_trains_two_iterations_and_the_pipeline_loads_its_lora(script, ki
              "--eval-prompts", prompts, "--reward", "jpeg", "--guidance-scale", "4", "--iterations", "2",
              "--eval-every", "2", "--eval-samples-per-prompt", "1", "--eval-steps", "3", "--sample-every", "0",
              "--lora-rank", "4", "--learning-rate", "1e-2", "--exp-name", kind]  # fmt: skip
-    module = importlib.import_module(script[:-3])  # in-process: a subprocess would spend most of its time importing
-    module.main(tyro.cli(module.Args, args=[*flags, "--output-dir", str(tmp_path)]))
+    run_in_process(script, flags, tmp_path)
     run = find_run(tmp_path / kind)
     records = metrics(run)
     assert len([r for r in records if "rewards/jpeg" in r]) == 2

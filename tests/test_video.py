@@ -3,8 +3,6 @@ against the stock WanPipeline, the video rewards, and dancegrpo.py, branchgrpo.p
 iterations, ratio 1 at the first update, resume bit-equal, rewards logged per component, sample videos written; on
 Wan2.2, final/ read by WanPipeline); rlr.py refuses video."""
 
-import importlib
-
 import pytest
 import torch
 import tyro
@@ -18,7 +16,7 @@ from common.flags import check_run_args
 from common.models import WanModel, load_model
 from common.rewards import CompositeReward, ScoreFn, build_reward, frame_subset, parse_rewards
 from common.sampling import sample_ode
-from tests.helpers import assert_same_trained_weights, find_run, metrics
+from tests.helpers import assert_same_trained_weights, find_run, metrics, run_in_process
 from tests.tiny import build_shapes, build_wan, build_wan22_5b
 
 RES, FRAMES = 32, 5  # latents (16, 2, 4, 4): 2 latent frames of 2 x 2 tokens
@@ -154,12 +152,6 @@ def test_temporal_reward_prefers_smooth_motion_to_stills_and_flicker():
 
 
 # ---------------------------------------------------------------- the scripts end to end
-def run_in_process(script, flags, tmp_path):
-    """`python SCRIPT --output-dir TMP FLAGS` in this process (a subprocess would spend most of its time importing)."""
-    module = importlib.import_module(script[:-3])
-    module.main(tyro.cli(module.Args, args=[*flags, "--output-dir", str(tmp_path)]))
-
-
 TINY = {  # one prompt group (tree) per iteration
     "dancegrpo.py": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4",
                      "--samples-per-update", "4", "--num-steps", "4"],

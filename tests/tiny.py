@@ -268,7 +268,7 @@ def build_flux2_klein(path, distilled=False):
     ).save_pretrained(path)  # fmt: skip
 
 
-MISTRAL_SPECIALS = ["<pad>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]",
+MISTRAL_MARKERS = ["<pad>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]",
                     "[IMG_BREAK]", "[IMG_END]"]  # fmt: skip
 # Mistral's chat template, reduced to what Flux2Pipeline sends: a system message, then the user's text
 MISTRAL_CHAT = (
@@ -284,9 +284,9 @@ def build_flux2_dev(path):
     guidance embedding."""
     torch.manual_seed(0)
     chars = [t for t in sorted(qwen_tokenizer().get_vocab().items(), key=lambda kv: kv[1]) if not t[0].startswith("<|")]
-    vocab = {t: i for i, t in enumerate(MISTRAL_SPECIALS + [c for c, _ in chars])}
+    vocab = {t: i for i, t in enumerate(MISTRAL_MARKERS + [c for c, _ in chars])}
     tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token="<pad>", eos_token="</s>", pad_token="<pad>", bos_token="<s>",
-                         additional_special_tokens=MISTRAL_SPECIALS[3:], model_max_length=4096)  # fmt: skip
+                         additional_special_tokens=MISTRAL_MARKERS[3:], model_max_length=4096)  # fmt: skip
     processor = PixtralProcessor(image_processor=PixtralImageProcessor(patch_size=4), tokenizer=tok, patch_size=4,
                                  spatial_merge_size=2, chat_template=MISTRAL_CHAT)  # fmt: skip
     te = Mistral3ForConditionalGeneration(Mistral3Config(
@@ -295,7 +295,7 @@ def build_flux2_dev(path):
                          max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2),
         vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                            num_attention_heads=2, head_dim=8, patch_size=4, image_size=64),
-        image_token_index=MISTRAL_SPECIALS.index("[IMG]"), spatial_merge_size=2,
+        image_token_index=MISTRAL_MARKERS.index("[IMG]"), spatial_merge_size=2,
     ))  # fmt: skip
     Flux2Pipeline(text_encoder=te, tokenizer=processor, **flux2_parts(guidance_embeds=True)).save_pretrained(path)
 

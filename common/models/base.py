@@ -24,6 +24,13 @@ def _vae_decode(vae, latents):
     return ((img + 1) / 2).clamp(0, 1).to(latents.dtype)
 
 
+def _unnormalise(z, vae_config):
+    """A 3D VAE's latents (B, C, F, h, w) from the model's: z * latents_std + latents_mean per channel (Wan, Qwen-Image)."""
+    view = (1, -1, 1, 1, 1)
+    std = torch.tensor(vae_config.latents_std, device=z.device).view(view)
+    return z * std + torch.tensor(vae_config.latents_mean, device=z.device).view(view)
+
+
 def _move(modules, device, dtype):
     # only pass what is set: diffusers' ModelMixin.to() warns whenever a `dtype` kwarg is present, even None
     # (and no dtype when a module has it already: the warning is noise then)

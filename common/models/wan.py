@@ -5,7 +5,7 @@ import torch
 from diffusers import WanPipeline
 
 from common import InputError
-from common.models.base import FlowModel, _cfg, _check_multiple, check_num_frames
+from common.models.base import FlowModel, _cfg, _check_multiple, _unnormalise, check_num_frames
 
 
 class WanModel(FlowModel):
@@ -13,7 +13,7 @@ class WanModel(FlowModel):
     first frame and packs every 4 after it into one latent frame), 1x2x2 patches, UMT5 text, classifier-free
     guidance. Wan2.1: C = 16, s = 8. Wan2.2-TI2V-5B (expand_timesteps): C = 48, s = 16 (its VAE patchifies pixels 2x2
     before an 8x encoder), and the transformer gets one timestep per token, as WanPipeline feeds it (a scalar per
-    sample gives the same velocity only to about 1e-6). Wan2.2-T2V-A14B's two experts are refused."""
+    sample gives the same velocity only to float rounding, 5e-7 on tests/tiny.py's model). Wan2.2-T2V-A14B's two experts are refused."""
 
     kind = "wan"
     pipeline = WanPipeline  # loads the folder; saves and loads a LoRA adapter (save_lora_weights)
@@ -72,10 +72,7 @@ class WanModel(FlowModel):
         """(B, 16, F', h, w) -> video (B, F, 3, H, W) in [0, 1] (frames first, as WanPipeline's output), differentiable.
         The latents are normalised per channel: z = x * latents_std + latents_mean, as WanPipeline un-normalises."""
         self._vae.fetch()
-        cfg, view = self.vae.config, (1, -1, 1, 1, 1)
-        mean = torch.tensor(cfg.latents_mean, device=x.device).view(view)
-        std = torch.tensor(cfg.latents_std, device=x.device).view(view)
-        z = (x * std + mean).to(self.vae.dtype)
+        z = _unnormalise(x, self.vae.config).to(self.vae.dtype)
         # one video at a time: the VAE's activations grow with the frames, a batch of videos multiplies them
         video = torch.cat([self.vae.decode(z[i : i + 1]).sample for i in range(len(z))])  # (B, 3, F, H, W), [-1, 1]
         return ((video + 1) / 2).clamp(0, 1).to(x.dtype).transpose(1, 2)
