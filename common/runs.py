@@ -57,6 +57,10 @@ class Run:
 
     def __init__(self, args, accelerator, title: str, frozen_copy: bool = False):
         self.args, self.accelerator, self.title, self.is_main = args, accelerator, title, accelerator.is_main_process
+        # scaled_dot_product_attention without its cuDNN backend (flash or memory-efficient attention instead): with
+        # torch 2.11 (cuDNN 9.19) on an H200, cuDNN's attention backward at FLUX.1-dev's shapes fails with an illegal
+        # memory access, in every script, with or without LoRA or checkpointing (docs/gpu.md, "The GPU check")
+        torch.backends.cuda.enable_cudnn_sdp(False)
         need(
             not (frozen_copy and accelerator.distributed_type == DistributedType.FSDP),
             "--kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU; "
