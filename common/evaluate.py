@@ -173,10 +173,16 @@ def check_weights(model, spec: str, folder: Path) -> None:
     """Check that `folder` (weights_folder's) loads into model.transformer before anything is sampled: its configs
     and the headers of its safetensors files (names and shapes), never its tensors; model is left as it was. An
     InputError naming --weights and the folder otherwise."""
+    from common.models.wan import LOW_NOISE_LORA, WanExperts
+
     transformer = model.transformer
     cls = type(transformer).__name__
     own = {k: tuple(v.shape) for k, v in transformer.state_dict().items()}
     kind = weights_kind(folder)
+    need(
+        kind != "transformer" or not isinstance(transformer, WanExperts),
+        f"--weights {spec}: full fine-tunes of Wan2.2-T2V-A14B's two experts are not read here (LoRA adapters are)",
+    )
     if kind == "checkpoint":
         path = folder / "model.safetensors"
         state = {k.removeprefix("module."): s for k, s in _header(spec, path).items()}  # DDP's prefix
@@ -192,9 +198,12 @@ def check_weights(model, spec: str, folder: Path) -> None:
         wrong = _differences(state, own, every)
         need(not wrong, f"--weights {spec}: {path} holds tensors that are not {cls}'s ({wrong}); another --model-id?")
     elif kind == "lora":
-        path = folder / LORA_FILE
-        wrong = _lora_differences(_header(spec, path), transformer)
-        need(not wrong, f"--weights {spec}: {path} is not a LoRA adapter of {cls} ({wrong}); another --model-id?")
+        files = [(folder / LORA_FILE, transformer)]
+        if isinstance(transformer, WanExperts):  # Wan2.2-T2V-A14B: one adapter file per expert
+            files = [(folder / LORA_FILE, transformer.high), (folder / LOW_NOISE_LORA, transformer.low)]
+        for path, module in files:
+            wrong = _lora_differences(_header(spec, path), module)
+            need(not wrong, f"--weights {spec}: {path} is not a LoRA adapter of {cls} ({wrong}); another --model-id?")
     else:
         source = folder / "transformer" if (folder / "transformer").is_dir() else folder
         need((source / "config.json").is_file(), f"--weights {spec}: {source} has no config.json; {EXPECTED}")

@@ -30,7 +30,7 @@ import transformers
 import tyro
 
 from common import InputError, RunError
-from common.models import VIDEO_KINDS, check_model_id, check_num_frames
+from common.models import VIDEO_KINDS, check_model_id, check_num_frames, has_two_experts
 from common.prompts import HPDV2_HOWTO, SOURCES, load_prompts
 from common.rewards import RewardSpec, check_rewards, parse_rewards
 
@@ -70,6 +70,9 @@ class RunArgs:
     the first and the last among them, and gives their mean"""
     lora: bool = True
     """train a LoRA adapter (peft) instead of all transformer weights (--no-lora: all of them)"""
+    experts: Literal["both", "high", "low"] = "both"
+    """Wan2.2-T2V-A14B only: the expert(s) trained, each on the steps the pipeline gives it (high: sigma >= 0.875,
+    `transformer`; low: the rest, `transformer_2`); with one, the other stays frozen and its steps carry no gradient"""
     lora_rank: int = 32
     """LoRA rank (with --lora)"""
     lora_alpha: float = 64.0
@@ -244,6 +247,8 @@ def check_run_args(args, video: bool = True, differentiable: bool = False) -> tu
         "(as its paper); train video with dancegrpo.py, branchgrpo.py or vgrpo.py",
     )
     check_mode_flags(args, [(f, lambda a: is_video, "a video model (Wan2.1)") for f in ("num_frames", "reward_frames")])
+    two = is_video and has_two_experts(args.model_id)
+    check_mode_flags(args, [("experts", lambda a: two, "a two-expert Wan2.2-T2V-A14B")])
     need(args.reward_frames >= 1, "--reward-frames must be >= 1")
     if args.num_frames is not None:
         check_num_frames(args.num_frames)

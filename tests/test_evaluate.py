@@ -144,13 +144,15 @@ def test_paired_standard_error_by_hand():
     assert mean == pytest.approx(7 / 3) and se == pytest.approx(math.sqrt(7 / 3) / math.sqrt(3))
 
 
-@pytest.mark.parametrize("kind", ["flux", "wan"])
+@pytest.mark.parametrize("kind", ["flux", "wan", "wan22_a14b"])
 def test_tiny_real_models_against_a_lora_fine_tune(kind, tmp_path):
-    """A random LoRA adapter saved as a run saves it, on tiny FLUX / Wan, scored by JPEG size (Wan: and motion);
-    HPDv2-style prompts from its benchmark JSON files give the per-style table."""
+    """A random LoRA adapter saved as a run saves it, on tiny FLUX / Wan / Wan2.2-A14B (an adapter on each expert),
+    scored by JPEG size (Wan: and motion); HPDv2-style prompts from its benchmark JSON files give the per-style
+    table."""
     BUILDERS[kind](tmp_path / kind)
-    frames = ["--num-frames", "5"] if kind == "wan" else []
-    model = load_model(str(tmp_path / kind), resolution=RES, num_frames=5 if kind == "wan" else None)
+    video = kind.startswith("wan")
+    frames = ["--num-frames", "5"] if video else []
+    model = load_model(str(tmp_path / kind), resolution=RES, num_frames=5 if video else None)
     add_lora(model.transformer, 4, 4.0)
     for name, p in model.transformer.named_parameters():
         if "lora_B" in name:
@@ -159,7 +161,7 @@ def test_tiny_real_models_against_a_lora_fine_tune(kind, tmp_path):
     for style in ("anime", "concept-art", "paintings", "photo"):
         (tmp_path / "hpd" / "benchmark").mkdir(parents=True, exist_ok=True)
         (tmp_path / "hpd" / "benchmark" / f"{style}.json").write_text(json.dumps([f"a {style} cat", f"a {style} dog"]))
-    reward = "jpeg,temporal:0.5" if kind == "wan" else "jpeg"
+    reward = "jpeg,temporal:0.5" if video else "jpeg"
     argv = ["--model-id", str(tmp_path / kind), "--resolution", str(RES), *frames, "--weights", str(tmp_path / "final"),
             "--prompts", f"hpdv2={tmp_path / 'hpd'}", "--reward", reward, "--samples-per-prompt", "2",
             "--num-steps", "2", "--guidance-scale", "2", "--batch-size", "4", "--out", str(tmp_path / "eval")]  # fmt: skip

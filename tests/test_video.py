@@ -13,11 +13,11 @@ import dancegrpo as D
 import rlr
 from common import InputError
 from common.flags import check_run_args
-from common.models import WanModel, load_model
+from common.models import WanExperts, WanModel, add_lora, load_model
 from common.rewards import CompositeReward, ScoreFn, build_reward, frame_subset, parse_rewards
 from common.sampling import sample_ode
 from tests.helpers import assert_same_trained_weights, find_run, metrics, run_in_process
-from tests.tiny import build_shapes, build_wan, build_wan22_5b
+from tests.tiny import build_shapes, build_wan, build_wan22_5b, build_wan22_a14b
 
 RES, FRAMES = 32, 5  # latents (16, 2, 4, 4): 2 latent frames of 2 x 2 tokens
 
@@ -79,9 +79,48 @@ def test_wan22_5b_feeds_one_timestep_per_token_and_samples_what_the_stock_pipeli
         del model.decode
         assert torch.equal(ours_latents, stock_latents)
     two_experts = WanPipeline(**{k: getattr(pipe, k) for k in ("tokenizer", "text_encoder", "vae", "scheduler")},
-                              transformer=pipe.transformer, transformer_2=pipe.transformer, boundary_ratio=0.875)  # fmt: skip
-    with pytest.raises(InputError, match="two-expert Wan2.2"):
+                              transformer=pipe.transformer, transformer_2=pipe.transformer, boundary_ratio=0.875,
+                              expand_timesteps=True)  # fmt: skip
+    with pytest.raises(InputError, match="two experts with per-token timesteps"):
         WanModel(two_experts, 64, FRAMES)
+
+
+def test_wan22_a14b_routes_each_step_to_the_pipelines_expert_and_samples_what_it_samples(tmp_path):
+    """Wan2.2-T2V-A14B (a tiny one): 6 steps at shift 3 put sigma 1, 0.94 on the high-noise expert and 0.86 ... on
+    transformer_2 (boundary 0.875); our sampler's latents equal WanPipeline's exactly across the switch, with CFG 5
+    and without; a batch that mixes the two sides equals each row through its own expert; both experts get LoRA and
+    gradients; final/'s two adapters load into the pipeline's two experts."""
+    build_wan22_a14b(tmp_path / "a14b")
+    model = load_model(str(tmp_path / "a14b"), resolution=RES, num_frames=FRAMES)
+    experts = model.transformer
+    assert isinstance(experts, WanExperts) and experts.boundary == 875.0 and not model.per_token
+    pipe = WanPipeline.from_pretrained(tmp_path / "a14b")
+    pipe.set_progress_bar_config(disable=True)
+    prompts, noise = ["a cat walks", "a red car drives"], torch.randn(2, *model.latent_shape())
+    cond = model.encode_prompts(prompts)
+    kw = dict(height=RES, width=RES, num_frames=FRAMES, num_inference_steps=6, output_type="latent")
+    for scale in (1.0, 5.0):
+        stock = pipe(prompts, latents=noise.clone(), guidance_scale=scale, **kw).frames
+        sigmas = pipe.scheduler.sigmas
+        assert (sigmas[:-1] >= 0.875).tolist() == [True, True, False, False, False, False]
+        model.decode = lambda x: x
+        ours = sample_ode(model, model.transformer, cond, noise, sigmas, scale)
+        high_only = sample_ode(model, experts.high, cond, noise, sigmas, scale)  # without the switch
+        del model.decode
+        torch.testing.assert_close(ours, stock, atol=1e-5, rtol=0)
+        assert (high_only - stock).abs().max() > 0.1
+    # one batch across the switch = each row alone through the expert the pipeline would use
+    sigma = torch.tensor([0.95, 0.5])
+    both = model.velocity(experts, noise, sigma, cond)
+    alone = [model.velocity(e, noise[i : i + 1], sigma[i : i + 1], {k: v[i : i + 1] for k, v in cond.items()})
+             for i, e in enumerate((experts.high, experts.low))]  # fmt: skip
+    torch.testing.assert_close(both, torch.cat(alone), atol=1e-6, rtol=0)
+    # LoRA on both experts; a loss on one side's row still gives the idle expert a (zero) gradient, for DDP
+    add_lora(experts, 4, 8)
+    assert {n.split(".")[0] for n, p in experts.named_parameters() if p.requires_grad} == {"high", "low"}
+    model.velocity(experts, noise[:1], sigma[:1], {k: v[:1] for k, v in cond.items()}).sum().backward()
+    grads = {n.split(".")[0]: p.grad for n, p in experts.named_parameters() if "lora_B" in n}
+    assert grads["high"].abs().sum() > 0 and grads["low"] is not None and grads["low"].abs().sum() == 0
 
 
 def test_wan_decode_is_differentiable_and_the_vae_stays_fp32(wan_dir):
@@ -230,3 +269,58 @@ def test_script_trains_wan22_5b_and_the_pipeline_loads_its_lora(script, tmp_path
     pipe.load_lora_weights(str(run / "final"))
     after = pipe(["a cat walks"], generator=torch.Generator().manual_seed(0), **kw).frames
     assert not torch.allclose(before, after, atol=1e-6)
+
+
+@pytest.mark.parametrize("script", TINY)
+def test_script_trains_both_a14b_experts_and_the_pipeline_loads_them(script, tmp_path):
+    """2 iterations on a tiny Wan2.2-T2V-A14B with CFG 5 (6 steps: 2 on the high-noise expert, 4 on transformer_2);
+    final/ holds one adapter per expert, both trained, and WanPipeline loads them into its two experts."""
+    from safetensors.torch import load_file
+
+    from common.models.wan import LOW_NOISE_LORA
+
+    build_wan22_a14b(tmp_path / "a14b")
+    (tmp_path / "prompts.txt").write_text("a cat walks\na red car drives\n")
+    prompts = str(tmp_path / "prompts.txt")
+    steps = ["--num-steps", "6"] if script != "branchgrpo.py" else []  # BranchGRPO's tiny tree has 6 already
+    flags = [*TINY[script], *steps, "--model-id", str(tmp_path / "a14b"), "--resolution", str(RES), "--num-frames",
+             str(FRAMES), "--shift", "3", "--prompts", prompts, "--eval-prompts", prompts, "--reward", "jpeg",
+             "--guidance-scale", "5", "--iterations", "2", "--eval-every", "0", "--sample-every", "0", "--lora-rank",
+             "4", "--learning-rate", "1e-2", "--exp-name", "a14b"]  # fmt: skip
+    run_in_process(script, flags, tmp_path)
+    final = find_run(tmp_path / "a14b") / "final"
+    for name in ("pytorch_lora_weights.safetensors", LOW_NOISE_LORA):
+        lora_b = [v for k, v in load_file(final / name).items() if "lora_B" in k]
+        assert lora_b and any(v.abs().sum() > 0 for v in lora_b), name  # each expert trained (B starts at 0)
+    pipe = WanPipeline.from_pretrained(tmp_path / "a14b")
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(height=RES, width=RES, num_frames=FRAMES, num_inference_steps=6, guidance_scale=1.0, output_type="latent")
+    before = pipe(["a cat walks"], generator=torch.Generator().manual_seed(0), **kw).frames
+    pipe.load_lora_weights(str(final))
+    pipe.load_lora_weights(str(final), weight_name=LOW_NOISE_LORA, load_into_transformer_2=True)
+    after = pipe(["a cat walks"], generator=torch.Generator().manual_seed(0), **kw).frames
+    assert not torch.allclose(before, after, atol=1e-6)
+
+
+def test_experts_flag_trains_one_a14b_expert_and_fails_at_start_up_elsewhere(tmp_path, wan_dir):
+    """--experts high: the low-noise expert's adapter stays at its initial B = 0 (its 4 of the 6 steps carry no
+    gradient), the high-noise one trains; on a one-expert model the flag is refused before anything loads."""
+    from safetensors.torch import load_file
+
+    from common.models.wan import LOW_NOISE_LORA
+
+    build_wan22_a14b(tmp_path / "a14b")
+    prompts = str(wan_dir / "prompts.txt")
+    flags = [*TINY["dancegrpo.py"], "--num-steps", "6", "--resolution", str(RES), "--num-frames", str(FRAMES),
+             "--shift", "3", "--prompts", prompts, "--eval-prompts", prompts, "--reward", "jpeg", "--iterations", "1",
+             "--eval-every", "0", "--sample-every", "0", "--lora-rank", "4", "--learning-rate", "1e-2",
+             "--experts", "high"]  # fmt: skip
+    run_in_process("dancegrpo.py", [*flags, "--model-id", str(tmp_path / "a14b"), "--exp-name", "high"], tmp_path)
+    final = find_run(tmp_path / "high") / "final"
+    b = {n: [v for k, v in load_file(final / n).items() if "lora_B" in k]
+         for n in ("pytorch_lora_weights.safetensors", LOW_NOISE_LORA)}  # fmt: skip
+    assert any(v.abs().sum() > 0 for v in b["pytorch_lora_weights.safetensors"])
+    assert b[LOW_NOISE_LORA] and all(v.abs().sum() == 0 for v in b[LOW_NOISE_LORA])
+    args = tyro.cli(D.Args, args=[*flags, "--model-id", str(wan_dir)])
+    with pytest.raises(InputError, match="--experts.*two-expert Wan2.2-T2V-A14B"):
+        check_run_args(args)

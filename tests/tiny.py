@@ -157,6 +157,18 @@ def build_wan(path):
     ).save_pretrained(path)  # fmt: skip
 
 
+def build_wan22_a14b(path):
+    """Wan2.2-T2V-A14B's layout: build_wan's parts with two experts (differently seeded), transformer_2 taking the steps
+    below sigma = boundary_ratio 0.875, shift 3 (the real one's 12 leaves few short-schedule steps to the low-noise
+    expert); 5 frames at 32 px give latents (16, 2, 4, 4)."""
+    build_wan(path)
+    pipe = WanPipeline.from_pretrained(path)
+    torch.manual_seed(1)
+    low = WanTransformer3DModel(**pipe.transformer.config)
+    WanPipeline(**{k: getattr(pipe, k) for k in ("tokenizer", "text_encoder", "transformer", "vae", "scheduler")},
+                transformer_2=low, boundary_ratio=0.875).save_pretrained(path)  # fmt: skip
+
+
 def build_wan22_5b(path):
     """Wan2.2-TI2V-5B text-to-video: as build_wan, but the transformer has 48 latent channels and gets one timestep
     per token (expand_timesteps), and the VAE is Wan2.2's: pixels patchified 2x2 (3 -> 12 channels), a residual 8x
@@ -337,6 +349,7 @@ def build_shapes(path):
 BUILDERS = {
     "flux": build_flux, "flux2": build_flux2_klein, "flux2-dev": build_flux2_dev, "sd3": build_sd3, "qwen": build_qwen,
     "zimage": build_zimage, "shapes": build_shapes, "sd1": build_sd1, "wan": build_wan, "wan22": build_wan22_5b,
+    "wan22_a14b": build_wan22_a14b,
 }  # fmt: skip
 
 

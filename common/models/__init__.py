@@ -32,14 +32,14 @@ from common.models.flux2 import Flux2Model
 from common.models.qwenimage import QwenImageModel
 from common.models.sd1 import DDIMModel
 from common.models.sd3 import SD3Model, ShapesModel
-from common.models.wan import WanModel
+from common.models.wan import WanExperts, WanModel
 from common.models.zimage import ZImageModel
 from common.shapesbench.builders import LATENT_PATH, SHAPESBENCH_KEY
 
 __all__ = [  # the interface the scripts, common/ and the tests use
     "FlowModel", "SD3Model", "ShapesModel", "FluxModel", "Flux2Model", "QwenImageModel", "ZImageModel", "WanModel", "DDIMModel", "KINDS",
     "VIDEO_KINDS",
-    "check_model_id", "check_num_frames", "load_model", "LORA_TARGETS", "trainable_denoiser", "frozen_copy",
+    "check_model_id", "has_two_experts", "check_num_frames", "load_model", "LORA_TARGETS", "trainable_denoiser", "frozen_copy",
     "base_weights", "reference_velocity", "add_lora", "save_trained_weights", "_cfg", "_Parts",
 ]  # fmt: skip
 SHAPESBENCH_DIR = LATENT_PATH  # what --model-id shapesbench loads
@@ -103,6 +103,11 @@ def check_model_id(model_id: str) -> str:
     """--model-id names a supported model that is here or downloadable; checked before anything loads. Returns its
     kind ('shapes', 'flux', 'flux2', 'sd3', 'qwen', 'zimage', 'sd1', 'wan'), read from model_index.json alone."""
     return _kind(_model_index(model_id)[0], model_id)
+
+
+def has_two_experts(model_id: str) -> bool:
+    """Whether --model-id is a two-expert Wan2.2 (A14B: model_index.json names a transformer_2)."""
+    return (_model_index(model_id)[0].get("transformer_2") or [None])[0] is not None
 
 
 def _kind(index: dict, model_id: str) -> str:
@@ -174,6 +179,8 @@ def trainable_denoiser(model: FlowModel | DDIMModel, args):
                 p.data = p.data.float()
     else:
         denoiser.float()
+    if isinstance(denoiser, WanExperts) and args.experts != "both":  # --experts: the other one stays frozen
+        getattr(denoiser, "low" if args.experts == "high" else "high").requires_grad_(False)
     if args.gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
     return denoiser.train()
@@ -224,12 +231,19 @@ def save_trained_weights(model: FlowModel | DDIMModel, transformer, out_dir, lor
     """
     transformer = getattr(transformer, "module", transformer)
     out_dir = Path(out_dir)
+    experts = isinstance(
+        transformer, WanExperts
+    )  # Wan2.2-T2V-A14B: each expert's weights where the pipeline reads them
     if not lora:
+        if experts:
+            return transformer.save_full(out_dir, state_dict)
         transformer.save_pretrained(out_dir / ("unet" if model.kind == "sd1" else "transformer"), state_dict=state_dict)
         return
     layers = get_peft_model_state_dict(transformer, state_dict=state_dict)
     metadata = transformer.peft_config["default"].to_dict()  # keeps lora_alpha, so the scale survives reloading
-    if model.kind == "sd1":
+    if experts:
+        transformer.save_lora(out_dir, layers, metadata)
+    elif model.kind == "sd1":
         DDIMModel.pipeline.save_lora_weights(out_dir, unet_lora_layers=layers, unet_lora_adapter_metadata=metadata)
     else:
         model.pipeline.save_lora_weights(

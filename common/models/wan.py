@@ -1,11 +1,70 @@
-"""Wan2.1 and Wan2.2-TI2V-5B text-to-video: latents (16, F', H/8, W/8) (Wan2.2-5B: (48, F', H/16, W/16)), UMT5 text,
-CFG; the VAE decodes in fp32, a video at a time."""
+"""Wan2.1, Wan2.2-TI2V-5B and Wan2.2-T2V-A14B text-to-video: latents (16, F', H/8, W/8) (Wan2.2-5B: (48, F', H/16,
+W/16)), UMT5 text, CFG; the VAE decodes in fp32, a video at a time. A14B's two experts are one module (WanExperts)."""
+
+from pathlib import Path
 
 import torch
-from diffusers import WanPipeline
+from diffusers import ModelMixin, WanPipeline
+from diffusers.loaders import PeftAdapterMixin
 
 from common import InputError
 from common.models.base import FlowModel, _cfg, _check_multiple, _unnormalise, check_num_frames
+
+LOW_NOISE_LORA = "pytorch_lora_weights_transformer_2.safetensors"  # final/'s adapter of A14B's low-noise expert
+
+
+class WanExperts(ModelMixin, PeftAdapterMixin):
+    """Wan2.2-T2V-A14B's two experts as the one module the scripts train: each row goes through the expert WanPipeline
+    would use at its timestep, `high` (the pipeline's `transformer`) where t = 1000 sigma >= `boundary` (boundary_ratio
+    x 1000 = 875), else `low` (`transformer_2`). A LoRA adapter (add_adapter) lands on both experts, so both are
+    trained, each on the steps it denoises; checkpointing, adapters on/off and DDP act on both.
+
+    DDP reduces every trainable parameter after each backward, so an expert with no row in a batch (each of
+    DanceGRPO's micro-batches is one timestep) still takes part, through a zero term: its adapter's gradient is 0
+    there, not None, and AdamW's momentum and weight decay move it as they move any weight with a zero gradient."""
+
+    _supports_gradient_checkpointing = True
+
+    def __init__(self, high, low, boundary: float):
+        super().__init__()
+        self.high, self.low, self.boundary = high, low, boundary
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, return_dict=False):
+        # hidden_states (B, C, F', h, w), timestep (B,) in [0, 1000], encoder_hidden_states (B, 512, 4096)
+        high = timestep >= self.boundary  # (B,) as WanPipeline: `t >= boundary_timestep` -> transformer
+        rows = {self.high: high.nonzero()[:, 0], self.low: (~high).nonzero()[:, 0]}
+        out, zero = torch.empty_like(hidden_states), 0.0
+        for expert, idx in rows.items():
+            if len(idx):
+                kw = dict(timestep=timestep[idx], encoder_hidden_states=encoder_hidden_states[idx], return_dict=False)
+                out = out.index_put((idx,), expert(hidden_states[idx], **kw)[0])
+            elif torch.is_grad_enabled():  # the idle expert joins the graph with a zero (see the docstring)
+                zero = zero + sum(p.view(-1)[0] for p in expert.parameters() if p.requires_grad) * 0.0
+        return (out + zero,)
+
+    def load_lora_adapter(self, folder, prefix="transformer", **kw):
+        """final/'s two adapters, as WanPipeline.load_lora_weights reads them: `folder`'s default file into `high`, its
+        LOW_NOISE_LORA into `low` (the pipeline: `load_lora_weights(folder, weight_name=LOW_NOISE_LORA,
+        load_into_transformer_2=True)`)."""
+        self.high.load_lora_adapter(str(folder), prefix=prefix, **kw)
+        self.low.load_lora_adapter(str(folder), prefix=prefix, weight_name=LOW_NOISE_LORA, **kw)
+
+    def save_lora(self, out_dir, layers: dict, metadata: dict) -> None:
+        """The trained adapter (keys `high.*` and `low.*`) as two files in `out_dir` (see load_lora_adapter)."""
+        for expert, weight_name in (("high", None), ("low", LOW_NOISE_LORA)):
+            own = {k.removeprefix(f"{expert}."): v for k, v in layers.items() if k.startswith(f"{expert}.")}
+            WanPipeline.save_lora_weights(
+                out_dir, transformer_lora_layers=own, transformer_lora_adapter_metadata=metadata,
+                weight_name=weight_name,
+            )  # fmt: skip
+
+    def save_full(self, out_dir, state_dict=None) -> None:
+        """Full fine-tuning: out_dir/transformer and out_dir/transformer_2, as the pipeline's folder has them."""
+        for expert, sub in (("high", "transformer"), ("low", "transformer_2")):
+            own = None if state_dict is None else {
+                k.removeprefix(f"{expert}."): v for k, v in state_dict.items() if k.startswith(f"{expert}.")
+            }  # fmt: skip
+            getattr(self, expert).save_pretrained(Path(out_dir) / sub, state_dict=own)
 
 
 class WanModel(FlowModel):
@@ -13,7 +72,9 @@ class WanModel(FlowModel):
     first frame and packs every 4 after it into one latent frame), 1x2x2 patches, UMT5 text, classifier-free
     guidance. Wan2.1: C = 16, s = 8. Wan2.2-TI2V-5B (expand_timesteps): C = 48, s = 16 (its VAE patchifies pixels 2x2
     before an 8x encoder), and the transformer gets one timestep per token, as WanPipeline feeds it (a scalar per
-    sample gives the same velocity only to float rounding, 5e-7 on tests/tiny.py's model). Wan2.2-T2V-A14B's two experts are refused."""
+    sample gives the same velocity only to float rounding, 5e-7 on tests/tiny.py's model). Wan2.2-T2V-A14B: Wan2.1's
+    latents and two experts, `transformer` for sigma >= boundary_ratio (0.875) and `transformer_2` below (WanExperts);
+    --guidance-scale applies to both (the pipeline's guidance_scale_2 left at its default, guidance_scale)."""
 
     kind = "wan"
     pipeline = WanPipeline  # loads the folder; saves and loads a LoRA adapter (save_lora_weights)
@@ -22,19 +83,22 @@ class WanModel(FlowModel):
     native_frames = 81  # WanPipeline's default num_frames (5 s at 16 fps)
 
     def __init__(self, pipe: WanPipeline, resolution: int | None, num_frames: int | None):
-        if pipe.transformer_2 is not None or pipe.config.boundary_ratio is not None:
-            raise InputError(
-                "--model-id: a two-expert Wan2.2 pipeline (A14B: transformer_2, boundary_ratio) is not supported; give "
-                "Wan-AI/Wan2.2-TI2V-5B-Diffusers or a Wan2.1 text-to-video checkpoint"
-            )
         self.per_token = bool(pipe.config.expand_timesteps)  # Wan2.2-TI2V-5B
+        denoiser = pipe.transformer
+        if (pipe.transformer_2 is None) != (pipe.config.boundary_ratio is None):
+            raise InputError("--model-id: a Wan2.2 pipeline needs both transformer_2 and boundary_ratio, or neither")
+        if pipe.transformer_2 is not None:  # A14B
+            if self.per_token:
+                raise InputError("--model-id: two experts with per-token timesteps (expand_timesteps) are not known")
+            boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
+            denoiser = WanExperts(pipe.transformer, pipe.transformer_2, boundary)
         self.pipe = pipe
         self.vae_scale, self.vae_scale_t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
         height, width = (resolution, resolution) if resolution else self.native_size
         _check_multiple(height, self.vae_scale * pipe.transformer.config.patch_size[1], "wan")
         self.num_frames = num_frames or self.native_frames
         check_num_frames(self.num_frames, self.vae_scale_t)
-        super().__init__(pipe.transformer, [pipe.text_encoder], pipe.vae, height, width)
+        super().__init__(denoiser, [pipe.text_encoder], pipe.vae, height, width)
 
     def latent_shape(self):
         frames = (self.num_frames - 1) // self.vae_scale_t + 1
