@@ -1,7 +1,10 @@
-"""Video (Wan2.1 and Wan2.2-TI2V-5B text-to-video) on tiny random-weight pipelines built from configs: the model
-against the stock WanPipeline, the video rewards, and dancegrpo.py, branchgrpo.py and vgrpo.py end to end (2
-iterations, ratio 1 at the first update, resume bit-equal, rewards logged per component, sample videos written; on
-Wan2.2, final/ read by WanPipeline); rlr.py refuses video."""
+"""Video (Wan2.1, Wan2.2-TI2V-5B and the two-expert Wan2.2-T2V-A14B text-to-video) on tiny random-weight pipelines
+built from configs: the model against the stock WanPipeline, the video rewards, and dancegrpo.py, branchgrpo.py and
+vgrpo.py end to end (2 iterations, ratio 1 at the first update, resume bit-equal, rewards logged per component, sample
+videos written; on Wan2.2, final/ read by WanPipeline; A14B's experts both trained, also by 2 processes); rlr.py
+refuses video."""
+
+import sys
 
 import pytest
 import torch
@@ -324,3 +327,32 @@ def test_experts_flag_trains_one_a14b_expert_and_fails_at_start_up_elsewhere(tmp
     args = tyro.cli(D.Args, args=[*flags, "--model-id", str(wan_dir)])
     with pytest.raises(InputError, match="--experts.*two-expert Wan2.2-T2V-A14B"):
         check_run_args(args)
+
+
+def test_two_processes_train_both_a14b_experts_as_one_does(tmp_path):
+    """DDP with two experts: each of DanceGRPO's micro-batches is one timestep, so one expert idles in each backward;
+    its zero term keeps every process reducing the same parameters. 2 processes x 2 videos give 1 process x 4's
+    adapters (to the all-reduce's float rounding) and identical weights on both processes."""
+    from safetensors.torch import load_file
+
+    from common.models.wan import LOW_NOISE_LORA
+    from tests.helpers import run_script
+
+    build_wan22_a14b(tmp_path / "a14b")
+    (tmp_path / "prompts.txt").write_text("a cat walks\na red car drives\n")
+    prompts = str(tmp_path / "prompts.txt")
+    flags = ["--group-size", "4", "--rollout-batch-size", "2", "--num-steps", "6", "--model-id", str(tmp_path / "a14b"),
+             "--resolution", str(RES), "--num-frames", str(FRAMES), "--shift", "3", "--prompts", prompts,
+             "--eval-prompts", prompts, "--reward", "jpeg", "--guidance-scale", "5", "--iterations", "2",
+             "--eval-every", "0", "--sample-every", "0", "--lora-rank", "4", "--learning-rate", "1e-2"]  # fmt: skip
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2")
+    two = ["--samples-per-device", "2", "--samples-per-update", "2", "--exp-name", "two"]
+    run_script("dancegrpo.py", [*flags, *two], tmp_path, launcher, {"ACCELERATE_USE_CPU": "1"})
+    run_in_process("dancegrpo.py", [*flags, "--samples-per-device", "4", "--samples-per-update", "4",
+                                    "--exp-name", "one"], tmp_path)  # fmt: skip
+    last = [r for r in metrics(tmp_path / "two") if "charts/rank_weight_spread" in r][-1]
+    assert last["iteration"] == 2 and last["charts/rank_weight_spread"] == 0
+    for name in ("pytorch_lora_weights.safetensors", LOW_NOISE_LORA):
+        a, b = (load_file(find_run(tmp_path / r) / "final" / name) for r in ("two", "one"))
+        assert a.keys() == b.keys() and any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
