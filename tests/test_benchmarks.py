@@ -107,3 +107,21 @@ def test_gradient_agreement_runs_on_a_small_sample():
     assert len(out["DanceGRPO"]) == len(out["V-GRPO"]) == len(out["BranchGRPO"]) == 1
     # both halves have a gradient and they differ (a cosine of exactly +-1 or nan would mean a broken split)
     assert all(math.isfinite(c) and abs(c) < 0.999 for c in (*out["DanceGRPO"], *out["V-GRPO"], *out["BranchGRPO"]))
+
+
+def test_backward_check_runs_each_variant_and_gets_the_same_gradient():
+    """benchmarks/gpu_backward_check.py on tiny configs, in this process: the scripts' training step (LoRA on a bf16
+    base under autocast, checkpointing) gives a finite gradient, and the variants that change only how it is computed
+    (no checkpointing, math attention) give the same one; a failure is a result, not an exception."""
+    import torch
+
+    check = load("gpu_backward_check")
+    norms = {}
+    for variant in ("flux", "no-ckpt", "math-sdpa", "wan"):
+        r = check.one(variant, tiny=True)
+        assert r["status"] == "ok" and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, (variant, r)
+        norms[variant] = r["grad_norm"]
+    assert norms["no-ckpt"] == pytest.approx(norms["flux"], rel=1e-3) == norms["math-sdpa"]
+    torch.backends.cuda.enable_cudnn_sdp(True)  # math-sdpa turned the backends off in this process
+    for name in ("flash", "mem_efficient"):
+        getattr(torch.backends.cuda, f"enable_{name}_sdp")(True)
