@@ -32,14 +32,19 @@ class WanExperts(ModelMixin, PeftAdapterMixin):
     def forward(self, hidden_states, timestep, encoder_hidden_states, return_dict=False):
         # hidden_states (B, C, F', h, w), timestep (B,) in [0, 1000], encoder_hidden_states (B, 512, 4096)
         high = timestep >= self.boundary  # (B,) as WanPipeline: `t >= boundary_timestep` -> transformer
-        rows = {self.high: high.nonzero()[:, 0], self.low: (~high).nonzero()[:, 0]}
-        out, zero = torch.empty_like(hidden_states), 0.0
-        for expert, idx in rows.items():
-            if len(idx):
+        outs, zero = [], 0.0
+        for expert, idx in ((self.high, high.nonzero()[:, 0]), (self.low, (~high).nonzero()[:, 0])):
+            if len(idx) == len(high):  # every row: the expert's own output, as a one-expert model's
+                outs.append((idx, expert(hidden_states, timestep, encoder_hidden_states, return_dict=False)[0]))
+            elif len(idx):
                 kw = dict(timestep=timestep[idx], encoder_hidden_states=encoder_hidden_states[idx], return_dict=False)
-                out = out.index_put((idx,), expert(hidden_states[idx], **kw)[0])
+                outs.append((idx, expert(hidden_states[idx], **kw)[0]))
             elif torch.is_grad_enabled():  # the idle expert joins the graph with a zero (see the docstring)
                 zero = zero + sum(p.view(-1)[0] for p in expert.parameters() if p.requires_grad) * 0.0
+        out = outs[0][1]
+        if len(outs) == 2:  # rows on both sides: each expert's rows back in their places
+            out = out.new_empty((len(high), *out.shape[1:])).index_put((outs[0][0],), out)
+            out = out.index_put((outs[1][0],), outs[1][1].to(out.dtype))
         return (out + zero,)
 
     def load_lora_adapter(self, folder, prefix="transformer", **kw):
