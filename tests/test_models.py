@@ -251,3 +251,21 @@ def test_unknown_class_lists_supported(tmp_path):
 def test_bad_resolution_names_flag(tiny_dir):
     with pytest.raises(ValueError, match="--resolution"):
         load_model(str(tiny_dir("flux")), resolution=34)
+
+
+@pytest.mark.parametrize("kind", ["sd3", "qwen"])
+def test_each_distinct_prompt_is_encoded_once(kind, tiny_dir, monkeypatch):
+    """A group's prompt repeated in the batch reaches the text encoders once; its rows equal the prompt encoded alone
+    (Qwen-Image pads to the batch's longest prompt and masks: the mask keeps the rows equal)."""
+    model = load_model(str(tiny_dir(kind)), resolution=RES)
+    seen = []
+    encode = model._encode
+    monkeypatch.setattr(model, "_encode", lambda prompts: seen.append(list(prompts)) or encode(prompts))
+    batch = [PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[0]]
+    cond = model.encode_prompts(batch)
+    assert seen == [[PROMPTS[1], PROMPTS[0]]]
+    for i, p in enumerate(batch):
+        alone = encode([p])
+        for k, v in cond.items():
+            n = alone[k].shape[1] if v.dim() > 1 else None  # Qwen-Image: the rows past a prompt's length are padding
+            torch.testing.assert_close(v[i : i + 1, :n], alone[k], atol=1e-6, rtol=0)

@@ -71,9 +71,17 @@ class _Parts:
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """Batch-first conditioning tensors of `prompts` on `device` (the text encoders visit it with --offload-frozen)."""
+        """Batch-first conditioning tensors of `prompts` on `device` (the text encoders visit it with --offload-frozen).
+        Each distinct prompt is encoded once and its rows repeated: a GRPO group repeats its prompt G times, so the
+        encoders' activations (the memory peak of some recipes) scale with the prompts, not the samples."""
+        distinct = list(dict.fromkeys(prompts))  # first-seen order
         with self._text.visit():
-            return self._encode(prompts)
+            cond = self._encode(distinct)
+        if len(distinct) == len(prompts):
+            return cond
+        row = {p: i for i, p in enumerate(distinct)}
+        idx = torch.tensor([row[p] for p in prompts], device=self.device)  # (B,) into the distinct prompts' rows
+        return {k: v[idx] for k, v in cond.items()}
 
     def _encode(self, prompts):
         raise NotImplementedError
