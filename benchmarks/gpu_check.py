@@ -80,7 +80,13 @@ PROMPTS = [
     "an anime girl with silver hair in a rainy city",
     "concept art of a floating castle above the clouds",
 ]
-CASES = ("flux", "wan")
+CASES = ("flux", "wan")  # the default check
+# --models: one case each after the default ones, dancegrpo.py on the kind's published config (memory.py has it)
+MODELS = ("qwen-image", "flux2-klein", "wan22-5b")
+KIND = {"flux": "flux", "wan": "wan", "qwen-image": "qwen", "flux2-klein": "flux2", "wan22-5b": "wan22"}  # memory.py's
+# The model folder's name under --out: memory.model_kind reads a plan's kind from it (the plans name OUT/<folder>)
+FOLDER = {"flux": "flux", "wan": "wan", "qwen-image": "Qwen-Image", "flux2-klein": "FLUX.2-klein-base-4B",
+          "wan22-5b": "Wan2.2-TI2V-5B"}  # fmt: skip
 LORA_RANK, LORA_ALPHA = 128, 256  # the recipes' adapter
 TINY_HPS = "tiny-hps"  # --tiny's HPSv2.1 architecture: open_clip config memory.TINY_FLUX["reward"] (tests/tiny.py's)
 RUN_WITH_TINY_HPS = "--run-with-tiny-hps"  # internal: --tiny's scripts run through this file (run_with_tiny_hps)
@@ -185,7 +191,100 @@ def build_wan(folder: Path, tiny: bool, device, size: dict) -> None:
     pipe.save_pretrained(folder)
 
 
-BUILDERS = {"flux": build_flux, "wan": build_wan}
+@torch.no_grad()
+def build_qwen_image(folder: Path, tiny: bool, device, size: dict) -> None:
+    """Save a QwenImagePipeline with random weights into `folder`: memory.py's published configs (the 20.4B
+    transformer, Qwen2.5-VL-7B with its vision tower, the VAE), Qwen-Image's scheduler, tests/tiny.py's byte-level
+    tokenizer with the chat markers (the pipeline's template is then more tokens than the real one's 34, and so is
+    each prompt). --tiny: tests/tiny.py's build_qwen."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from benchmarks import memory
+    from tests import tiny as tiny_models
+
+    if tiny:
+        return tiny_models.build_qwen(folder)
+    torch.manual_seed(0)
+    with _DefaultDtype(torch.bfloat16), torch.device(device):
+        transformer = QwenImageTransformer2DModel(**memory.QWEN_IMAGE)
+        text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**memory.QWEN25_VL_7B))
+        vae = AutoencoderKLQwenImage(**memory.VAE_QWEN)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0, shift_terminal=0.02,
+        use_dynamic_shifting=True, time_shift_type="exponential",
+    )  # fmt: skip
+    QwenImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tiny_models.qwen_tokenizer(),
+        transformer=transformer,
+    ).save_pretrained(folder)  # fmt: skip
+
+
+@torch.no_grad()
+def build_flux2_klein(folder: Path, tiny: bool, device, size: dict) -> None:
+    """Save a Flux2KleinPipeline (FLUX.2 [klein] base 4B: CFG with "") with random weights into `folder`: memory.py's
+    published configs (the 3.9B transformer, Qwen3-4B, the FLUX.2 VAE), tests/tiny.py's byte-level tokenizer with
+    Qwen3's chat template. --tiny: tests/tiny.py's build_flux2_klein."""
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from benchmarks import memory
+    from tests import tiny as tiny_models
+
+    if tiny:
+        return tiny_models.build_flux2_klein(folder)
+    torch.manual_seed(0)
+    with _DefaultDtype(torch.bfloat16), torch.device(device):
+        transformer = Flux2Transformer2DModel(**memory.FLUX2_KLEIN_4B)
+        text_encoder = Qwen3ForCausalLM(Qwen3Config(**memory.QWEN3_4B))
+        vae = AutoencoderKLFlux2(**memory.VAE_FLUX2)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
+    Flux2KleinPipeline(
+        text_encoder=text_encoder, tokenizer=tiny_models.qwen_tokenizer(), is_distilled=False,
+        transformer=transformer, vae=vae, scheduler=scheduler,
+    ).save_pretrained(folder)  # fmt: skip
+
+
+@torch.no_grad()
+def build_wan22_5b(folder: Path, tiny: bool, device, size: dict) -> None:
+    """Save a WanPipeline of Wan2.2-TI2V-5B (one timestep per token: expand_timesteps) with random weights into
+    `folder`: memory.py's published configs (the 5.0B transformer, UMT5-XXL, the Wan2.2 VAE in fp32), shift 5.
+    --tiny: tests/tiny.py's build_wan22_5b."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from benchmarks import memory
+
+    if tiny:
+        from tests.tiny import build_wan22_5b as build_tiny
+
+        return build_tiny(folder)
+    _, tokenizer = tokenizers()
+    torch.manual_seed(0)
+    with _DefaultDtype(torch.bfloat16), torch.device(device):
+        transformer = WanTransformer3DModel(**memory.WAN22_TI2V_5B)
+        text_encoder = UMT5EncoderModel(UMT5Config(**memory.UMT5_XXL))
+    vae = AutoencoderKLWan(**memory.VAE_WAN22).to(device)  # fp32, as the scripts decode
+    WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), expand_timesteps=True,
+    ).save_pretrained(folder)  # fmt: skip
+
+
+BUILDERS = {
+    "flux": build_flux, "wan": build_wan, "qwen-image": build_qwen_image, "flux2-klein": build_flux2_klein,
+    "wan22-5b": build_wan22_5b,
+}  # fmt: skip
 
 
 def build_hps(path: Path, arch: str, device) -> None:
@@ -245,14 +344,29 @@ SIZES = {
     ("flux", True): {"resolution": 64},
     ("wan", False): {"height": 480, "width": 832, "frames": 9},
     ("wan", True): {"height": 32, "width": 32, "frames": 5},
+    # --models: the images at 512 px (CFG 4, the pipelines' default); Wan2.2-TI2V-5B square at its native 704 px
+    # height (--resolution is a side; the scripts' Wan default is Wan2.1's 480 x 832), 9 frames (latents (48, 3, 44,
+    # 44)); --tiny: tests/tiny.py's sizes
+    ("qwen-image", False): {"resolution": 512},
+    ("qwen-image", True): {"resolution": 32},
+    ("flux2-klein", False): {"resolution": 512},
+    ("flux2-klein", True): {"resolution": 32},
+    ("wan22-5b", False): {"height": 704, "width": 704, "frames": 9},
+    ("wan22-5b", True): {"height": 64, "width": 64, "frames": 5},
 }
+NAMES = {  # case: (the model, its tiny stand-in)
+    "flux": ("FLUX.1-dev", "tiny FLUX"), "wan": ("Wan2.1-T2V-1.3B", "tiny Wan2.1"),
+    "qwen-image": ("Qwen-Image", "tiny Qwen-Image"), "flux2-klein": ("FLUX.2 [klein] base 4B", "tiny FLUX.2 [klein]"),
+    "wan22-5b": ("Wan2.2-TI2V-5B", "tiny Wan2.2-TI2V-5B"),
+}  # fmt: skip
 
 
 def describe(case: str, size: dict, tiny: bool) -> str:
-    what = "tiny FLUX" if tiny else "FLUX.1-dev"
+    what = NAMES[case][tiny]
     if case == "flux":
         return f"{what}, {size['resolution']} px"
-    what = "tiny Wan2.1" if tiny else "Wan2.1-T2V-1.3B"
+    if "frames" not in size:
+        return f"{what}, {size['resolution']} px, CFG 4"
     return f"{what} video, {size['height']}x{size['width']} px x {size['frames']} frames, CFG 5"
 
 
@@ -262,14 +376,18 @@ def case_flags(case: str, tiny: bool, out: Path) -> list[str]:
     size = SIZES[case, tiny]
     if case == "flux":
         own = ["--resolution", str(size["resolution"]), "--guidance-scale", "3.5", "--reward", "hpsv2.1"]
-    else:  # the wan recipes' reward, guidance and shift
-        resolution = ["--resolution", str(size["height"])] if tiny else []  # full size: Wan2.1's native 480 x 832
+    elif case in ("qwen-image", "flux2-klein"):  # true CFG (Qwen-Image with " ", FLUX.2 [klein] base with "")
+        own = ["--resolution", str(size["resolution"]), "--guidance-scale", "4", "--reward", "hpsv2.1"]
+    else:  # the wan recipes' reward, guidance and shift (Wan2.2-TI2V-5B: square, its scheduler's shift 5)
+        full_size_native = case == "wan" and not tiny  # Wan2.1's native 480 x 832: no --resolution
+        resolution = [] if full_size_native else ["--resolution", str(size["height"])]
         own = [
             *resolution, "--num-frames", str(size["frames"]), "--reward-frames", "4", "--guidance-scale", "5",
-            "--shift", "3", "--reward", "hpsv2.1,temporal:0.5",
+            "--shift", "5" if case == "wan22-5b" else "3", "--reward", "hpsv2.1,temporal:0.5",
         ]  # fmt: skip
     return [
-        "--model-id", str(out / case), "--mixed-precision", "bf16", "--gradient-checkpointing", "--offload-frozen",
+        "--model-id", str(out / FOLDER[case]), "--mixed-precision", "bf16", "--gradient-checkpointing",
+        "--offload-frozen",
         "--lora", "--lora-rank", str(LORA_RANK), "--lora-alpha", str(LORA_ALPHA), "--prompts", str(out / "prompts.txt"),
         "--eval-prompts", str(out / "prompts.txt"), "--iterations", "2", "--eval-every", "0", "--sample-every", "0",
         "--weight-decay", "0", "--lr-warmup", "0", *own, "--reward-ckpt", f"hpsv2.1={out / 'hps.pt'}",
@@ -277,7 +395,10 @@ def case_flags(case: str, tiny: bool, out: Path) -> list[str]:
 
 
 def script_flags(case: str, tiny: bool) -> dict[str, list[str]]:
-    """Each script's own flags in a case: the recipes' settings with small batches and few steps."""
+    """Each script's own flags in a case: the recipes' settings with small batches and few steps. A --models case
+    runs dancegrpo.py with its modality's flags (the flux case's for an image, the wan case's for a video)."""
+    if case in MODELS:
+        return {"dancegrpo.py": script_flags("wan" if case == "wan22-5b" else "flux", tiny)["dancegrpo.py"]}
     if case == "flux":
         steps = ["--num-steps", "4" if tiny else "8"]
         return {
@@ -311,12 +432,36 @@ def script_flags(case: str, tiny: bool) -> dict[str, list[str]]:
 # ---------------------------------------------------------------------------------------------------
 # FLOPs: counted on the denoiser as the scripts train it, and expected by hand
 # ---------------------------------------------------------------------------------------------------
+def tiny_config(case: str) -> dict:
+    """memory.estimate's model_config of the case's tiny model: memory.TINY_FLUX, TINY_WAN, TINY_QWEN (tests/tiny.py's
+    build_qwen), and tests/tiny.py's build_wan22_5b and build_flux2_klein as memory.py's classes take them."""
+    from benchmarks import memory
+
+    if case in ("flux", "wan", "qwen-image"):
+        return {"flux": memory.TINY_FLUX, "wan": memory.TINY_WAN, "qwen-image": memory.TINY_QWEN}[case]
+    if case == "wan22-5b":
+        return {
+            **memory.TINY_WAN, "denoiser": {**memory.TINY_WAN["denoiser"], "in_channels": 48, "out_channels": 48},
+            "vae": dict(base_dim=8, decoder_base_dim=8, num_res_blocks=1),
+        }  # fmt: skip
+    qwen3 = dict(memory.QWEN3_4B, vocab_size=259, hidden_size=16, intermediate_size=32, num_hidden_layers=27,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=False)  # fmt: skip
+    return {
+        "denoiser": dict(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                         joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4)),
+        "text": [("qwen3", qwen3, 512)],
+        "vae": dict(block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4,
+                    down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2),
+        "reward": memory.TINY_FLUX["reward"],
+    }  # fmt: skip
+
+
 def model_parts(case: str, tiny: bool) -> dict:
     """benchmarks/memory.py's parts of the case's model (as estimate() merges a model_config into MODELS)."""
     from benchmarks import memory
 
-    parts = dict(memory.MODELS[case])
-    for name, value in ((memory.TINY_FLUX if case == "flux" else memory.TINY_WAN) if tiny else {}).items():
+    parts = dict(memory.MODELS[KIND[case]])
+    for name, value in (tiny_config(case) if tiny else {}).items():
         parts[name] = {**parts[name], **value} if name in ("denoiser", "vae") else value
     return parts
 
@@ -325,10 +470,10 @@ def model_shapes(case: str, tiny: bool):
     """memory.Shapes of one sample of the case (FLUX: packed latent tokens; Wan: (16, F', h, w))."""
     from benchmarks import memory
 
-    size = SIZES[case, tiny]
-    if case == "flux":
-        return memory.Shapes.of(case, model_parts(case, tiny), size["resolution"])
-    return memory.Shapes.of(case, model_parts(case, tiny), (size["height"], size["width"]), size["frames"])
+    size, kind = SIZES[case, tiny], KIND[case]
+    if "frames" not in size:
+        return memory.Shapes.of(kind, model_parts(case, tiny), size["resolution"])
+    return memory.Shapes.of(kind, model_parts(case, tiny), (size["height"], size["width"]), size["frames"])
 
 
 def count_flops(case: str, tiny: bool, device="meta") -> dict[str, float]:
@@ -347,7 +492,7 @@ def count_flops(case: str, tiny: bool, device="meta") -> dict[str, float]:
     from torch.utils.flop_counter import FlopCounterMode
 
     from benchmarks import memory
-    from common.models import trainable_denoiser
+    from common.models import Flux2Model, trainable_denoiser
 
     parts, shapes = model_parts(case, tiny), model_shapes(case, tiny)
     quiet = logging.getLogger("diffusers")  # not "modules that should be kept in float32": none are, here
@@ -356,7 +501,7 @@ def count_flops(case: str, tiny: bool, device="meta") -> dict[str, float]:
     try:
         with torch.device(device), sdpa_kernel(SDPBackend.MATH):
             torch.manual_seed(0)
-            module = memory.build_denoiser(case, parts["denoiser"], torch.bfloat16).requires_grad_(False)
+            module = memory.build_denoiser(KIND[case], parts["denoiser"], torch.bfloat16).requires_grad_(False)
             x = torch.randn(1, *shapes.latent)
             with torch.no_grad(), FlopCounterMode(display=False) as counter:
                 memory.denoise(shapes, module, x)
@@ -364,7 +509,10 @@ def count_flops(case: str, tiny: bool, device="meta") -> dict[str, float]:
             args = types.SimpleNamespace(
                 lora=True, lora_rank=LORA_RANK, lora_alpha=LORA_ALPHA, gradient_checkpointing=False
             )
-            module = trainable_denoiser(types.SimpleNamespace(kind=case, unet=module, transformer=module), args)
+            holder = types.SimpleNamespace(kind=KIND[case], unet=module, transformer=module)
+            if KIND[case] == "flux2":  # its adapter also covers the single blocks' fused Linears
+                holder.lora_targets = Flux2Model.lora_targets
+            module = trainable_denoiser(holder, args)
             with FlopCounterMode(display=False) as counter:
                 y = memory.denoise(shapes, module, x)
                 forward = float(counter.get_total_flops())  # the same operations as without gradients
@@ -384,15 +532,23 @@ def expected_flops(case: str, tiny: bool) -> dict[str, float]:
     den, shapes, r = model_parts(case, tiny)["denoiser"], model_shapes(case, tiny), LORA_RANK
     d = den["num_attention_heads"] * den["attention_head_dim"]
     n_txt, d_txt = shapes.cond["prompt_embeds"]
-    if case == "flux":  # joint attention on image and text tokens; every block, double or single, is 24 n d^2
+    kind = KIND[case]
+    if kind in ("flux", "qwen"):  # joint attention on image and text tokens; every block, double or single, 24 n d^2
         n_img, c_in = shapes.latent
         n, f, p = n_img + n_txt, 4 * d, den["patch_size"]
-        layers = den["num_layers"] + den["num_single_layers"]
+        layers = den["num_layers"] + den.get("num_single_layers", 0)  # Qwen-Image: double-stream blocks only
         c_out = p * p * (den.get("out_channels") or c_in)
         base = 2 * n_img * c_in * d + 2 * n_txt * d_txt * d + 2 * n_img * d * c_out
         base += layers * (2 * n * (4 * d * d + 2 * d * f) + 4 * n * n * d)
         # double blocks: q, k, v, out of both streams (4 a token); single blocks: q, k, v (3 a token)
-        lora = 4 * r * d * n * (4 * den["num_layers"] + 3 * den["num_single_layers"])
+        lora = 4 * r * d * n * (4 * den["num_layers"] + 3 * den.get("num_single_layers", 0))
+    elif kind == "flux2":  # FLUX.2: a SwiGLU MLP of 3d; every block, double or single, 26 n d^2 (13 d^2 a token)
+        n_img, c_in = shapes.latent
+        n = n_img + n_txt
+        base = 2 * n_img * c_in * d + 2 * n_txt * d_txt * d + 2 * n_img * d * c_in
+        base += (den["num_layers"] + den["num_single_layers"]) * (2 * n * 13 * d * d + 4 * n * n * d)
+        # double blocks: q, k, v, out of both streams; single blocks: the fused d -> 3d + 6d and 4d -> d Linears
+        lora = 4 * r * d * n * 4 * den["num_layers"] + 2 * r * n * (10 * d + 5 * d) * den["num_single_layers"]
     else:  # Wan2.1: self-attention over the video's patches, cross-attention to the text, a d -> ffn -> d MLP
         c, frames, h, w = shapes.latent
         pt, ph, pw = den["patch_size"]
@@ -400,6 +556,8 @@ def expected_flops(case: str, tiny: bool) -> dict[str, float]:
         base = 2 * n * c * patch * d + 2 * n_txt * (d_txt + d) * d + 2 * n * d * den["out_channels"] * patch
         block = 2 * n * (6 * d * d + 2 * d * f) + 2 * n_txt * 2 * d * d + 4 * n * n * d + 4 * n * n_txt * d
         base += den["num_layers"] * block
+        if kind == "wan22":  # one timestep per token: its embedding (freq -> d -> d) and modulation (d -> 6d) too
+            base += 2 * n * (den["freq_dim"] * d + d * d + 6 * d * d)
         lora = 4 * r * d * den["num_layers"] * (6 * n + 2 * n_txt)  # self: q, k, v, out; cross: q, out and k, v
     return {"forward_base": float(base), "lora": float(lora), "forward": float(base + lora)}
 
@@ -416,12 +574,19 @@ def flops_entry(case: str, tiny: bool) -> dict:
 
 
 DISK_GB = {("flux", False): 34.0, ("wan", False): 15.0, ("flux", True): 0.1, ("wan", True): 0.1}  # saved folders
+# --models, in bf16 as built (the Wan2.2 VAE in fp32): Qwen-Image 20.43B + Qwen2.5-VL-7B 8.29B + VAE 0.13B; FLUX.2
+# [klein] 3.88B + Qwen3-4B 4.02B + VAE 0.08B; Wan2.2-TI2V-5B 5.00B + UMT5-XXL 5.68B + VAE 0.71B (2.8 GB)
+DISK_GB |= {("qwen-image", False): 58.0, ("flux2-klein", False): 16.0, ("wan22-5b", False): 25.0}
+DISK_GB |= {(case, True): 0.1 for case in MODELS}
 HPS_GB = 3.94  # the random-weight HPSv2.1 checkpoint (fp32 ViT-H-14)
 # Seconds a build needs (docs/gpu.md's budget, its upper end; --tiny: a few), and the least a script's run needs to be
 # worth starting: a build is started only if it and one script fit in the time left, a script only if it fits
 BUILD_S = {
     ("reward", False): 15, ("flux", False): 90, ("wan", False): 30,
     ("reward", True): 5, ("flux", True): 5, ("wan", True): 5,
+    # --models: planned from the flux and wan builds (about 1.7 s a GB written), not measured yet
+    ("qwen-image", False): 150, ("flux2-klein", False): 45, ("wan22-5b", False): 60,
+    ("qwen-image", True): 5, ("flux2-klein", True): 5, ("wan22-5b", True): 5,
 }  # fmt: skip
 MIN_SCRIPT_S = {False: 30, True: 10}
 
@@ -432,9 +597,9 @@ def plan(cases, tiny: bool, say=print) -> dict:
 
     out = {}
     for case in cases:
-        config = None if not tiny else memory.TINY_FLUX if case == "flux" else memory.TINY_WAN
+        config = tiny_config(case) if tiny else None
         for script, own in script_flags(case, tiny).items():
-            flags = case_flags(case, tiny, Path("OUT")) + own  # --model-id OUT/flux or OUT/wan: the kind by its name
+            flags = case_flags(case, tiny, Path("OUT")) + own  # --model-id OUT/<FOLDER>: the kind by its name
             gb = memory.estimate(script, flags, model_config=config)["peak"]
             out[f"{case}/{script}"] = {"flags": flags, "estimate_gb": gb}
             say(f"planned {case} {script}: {gb:.3g} GB")
@@ -723,14 +888,23 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--results", help="also write the results (table, JSON, console, logs) here, from the start")
     parser.add_argument("--limit-s", type=float, default=480, help="the whole check's time limit, after planning")
     parser.add_argument("--script-limit-s", type=float, default=180, help="time limit of one script's run")
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: " + ", ".join(CASES))
+    parser.add_argument(
+        "--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}; or none (with --models)"
+    )
+    parser.add_argument(
+        "--models", default="", help=f"comma-separated, of: {', '.join(MODELS)}: one case each, after --cases"
+    )
     parser.add_argument("--plan", help="memory plans and FLOP counts made beforehand (--write-plan); default: here")
     parser.add_argument("--write-plan", help="only write the plans and FLOP counts to this file (--tiny: the tiny's)")
     a = parser.parse_args(argv)
     out, tiny = Path(a.out), a.tiny
-    cases = [c for c in a.cases.split(",") if c]
-    if a.write_plan:
-        data = plan(CASES, tiny) | {f"flops/{case}": flops_entry(case, tiny) for case in CASES}
+    try:
+        cases = chosen_cases(a.cases, a.models)
+    except ValueError as e:
+        parser.error(str(e))
+    if a.write_plan:  # every case, --models' too: the prepared plan serves any choice
+        every = CASES + MODELS
+        data = plan(every, tiny) | {f"flops/{case}": flops_entry(case, tiny) for case in every}
         Path(a.write_plan).write_text(json.dumps(data, indent=1))
         return
     cuda = torch.cuda.is_available()
@@ -754,10 +928,29 @@ def main(argv: list[str] | None = None):
             signal.signal(s, h)
 
 
+def chosen_cases(cases: str, models: str) -> list[str]:
+    """The cases to run, in order: --cases (of CASES, or "none"), then --models (of MODELS; "" is none). A bad value
+    raises ValueError naming its flag, before anything runs."""
+    chosen = []
+    for flag, value, allowed in (("--cases", cases, CASES), ("--models", models, MODELS)):
+        names = value.split(",") if value else []
+        if flag == "--cases" and names == ["none"]:
+            continue
+        bad = [n for n in names if n not in allowed] or [n for i, n in enumerate(names) if n in names[:i]]
+        if flag == "--cases" and not names:
+            bad = ["''"]
+        if bad:
+            none = "; or none" if flag == "--cases" else ""
+            raise ValueError(f"{flag} {value!r}: {bad[0]} is not one of {', '.join(allowed)} (comma-separated, each "
+                             f"once{none})")  # fmt: skip
+        chosen += names
+    if not chosen:
+        raise ValueError("--cases none and no --models: nothing to run")
+    return chosen
+
+
 def run_check(check: Check, a, cases: list[str], tiny: bool) -> None:
     out, results, say = check.out, check.results, check.say
-    if any(c not in CASES for c in cases):
-        check.stop(f"--cases {a.cases}: choose among {', '.join(CASES)}")
     device = "cpu" if tiny else "cuda"
     if not tiny and not torch.cuda.is_available():
         check.stop("no CUDA GPU here; `--tiny` runs the harness on the CPU")
@@ -854,7 +1047,7 @@ def run_case(check: Check, a, case: str, tiny: bool, device, plans, flops, peak,
             check.fail(f"{case}: build", "skipped", skip)
         else:
             _, failure = check.attempt(
-                f"{case}: build", BUILDERS[case], out / case, tiny, device, size, limit_s=check.left_s()
+                f"{case}: build", BUILDERS[case], out / FOLDER[case], tiny, device, size, limit_s=check.left_s()
             )
             c["build"] = {"status": "ok" if failure is None else f"failed: {failure['type']}"}
             c["build_s"] = results["phases_s"][f"{case}: build"]
@@ -888,7 +1081,7 @@ def run_case(check: Check, a, case: str, tiny: bool, device, plans, flops, peak,
             else:
                 say(f"{case} {script}: {r['status']}" + (f"\n{r['log_tail']}" if "log_tail" in r else ""))
     finally:
-        shutil.rmtree(out / case, ignore_errors=True)  # the next case's model needs the disk (FLUX.1-dev's: 34 GB)
+        shutil.rmtree(out / FOLDER[case], ignore_errors=True)  # the next case's model needs the disk (DISK_GB)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,9 @@ def main():
 
     clock = Clock()
     grad_kind = lambda: "grad" if torch.is_grad_enabled() else "nograd"  # noqa: E731
-    for name in ("FluxTransformer2DModel", "SD3Transformer2DModel", "WanTransformer3DModel", "UNet2DConditionModel"):
+    denoisers = ("FluxTransformer2DModel", "SD3Transformer2DModel", "WanTransformer3DModel", "UNet2DConditionModel")
+    denoisers += ("QwenImageTransformer2DModel", "Flux2Transformer2DModel")  # --models' (gpu_check.py)
+    for name in denoisers:
         cls = getattr(diffusers, name)
         cls.forward = clock.timed(cls.forward, grad_kind, hidden_rows)
     Accelerator.backward = clock.timed(Accelerator.backward, lambda: "backward", lambda a, k: 0)

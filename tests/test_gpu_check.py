@@ -90,6 +90,47 @@ def test_gpu_check_records_a_script_that_overruns_and_goes_on(tmp_path):
     assert "| dancegrpo.py | timed out after 2 s |" in (tmp_path / "gpu_check.md").read_text()
 
 
+def test_gpu_check_tiny_mode_runs_a_model_kind_alone(tmp_path):
+    """--cases none --models wan22-5b: the tiny Wan2.2-TI2V-5B (tests/tiny.py's builder) built, planned, counted and
+    trained for 2 iterations under the timing wrapper, its folder deleted after."""
+    from benchmarks import gpu_check as G
+
+    out = gpu_check("--tiny", "--cases", "none", "--models", "wan22-5b", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert results["cases"] == ["wan22-5b"] and results["status"] == "done" and results["failures"] == []
+    case = results["wan22-5b"]
+    assert case["setting"] == "tiny Wan2.2-TI2V-5B video, 64x64 px x 5 frames, CFG 5"
+    assert case["build"] == {"status": "ok"}
+    # counted on the meta device as expected by hand, the per-token timestep embedding included
+    assert case["forward_tflop"] == pytest.approx(case["forward_expected_tflop"], rel=1e-6)
+    assert case["train_tflop"] > 2 * case["forward_tflop"]
+    [(script, r)] = case["scripts"].items()
+    assert script == "dancegrpo.py" and r["status"] == "ok" and r["iterations"] == 2 and r["estimate_gb"] > 0
+    assert r["nograd_rows"] == 32 and r["grad_rows"] > 0  # 4 videos x 4 steps, CFG: 2 rows each
+    assert "rewards/hpsv2.1" in r["rewards"]
+    assert not (tmp_path / G.FOLDER["wan22-5b"]).exists() and not (tmp_path / "wan").exists()
+
+
+def test_bad_cases_or_models_fail_at_start_up(tmp_path, capsys):
+    from benchmarks import gpu_check as G
+
+    for flags, error in (
+        (["--models", "qwen"], "--models 'qwen': qwen is not one of qwen-image, flux2-klein, wan22-5b"),
+        (["--models", "qwen-image,qwen-image"], "--models 'qwen-image,qwen-image'"),
+        (["--cases", "flux,sd3"], "--cases 'flux,sd3': sd3 is not one of flux, wan"),
+        (["--cases", "", "--models", "qwen-image"], "--cases '': '' is not one of flux, wan (comma-separated, each "),
+        (["--cases", "none"], "--cases none and no --models: nothing to run"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            G.main(["--tiny", *flags, "--out", str(tmp_path / "work")])
+        assert e.value.code == 2 and error in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()  # before anything ran or was written
+    assert G.chosen_cases("none", "qwen-image") == ["qwen-image"]
+    assert G.chosen_cases("wan", "flux2-klein,wan22-5b") == ["wan", "flux2-klein", "wan22-5b"]
+    assert G.chosen_cases("flux,wan", "") == ["flux", "wan"]  # the default check
+
+
 # ---------------------------------------------------------------------------------------------------
 # In this process, the slow parts faked (the memory plans, the FLOP counts, the scripts' runs): failures and skips
 # ---------------------------------------------------------------------------------------------------
@@ -123,7 +164,7 @@ def quick(monkeypatch):
 
     def run_script(script, flags, out, limit_s, exp_name, tiny_hps=None):
         runs.append(exp_name)
-        assert (out / exp_name.split("_")[0] / "model_index.json").is_file()  # its case's model was built
+        assert (out / G.FOLDER[exp_name.split("_")[0]] / "model_index.json").is_file()  # its case's model was built
         return dict(OK_RUN)
 
     monkeypatch.setattr(G, "plan", plan)
@@ -275,6 +316,23 @@ def test_a_prepared_plan_brings_the_flop_counts_and_the_rates_use_them(tmp_path,
     assert (wan["forward_tflop"], wan["forward_base_tflop"], wan["train_tflop"]) == (2.0, 1.0, 5.0)
     for r in wan["scripts"].values():  # 4 rows in 1 s; 4 rows forward + backward in 1 + 1 s
         assert r["rollout_tflops"] == pytest.approx(8.0) and r["train_tflops"] == pytest.approx(10.0)
+
+
+def test_a_prepared_plan_has_every_case_so_models_run_from_it(tmp_path, quick):
+    """--write-plan (gpu_check.sh --prepare) plans the --models cases too: the prepared command with --models runs
+    them from it (plans and FLOP counts), each case's model in its own folder, deleted after."""
+    G, runs = quick
+    plan = tmp_path / "plan.json"
+    G.main(["--tiny", "--write-plan", str(plan)])
+    prepared = json.loads(plan.read_text())
+    assert {k for k in prepared if k.startswith("flops/")} == {f"flops/{c}" for c in G.CASES + G.MODELS}
+    assert prepared["qwen-image/dancegrpo.py"]["flags"][:2] == ["--model-id", "OUT/Qwen-Image"]
+    G.main(["--tiny", "--cases", "none", "--models", "flux2-klein", "--plan", str(plan), "--out", str(tmp_path / "w")])
+    results = json.loads((tmp_path / "w" / "gpu_check.json").read_text())
+    assert results["status"] == "done" and "memory plans" not in results["phases_s"]
+    assert "flux2-klein: FLOP count" not in results["phases_s"] and runs == ["flux2-klein_dancegrpo"]
+    assert results["flux2-klein"]["scripts"]["dancegrpo.py"]["estimate_gb"] == 1.0  # the prepared plan's
+    assert not (tmp_path / "w" / "FLUX.2-klein-base-4B").exists()
 
 
 def test_a_failed_script_is_recorded_with_the_exception_its_log_ends_with():
