@@ -1,12 +1,20 @@
 """The prepared GPU check: full-size models with random weights (built from their published configs; nothing is
 downloaded), bf16, LoRA r128, gradient checkpointing and --offload-frozen as in run.sh's recipes, 2 iterations of each
-script with small batches, in two cases:
+script with small batches, in two cases by default:
 
   flux   FLUX.1-dev at 512 px: dancegrpo.py, branchgrpo.py --pruning depth, vgrpo.py and diffusionnft.py (8 steps,
          10 for the tree)
   wan    Wan2.1-T2V-1.3B video, 480 x 832 x 9 frames, CFG 5, reward hpsv2.1 on 4 frames + temporal:0.5 (the wan
          recipes' settings): dancegrpo.py (4 videos, rollout batch 4, 8 steps) and branchgrpo.py --pruning depth
          (one tree of 4 leaves, 10 steps)
+
+and, with --models, one case per model kind after those (dancegrpo.py only, with the flux case's flags for an image
+and the wan case's for a video; memory.py's published configs; Z-Image is not among them: memory.py has no Z-Image
+to plan):
+
+  qwen-image   Qwen-Image (20.4B transformer, Qwen2.5-VL-7B) at 512 px, CFG 4: 58 GB on disk
+  flux2-klein  FLUX.2 [klein] base 4B (Qwen3-4B) at 512 px, CFG 4: 16 GB
+  wan22-5b     Wan2.2-TI2V-5B video, 704 x 704 x 9 frames, CFG 5, shift 5: 25 GB
 
 For each script it prints seconds per iteration, the peak GPU memory (torch.cuda.max_memory_allocated, as the scripts
 log it in perf/peak_mem_gb) next to benchmarks/memory.py's plan for the same flags, and the model FLOP rate and
@@ -16,6 +24,8 @@ utilisation of the transformer's forwards without gradients (the rollout) and of
                                                   # and the command for an offline GPU node (docs/gpu.md)
     bash benchmarks/gpu_check.sh                  # one H100 / H200-class GPU: 8 minutes at most (--limit-s)
     bash benchmarks/gpu_check.sh --cases wan      # one case only (a rerun that fits the time left)
+    bash benchmarks/gpu_check.sh --cases none --models qwen-image        # a new model kind alone (--cases none)
+    bash benchmarks/gpu_check.sh --cases none --models flux2-klein,wan22-5b
     bash benchmarks/gpu_check.sh --tiny           # the same harness on tiny models, on the CPU (tests run it)
 
 What it measures and what it does not:
@@ -43,10 +53,12 @@ results too. Every script runs in its own process with its own time limit; a fai
 the end of its log. The runs write no checkpoints or weights (--no-save). {--out}/gpu_check.json, gpu_check.md and
 gpu_check.log (every line printed) and --results (the same, with the scripts' logs) are written from the start and
 after every step, so a run stopped early keeps what finished; a SIGTERM (gpu_check.sh's outer limit) is recorded
-too. Each case's model folder is deleted after its scripts (FLUX.1-dev's is 34 GB). In --tiny mode the peak memory
+too. Each case's model folder is deleted after its scripts (FLUX.1-dev's is 34 GB, Qwen-Image's 58 GB: the disk
+check asks for the largest chosen one and the reward's checkpoint). A bad --cases or --models value stops the check
+before anything runs, naming the flag. In --tiny mode the peak memory
 is the process's resident set on the CPU, not comparable with the plan, and there is no MFU: that mode checks the
 harness, not the figures; its reward is HPSv2.1 too, a tiny open_clip architecture ('tiny-hps', tests/tiny.py's)
-saved and loaded by the same path as the real one.
+saved and loaded by the same path as the real one; the --models cases are tests/tiny.py's models.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@
 #                                                # it prints the one command to run on an offline GPU node
 #   bash benchmarks/gpu_check.sh [--out DIR] [--results DIR]   # one H100 / H200-class GPU; 8 minutes at most
 #   bash benchmarks/gpu_check.sh --cases wan     # one case (flux or wan), e.g. to rerun within the time left
+#   bash benchmarks/gpu_check.sh --cases none --models qwen-image   # new model kinds (qwen-image, flux2-klein,
+#                                                # wan22-5b): dancegrpo.py each, after --cases (none: only these);
+#                                                # Qwen-Image needs 58 GB free under --out
 #   bash benchmarks/gpu_check.sh --tiny          # tiny models on the CPU: the harness only
 # docs/gpu.md, "The GPU check", has the command, the wheels and the time budget.
 set -euo pipefail
@@ -23,6 +26,7 @@ if [ "${1:-}" = "--prepare" ]; then
     echo "$(ls .whl/*.whl | wc -l) wheels, $((kib / 1024)).$(((kib % 1024) * 10 / 1024)) MiB, and the memory plans in .whl/"
     echo "On the GPU node, from the repository's root with .whl/ copied along (RESULTS: where the figures go):"
     echo '  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PY=python3 bash benchmarks/gpu_check.sh --plan .whl/plan.json --results RESULTS'
+    echo "(plan.json has every case: add --cases none --models qwen-image, or flux2-klein,wan22-5b, for the new kinds)"
     exit 0
 fi
 # gpu_check.py keeps its own limit (--limit-s, 480 s after the plans and the disk check), records a script that

@@ -3,7 +3,8 @@ text-to-video pipeline with random weights, runs the flow scripts for 2 iteratio
 flags under benchmarks/gpu_timing.py (the reward: HPSv2.1, a tiny architecture saved and loaded as the real one),
 and reports speed, peak memory next to memory.py's plan, and the denoiser forwards it counted; every failure (a
 build, a script, one before the clock) is recorded in the results and the check goes on; the FLOPs are counted on
-the LoRA-wrapped denoiser, forward and backward."""
+the LoRA-wrapped denoiser, forward and backward; --models runs a newer model kind (tests/tiny.py's) as one more case,
+and a bad --cases or --models value fails at start-up."""
 
 import json
 import os
