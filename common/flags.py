@@ -62,9 +62,10 @@ class RunArgs:
     folder or hub id; any other model needs --prompts, --eval-prompts and --reward (the ShapesBench defaults are
     refused)"""
     resolution: Annotated[Optional[int], ModeDefault("the model's native size")] = None
-    """square image side in pixels (Wan2.1's native size: 480 x 832)"""
+    """square image side in pixels (native video sizes: Wan2.1 and A14B 480 x 832, Wan2.2-TI2V-5B 704 x 1280)"""
     num_frames: Annotated[Optional[int], ModeDefault("the model's own")] = None
-    """video models (Wan2.1) only: frames per video, 4k + 1 (Wan2.1's own: 81 = 5 s at 16 fps)"""
+    """video models (Wan) only: frames per video, 4k + 1 (Wan2.1's own: 81 = 5 s at 16 fps; Wan2.2-TI2V-5B's: 121 =
+    5 s at 24 fps)"""
     reward_frames: int = 4
     """video models only: an image reward (hpsv2.1, clip, ...) scores this many evenly spaced frames of each video,
     the first and the last among them, and gives their mean"""

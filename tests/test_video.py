@@ -66,6 +66,8 @@ def test_wan22_5b_feeds_one_timestep_per_token_and_samples_what_the_stock_pipeli
     build_wan22_5b(tmp_path / "wan22")
     model = load_model(str(tmp_path / "wan22"), resolution=64, num_frames=FRAMES)
     assert model.kind == "wan" and model.per_token and model.latent_shape() == (48, 2, 4, 4)
+    native = load_model(str(tmp_path / "wan22"))  # its own 720p and 121 frames: (121 - 1) / 4 + 1, 704 / 16, 1280 / 16
+    assert (native.height, native.width, native.num_frames, native.latent_shape()) == (704, 1280, 121, (48, 31, 44, 80))
     pipe = WanPipeline.from_pretrained(tmp_path / "wan22")
     pipe.set_progress_bar_config(disable=True)
     prompts, noise = ["a cat walks", "a red car drives"], torch.randn(2, *model.latent_shape())

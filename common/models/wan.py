@@ -86,6 +86,7 @@ class WanModel(FlowModel):
     text_tokens = 512  # WanPipeline's default max_sequence_length
     native_size = (480, 832)  # WanPipeline's default height and width (Wan2.1's 480p)
     native_frames = 81  # WanPipeline's default num_frames (5 s at 16 fps)
+    native_5b = ((704, 1280), 121)  # Wan2.2-TI2V-5B's own 720p, 121 frames (5 s at 24 fps), as its model card runs it
 
     def __init__(self, pipe: WanPipeline, resolution: int | None, num_frames: int | None):
         self.per_token = bool(pipe.config.expand_timesteps)  # Wan2.2-TI2V-5B
@@ -99,6 +100,8 @@ class WanModel(FlowModel):
             denoiser = WanExperts(pipe.transformer, pipe.transformer_2, boundary)
         self.pipe = pipe
         self.vae_scale, self.vae_scale_t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
+        if self.per_token:
+            self.native_size, self.native_frames = self.native_5b
         height, width = (resolution, resolution) if resolution else self.native_size
         _check_multiple(height, self.vae_scale * pipe.transformer.config.patch_size[1], "wan")
         self.num_frames = num_frames or self.native_frames
