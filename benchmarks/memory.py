@@ -792,7 +792,7 @@ def score_samples(reward, spec: str, frames: int, samples):
 class Workload:
     """Batch sizes of the phases (rows = denoiser batch, CFG included) and the rollout data kept on the GPU."""
 
-    prompts: int  # prompts encoded at once
+    prompts: int  # distinct prompts encoded at once (encode_prompts encodes each once)
     rollout_rows: int  # no-grad denoiser batch (rollout, V-GRPO's behaviour pass)
     decode: int  # images per VAE decode
     reward: int  # images per reward call
@@ -811,6 +811,13 @@ def _bytes(shape, count=1, element=4) -> int:
     return n
 
 
+def distinct_prompts(S: int, G: int) -> int:
+    """The most groups a process's S samples meet, groups of G in global order (process r owns samples [r S, (r + 1)
+    S), which start gcd(S, G)-aligned within a group, at most G - gcd(S, G) into it): the prompts encode_prompts
+    encodes, each distinct prompt once."""
+    return min(S, (G - math.gcd(S, G) + S - 1) // G + 1)
+
+
 def workload(script: str, args, shapes: Shapes, cfg: bool, frozen_bytes: int) -> Workload:
     """From the script's parsed Args: its batches and the tensors it keeps (fp32 latents and images or videos,
     conditioning in the text encoders' dtype), read off its main loop."""
@@ -822,7 +829,8 @@ def workload(script: str, args, shapes: Shapes, cfg: bool, frozen_bytes: int) ->
         # chunks: latents (S, T + 1, *L) and log-probs (S, T); images (S, 3, H, W); the prompts' conditioning
         data = _bytes(L, S * (T + 1)) + _bytes((S, T)) + _bytes(img, S) + cond * (S + 1)
         full_ft_kl = args.kl_beta > 0 and not args.lora
-        return Workload(S, R * mult, R, S, R * mult, args.kl_beta > 0, full_ft_kl, data)
+        P = distinct_prompts(S, args.group_size)
+        return Workload(P, R * mult, R, S, R * mult, args.kl_beta > 0, full_ft_kl, data)
     if script == "branchgrpo":
         import branchgrpo
 
@@ -839,7 +847,8 @@ def workload(script: str, args, shapes: Shapes, cfg: bool, frozen_bytes: int) ->
         # final latents (S, *L), images, conditioning, behaviour values; with KL the reference's x0 (S, N, *L)
         data = _bytes(L, S) + _bytes(img, S) + cond * (S + 1) + _bytes((S, N)) + (_bytes(L, S * N) if kl else 0)
         full_ft_kl = kl and args.kl_ref == "base" and not args.lora
-        return Workload(S, max(R, B * N) * mult, R, S, B * N * mult, False, full_ft_kl, data)
+        P = distinct_prompts(S, args.group_size)
+        return Workload(P, max(R, B * N) * mult, R, S, B * N * mult, False, full_ft_kl, data)
     if script == "rlr":
         S, B, T = args.samples_per_device, args.rollout_batch_size, args.num_steps
         h = args.subchain_len
@@ -857,14 +866,16 @@ def workload(script: str, args, shapes: Shapes, cfg: bool, frozen_bytes: int) ->
         # chunks: latents (S, T, *L) and their step noise (S, T - 1, *L) on the device; conditioning
         data = _bytes(L, S * T) + _bytes(L, S * (T - 1)) + cond * (S + 1)
         zo = "zo" in args.terms
-        return Workload(S, B * mult, B, B, B * mult, False, False, data, rlr={"rows": B, "h": h, "zo": zo})
+        P = distinct_prompts(S, args.group_size)
+        return Workload(P, B * mult, B, B, B * mult, False, False, data, rlr={"rows": B, "h": h, "zo": zo})
     if script == "diffusionnft":
         S, R, B = args.samples_per_device, args.rollout_batch_size, args.train_batch_size
         # final latents (S, *L) and decoded images, each chunk's sent to the reward as it is decoded; conditioning.
         # The old policy's and the base's no-grad forwards run before the trained one's, so no graph is alive then.
         data = _bytes(L, S) + _bytes(img, S) + cond * (S + 1)
         full_ft_kl = args.kl_beta > 0 and not args.lora
-        return Workload(S, R * mult, R, R, B * mult, False, full_ft_kl, data, copies=2)
+        P = distinct_prompts(S, args.group_size)
+        return Workload(P, R * mult, R, R, B * mult, False, full_ft_kl, data, copies=2)
     raise ValueError(f"unknown script {script}")
 
 

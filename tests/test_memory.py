@@ -260,3 +260,15 @@ def test_flux2_klein_plan_has_its_published_sizes_and_adapts_the_single_blocks()
         module = memory.trained_module("flux2", small, args, torch.bfloat16, False)
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in module.named_parameters() if ".lora_A" in n}
     assert len(adapted) == 8 + 2 and "single_transformer_blocks.0.attn.to_qkv_mlp_proj" in adapted
+
+
+def test_distinct_prompts_per_process_by_hand():
+    """Process r owns global samples [r S, (r + 1) S) of groups of G: 96 samples in groups of 16 are 6 prompts; 12 in
+    groups of 8 meet 2 groups ([0, 12) or [12, 24): offsets 0 and 4); 2 in groups of 4 sit in one; 6 in groups of 4
+    can straddle 2 ([6, 12): groups 1 and 2)."""
+    assert [memory.distinct_prompts(S, G) for S, G in [(96, 16), (12, 8), (2, 4), (6, 4), (4, 4), (5, 1)]] == [
+        6, 2, 1, 2, 1, 5,
+    ]  # fmt: skip
+    for S, G in [(12, 8), (6, 4), (10, 4), (9, 6)]:  # against the layout itself, over enough processes
+        most = max(len({k // G for k in range(r * S, (r + 1) * S)}) for r in range(4 * G))
+        assert memory.distinct_prompts(S, G) == most, (S, G)
