@@ -195,6 +195,9 @@ WAN22_TI2V_5B = dict(
     text_dim=4096, freq_dim=256, ffn_dim=14336, num_layers=30, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
     eps=1e-6, rope_max_seq_len=1024,
 )  # fmt: skip
+# Wan-AI/Wan2.2-T2V-A14B-Diffusers: two experts (transformer, transformer_2), each Wan2.1-T2V-14B's architecture
+# (14.29B: width 5120, 40 layers, 40 heads, FFN 13824), on Wan2.1's UMT5-XXL and 16-channel 8x VAE
+WAN22_A14B_EXPERT = {**WAN_T2V_1_3B, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
 VAE_WAN22 = dict(
     base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
     temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12, patch_size=2,
@@ -283,8 +286,13 @@ MODELS = {
         denoiser=WAN22_TI2V_5B, text=[("umt5", UMT5_XXL, 512)], vae=VAE_WAN22, reward=HPS, resolution=(704, 1280),
         frames=121, fsdp_units=("WanTransformerBlock",),
     ),  # Wan2.2-TI2V-5B's own 720p: 704 x 1280, 121 frames (5 s at 24 fps); one timestep per token
+    "wan22_a14b": dict(
+        denoiser=WAN22_A14B_EXPERT, text=[("umt5", UMT5_XXL, 512)], vae=VAE_WAN, reward=HPS, resolution=(480, 832),
+        frames=81, fsdp_units=("WanTransformerBlock",), experts=2,
+    ),  # two experts, one of them in each forward (common.models.wan.WanExperts): weights, adapter, gradients and
+        # AdamW state twice, activations once
 }  # fmt: skip
-VIDEO_KINDS = ("wan", "wan22")
+VIDEO_KINDS = ("wan", "wan22", "wan22_a14b")
 
 
 def model_kind(model_id: str) -> str:
@@ -298,6 +306,8 @@ def model_kind(model_id: str) -> str:
         kind = KINDS.get(config.get("_class_name"))
         if kind == "wan" and config.get("expand_timesteps"):
             return "wan22"
+        if kind == "wan" and (config.get("transformer_2") or [None])[0] is not None:
+            return "wan22_a14b"
         if kind == "flux2" and config.get("_class_name") != "Flux2KleinPipeline":
             raise ValueError(f"--model-id {model_id}: FLUX.2 [dev] is not modelled here (FLUX.2 [klein] 4B is)")
         if kind in MODELS:
@@ -313,13 +323,15 @@ def model_kind(model_id: str) -> str:
         return "sd1"
     if "wan2.2-ti2v-5b" in low:
         return "wan22"
+    if "wan2.2-t2v-a14b" in low:
+        return "wan22_a14b"
     if "wan" in low and not any(k in low for k in ("14b", "wan2.2", "i2v")):
         return "wan"
     if "qwen-image" in low and not any(k in low for k in ("edit", "2.1", "layered")):
         return "qwen"
     raise ValueError(
-        f"--model-id {model_id}: not FLUX.1, FLUX.2 [klein] 4B, SD3.5-Medium, SD1.5, Qwen-Image, Wan2.1-T2V-1.3B or "
-        "Wan2.2-TI2V-5B, whose "
+        f"--model-id {model_id}: not FLUX.1, FLUX.2 [klein] 4B, SD3.5-Medium, SD1.5, Qwen-Image, Wan2.1-T2V-1.3B, "
+        "Wan2.2-TI2V-5B or Wan2.2-T2V-A14B, whose "
         "published configs are here"
     )
 
@@ -520,6 +532,7 @@ def build_denoiser(kind: str, config: dict, dtype):
 
     classes = {"flux": FluxTransformer2DModel, "sd3": SD3Transformer2DModel, "sd1": UNet2DConditionModel}
     classes |= {"wan": WanTransformer3DModel, "wan22": WanTransformer3DModel, "qwen": QwenImageTransformer2DModel}
+    classes |= {"wan22_a14b": WanTransformer3DModel}  # one expert (MODELS' experts: how many)
     if kind == "flux2":
         from diffusers import Flux2Transformer2DModel
 
@@ -1014,7 +1027,7 @@ def estimate(
     fsdp_config = fsdp_config or {}
     checkpointing = args.gradient_checkpointing or (fsdp and bool(fsdp_config.get("fsdp_activation_checkpointing")))
     offload, ddp = args.offload_frozen, num_processes > 1 and not fsdp
-    cfg = kind in ("sd3", "sd1", "wan", "wan22", "qwen", "flux2") and args.guidance_scale > 1  # FLUX.1-dev: embedded
+    cfg = kind in ("sd3", "sd1", *VIDEO_KINDS, "qwen", "flux2") and args.guidance_scale > 1  # FLUX.1-dev: embedded
     work = workload(script, args, shapes, cfg, esize)
     if fsdp and work.copies:
         raise ValueError(f"{script}.py refuses FSDP: it keeps the old policy and the EMA beside the trained weights")
@@ -1051,6 +1064,9 @@ def estimate(
             frozen = sum(nbytes(p) for p in module.parameters() if not p.requires_grad)
             g_train, opt = w_train, 2 * w_train  # gradients like the weights (fp32); AdamW exp_avg, exp_avg_sq
             working = working_train = 0
+        experts = parts.get("experts", 1)  # Wan2.2-A14B: both experts' weights and state, one expert's activations
+        w_train, g_train, opt, frozen = (experts * v for v in (w_train, g_train, opt, frozen))
+        n_all, n_train = experts * n_all, experts * n_train
         frozen += n_all * esize if work.kl_copy else 0  # frozen_copy(): the KL reference of full fine-tuning
         buckets = g_train if ddp else 0  # DDP's gradient buckets, allocated at prepare()
 
@@ -1334,6 +1350,7 @@ MODEL_NAMES = {
     "sd1": "SD1.5",
     "wan": "Wan2.1-1.3B",
     "wan22": "Wan2.2-5B",
+    "wan22_a14b": "Wan2.2-A14B",
     "qwen": "Qwen-Image",
     "flux2": "FLUX.2-klein-4B",
 }

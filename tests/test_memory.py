@@ -272,3 +272,24 @@ def test_distinct_prompts_per_process_by_hand():
     for S, G in [(12, 8), (6, 4), (10, 4), (9, 6)]:  # against the layout itself, over enough processes
         most = max(len({k // G for k in range(r * S, (r + 1) * S)}) for r in range(4 * G))
         assert memory.distinct_prompts(S, G) == most, (S, G)
+
+
+def test_wan22_a14b_plan_counts_both_experts_weights_and_one_experts_activations(tmp_path):
+    """Wan2.2-T2V-A14B: each expert has Wan2.1-14B's published size (14.29B); a folder with transformer_2 or the hub
+    name plans as two experts: the frozen base and the adapter (its gradients and AdamW state too) twice, the
+    activations of one (each forward goes through one expert), against the same plan of one expert."""
+    from tests.tiny import build_wan22_a14b
+
+    with memory.fake_world():
+        den = memory.build_denoiser("wan22_a14b", memory.WAN22_A14B_EXPERT, torch.bfloat16)
+        assert sum(p.numel() for p in den.parameters()) / 1e9 == pytest.approx(14.29, abs=0.01)
+    build_wan22_a14b(tmp_path / "a14b")
+    assert memory.model_kind(str(tmp_path / "a14b")) == "wan22_a14b"
+    assert memory.model_kind("Wan-AI/Wan2.2-T2V-A14B-Diffusers") == "wan22_a14b"
+    flags = [f if f != "Wan-AI/Wan2.1-T2V-1.3B-Diffusers" else "Wan-AI/Wan2.2-T2V-A14B-Diffusers" for f in WAN]
+    two = memory.estimate("dancegrpo.py", flags, model_config=memory.TINY_WAN)
+    one = memory.estimate("dancegrpo.py", flags, model_config={**memory.TINY_WAN, "experts": 1})
+    assert two["model"] == "wan22_a14b" and two["params"]["denoiser"] == 2 * one["params"]["denoiser"]
+    for part in ("frozen", "trainable", "grads", "optimizer"):
+        assert two["gb"][part] == pytest.approx(2 * one["gb"][part]), part
+    assert two["gb"]["activations"] == one["gb"]["activations"]
