@@ -7,7 +7,7 @@
     OMP_NUM_THREADS=1 python benchmarks/memory.py --cross-check   # the estimate against a real CPU run (~4 min)
 
 Each recipe's command comes from `bash run.sh --print NAME` (`--list` names them; GPU recipes are those on flux,
-sd35, sd15 or wan, less the multi-node ones, whose per-GPU memory is their 8-GPU twin's); its flags are parsed by the
+sd35, sd15, wan or qwen, less the multi-node ones, whose per-GPU memory is their 8-GPU twin's); its flags are parsed by the
 script's own `Args` (tyro), and the process count and FSDP come from the accelerate config it names. The models are
 built from their published configs (the constants below) inside `FakeTensorMode`: every tensor has a shape, a dtype
 and a size but no data, so FLUX.1-dev's 12B parameters cost nothing, and `MemTracker` (torch.distributed._tools)
@@ -195,6 +195,9 @@ WAN22_TI2V_5B = dict(
     text_dim=4096, freq_dim=256, ffn_dim=14336, num_layers=30, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
     eps=1e-6, rope_max_seq_len=1024,
 )  # fmt: skip
+# Tongyi-MAI/Z-Image-Turbo (and Z-Image) transformer/config.json: ZImageTransformer2DModel's defaults (6.15B: width
+# 3840, 30 layers and 2 + 2 refiner layers, 30 heads, Qwen3-4B captions of 2560); Qwen3-4B and the FLUX.1 VAE
+Z_IMAGE = dict(dim=3840, n_layers=30, n_refiner_layers=2, n_heads=30, n_kv_heads=30, cap_feat_dim=2560, in_channels=16)
 # Wan-AI/Wan2.2-T2V-A14B-Diffusers: two experts (transformer, transformer_2), each Wan2.1-T2V-14B's architecture
 # (14.29B: width 5120, 40 layers, 40 heads, FFN 13824), on Wan2.1's UMT5-XXL and 16-channel 8x VAE
 WAN22_A14B_EXPERT = {**WAN_T2V_1_3B, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
@@ -286,6 +289,10 @@ MODELS = {
         denoiser=WAN22_TI2V_5B, text=[("umt5", UMT5_XXL, 512)], vae=VAE_WAN22, reward=HPS, resolution=(704, 1280),
         frames=121, fsdp_units=("WanTransformerBlock",),
     ),  # Wan2.2-TI2V-5B's own 720p: 704 x 1280, 121 frames (5 s at 24 fps); one timestep per token
+    "zimage": dict(
+        denoiser=Z_IMAGE, text=[("qwen3", QWEN3_4B, 256)], vae=VAE_16CH, reward=HPS, resolution=1024,
+        fsdp_units=("ZImageTransformerBlock",),
+    ),  # ZImagePipeline: captions as long as the batch's longest prompt after the chat template (256 here), 1024 px
     "wan22_a14b": dict(
         denoiser=WAN22_A14B_EXPERT, text=[("umt5", UMT5_XXL, 512)], vae=VAE_WAN, reward=HPS, resolution=(480, 832),
         frames=81, fsdp_units=("WanTransformerBlock",), experts=2,
@@ -325,13 +332,15 @@ def model_kind(model_id: str) -> str:
         return "wan22"
     if "wan2.2-t2v-a14b" in low:
         return "wan22_a14b"
+    if "z-image" in low:
+        return "zimage"
     if "wan" in low and not any(k in low for k in ("14b", "wan2.2", "i2v")):
         return "wan"
     if "qwen-image" in low and not any(k in low for k in ("edit", "2.1", "layered")):
         return "qwen"
     raise ValueError(
         f"--model-id {model_id}: not FLUX.1, FLUX.2 [klein] 4B, SD3.5-Medium, SD1.5, Qwen-Image, Wan2.1-T2V-1.3B, "
-        "Wan2.2-TI2V-5B or Wan2.2-T2V-A14B, whose "
+        "Wan2.2-TI2V-5B, Wan2.2-T2V-A14B or Z-Image, whose "
         "published configs are here"
     )
 
@@ -344,11 +353,11 @@ def _run_sh(*args: str) -> str:
 
 
 def gpu_recipes() -> list[str]:
-    """run.sh's training recipes on FLUX / SD3.5 / SD1.5 / Wan2.1 GPUs; multi-node ones are left out (per GPU as their
-    8-GPU twin), and so are the evaluation recipes (evaluate-*: no training)."""
+    """run.sh's training recipes on FLUX / SD3.5 / SD1.5 / Wan / Qwen-Image GPUs; multi-node ones are left out (per
+    GPU as their 8-GPU twin), and so are the evaluation recipes (evaluate-*: no training)."""
     names = [n for n in _run_sh("--list").split() if not n.startswith("evaluate-") and not n.endswith("-multinode")]
     # DiffusionNFT's curriculum: five runs with diffusionnft-sd35-8gpu's batches (its plan), other prompts and rewards
-    return [n for n in names if any(k in n for k in ("flux", "sd35", "sd15", "wan")) and "curriculum" not in n]
+    return [n for n in names if any(k in n for k in ("flux", "sd35", "sd15", "wan", "qwen")) and "curriculum" not in n]
 
 
 @dataclass
@@ -528,11 +537,13 @@ def build_denoiser(kind: str, config: dict, dtype):
         SD3Transformer2DModel,
         UNet2DConditionModel,
         WanTransformer3DModel,
+        ZImageTransformer2DModel,
     )
 
     classes = {"flux": FluxTransformer2DModel, "sd3": SD3Transformer2DModel, "sd1": UNet2DConditionModel}
     classes |= {"wan": WanTransformer3DModel, "wan22": WanTransformer3DModel, "qwen": QwenImageTransformer2DModel}
     classes |= {"wan22_a14b": WanTransformer3DModel}  # one expert (MODELS' experts: how many)
+    classes |= {"zimage": ZImageTransformer2DModel}
     if kind == "flux2":
         from diffusers import Flux2Transformer2DModel
 
@@ -664,6 +675,10 @@ class Shapes:
             latent = ((side // 2) ** 2, den["in_channels"])  # 2x2 patches packed into tokens
             t5_tokens = [n for fam, _, n in parts["text"] if fam == "t5"][0]
             cond = {"prompt_embeds": (t5_tokens, den["joint_attention_dim"]), "pooled": (den["pooled_projection_dim"],)}
+        elif kind == "zimage":  # ZImageModel: the VAE latent itself (the transformer patchifies it); padded captions
+            latent = vae_latent
+            tokens = parts["text"][0][2]
+            cond = {"prompt_embeds": (tokens, den["cap_feat_dim"]), "prompt_embeds_mask": (tokens,)}
         elif kind == "sd3":
             latent = vae_latent
             tokens = 77 + [n for fam, _, n in parts["text"] if fam == "t5"][0]  # CLIP-L+G and T5 tokens, concatenated
@@ -706,6 +721,12 @@ def denoise(shapes: Shapes, module, x):
             encoder_hidden_states=cond["prompt_embeds"], encoder_hidden_states_mask=torch.ones(rows, cond["prompt_embeds"].shape[1]),
             img_shapes=[[(1, side, side)]] * rows, return_dict=False,
         )[0]  # fmt: skip
+    elif shapes.kind == "zimage":  # ZImageModel.velocity: lists of (C, 1, h, w) latents and (tokens, 2560) captions
+        outs = module(
+            list(x.to(dt).unsqueeze(2).unbind(0)), torch.full((rows,), 0.5, dtype=dt),
+            list(cond["prompt_embeds"].unbind(0)), return_dict=False,
+        )[0]  # fmt: skip
+        out = torch.stack([o.float() for o in outs]).squeeze(2)
     elif shapes.kind in VIDEO_KINDS:  # WanModel.velocity: timestep = 1000 sigma (fp32), UMT5 embeddings
         t = torch.full((rows,), 500.0)
         if shapes.kind == "wan22":  # one timestep per token: (rows, F' x h/2 x w/2)
@@ -1027,7 +1048,8 @@ def estimate(
     fsdp_config = fsdp_config or {}
     checkpointing = args.gradient_checkpointing or (fsdp and bool(fsdp_config.get("fsdp_activation_checkpointing")))
     offload, ddp = args.offload_frozen, num_processes > 1 and not fsdp
-    cfg = kind in ("sd3", "sd1", *VIDEO_KINDS, "qwen", "flux2") and args.guidance_scale > 1  # FLUX.1-dev: embedded
+    cfg_kinds = ("sd3", "sd1", *VIDEO_KINDS, "qwen", "flux2", "zimage")  # FLUX.1-dev's guidance is embedded
+    cfg = kind in cfg_kinds and args.guidance_scale > 1
     work = workload(script, args, shapes, cfg, esize)
     if fsdp and work.copies:
         raise ValueError(f"{script}.py refuses FSDP: it keeps the old policy and the EMA beside the trained weights")
@@ -1353,6 +1375,7 @@ MODEL_NAMES = {
     "wan22_a14b": "Wan2.2-A14B",
     "qwen": "Qwen-Image",
     "flux2": "FLUX.2-klein-4B",
+    "zimage": "Z-Image",
 }
 
 

@@ -293,3 +293,23 @@ def test_wan22_a14b_plan_counts_both_experts_weights_and_one_experts_activations
     for part in ("frozen", "trainable", "grads", "optimizer"):
         assert two["gb"][part] == pytest.approx(2 * one["gb"][part]), part
     assert two["gb"]["activations"] == one["gb"]["activations"]
+
+
+def test_zimage_plan_has_its_published_size_and_calls_the_transformer_as_the_model_does():
+    """Z-Image: the transformer at ZImageTransformer2DModel's published defaults (6.15B), the FLUX.1 VAE's latent as
+    its input (it patchifies), lists of latents and padded captions as ZImageModel.velocity passes them; a shortened
+    one runs the plan's forward and the scripts' adapter lands on its attention projections."""
+    with memory.fake_world():
+        den = memory.build_denoiser("zimage", memory.Z_IMAGE, torch.bfloat16)
+        assert sum(p.numel() for p in den.parameters()) / 1e9 == pytest.approx(6.155, abs=0.001)
+    assert memory.model_kind("Tongyi-MAI/Z-Image-Turbo") == memory.model_kind("Tongyi-MAI/Z-Image") == "zimage"
+    shapes = memory.Shapes.of("zimage", memory.MODELS["zimage"], 512)
+    assert shapes.latent == shapes.vae_latent == (16, 64, 64) and shapes.cond["prompt_embeds"] == (256, 2560)
+    args = memory.parse_args("dancegrpo", ["--model-id", "x", "--lora", "--lora-rank", "4", "--lora-alpha", "4"])
+    small = {**memory.Z_IMAGE, "n_layers": 1, "n_refiner_layers": 1}
+    with memory.fake_world():
+        module = memory.trained_module("zimage", small, args, torch.bfloat16, True)
+        out = memory.denoise(memory.Shapes.of("zimage", memory.MODELS["zimage"], 64), module, torch.zeros(2, 16, 8, 8))
+    assert out.shape == (2, 16, 8, 8)
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in module.named_parameters() if ".lora_A" in n}
+    assert "layers.0.attention.to_q" in adapted and len(adapted) == 4 * 3  # 1 layer + 1 + 1 refiners, q k v out
