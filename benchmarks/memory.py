@@ -182,6 +182,25 @@ FLUX2_KLEIN_4B = dict(
     in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128, num_attention_heads=24,
     joint_attention_dim=7680, guidance_embeds=False, axes_dims_rope=(32, 32, 32, 32),
 )  # fmt: skip
+# black-forest-labs/FLUX.2-dev: Flux2Transformer2DModel's defaults (32.22B: 8 double and 48 single blocks of 6144,
+# guidance embedded) and Mistral-Small-3.1-24B (Mistral3ForConditionalGeneration: a 40-layer 5120-wide language model
+# and the Pixtral vision tower, loaded but unused for text-to-image; the pipeline stacks hidden states 10, 20 and 30)
+FLUX2_DEV = dict(
+    in_channels=128, num_layers=8, num_single_layers=48, attention_head_dim=128, num_attention_heads=48,
+    joint_attention_dim=15360, guidance_embeds=True, axes_dims_rope=(32, 32, 32, 32),
+)  # fmt: skip
+MISTRAL_SMALL_31 = dict(
+    text_config=dict(
+        model_type="mistral", vocab_size=131072, hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        tie_word_embeddings=False,
+    ),
+    vision_config=dict(
+        model_type="pixtral", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+        image_size=1540, patch_size=14,
+    ),
+    tie_word_embeddings=False,
+)  # fmt: skip
 QWEN3_4B = dict(
     vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
     num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=40960,
@@ -277,6 +296,10 @@ MODELS = {
         denoiser=FLUX2_KLEIN_4B, text=[("qwen3", QWEN3_4B, 512)], vae=VAE_FLUX2, reward=HPS, resolution=1024,
         fsdp_units=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"),
     ),  # Flux2KleinPipeline: prompts padded to 512 tokens, 1024 px; the base model's CFG with ""
+    "flux2_dev": dict(
+        denoiser=FLUX2_DEV, text=[("mistral3", MISTRAL_SMALL_31, 512)], vae=VAE_FLUX2, reward=HPS, resolution=1024,
+        fsdp_units=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"),
+    ),  # Flux2Pipeline: prompts padded to 512 tokens, guidance embedded (no CFG)
     "qwen": dict(
         denoiser=QWEN_IMAGE, text=[("qwen25vl", QWEN25_VL_7B, 34 + 256)], vae=VAE_QWEN, reward=HPS, resolution=1328,
         fsdp_units=("QwenImageTransformerBlock",),
@@ -300,6 +323,7 @@ MODELS = {
         # AdamW state twice, activations once
 }  # fmt: skip
 VIDEO_KINDS = ("wan", "wan22", "wan22_a14b")
+FLUX2_KINDS = ("flux2", "flux2_dev")
 
 
 def model_kind(model_id: str) -> str:
@@ -316,12 +340,14 @@ def model_kind(model_id: str) -> str:
         if kind == "wan" and (config.get("transformer_2") or [None])[0] is not None:
             return "wan22_a14b"
         if kind == "flux2" and config.get("_class_name") != "Flux2KleinPipeline":
-            raise ValueError(f"--model-id {model_id}: FLUX.2 [dev] is not modelled here (FLUX.2 [klein] 4B is)")
+            return "flux2_dev"
         if kind in MODELS:
             return kind
     low = model_id.lower()
     if "flux.2-klein" in low and "9b" not in low:
         return "flux2"
+    if "flux.2-dev" in low:
+        return "flux2_dev"
     if "flux" in low and "flux.2" not in low:
         return "flux"
     if "stable-diffusion-3.5" in low and "large" not in low:
@@ -544,10 +570,10 @@ def build_denoiser(kind: str, config: dict, dtype):
     classes |= {"wan": WanTransformer3DModel, "wan22": WanTransformer3DModel, "qwen": QwenImageTransformer2DModel}
     classes |= {"wan22_a14b": WanTransformer3DModel}  # one expert (MODELS' experts: how many)
     classes |= {"zimage": ZImageTransformer2DModel}
-    if kind == "flux2":
+    if kind in FLUX2_KINDS:
         from diffusers import Flux2Transformer2DModel
 
-        classes["flux2"] = Flux2Transformer2DModel
+        classes[kind] = Flux2Transformer2DModel
     return classes[kind](**config).to(dtype)
 
 
@@ -566,6 +592,10 @@ def build_text_encoder(family: str, config: dict, dtype, with_projection: bool):
         return T5EncoderModel(T5Config(**config)).to(dtype).eval()
     if family == "umt5":
         return UMT5EncoderModel(UMT5Config(**config)).to(dtype).eval()
+    if family == "mistral3":  # FLUX.2 [dev]'s: the whole Mistral3 model (language model, vision tower, LM head)
+        from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+        return Mistral3ForConditionalGeneration(Mistral3Config(**config)).to(dtype).eval()
     if family == "qwen3":  # FLUX.2 [klein]'s: the causal LM as the pipeline loads it
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -586,7 +616,7 @@ def build_vae(kind: str, config: dict, dtype):
         return AutoencoderKLWan(**config).float().eval()
     if kind == "qwen":
         return AutoencoderKLQwenImage(**config).to(dtype).eval()
-    if kind == "flux2":
+    if kind in FLUX2_KINDS:
         from diffusers import AutoencoderKLFlux2
 
         return AutoencoderKLFlux2(**config).to(dtype).eval()
@@ -618,7 +648,7 @@ def trained_module(kind: str, config: dict, args, frozen_dtype, checkpointing: b
     from common.models import Flux2Model
 
     holder = types.SimpleNamespace(kind=kind, unet=module, transformer=module)
-    if kind == "flux2":  # its adapter also covers the single blocks' fused Linears
+    if kind in FLUX2_KINDS:  # its adapter also covers the single blocks' fused Linears
         holder.lora_targets = Flux2Model.lora_targets
     module = trainable_denoiser(holder, args)
     if checkpointing or module.is_gradient_checkpointing:  # FSDP's config can ask for it too
@@ -656,10 +686,11 @@ class Shapes:
             latent = (vae["z_dim"], (frames - 1) // t_scale + 1, height // scale, width // scale)
             cond = {"prompt_embeds": (parts["text"][0][2], den["text_dim"])}  # UMT5 tokens, padded with zeros
             return Shapes(kind, latent, latent, (3, height, width), cond, frames)
-        if kind == "flux2":  # 8x, then 2x2 patchified into tokens of 4 x 32; text: 3 stacked hidden states, 512 tokens
+        if kind in FLUX2_KINDS:  # 8x, 2x2 patchified into tokens of 4 x 32; text: 3 stacked hidden states, 512 tokens
             h, w = height // 8, width // 8
             text = parts["text"][0]
-            cond = {"prompt_embeds": (text[2], 3 * text[1]["hidden_size"])}
+            hidden = text[1].get("text_config", text[1])["hidden_size"]  # [dev]: Mistral3's language model
+            cond = {"prompt_embeds": (text[2], 3 * hidden)}
             return Shapes(kind, ((h // 2) * (w // 2), den["in_channels"]), (32, h, w), (3, height, width), cond)
         if kind == "qwen":  # 8x (3 downsamplings), 2x2 patches packed into tokens of 4 x 16; the 3D VAE's one frame
             h, w = height // 2 ** len(vae["temperal_downsample"]), width // 2 ** len(vae["temperal_downsample"])
@@ -707,10 +738,11 @@ def denoise(shapes: Shapes, module, x):
             hidden_states=x.to(dt), timestep=torch.full((rows,), 500.0), encoder_hidden_states=cond["prompt_embeds"],
             pooled_projections=cond["pooled"], return_dict=False,
         )[0]  # fmt: skip
-    elif shapes.kind == "flux2":  # Flux2Model.velocity: timestep = sigma, 4-axis ids, no guidance input ([klein])
+    elif shapes.kind in FLUX2_KINDS:  # Flux2Model.velocity: timestep = sigma, 4-axis ids; [dev]: guidance embedded
         tokens = shapes.cond["prompt_embeds"][0]
         out = module(
-            hidden_states=x.to(dt), timestep=torch.full((rows,), 0.5, dtype=dt), guidance=None,
+            hidden_states=x.to(dt), timestep=torch.full((rows,), 0.5, dtype=dt),
+            guidance=torch.full((rows,), 4.0, dtype=dt) if shapes.kind == "flux2_dev" else None,
             encoder_hidden_states=cond["prompt_embeds"], txt_ids=torch.zeros(tokens, 4, dtype=torch.long),
             img_ids=torch.zeros(x.shape[1], 4, dtype=torch.long), return_dict=False,
         )[0]  # fmt: skip
@@ -749,7 +781,7 @@ def encode_text(encoders, batch: int):
                 out = module(ids, torch.ones_like(ids)).last_hidden_state
                 torch.stack([torch.cat([u[:1], u.new_zeros(tokens - 1, u.shape[1])]) for u in out])
                 continue
-            if family == "qwen3":  # every hidden state (the pipeline stacks three of them), with the mask
+            if family in ("qwen3", "mistral3"):  # every hidden state (the pipeline stacks three), with the mask
                 module(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True, use_cache=False)
                 continue
             if family == "qwen25vl":  # the last hidden layer of the language model, with the mask
@@ -766,7 +798,7 @@ def vae_decode(vae, shapes: Shapes, latents):
         from common.offload import Offloaded
 
         return WanModel.decode(types.SimpleNamespace(vae=vae, _vae=Offloaded([vae], "cpu", False)), latents)
-    if shapes.kind == "flux2":  # Flux2Model.decode itself: BatchNorm statistics, un-patchify, decode
+    if shapes.kind in FLUX2_KINDS:  # Flux2Model.decode itself: BatchNorm statistics, un-patchify, decode
         from diffusers import Flux2KleinPipeline
 
         from common.models import Flux2Model
@@ -1375,6 +1407,7 @@ MODEL_NAMES = {
     "wan22_a14b": "Wan2.2-A14B",
     "qwen": "Qwen-Image",
     "flux2": "FLUX.2-klein-4B",
+    "flux2_dev": "FLUX.2-dev",
     "zimage": "Z-Image",
 }
 

@@ -313,3 +313,21 @@ def test_zimage_plan_has_its_published_size_and_calls_the_transformer_as_the_mod
     assert out.shape == (2, 16, 8, 8)
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in module.named_parameters() if ".lora_A" in n}
     assert "layers.0.attention.to_q" in adapted and len(adapted) == 4 * 3  # 1 layer + 1 + 1 refiners, q k v out
+
+
+def test_flux2_dev_plan_has_its_published_sizes_and_embeds_guidance():
+    """FLUX.2 [dev]: the 32.22B transformer (Flux2Transformer2DModel's published defaults) and Mistral-Small-3.1
+    (24.0B with its vision tower and untied LM head) built as fake tensors; a local Flux2Pipeline folder or the hub
+    name plans as [dev]; a shortened transformer runs the plan's forward with the guidance input."""
+    with memory.fake_world():
+        den = memory.build_denoiser("flux2_dev", memory.FLUX2_DEV, torch.bfloat16)
+        te = memory.build_text_encoder("mistral3", memory.MISTRAL_SMALL_31, torch.bfloat16, False)
+        sizes = [sum(p.numel() for p in m.parameters()) / 1e9 for m in (den, te)]
+    assert sizes == pytest.approx([32.22, 24.01], abs=0.01)
+    assert memory.model_kind("black-forest-labs/FLUX.2-dev") == "flux2_dev"
+    shapes = memory.Shapes.of("flux2_dev", memory.MODELS["flux2_dev"], 512)
+    assert shapes.latent == (1024, 128) and shapes.cond["prompt_embeds"] == (512, 15360)
+    small = {**memory.FLUX2_DEV, "num_layers": 1, "num_single_layers": 1}
+    with memory.fake_world():
+        module = memory.build_denoiser("flux2_dev", small, torch.bfloat16)
+        assert memory.denoise(shapes, module, torch.zeros(1, *shapes.latent)).shape == (1, *shapes.latent)
