@@ -33,6 +33,12 @@
 #   branchgrpo-wan-1gpu    Wan2.1-T2V-1.3B video, 16-leaf trees, depth pruning, LoRA r128, 480x832, 33 frames, 1 GPU; 58 GB per GPU
 #   branchgrpo-wan-8gpu    the same on 8 GPUs (DDP); 59 GB per GPU
 #   vgrpo-wan-8gpu         Wan2.1-T2V-1.3B video, V-GRPO, LoRA r128, 480x832, 33 frames, 8 GPUs (DDP); 33 GB per GPU
+#   dancegrpo-qwen-8gpu    Qwen-Image + HPSv2.1, Flow-Factory's GRPO setting: LoRA r64, 512 px, CFG 4, offload, 8 GPUs (DDP); 66 GB per GPU
+#   branchgrpo-qwen-8gpu   Qwen-Image, 16-leaf trees, depth pruning, LoRA r64, 512 px, CFG 4, offload, 8 GPUs (DDP); 66 GB per GPU
+#   vgrpo-qwen-8gpu        Qwen-Image, V-GRPO, LoRA r64, 512 px, CFG 4, offload, 8 GPUs (DDP); 66 GB per GPU
+#   diffusionnft-qwen-8gpu Qwen-Image, Flow-Factory's NFT setting: LoRA r64, 512 px, 30 steps, offload, 8 GPUs (DDP); 67 GB per GPU
+#   dancegrpo-flux2-8gpu   FLUX.2 [klein] base 4B, Flow-Factory's GRPO setting: LoRA r64, 384 px, CFG 4, 8 GPUs (DDP); 24 GB per GPU
+#   dancegrpo-wan22-8gpu   Wan2.2-TI2V-5B video, verl-omni's DanceGRPO size: LoRA r128, 704x1280, 9 frames, 8 GPUs (DDP); 53 GB per GPU
 #   diffusionnft-cpu       DiffusionNFT on ShapesBench, 1 CPU process
 #   diffusionnft-cpu-2proc the same, 2 CPU processes (gloo): groups span processes
 #   diffusionnft-sd35-8gpu SD3.5-Medium + HPSv2.1, the official sd3_hpsv2 config: LoRA r32, 512 px, 8 GPUs (DDP); 26 GB per GPU
@@ -51,7 +57,7 @@
 #   evaluate-flux          FLUX.1-dev base vs --weights runs/<run> on HPDv2's test prompts: HPSv2.1, PickScore, ImageReward
 #   evaluate-sd35          the same for SD3.5-Medium (add --guidance-scale 1 for V-GRPO's evaluation without CFG)
 #
-# GPU recipes (flux, sd35, sd15, wan) need:
+# GPU recipes (flux, sd35, sd15, wan, qwen) need:
 #   PROMPTS       training prompts, one per line (required). HPDv2's 3200 test prompts (Hugging Face dataset
 #                 zhwang/HPDv2, benchmark/*.json) make one: python -m common.prompts hpdv2 prompts/hpdv2_test.txt
 #   EVAL_PROMPTS  held-out prompts (default: PROMPTS); evaluation uses a fixed subset of 48 (--eval-max-prompts)
@@ -88,7 +94,7 @@ need_env() {  # a GPU recipe's required variable; --print shows $NAME in its pla
   fi
 }
 
-case "$recipe" in evaluate-*|*curriculum*) ;; *flux*|*sd35*|*sd15*|*wan*)
+case "$recipe" in evaluate-*|*curriculum*) ;; *flux*|*sd35*|*sd15*|*wan*|*qwen*)
   need_env PROMPTS "a prompt file, one prompt per line; HPDv2's 3200 test prompts, from the Hugging Face dataset \
 zhwang/HPDv2 (benchmark/*.json), are written to one by: python -m common.prompts hpdv2 prompts/hpdv2_test.txt"
   EVAL_PROMPTS=${EVAL_PROMPTS:-$PROMPTS} ;;
@@ -164,6 +170,44 @@ FLUX_NFT=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 38
   --train-batch-size 8 --samples-per-update 96 --timestep-fraction 0.25 --beta 1 --kl-beta 0 --old-decay linear
   --lora --lora-rank 64 --lora-alpha 128 --learning-rate 3e-4 --iterations 1000 --eval-every 20
   --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20 --offload-frozen)
+# Qwen-Image (20.4B transformer, Qwen2.5-VL-7B text encoder), Flow-Factory's GRPO setting
+# (https://github.com/X-GenGroup/Flow-Factory, examples/grpo/lora/qwen_image/default.yaml): 512 px, 10 steps, true CFG
+# 4, 16 images per prompt, 48 prompts per iteration (96 images per GPU on 8), 2 optimizer steps per iteration, clip
+# 1e-4, no KL, LoRA r64 alpha 128, lr 3e-4. Flow-Factory's one SDE step drawn from steps 1-3 is not dancegrpo.py's:
+# the SDE is the FLUX recipes' (constant eta 0.3 on every step, shared initial noise, 60% of the steps trained).
+QWEN=(--model-id "${MODEL_ID:-Qwen/Qwen-Image}" --resolution 512 "${GPU_COMMON[@]}" --guidance-scale 4
+  --lora --lora-rank 64 --lora-alpha 128 --learning-rate 3e-4 --offload-frozen --iterations 300 --eval-every 20
+  --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
+QWEN_DANCE=("${QWEN[@]}" --num-steps 10 --sde-type dance --noise-level 0.3 --group-size 16 --samples-per-device 96
+  --rollout-batch-size 4 --samples-per-update 48 --same-noise --clip-range 1e-4 --kl-beta 0)
+# BranchGRPO on it: the FLUX recipes' trees (20 steps, splits 0,3,6,9, K = 2: 16 leaves = Flow-Factory's 16 images per
+# prompt, eta 0.3, depth pruning with a 4-step window); 6 trees per GPU = 48 prompts on 8, one tree per optimizer step
+# as the FLUX recipes (3 trees per step, Flow-Factory's 2 steps per iteration, would decode 48 leaves at once: 92.5 GB)
+QWEN_BRANCH=("${QWEN[@]}" --num-steps 20 --split-schedule dense --num-splits 4 --branch-factor 2 --sde-type dance
+  --noise-level 0.3 --trees-per-device 6 --trees-per-update 1 --rollout-batch-size 8 --clip-range 1e-4 --kl-beta 0
+  --pruning depth --window 4)
+# V-GRPO on it: the FLUX recipe's DPM-Solver++ ODE, N_MC 4 and clip 6e-3, on Flow-Factory's 10 steps and batches
+QWEN_VGRPO=("${QWEN[@]}" --num-steps 10 --solver dpm++2m --n-mc 4 --group-size 16 --samples-per-device 96
+  --rollout-batch-size 4 --train-batch-size 1 --samples-per-update 48 --clip-range 6e-3 --kl-beta 0)
+# DiffusionNFT on Qwen-Image, Flow-Factory's NFT setting (examples/nft/lora/qwen_image/rational_rewards_t2i.yaml, whose
+# reward is a VLM judge; HPSv2.1 here): 512 px, 30 ODE steps without CFG, 16 images per prompt, 32 prompts per
+# iteration (64 images per GPU on 8), one optimizer step per iteration, 10 trained timesteps per image (Flow-Factory:
+# in the noisiest 50%; here: 10 of the 30 grid points), NFT beta 1, no KL, old policy (0, 0.001, 0.5) = --old-decay
+# linear, LoRA r64 alpha 128, lr 2e-4, 40-step evaluation.
+QWEN_NFT=(--model-id "${MODEL_ID:-Qwen/Qwen-Image}" --resolution 512 "${GPU_COMMON[@]}" --num-steps 30 --solver dpm2
+  --guidance-scale 1 --group-size 16 --samples-per-device 64 --rollout-batch-size 8 --train-batch-size 8
+  --samples-per-update 64 --timestep-fraction 0.34 --beta 1 --kl-beta 0 --old-decay linear --lora --lora-rank 64
+  --lora-alpha 128 --learning-rate 2e-4 --iterations 300 --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 40
+  --sample-every 10 --save-every 20 --offload-frozen)
+# FLUX.2 [klein] base 4B (the base model: the distilled one takes no guidance), Flow-Factory's GRPO setting
+# (examples/grpo/lora/flux2_klein_base/default.yaml): 384 px, 8 steps, CFG 4, 16 images per prompt, 48 prompts per
+# iteration (96 images per GPU on 8), 2 optimizer steps per iteration, clip 1e-4, no KL, LoRA r64 alpha 128, lr 3e-4;
+# the SDE is the FLUX recipes' (as for Qwen-Image above).
+FLUX2_DANCE=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.2-klein-base-4B}" --resolution 384 "${GPU_COMMON[@]}"
+  --num-steps 8 --sde-type dance --noise-level 0.3 --guidance-scale 4 --group-size 16 --samples-per-device 96
+  --rollout-batch-size 4 --samples-per-update 48 --same-noise --clip-range 1e-4 --kl-beta 0 --lora --lora-rank 64
+  --lora-alpha 128 --learning-rate 3e-4 --offload-frozen --iterations 300 --eval-every 20 --eval-samples-per-prompt 1
+  --eval-steps 28 --sample-every 10 --save-every 20)
 
 curriculum() {  # FLAGS...: DiffusionNFT's five-stage SD3.5-M curriculum (the paper's appendix C) on 8 GPUs
   need_env PICKAPIC_PROMPTS "the Pick-a-Pic training prompts, one per line"
@@ -207,6 +251,18 @@ WAN_BRANCH=("${WAN[@]}" --num-steps 20 --split-schedule dense --num-splits 4 --b
   --noise-level 0.3 --trees-per-device 1 --trees-per-update 1 --rollout-batch-size 8 --pruning depth --window 4)
 WAN_VGRPO=("${WAN[@]}" --num-steps 16 --solver dpm++2m --n-mc 4 --group-size 16 --samples-per-device 16
   --rollout-batch-size 4 --train-batch-size 1 --samples-per-update 16)
+# Wan2.2-TI2V-5B text-to-video, verl-omni's DanceGRPO setting (https://github.com/verl-project/verl-omni,
+# examples/dancegrpo_trainer/wan22/run_wan22_5b_t2v_hpsv3_v1.sh): the model's 704 x 1280 (no --resolution) and
+# shift 5, 9 frames (num_frames 8, which WanPipeline rounds to 4k + 1), 10 steps, CFG 5, 8 videos per prompt, 64
+# prompts per iteration (64 videos per GPU on 8), 4 optimizer steps per iteration, micro-batch 4, 120 iterations.
+# Its reward is HPSv3 and it trains all weights at lr 1e-5 with a windowed SDE; here: the Wan recipes' reward, LoRA
+# r128 at lr 3e-4, clip 1e-3 and dancegrpo.py's SDE (constant eta 0.3 on every step).
+WAN22_DANCE=(--model-id "${MODEL_ID:-Wan-AI/Wan2.2-TI2V-5B-Diffusers}" --num-frames 9 "${GPU_MEMORY[@]}"
+  --reward hpsv2.1,temporal:0.5 "${HPS_CKPT[@]}" "${GPU_PROMPTS[@]}" --reward-frames 4 --shift 5 --guidance-scale 5
+  --num-steps 10 --sde-type dance --noise-level 0.3 --group-size 8 --samples-per-device 64 --rollout-batch-size 4
+  --samples-per-update 16 --clip-range 1e-3 --kl-beta 0 --lora --lora-rank 128 --lora-alpha 256 --learning-rate 3e-4
+  --offload-frozen --iterations 120 --eval-every 20 --eval-max-prompts 16 --eval-samples-per-prompt 1 --eval-steps 30
+  --sample-every 10 --save-every 20)
 
 # Scoring trained weights against the base (python -m common.evaluate, docs/evaluate.md): HPDv2's 3200 test prompts
 # (from the hub cache), one sample each, the recipes' evaluation sampler; add --weights runs/<run> (repeatable).
@@ -260,6 +316,12 @@ case "$recipe" in
   branchgrpo-wan-1gpu) go "${LAUNCH[@]}" --num_processes 1 branchgrpo.py "${WAN_BRANCH[@]}" "$@" ;;
   branchgrpo-wan-8gpu) go "${DDP8[@]}" branchgrpo.py "${WAN_BRANCH[@]}" "$@" ;;
   vgrpo-wan-8gpu) go "${DDP8[@]}" vgrpo.py "${WAN_VGRPO[@]}" "$@" ;;
+  dancegrpo-qwen-8gpu) go "${DDP8[@]}" dancegrpo.py "${QWEN_DANCE[@]}" "$@" ;;
+  branchgrpo-qwen-8gpu) go "${DDP8[@]}" branchgrpo.py "${QWEN_BRANCH[@]}" "$@" ;;
+  vgrpo-qwen-8gpu) go "${DDP8[@]}" vgrpo.py "${QWEN_VGRPO[@]}" "$@" ;;
+  diffusionnft-qwen-8gpu) go "${DDP8[@]}" diffusionnft.py "${QWEN_NFT[@]}" "$@" ;;
+  dancegrpo-flux2-8gpu) go "${DDP8[@]}" dancegrpo.py "${FLUX2_DANCE[@]}" "$@" ;;
+  dancegrpo-wan22-8gpu) go "${DDP8[@]}" dancegrpo.py "${WAN22_DANCE[@]}" "$@" ;;
   diffusionnft-cpu) go "$PY" diffusionnft.py "$@" ;;
   diffusionnft-cpu-2proc) go "${CPU2[@]}" diffusionnft.py --samples-per-device 32 --samples-per-update 16 "$@" ;;
   diffusionnft-sd35-8gpu) go "${DDP8[@]}" diffusionnft.py "${SD35_NFT[@]}" "$@" ;;

@@ -237,7 +237,7 @@ def recipe(name, **env):
 
 def gpu_recipes():
     names = subprocess.run(["bash", "run.sh", "--list"], cwd=ROOT, capture_output=True, text=True).stdout.split()
-    return [n for n in names if re.search("flux|sd35|sd15|wan", n)]
+    return [n for n in names if re.search("flux|sd35|sd15|wan|qwen", n)]
 
 
 CURRICULUM = {  # DiffusionNFT's five stages: prompts, reward, cumulative iterations
@@ -262,8 +262,16 @@ def test_the_curriculum_recipe_runs_five_stages_each_resuming_the_last():
     assert later == recipe("diffusionnft-sd35-curriculum-8gpu", **env).splitlines()[3:]
 
 
+NEW_KINDS = {  # recipe name part -> the model its recipes train (FLUX.2 [klein]: the base, which takes CFG)
+    "qwen": "Qwen/Qwen-Image", "flux2": "black-forest-labs/FLUX.2-klein-base-4B", "wan22": "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+}  # fmt: skip
+
+
 def test_every_gpu_recipe_parses_and_uses_the_memory_settings():
     assert len(gpu_recipes()) >= 15
+    assert {"dancegrpo-qwen-8gpu", "branchgrpo-qwen-8gpu", "vgrpo-qwen-8gpu", "diffusionnft-qwen-8gpu"} <= set(
+        gpu_recipes()
+    ) and {"dancegrpo-flux2-8gpu", "dancegrpo-wan22-8gpu"} <= set(gpu_recipes())
     for name in gpu_recipes():
         if "curriculum" in name:  # five commands (the test above)
             continue
@@ -281,6 +289,11 @@ def test_every_gpu_recipe_parses_and_uses_the_memory_settings():
         assert args.prompts == args.eval_prompts == "p.txt" and not args.reward_ckpt
         assert args.reward == ("hpsv2.1,temporal:0.5" if "wan" in name else "hpsv2.1"), name
         assert args.model_id != "shapesbench" and (args.num_frames is not None) == ("wan" in name)
+        if "wan" in name:  # videos of 4k + 1 frames, scored on 4 of them
+            assert (args.num_frames - 1) % 4 == 0 and args.reward_frames == 4, name
+        for key, model_id in NEW_KINDS.items():  # the recipes of the newer kinds: their published model, LoRA
+            if key in name:
+                assert args.model_id == model_id and args.lora and args.offload_frozen, name
 
 
 def test_gpu_recipe_without_prompts_says_where_to_get_them(tmp_path):
