@@ -6,8 +6,8 @@
 #   dancegrpo-verifier-cpu DanceGRPO on ShapesBench rewarded by the programmatic verifier 
 #   mixgrpo-cpu            MixGRPO (4-step sliding SDE window) on ShapesBench, KL 0.2 to the base (keeps diversity)
 #   dancegrpo-cpu-2proc    the same, 2 CPU processes (gloo): groups span processes
-#   dancegrpo-flux-1gpu    FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 1 GPU; 41 GB per GPU
-#   dancegrpo-flux-8gpu    FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 8 GPUs (DDP); 42 GB per GPU
+#   dancegrpo-flux-1gpu    FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 1 GPU; 40 GB per GPU
+#   dancegrpo-flux-8gpu    FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 8 GPUs (DDP); 41 GB per GPU
 #   dancegrpo-flux-fsdp8   FLUX.1-dev + HPSv2.1, full fine-tuning, 720 px, 8 GPUs (FSDP); 34 GB per GPU
 #   dancegrpo-sd35-8gpu    SD3.5-Medium + HPSv2.1 (Flow-GRPO's setting), LoRA r32, 512 px, 8 GPUs (DDP); 24 GB per GPU
 #   dancegrpo-flux-multinode  LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES (MAIN_PORT=29500)
@@ -23,8 +23,8 @@
 #   vgrpo-nokl-cpu         over-optimisation on purpose: all weights, no KL, no weight decay (one image per prompt)
 #   vgrpo-naive-cpu        the naive ELBO surrogate (no stratification, no shared pairs, no self-normalisation)
 #   vgrpo-cpu-2proc        the same as vgrpo-cpu, 2 CPU processes (gloo): groups span processes
-#   vgrpo-flux-1gpu        FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 1 GPU; 41 GB per GPU
-#   vgrpo-flux-8gpu        FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 8 GPUs (DDP); 42 GB per GPU
+#   vgrpo-flux-1gpu        FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 1 GPU; 40 GB per GPU
+#   vgrpo-flux-8gpu        FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 8 GPUs (DDP); 41 GB per GPU
 #   vgrpo-flux-fsdp8       FLUX.1-dev + HPSv2.1, full fine-tuning, 720 px, 8 GPUs (FSDP); 34 GB per GPU
 #   vgrpo-sd35-8gpu        SD3.5-Medium + HPSv2.1 (the paper's stage 1), LoRA r32, 512 px, 8 GPUs (DDP); 24 GB per GPU
 #   vgrpo-flux-multinode   LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
@@ -41,10 +41,10 @@
 #   dancegrpo-wan22-8gpu   Wan2.2-TI2V-5B video, verl-omni's DanceGRPO size: LoRA r128, 704x1280, 9 frames, 8 GPUs (DDP); 53 GB per GPU
 #   diffusionnft-cpu       DiffusionNFT on ShapesBench, 1 CPU process
 #   diffusionnft-cpu-2proc the same, 2 CPU processes (gloo): groups span processes
-#   diffusionnft-sd35-8gpu SD3.5-Medium + HPSv2.1, the official sd3_hpsv2 config: LoRA r32, 512 px, 8 GPUs (DDP); 26 GB per GPU
+#   diffusionnft-sd35-8gpu SD3.5-Medium + HPSv2.1, the official sd3_hpsv2 config: LoRA r32, 512 px, 8 GPUs (DDP); 25 GB per GPU
 #   diffusionnft-sd35-curriculum-8gpu  the paper's five stages (800/300/200/200/100 iterations), each resuming the last;
 #                          needs PICKAPIC_PROMPTS, GENEVAL_PROMPTS, OCR_PROMPTS, JUDGE_URL; FROM_STAGE=k restarts at stage k
-#   diffusionnft-flux-8gpu FLUX.1-dev + HPSv2.1, Flow-Factory's NFT setting: LoRA r64, 384 px, offload, 8 GPUs (DDP); 47 GB per GPU
+#   diffusionnft-flux-8gpu FLUX.1-dev + HPSv2.1, Flow-Factory's NFT setting: LoRA r64, 384 px, offload, 8 GPUs (DDP); 41 GB per GPU
 #   rlr-cpu                RLR on ShapesBench, 1 CPU process: ablation V2 (no zero-order term), DCoT stage coarse
 #   rlr-full-cpu           RLR's full, unbiased estimator (FO + HO + ZO, window anywhere): learns nothing here
 #   rlr-v1-cpu             RLR ablation V1: first-order term only (AlignProp with K = 1)

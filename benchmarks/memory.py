@@ -1232,7 +1232,8 @@ def estimate(
             ]
         phases["evaluate"] = state + text_out + working + max(steps)
     peak_phase = max(phases, key=phases.get)
-    goal = 80 if not args.lora or max(height, width) > 512 or n_all > 12e9 else 48  # Qwen-Image's 20B: one 80 GB GPU
+    n_base = n_all - (n_train if args.lora else 0)  # the model's own weights (FLUX.1-dev: 11.9B, under 12B)
+    goal = 80 if not args.lora or max(height, width) > 512 or n_base > 12e9 else 48  # Qwen-Image's 20B: one 80 GB GPU
     peak = phases[peak_phase] / GB
     return {
         "script": script,
