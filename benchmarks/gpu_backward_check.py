@@ -98,15 +98,13 @@ def inputs(kind: str, model, tiny: bool, device) -> dict:
 
 def one(variant: str, tiny: bool) -> dict:
     """Forward + backward once in this process; what happened."""
+    from common.attention import set_attention_backend
     from common.models import add_lora
 
     device = torch.device("cpu" if tiny else "cuda")
     kind = "wan" if variant == "wan" else "flux"
-    if variant == "no-cudnn-sdpa":
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    if variant == "math-sdpa":
-        for name in ("flash", "mem_efficient", "cudnn"):
-            getattr(torch.backends.cuda, f"enable_{name}_sdp")(False)
+    # torch's own order (cuDNN first: the failure under study) unless the variant takes cuDNN or all fused kernels out
+    set_attention_backend({"no-cudnn-sdpa": "auto", "math-sdpa": "math"}.get(variant, "cudnn"), device)
     if variant == "no-cublaslt":
         linear = torch.nn.functional.linear
         torch.nn.functional.linear = lambda x, w, b=None: linear(x, w) + b if b is not None else linear(x, w)

@@ -42,11 +42,13 @@ def worker(a) -> dict:
     import torch
 
     import rlr as R
+    from common.attention import set_attention_backend
     from common.models import load_model
     from common.prompts import load_prompts
     from common.rewards import build_reward, parse_rewards
 
     device = torch.device(a.device)
+    set_attention_backend(a.attention_backend, device)  # as rlr.py's run would
     model = load_model(a.model_id, device=device)
     module = (model.unet if model.kind == "sd1" else model.transformer).float().eval()
     params = [p for p in module.parameters() if p.requires_grad]
@@ -136,6 +138,7 @@ def main():
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--attention-backend", default="auto", help="as rlr.py's flag (common/attention.py)")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="rlr", help=argparse.SUPPRESS)
@@ -148,7 +151,8 @@ def main():
     passthrough = [
         f"--{k.replace('_', '-')}={v}"
         for k, v in vars(a).items()
-        if k in ("model_id", "reward", "prompts", "num_steps", "batch", "reps", "warmup", "device") and v is not None
+        if k in ("model_id", "reward", "prompts", "num_steps", "batch", "reps", "warmup", "device", "attention_backend")
+        and v is not None
     ]
     if a.noise_level is not None:
         passthrough.append(f"--noise-level={a.noise_level}")

@@ -31,6 +31,7 @@ import tyro
 from tqdm import tqdm
 
 from common import InputError
+from common.attention import set_attention_backend
 from common.flags import need
 from common.prompts import evenly_spaced
 from common.sampling import fixed_noise, ode_sampler, sample_prompts, sigma_schedule
@@ -67,6 +68,9 @@ class EvalArgs:
     batch_size: int = 16
     """images per sampler call (a batch is also the unit of the cache)"""
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    attention_backend: Literal["auto", "flash", "efficient", "math", "cudnn"] = "auto"
+    """attention kernels (common/attention.py), as the training scripts' flag: the run's choice reproduces its
+    evaluation exactly"""
     grid_prompts: int = 8
     out: str = "eval_out"
     """folder for the table, the figures, the per-prompt scores, the grid and the cache"""
@@ -437,6 +441,7 @@ def main(args: EvalArgs) -> None:
     need(len({m for m, _ in models}) == len(models), "--weights: two rows with one name; give NAME=PATH")
     check_rewards(reward_spec, video=kind == "wan")
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
+    accelerator.print(set_attention_backend(args.attention_backend, accelerator.device))
     device, out = accelerator.device, Path(args.out)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
         args.mixed_precision, torch.float32

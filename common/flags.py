@@ -84,6 +84,10 @@ class RunArgs:
     gradient_checkpointing: bool = False
     """recompute the denoiser's activations in the backward (diffusers): the same gradients in less memory, for
     one more forward per backward; on in every GPU recipe of run.sh"""
+    attention_backend: Literal["auto", "flash", "efficient", "math", "cudnn"] = "auto"
+    """kernels of scaled_dot_product_attention for the whole process (common/attention.py): auto = flash,
+    memory-efficient or math (cuDNN's is off: its backward failed on an H200 at FLUX.1-dev's shapes, docs/gpu.md);
+    cudnn = torch's own order; python -m common.evaluate takes the same flag (the same choice reproduces a run)"""
     offload_frozen: bool = False
     """keep the text encoders, the VAE and the reward models on the CPU except while they encode, decode and score
     (docs/gpu.md: which recipes need it)"""

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from common import InputError, RunError, hub_reachable
+from common.attention import ATTENTION_BACKENDS, set_attention_backend
 from common.offload import Offloaded
 from common.remote import Judge, Served, request_json
 
@@ -818,6 +819,12 @@ def serve_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="attention kernels of the reward models (common/attention.py; default auto: no cuDNN)",
+    )
     parser.add_argument("--max-batch", type=int, default=64, help="images per request, at most")
     parser.add_argument("--max-mb", type=float, default=64.0, help="request body size, at most")
     parser.add_argument(
@@ -831,6 +838,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     from common.remote import serve
 
     try:
+        print(set_attention_backend(a.attention_backend, a.device))
         spec = parse_rewards(a.reward, a.reward_ckpt)
         names = [c.name for c in spec.components]
         bad = [c.name for c in spec.components if c.kind.judge or c.kind.video]

@@ -30,6 +30,7 @@ import torch
 from accelerate.utils import DistributedType, broadcast_object_list
 from tqdm import tqdm
 
+from common.attention import set_attention_backend
 from common.checkpoints import Checkpoints, resolve_resume
 from common.flags import need
 from common.logs import Logs, peak_memory_gb
@@ -57,10 +58,9 @@ class Run:
 
     def __init__(self, args, accelerator, title: str, frozen_copy: bool = False):
         self.args, self.accelerator, self.title, self.is_main = args, accelerator, title, accelerator.is_main_process
-        # scaled_dot_product_attention without its cuDNN backend (flash or memory-efficient attention instead): with
-        # torch 2.11 (cuDNN 9.19) on an H200, cuDNN's attention backward at FLUX.1-dev's shapes fails with an illegal
-        # memory access, in every script, with or without LoRA or checkpointing (docs/gpu.md, "The GPU check")
-        torch.backends.cuda.enable_cudnn_sdp(False)
+        # the attention kernels of the whole process, before any model runs (common/attention.py: why cuDNN's is off
+        # by default); the line goes into the banner, so the run's settings record it
+        self.attention = set_attention_backend(args.attention_backend, accelerator.device)
         need(
             not (frozen_copy and accelerator.distributed_type == DistributedType.FSDP),
             "--kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU; "
@@ -107,7 +107,7 @@ class Run:
             f"{mode}, {n:.2f}M trainable params, mixed precision {a.mixed_precision}"
             + (", gradient checkpointing" if a.gradient_checkpointing else "")
             + (", frozen parts on the CPU between uses" if a.offload_frozen else "")
-            + "\n"
+            + f", {self.attention}\n"
             + "".join(f"  {line}\n" for line in lines)
             + f"  reward {a.reward}, lr {a.learning_rate}, iterations {a.iterations}\n  {self.eval_line}\n"
             + f"  run folder {self.dir}"
