@@ -158,8 +158,16 @@ def ocr_score(answer: str, prompt: str) -> float:
 
 
 def unifiedreward_score(answer: str, prompt: str) -> float | None:
-    found = re.findall(r"Final Score:\s*\**\s*([0-9]+(?:\.[0-9]+)?)", answer)
-    return float(found[-1]) if found else None
+    """The score of a point-score answer: the number after "Final Score:" (markdown bold allowed), or None when there
+    is no such number, when it lies outside the asked 1..5, or when the answer gives several that differ. An answer
+    that scores twice (a judge revising itself, or quoting an example score) is ambiguous: taking the first or the
+    last would train on a score the judge may not have meant, so it counts as unparsed (asked once more, then logged,
+    and bounded by the Judge's max_unparsed) instead of being guessed."""
+    found = {float(s) for s in re.findall(r"Final Score:\s*\**\s*([0-9]+(?:\.[0-9]+)?)", answer)}
+    if len(found) != 1:
+        return None
+    score = found.pop()
+    return score if 1 <= score <= 5 else None
 
 
 JUDGES: dict[str, tuple[str, Callable[[str, str], float | None]]] = {
@@ -228,7 +236,8 @@ class Judge:
             scores = list(pool.map(self._score_one, encoded, prompts))
         missing = [s is None for s in scores]
         self.unparsed = torch.tensor(missing, dtype=torch.float32, device=images.device)
-        if sum(missing) > self.max_unparsed * len(scores):
+        # the share against the limit, not the count against limit x n: 0.29 x 100 rounds to 28.999999999999996
+        if scores and sum(missing) / len(scores) > self.max_unparsed:
             raise RunError(
                 f"{self.name} at {self.base}: {sum(missing)} of {len(scores)} answers had no score that parses, more "
                 f"than {self.max_unparsed:.0%}; check that the server runs the judge this reward expects"
