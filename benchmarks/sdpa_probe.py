@@ -6,8 +6,9 @@ which kernel fails, at which shapes, how far each is from the reference, and wha
     python benchmarks/sdpa_probe.py --tiny --device cpu      # the same harness at tiny sizes on the CPU (tests run it)
 
 Each row is one (case, kernel): `ok`, `error` (the exception's first line), `non-finite` (a NaN or inf in the output
-or a gradient), or `unsupported` (torch has no such kernel for these inputs: flash with a mask, anything but flash and
-math on a CPU; torch's reason is given). For the kernels that ran: the largest absolute difference of the output and
+or a gradient), `unsupported` (torch has no such kernel for these inputs: flash with a mask, anything but flash and
+math on a CPU; torch's reason is given), or `skipped` (the math kernel where its score matrix alone would exceed
+MATH_MAX_GB: the video kinds). For the kernels that ran: the largest absolute difference of the output and
 of the three input gradients from the reference (float32 math attention on the first row and two heads: the full
 math kernel at the video kinds' lengths would need hundreds of GB), and milliseconds per forward + backward of the
 whole batch (the median of --reps timed runs after one warm-up run). Inputs are bf16 in the layout diffusers hands
@@ -89,6 +90,7 @@ BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "math": SDPBackend.MATH,
 }
+MATH_MAX_GB = 4.0  # the math kernel is timed only where its (B, H, Lq, Lk) score matrix is at most this in bf16
 # a CUDA error after which the context cannot be used again: the process must end
 STICKY = ("illegal memory access", "device-side assert", "CUDA error", "unspecified launch failure")
 
@@ -148,6 +150,9 @@ def run_case(name: str, backend: str, device: str, small: bool, reps: int) -> di
     case = tiny_case(name, small)
     row = {"case": name, "kind": name.split(":")[0], "backend": backend, "shape": asdict(case), "status": "ok",
            "error": "", "max_diff_out": None, "max_diff_grad": None, "ms": None}  # fmt: skip
+    scores_gb = case.batch * case.heads * case.q_len * case.kv_len * 2 / 1e9  # bf16 (B, H, Lq, Lk)
+    if backend == "math" and scores_gb > MATH_MAX_GB:  # it would hold the matrix, its softmax and their gradients
+        return {**row, "status": "skipped", "error": f"the math kernel's score matrix alone is {scores_gb:.0f} GB"}
     q, k, v, mask, grad = inputs(case, device)
     (ref, heads) = reference(q, k, v, mask, grad)
     try:
