@@ -1,4 +1,4 @@
-"""Shared plumbing for the four algorithm scripts: model loaders, rewards, prompts, run plumbing, ShapesBench.
+"""Shared plumbing for the algorithm scripts: model loaders, rewards, prompts, run plumbing, ShapesBench.
 
 Algorithm logic (samplers with log-probs, advantages, losses) deliberately lives in the scripts. The modules form
 layers, each importing only from those above it in this list (tests/test_layout.py checks it):

@@ -1,7 +1,8 @@
 """A fork changes one place: each script copied into a folder of its own, the body of its objective function changed
-(the clipped term of `policy_loss` doubled; RLR: the weight of its half-order term in `term_weights`), runs one
-iteration and logs exactly twice the original's figure (the gradient norm, before clipping: at the first update the
-ratio is 1 and a group's surrogate averages to 0; RLR: the half-order weights). A DanceGRPO fork also changes its advantage and registers a
+(the clipped term of `policy_loss` doubled; RLR: the weight of its half-order term in `term_weights`; DiffusionNFT:
+its NFT term), runs one iteration and logs exactly twice the original's figure (the gradient norm, before clipping: at
+the first update the ratio is 1 and a group's surrogate averages to 0; RLR: the half-order weights; DiffusionNFT: the
+loss itself). A DanceGRPO fork also changes its advantage and registers a
 reward from its own file, as docs/forking.md shows."""
 
 import os
@@ -21,6 +22,9 @@ FLAGS = {  # one optimizer step per iteration, so every logged figure comes from
     "vgrpo.py": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4", "--train-batch-size",
                  "2", "--samples-per-update", "4", "--num-steps", "4", "--n-mc", "2"],
     "rlr.py": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "2", "--num-steps", "4"],
+    "diffusionnft.py": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4",
+                        "--train-batch-size", "4", "--samples-per-update", "4", "--num-steps", "4",
+                        "--timestep-fraction", "0.5"],
 }  # fmt: skip
 # (function, text in its body, replacement, the logged figure that doubles)
 LOSS_EDITS = {
@@ -29,6 +33,7 @@ LOSS_EDITS = {
     "vgrpo.py": ("policy_loss", "surrogate = torch.maximum(", "surrogate = 2 * torch.maximum(", "charts/grad_norm"),
     "rlr.py": ("term_weights", "w_ho, w_zo = rewards - loo_baseline(", "w_ho, w_zo = 2 * rewards - 2 * loo_baseline(",
                "rlr/ho_adv_abs"),
+    "diffusionnft.py": ("policy_loss", "loss = LOSS_SCALE * (", "loss = 2 * LOSS_SCALE * (", "losses/policy"),
 }  # fmt: skip
 
 

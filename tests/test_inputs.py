@@ -1,4 +1,4 @@
-"""Bad input to the four scripts: one line naming the flag, exit status 2, no traceback, no run folder left behind;
+"""Bad input to the scripts: one line naming the flag, exit status 2, no traceback, no run folder left behind;
 a flag of a mode not in use refused; --help shows the default of a flag that depends on the mode."""
 
 import importlib

@@ -107,3 +107,32 @@ def test_blocks_marked_same_as_in_are_the_same():
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if "# same as in" in line and "`# same as in" not in line:  # a marker, not a mention of one
                 assert line.lstrip().startswith("def ") and MARKER.search(line), f"{path.name}:{n} marks no function"
+
+
+NUMBER_WORDS = ("zero one two three four five six seven eight nine ten eleven twelve").split()
+SCRIPT_COUNT = re.compile(
+    r"\b(" + "|".join(NUMBER_WORDS) + r"|\d+)\s+(?:algorithm\s+|training\s+|top-level\s+)?scripts\b", re.IGNORECASE
+)
+
+
+def test_no_text_names_another_count_of_the_algorithm_scripts():
+    """The repository's algorithm scripts are the top-level files with an Args and a main(); wherever a doc, a
+    docstring or a comment says 'N scripts' (N a number or a number word), N is their count: a sixth script makes
+    every stale 'five scripts' fail here."""
+    scripts = [
+        p.name
+        for p in sorted(ROOT.glob("*.py"))
+        if "\nclass Args(" in (text := p.read_text()) and "\ndef main(" in text
+    ]
+    assert scripts == ["branchgrpo.py", "dancegrpo.py", "diffusionnft.py", "rlr.py", "vgrpo.py"]
+    files = [*ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *ROOT.glob("*.py"), *ROOT.glob("*.sh")]
+    files += [*ROOT.glob("common/**/*.py"), *ROOT.glob("tests/*.py"), *ROOT.glob("benchmarks/*.py")]
+    wrong = []
+    for path in files:
+        for i, text in enumerate(path.read_text().splitlines(), 1):
+            for m in SCRIPT_COUNT.finditer(text):
+                n = m.group(1).lower()
+                count = int(n) if n.isdigit() else NUMBER_WORDS.index(n)
+                if count != len(scripts) and path.name != "test_layout.py":
+                    wrong.append(f"{path.relative_to(ROOT)}:{i}: '{m.group(0)}'")
+    assert not wrong, f"{len(scripts)} algorithm scripts, but: " + "; ".join(wrong)
