@@ -83,7 +83,8 @@ class Run:
 
     @property
     def optimizer_steps(self) -> int:
-        """Optimizer steps taken so far (skipped ones included), across resumes: the learning-rate warmup reads it."""
+        """Optimizer steps taken so far, across resumes: the learning-rate warmup and every schedule read it. A step
+        skipped for a non-finite gradient norm is not one of them: it changed no weight, so no schedule moves."""
         return self.ckpt.state.optimizer_steps
 
     def resume(self) -> int:
@@ -131,10 +132,11 @@ class Run:
 
     def count_step(self, lr: float, grad_norm: torch.Tensor, stepped: bool) -> None:
         """Record an optimizer step for the iteration's log (learning rate, gradient norm, or a skipped step) and count
-        it (optimizer_steps, which the learning-rate warmup and a resumed run read)."""
+        a step taken in optimizer_steps (which the warmup, the schedules and a resumed run read); a skipped one counts
+        in `skipped` only, so the step after it gets the learning rate it would have had."""
         self.lr = lr
-        self.ckpt.state.optimizer_steps += 1
         if stepped:
+            self.ckpt.state.optimizer_steps += 1
             self.grad_norms.append(float(grad_norm))
         else:
             self.skipped += 1

@@ -4,6 +4,7 @@ disk) are in tests/test_<script>.py."""
 
 import errno
 import json
+import math
 import os
 import sys
 import types
@@ -152,3 +153,96 @@ def test_a_run_turns_off_cudnn_attention(make_run):
     torch.backends.cuda.enable_cudnn_sdp(True)
     make_run()
     assert not torch.backends.cuda.cudnn_sdp_enabled()
+
+
+# ---------------------------------------------------------------- the step guard: a non-finite gradient norm
+def test_all_finite_refuses_inf_minus_inf_and_nan_and_passes_large_finite_norms():
+    import torch
+
+    from common.runs import all_finite
+
+    accelerator = Accelerator(cpu=True)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        assert not all_finite(torch.tensor(bad), accelerator), bad
+    for good in (0.0, 2.5, 3.0e38):
+        assert all_finite(torch.tensor(good), accelerator), good
+
+
+def test_skipped_steps_are_counted_logged_and_not_optimizer_steps(make_run):
+    """Two steps taken (norms 2 and 5) around an inf and a -inf: 2 optimizer steps (what the warmup and the schedules
+    read), 2 skipped, the mean norm of the steps taken only, the last learning rate."""
+    import torch
+
+    run = make_run(iterations=3)
+    iterations = run.iterations(0)
+    next(iterations)
+    for lr, norm, stepped in ((1e-4, 2.0, True), (2e-4, float("inf"), False), (2e-4, float("-inf"), False),
+                              (2e-4, 5.0, True)):  # fmt: skip
+        run.count_step(lr, torch.tensor(norm), stepped)
+    assert run.optimizer_steps == 2 and run.skipped == 2
+    run.end_iteration(0, {"rewards/mean": 0.5}, [])
+    (row,) = read_metrics(run.dir)
+    assert row["charts/optimizer_steps"] == 2 and row["charts/skipped_updates"] == 2
+    assert row["charts/grad_norm"] == 3.5 and row["charts/lr"] == 2e-4
+    assert run.skipped == 0 and run.grad_norms == []  # the next iteration counts afresh
+
+
+# each script's tiny run with one optimizer step per iteration (the flags of its tests/test_<script>.py)
+ONE_STEP = {
+    "dancegrpo": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4",
+                  "--samples-per-update", "4", "--num-steps", "4"],
+    "branchgrpo": ["--trees-per-device", "1", "--trees-per-update", "1", "--num-steps", "6", "--num-splits", "2",
+                   "--rollout-batch-size", "4"],
+    "vgrpo": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4", "--train-batch-size", "2",
+              "--samples-per-update", "4", "--num-steps", "4", "--n-mc", "2"],
+    "rlr": ["--samples-per-device", "4", "--group-size", "2", "--rollout-batch-size", "2", "--num-steps", "4"],
+    "diffusionnft": ["--samples-per-device", "4", "--group-size", "2", "--rollout-batch-size", "4",
+                     "--train-batch-size", "4", "--samples-per-update", "4", "--num-steps", "4",
+                     "--timestep-fraction", "0.5"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("script", list(ONE_STEP))
+def test_an_inf_and_a_minus_inf_gradient_norm_skip_the_step_and_move_no_schedule(script, monkeypatch, tmp_path):
+    """Three iterations of one optimizer step each, --learning-rate 2e-4 --lr-warmup 4; the gradient norm is real,
+    then inf, then -inf. Only the first step is taken (one AdamW step, at 2e-4 x 1/4); the two skipped ones are
+    counted and leave the warmup where the first step left it: the learning rate of iterations 2 and 3 is
+    2e-4 x (1 + 1) / 4 = 1e-4 (counting skipped steps would give 1.5e-4 at iteration 3). DiffusionNFT's schedules
+    read the same count: its EMA decay stays min((1 + 1) / (10 + 1), 0.9) = 2/11 and the old policy's eta
+    min(0.001 x 1, 0.5) = 0.001, and its EMA of a LoRA B matrix (0 at the start) stays 9/11 of the trained one."""
+    import importlib
+
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.helpers import LORA_WEIGHTS
+    from tests.test_flags_applied import run_flags, train_rows
+
+    norms = iter([None, float("inf"), float("-inf")])  # None: the real norm
+    real_clip = Accelerator.clip_grad_norm_
+
+    def clip(self, params, max_norm):
+        norm, fake = real_clip(self, params, max_norm), next(norms)
+        return norm if fake is None else torch.tensor(fake)
+
+    monkeypatch.setattr(Accelerator, "clip_grad_norm_", clip)
+    module = importlib.import_module(script)
+    argv = [*ONE_STEP[script], "--iterations", "3", "--learning-rate", "2e-4", "--lr-warmup", "4", "--eval-every", "0",
+            "--sample-every", "0", "--save-every", "3"]  # fmt: skip
+    _, record = run_flags(module, monkeypatch, tmp_path, argv)
+    assert [s["lr"] for s in record["steps"]] == [pytest.approx(5e-5)]  # one AdamW step: the skipped ones are not
+    rows = train_rows(record)
+    assert [r["charts/optimizer_steps"] for r in rows] == [1, 1, 1]
+    assert [r["charts/skipped_updates"] for r in rows] == [0, 1, 1]
+    assert [r["charts/lr"] for r in rows] == pytest.approx([5e-5, 1e-4, 1e-4])
+    assert math.isfinite(rows[0]["charts/grad_norm"]) and all(math.isnan(r["charts/grad_norm"]) for r in rows[1:])
+    if script == "diffusionnft":
+        assert [r["nft/ema_decay"] for r in rows] == pytest.approx([2 / 11] * 3)
+        assert [r["nft/old_eta"] for r in rows] == pytest.approx([0.001] * 3)
+        run = record["runs"][-1]
+        trained = load_file(run / "checkpoints" / "iter_000003" / "model.safetensors")
+        ema = load_file(run / "final" / LORA_WEIGHTS)
+        live = {k: trained[k.removeprefix("transformer.").replace(".weight", ".default.weight")] for k in ema}
+        assert sum(live[k].abs().sum() > 0 for k in ema if "lora_B" in k) >= 4  # B matrices the step moved
+        for k in (k for k in ema if "lora_B" in k):
+            torch.testing.assert_close(ema[k], live[k] * 9 / 11, rtol=1e-5, atol=1e-12)  # B ~ 1e-5: no atol
