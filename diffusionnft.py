@@ -124,7 +124,7 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
     need(args.num_steps >= 1 and args.shift > 0, "--num-steps must be >= 1 and --shift > 0")
     need(
-        0 < args.timestep_fraction <= 1 and int(args.timestep_fraction * args.num_steps) >= 1,
+        0 < args.timestep_fraction <= 1 and n_train_timesteps(args.num_steps, args.timestep_fraction) >= 1,
         f"--timestep-fraction must be in (0, 1] and train at least one of the {args.num_steps} timesteps",
     )
     need(args.group_size >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
@@ -202,6 +202,17 @@ def nft_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 def optimality(adv: torch.Tensor, clip_max: float) -> torch.Tensor:
     """The optimality probability r = clamp(clip(A, -c, c) / c / 2 + 1/2, 0, 1) of each advantage: 1/2 is neutral."""
     return (adv.clamp(-clip_max, clip_max) / clip_max / 2 + 0.5).clamp(0, 1)
+
+
+def n_train_timesteps(num_steps: int, fraction: float) -> int:
+    """Timesteps trained per image: int(T x fraction), truncated as the official code does (0.99 of 10: 9)."""
+    return int(num_steps * fraction)
+
+
+def noised(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The forward process x_t = (1 - t) x0 + t eps of (B, *L) data and noise at each image's own t (B,)."""
+    tv = t.view(-1, *[1] * (x0.dim() - 1))
+    return (1 - tv) * x0 + tv * eps
 
 
 def train_timesteps(num_steps: int, n_train: int, key: tuple, sample_ids) -> torch.Tensor:
@@ -352,7 +363,7 @@ def main(args: Args):
     mb = args.train_batch_size
     micro_per_update = args.samples_per_update // mb
     updates_per_iter = args.samples_per_device // args.samples_per_update
-    n_train = int(args.timestep_fraction * args.num_steps)  # trained timesteps per image
+    n_train = n_train_timesteps(args.num_steps, args.timestep_fraction)  # trained timesteps per image
     sigmas = sigma_schedule(args.num_steps, args.shift)  # (T + 1,)
 
     # ---------------------------------------------------------------- MODELS
@@ -445,8 +456,7 @@ def main(args: Args):
                     last = m == (u + 1) * micro_per_update - 1 and j == n_train - 1
                     t = sigmas[t_idx[sl, j]].to(device)  # (B,) each image its own grid timestep
                     eps = torch.stack([keyed_randn(latent_shape, args.seed, it, "eps", k, j) for k in global_idx[sl]])
-                    tv = t.view(-1, *[1] * len(latent_shape))
-                    x_t = (1 - tv) * x0 + tv * eps.to(device)
+                    x_t = noised(x0, eps.to(device), t)
                     with torch.no_grad(), autocast():
                         with old_policy(policy, old, args.lora) as pi_old:
                             v_old = model.velocity(pi_old, x_t, t, cond_sl, args.guidance_scale).float()
@@ -470,7 +480,8 @@ def main(args: Args):
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             run.count_step(lr, norm, stepped)  # logged at the iteration's end; the warmup and resume count it
-            soft_update(ema, params, ema_decay(run.optimizer_steps, args.ema_max_decay))  # the evaluation EMA
+            if stepped:  # a skipped step moves neither the weights nor their EMA
+                soft_update(ema, params, ema_decay(run.optimizer_steps, args.ema_max_decay))  # the evaluation EMA
         eta = old_decay(run.optimizer_steps, args.old_decay)
         soft_update(old_params, params, eta)  # once per iteration, after the optimizer steps
 
