@@ -18,13 +18,12 @@ import io
 import json
 import math
 import re
-import struct
+import socket
 import sys
 import threading
 import time
 import traceback
-import urllib.error
-import urllib.request
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
@@ -35,6 +34,57 @@ import torch
 from common import InputError, RunError
 
 RETRIED = (429, 500, 502, 503, 504)
+MAX_ANSWER = 64 * 2**20  # bytes of an answer, at most (a reward server's scores or a judge's completion: far less)
+# what a training run does after a served reward fails (common.evaluate says its own: it takes no --resume-from)
+STOPS = "the run stops here, its last checkpoint intact"
+RESUME = f"{STOPS}: once the server answers well, run the same command with --resume-from latest"
+
+
+def _exchange(url: str, data: bytes | None, headers: dict, timeout: float) -> tuple[int, str, bytes]:
+    """One HTTP request to `url` (POST `data`, or GET): (status, Location header, body). Every phase (connect,
+    send, the answer's head and body) within `timeout` seconds of the start, all together: a timer shuts the socket
+    down at the deadline, so that an answer trickling in a byte at a time is cut off too (TimeoutError). Redirects
+    are answers like any other (http.client follows none); a body over MAX_ANSWER bytes is a ValueError."""
+    parts = urllib.parse.urlsplit(url)
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    connection = kind(parts.hostname, parts.port, timeout=timeout)
+    expired = threading.Event()
+
+    def expire():
+        expired.set()  # before reading .sock: either this sees the socket, or the caller sees the flag
+        if connection.sock is not None:
+            try:
+                connection.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    timer = threading.Timer(timeout, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        connection.connect()
+        if expired.is_set():
+            raise TimeoutError
+        target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+        connection.request("GET" if data is None else "POST", target, data, headers)
+        answer = connection.getresponse()
+        if answer.length is not None and answer.length > MAX_ANSWER:  # its Content-Length
+            raise ValueError(f"an answer of {answer.length:,} bytes, more than {MAX_ANSWER:,}")
+        # read() whole: IncompleteRead if it ends short of its Content-Length; else (chunked, or up to the close) at
+        # most one byte past the cap
+        body = answer.read() if answer.length is not None else answer.read(MAX_ANSWER + 1)
+        if expired.is_set():  # a body without a Content-Length ends where the socket was shut
+            raise TimeoutError
+        if len(body) > MAX_ANSWER:
+            raise ValueError(f"an answer of more than {MAX_ANSWER:,} bytes")
+        return answer.status, answer.getheader("Location", ""), body
+    except (OSError, http.client.HTTPException):
+        if expired.is_set():
+            raise TimeoutError(f"no whole answer within {timeout:g} s (the deadline of one try)") from None
+        raise
+    finally:
+        timer.cancel()
+        connection.close()
 
 
 def request_json(
@@ -45,42 +95,52 @@ def request_json(
     tries: int = 5,
     backoff: float = 1.0,
 ) -> dict:
-    """GET (payload None) or POST JSON to `url`, the answer's JSON object. Retries what may pass next time (no
-    connection, a reset, an answer cut short, a timeout, HTTP 429 and 5xx) `tries` times in all, waiting backoff,
-    2 backoff, 4 backoff ... seconds; RunError when it still fails, and at once for another 4xx or an answer that is
-    not a JSON object."""
+    """GET (payload None) or POST JSON to `url`, the answer's JSON object. Each try must end within `timeout`
+    seconds, all of it (connect, send, the whole answer), so one call lasts at most tries x timeout plus the
+    backoff waits. Retries what may pass next time (no connection, a reset, an answer cut short, a try past its
+    deadline, HTTP 429 and 5xx) `tries` times in all, waiting backoff, 2 backoff, 4 backoff ... seconds; RunError
+    when it still fails, and at once for a redirect (never followed: the token goes to `url` alone), another 4xx or
+    an answer that is not a JSON object."""
     data = None if payload is None else json.dumps(payload).encode()
     if token and not token.isprintable():  # a line break would end the header (http.client's error would show it)
         raise RunError(f"{url}: the token ($REWARD_API_KEY) holds a line break or another control character")
     # the token as UTF-8 bytes, as the reward server compares it (http.client would encode a str as Latin-1, and
     # fail on any other character)
-    authorization = {"Authorization": b"Bearer " + token.encode()} if token else {}
+    headers = {"Content-Type": "application/json"} | ({"Authorization": b"Bearer " + token.encode()} if token else {})
     try:
-        request = urllib.request.Request(url, data, {"Content-Type": "application/json", **authorization})
-    except ValueError:  # no scheme at all
-        request = None
-    if request is None or request.type not in ("http", "https"):  # not worth a retry
-        raise RunError(f"{url} is not an http:// or https:// URL")
+        parts = urllib.parse.urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0 and url.isascii()
+    except ValueError:  # a port that is not a number
+        ok = False
+    if not ok or any(c.isspace() or not c.isprintable() for c in url):  # not worth a retry
+        raise RunError(f"{url} is not an http:// or https:// URL (ASCII, with a host)")
     why = ""
     for attempt in range(tries):
         if attempt:
             time.sleep(backoff * 2 ** (attempt - 1))
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as answer:
-                raw = answer.read()
-        except urllib.error.HTTPError as e:
-            why = f"HTTP {e.code}: {_error_body(e)}"
-            if e.code not in RETRIED:
-                break
+            status, location, raw = _exchange(url, data, headers, timeout)
+        except TimeoutError as e:  # may pass
+            why = str(e) or f"TimeoutError after {timeout:g} s"
             continue
-        except ValueError as e:  # http.client refusing the request itself (a URL that is not ASCII, say)
-            why = f"{type(e).__name__}: {e}"
-            break
         except http.client.HTTPException as e:  # closed before or in the middle of its answer, or garbled: may pass
             why = f"the answer broke off: {e!r}"
             continue
-        except OSError as e:  # no connection, a reset, a timeout (URLError among them): may pass
-            why = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+        except OSError as e:  # no connection, a reset: may pass
+            why = f"{type(e).__name__}: {e}"
+            continue
+        except ValueError as e:  # an answer over MAX_ANSWER
+            raise _stopped(url, str(e)) from None
+        if 300 <= status < 400:
+            raise _stopped(
+                url,
+                f"HTTP {status}, a redirect to {location[:200]!r}, which is not followed (nor sent the token): give "
+                "--reward-url the address that answers itself",
+            )
+        if status >= 400:
+            why = f"HTTP {status}: {raw[:300].decode(errors='replace')}"
+            if status not in RETRIED:
+                break
             continue
         try:
             answer = json.loads(raw)
@@ -89,26 +149,12 @@ def request_json(
         if not isinstance(answer, dict):
             raise _stopped(url, f"JSON that is not an object: {raw[:200].decode(errors='replace')}")
         return answer
-    raise RunError(
-        f"{url} failed after {attempt + 1} tries ({why}); the run stops here, its last checkpoint intact: when the "
-        "server answers again, run the same command with --resume-from latest"
-    )
+    raise RunError(f"{url} failed after {attempt + 1} tries ({why}); {RESUME}")
 
 
 def _stopped(url: str, what: str) -> RunError:
     """The RunError for an answer that no retry would change."""
-    return RunError(
-        f"{url} answered {what}; the run stops here, its last checkpoint intact: once the server is fixed, run the "
-        "same command with --resume-from latest"
-    )
-
-
-def _error_body(error: urllib.error.HTTPError) -> str:
-    """The start of an HTTP error's body (the reward server's {"error": reason}), or "" if even that breaks."""
-    try:
-        return error.read()[:300].decode(errors="replace")
-    except (OSError, http.client.HTTPException):
-        return ""
+    return RunError(f"{url} answered {what}; {RESUME}")
 
 
 def png_base64(image: torch.Tensor) -> str:
@@ -303,19 +349,6 @@ class _TooManyPixels(ValueError):
     """decode_images' refusal of an image, or of a request, over the pixel cap (HTTP 413, not 400)."""
 
 
-def _png_size(data: bytes, k: int) -> tuple[int, int]:
-    """(H, W) from a PNG's IHDR chunk (width and height at bytes 16..24), read before any pixel is decoded."""
-    if not data.startswith(_PNG_MAGIC):
-        found = "a JPEG" if data.startswith(b"\xff\xd8\xff") else f"bytes starting {data[:8].hex(' ') or 'nowhere'}"
-        raise ValueError(f"images[{k}]: 'png' holds {found}, not a PNG")
-    if len(data) < 24 or data[12:16] != b"IHDR":
-        raise ValueError(f"images[{k}]: a PNG without its IHDR header (cut short?)")
-    width, height = struct.unpack(">II", data[16:24])
-    if not (width and height):
-        raise ValueError(f"images[{k}]: a PNG of {width}x{height} pixels")
-    return height, width
-
-
 def _base64(item: dict, key: str, k: int) -> bytes:
     try:
         return base64.b64decode(item[key], validate=True)
@@ -323,59 +356,75 @@ def _base64(item: dict, key: str, k: int) -> bytes:
         raise ValueError(f"images[{k}]: '{key}' is not base64 ({type(e).__name__}: {e})") from None
 
 
+def _open_png(data: bytes, k: int):
+    """The PIL image of a PNG file, its chunks read up to the pixels and none of them decoded: its size is the one
+    the decoder will decode (the last IHDR chunk, should a file hold two)."""
+    from PIL import Image
+
+    if not data.startswith(_PNG_MAGIC):
+        found = "a JPEG" if data.startswith(b"\xff\xd8\xff") else f"bytes starting {data[:8].hex(' ') or 'nowhere'}"
+        raise ValueError(f"images[{k}]: 'png' holds {found}, not a PNG")
+    try:
+        image = Image.open(io.BytesIO(data), formats=["PNG"])
+    except Image.DecompressionBombError as e:  # PIL's own cap (Image.MAX_IMAGE_PIXELS), should ours be higher
+        raise _TooManyPixels(f"images[{k}]: {e}") from None
+    except Exception as e:  # a broken file comes out of PIL as OSError, SyntaxError, zlib.error, EOFError...
+        raise ValueError(f"images[{k}]: not a readable PNG ({type(e).__name__}: {e})") from None
+    if getattr(image, "is_animated", False):
+        raise ValueError(f"images[{k}]: an animated PNG (one frame per image)")
+    return image
+
+
 def decode_images(items: list, max_pixels: int | None = None) -> torch.Tensor:
     """The request's images -> (B, 3, H, W) float in [0, 1]. Each item is {"png": base64 of a PNG file} or
     {"uint8": base64 of H*W*3 bytes, "shape": [H, W, 3]}; all of one size. ValueError with the reason otherwise.
-    Every size is read first (a PNG's header, a "shape") and checked against `max_pixels`, for each image and for
-    all together, before a pixel is decoded: a 79 KB PNG can unpack to 9000x9000 pixels (a 2 GB tensor here). Over
-    the cap: _TooManyPixels, a ValueError."""
-    from PIL import Image
-
-    found = []  # (bytes, (H, W), is it a PNG) per item
+    Every size is read first (a PNG's header as PIL's decoder reads it, a "shape") and checked against
+    `max_pixels`, for each image and for all together, before a pixel is decoded: a 300-byte PNG can unpack to
+    9000x9000 pixels (a 1 GB tensor here). Over the cap: _TooManyPixels, a ValueError. Memory while decoding: the
+    (B, 3, H, W) float32 result (12 bytes a pixel) and one image being decoded (at most 11 bytes a pixel: PIL's
+    4-byte pixels, their RGB conversion and the uint8 array), so at most 23 bytes times `max_pixels`."""
+    found = []  # (the opened PNG, or the raw bytes; (H, W)) per item
     for k, item in enumerate(items):
         if not isinstance(item, dict):
             raise ValueError(f"images[{k}]: expected an object")
         if "png" in item:
-            data = _base64(item, "png", k)
-            found.append((data, _png_size(data, k), True))
+            image = _open_png(_base64(item, "png", k), k)
+            found.append((image, (image.height, image.width)))
         elif "uint8" in item:
             shape = item.get("shape")
-            if not (
-                isinstance(shape, list)
-                and len(shape) == 3
-                and shape[2] == 3
-                and all(isinstance(s, int) and s > 0 for s in shape)
-            ):
-                raise ValueError(f"images[{k}]: 'shape' must be [H, W, 3]")
+            if not (isinstance(shape, list) and len(shape) == 3 and all(type(s) is int and s > 0 for s in shape)
+                    and shape[2] == 3):  # fmt: skip  # type(): JSON true is a Python int, and no size
+                raise ValueError(f"images[{k}]: 'shape' must be [H, W, 3] of positive integers, not {str(shape)[:60]}")
             data = _base64(item, "uint8", k)
             if len(data) != shape[0] * shape[1] * 3:
                 raise ValueError(f"images[{k}]: {len(data)} bytes for shape {shape}")
-            found.append((data, (shape[0], shape[1]), False))
+            found.append((data, (shape[0], shape[1])))
         else:
             raise ValueError(f"images[{k}]: expected 'png' or 'uint8'")
     if max_pixels is not None:
-        for k, (_, (h, w), _) in enumerate(found):
+        for k, (_, (h, w)) in enumerate(found):
             if h * w > max_pixels:
                 raise _TooManyPixels(f"images[{k}] is {w}x{h}, more than {max_pixels:,} pixels (--max-pixels)")
-        total = sum(h * w for _, (h, w), _ in found)
+        total = sum(h * w for _, (h, w) in found)
         if total > max_pixels:
             raise _TooManyPixels(f"{total:,} pixels in all, more than {max_pixels:,} a request (--max-pixels)")
-    if len({size for _, size, _ in found}) > 1:
-        raise ValueError("images of different sizes in one request")
-    out = []
-    for k, (data, (h, w), png) in enumerate(found):
-        if png:
+    if len({size for _, size in found}) != 1:
+        raise ValueError("images of different sizes in one request" if found else "no images")
+    h, w = found[0][1]
+    out = torch.empty(len(found), 3, h, w)
+    for k, (source, _) in enumerate(found):
+        if isinstance(source, bytes):
+            pixels = np.frombuffer(source, np.uint8).reshape(h, w, 3).copy()
+        else:
             try:
-                with Image.open(io.BytesIO(data), formats=["PNG"]) as image:
-                    pixels = np.asarray(image.convert("RGB"))
-            except Image.DecompressionBombError as e:  # PIL's own cap (Image.MAX_IMAGE_PIXELS), should ours be higher
-                raise _TooManyPixels(f"images[{k}]: {e}") from None
+                with source:
+                    pixels = np.array(source.convert("RGB"))
             except Exception as e:  # a broken file comes out of PIL as OSError, SyntaxError, zlib.error, EOFError...
                 raise ValueError(f"images[{k}]: not a readable PNG ({type(e).__name__}: {e})") from None
-        else:
-            pixels = np.frombuffer(data, np.uint8).reshape(h, w, 3)
-        out.append(torch.from_numpy(pixels.copy()).permute(2, 0, 1).float() / 255)
-    return torch.stack(out)
+        if pixels.shape != (h, w, 3):  # what was decoded is what was counted, or nothing is scored
+            raise ValueError(f"images[{k}]: decoded to {pixels.shape}, not the {w}x{h} of its header")
+        out[k] = torch.from_numpy(pixels).permute(2, 0, 1)
+    return out.div_(255)
 
 
 class _Failed(Exception):
@@ -386,11 +435,107 @@ class _Failed(Exception):
         self.code, self.reason = code, reason
 
 
+def parse_request(raw: bytes, names: list[str], max_batch: int, max_pixels: int, max_prompt_chars: int):
+    """A /score body -> (reward name, prompts, images (B, 3, H, W)), or _Failed with a 4xx and the reason; nothing
+    else escapes for any bytes. JSON values are counted before the body is parsed (a 64 MB body of `[{},{},...]`
+    would be 1.4 GB of Python objects): at most as many as a request of `max_batch` images of `max_prompt_chars`
+    characters can hold."""
+    bound = 64 + 8 * max_batch + max_batch * max_prompt_chars  # separators: each JSON value but one follows one
+    count = raw.count(b",") + raw.count(b":")
+    if count > bound:
+        raise _Failed(400, f"the body holds {count:,} JSON separators, more than a request can need ({bound:,})")
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise _Failed(400, "JSON nested too deep") from None
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError, an integer of too many digits
+        raise _Failed(400, f"{type(e).__name__}: {str(e)[:200]}") from None
+    if not isinstance(body, dict) or not {"reward", "prompts", "images"} <= body.keys():
+        raise _Failed(400, 'the body must be a JSON object with "reward", "prompts" and "images"')
+    name, prompts, items = body["reward"], body["prompts"], body["images"]
+    if not isinstance(name, str) or name not in names:
+        raise _Failed(400, f"'reward' must be one of {names}")
+    if not (isinstance(prompts, list) and all(isinstance(p, str) for p in prompts)):
+        raise _Failed(400, "'prompts' must be a list of strings")
+    if not isinstance(items, list) or len(items) != len(prompts) or not 0 < len(items) <= max_batch:
+        raise _Failed(400, f"'images' must be a list as long as 'prompts', 1 to {max_batch} items")
+    for k, p in enumerate(prompts):
+        if len(p) > max_prompt_chars:
+            raise _Failed(
+                413, f"prompts[{k}] has {len(p):,} characters, more than {max_prompt_chars:,} (--max-prompt-chars)"
+            )
+        try:
+            p.encode()
+        except UnicodeEncodeError as e:  # a lone surrogate (JSON's "\ud800") is no text a tokenizer reads
+            raise _Failed(400, f"prompts[{k}] is not text: {e.reason} at character {e.start}") from None
+    try:
+        images = decode_images(items, max_pixels)
+    except _TooManyPixels as e:
+        raise _Failed(413, str(e)) from None
+    except (ValueError, TypeError, OverflowError) as e:
+        raise _Failed(400, f"{type(e).__name__}: {e}") from None
+    return name, prompts, images
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A connection's socket, read under a deadline (time.monotonic()): each read waits at most `read_timeout`
+    seconds and none waits past the deadline, so that a request trickling in a byte at a time is cut off too.
+    TimeoutError says which ran out, and `why` keeps it."""
+
+    def __init__(self, sock, read_timeout: float, seconds: float):
+        self.sock, self.read_timeout, self.seconds = sock, read_timeout, seconds
+        self.deadline, self.why = time.monotonic() + seconds, None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self.deadline - time.monotonic()
+        if left > 0:
+            self.sock.settimeout(min(self.read_timeout, left))
+            try:
+                return self.sock.recv_into(buffer)
+            except TimeoutError:
+                pass
+        if left <= self.read_timeout:
+            self.why = f"did not arrive whole within {self.seconds:g} s (--request-deadline)"
+        else:
+            self.why = f"stopped arriving for {self.read_timeout:g} s"
+        raise TimeoutError(self.why)
+
+
 class _Server(ThreadingHTTPServer):
-    """One daemon thread per connection: a client that stalls holds its own thread until its read timeout, no one
-    else's, and never keeps the process from exiting."""
+    """One daemon thread per connection, `max_connections` at once: one more is answered 429 at once (its client
+    retries) and closed. A client that stalls holds its own thread until its deadline, no one else's, and never
+    keeps the process from exiting."""
 
     daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int):
+        super().__init__(address, handler)
+        self.max_connections, self.open, self.counting = max_connections, 0, threading.Lock()
+
+    def process_request(self, request, client_address):
+        with self.counting:
+            full = self.open >= self.max_connections
+            self.open += not full
+        if not full:
+            return super().process_request(request, client_address)
+        data = json.dumps({"error": f"{self.max_connections} connections at once already (--max-connections)"})
+        head = f"HTTP/1.0 429 Too Many Requests\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+        try:
+            request.settimeout(1.0)
+            request.sendall(f"{head}Connection: close\r\n\r\n{data}".encode())
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.counting:
+                self.open -= 1
 
     def handle_error(self, request, client_address):
         # a client gone before its answer (a reset, a broken pipe) is its own affair; anything else is a bug here
@@ -408,28 +553,47 @@ def serve(
     max_mb: float = 64.0,
     max_pixels: int = 2**25,
     read_timeout: float = 10.0,
+    *,
+    max_prompt_chars: int = 2000,
+    max_connections: int = 16,
+    request_deadline: float = 60.0,
 ) -> ThreadingHTTPServer:
     """An HTTP server (not yet serving: call .serve_forever()) for the rewards `names`, scoring with
     score(name, images, prompts). GET /health -> {"rewards": names}; POST /score {"reward", "prompts", "images"} ->
-    {"scores"}. Only that JSON is read (nothing unpickled, no paths). Each connection is read on its own thread, each
-    read waiting at most `read_timeout` seconds, so that a client that stalls is dropped and delays no one; scoring
-    is one request at a time (one model on one device).
+    {"scores"}. Only that JSON is read (nothing unpickled, no paths). Each connection is read on its own thread,
+    `max_connections` at once; a request must arrive whole within `request_deadline` seconds of its connection, and
+    no read may wait more than `read_timeout`. Two requests at once are parsed and decoded, and one scored (one model
+    on one device): memory is bounded by the caps (docs/models.md gives the figure).
 
     Anything else is answered {"error": reason}, and the server goes on: 400 a malformed request (Content-Length,
-    JSON, fields, an image that is not a readable PNG or does not fit its shape), 401 a missing or wrong token, 404
-    another path, 408 a body that stops arriving, 411 no Content-Length, 413 a body over `max_mb` or images over
-    `max_pixels` (each image, and all of a request together; read from the PNG headers, before decoding), 415 a body
-    that is not application/json, 422 the reward's own refusal (a ValueError, e.g. the verifier given a prompt that
-    is not ShapesBench's), 500 any other failure of the reward (its type and first line; its traceback on stderr)."""
-    scoring = threading.Lock()
+    JSON, fields, a prompt that is not text, an image that is not a readable PNG or does not fit its shape), 401 a
+    missing or wrong token, 404 another path, 408 a request that stops arriving or is not whole by its deadline, 411
+    no Content-Length, 413 a body over `max_mb`, images over `max_pixels` (each image, and all of a request together;
+    read from the PNG headers, before decoding) or a prompt over `max_prompt_chars`, 415 a body that is not
+    application/json, 422 the reward's own refusal (a ValueError, e.g. the verifier given a prompt that is not
+    ShapesBench's), 429 a connection over `max_connections`, 500 any other failure of the reward (its type and first
+    line; its traceback on stderr)."""
+    scoring, decoding = threading.Lock(), threading.BoundedSemaphore(2)
     max_bytes = int(max_mb * 1e6)
     expected = None if token is None else token.encode()  # compared as bytes: the client sends it UTF-8 encoded
 
     class Handler(BaseHTTPRequestHandler):
-        timeout = read_timeout  # the connection's socket timeout (StreamRequestHandler.setup)
+        def setup(self):
+            super().setup()
+            self.reader = _DeadlineReader(self.connection, read_timeout, request_deadline)
+            self.rfile, self.answered = io.BufferedReader(self.reader, 1 << 16), False
+
+        def handle_one_request(self):
+            super().handle_one_request()  # a timeout while reading the request line or headers ends it unanswered
+            if self.reader.why and not self.answered:
+                # there may be no request line: what send_response reads of it
+                self.request_version, self.command, self.requestline = self.protocol_version, "", ""
+                self._send(408, {"error": f"the request {self.reader.why}"})
 
         def _send(self, code: int, body: dict) -> None:
             data = json.dumps(body).encode()
+            self.connection.settimeout(read_timeout)  # the reads may have left it at the deadline's last moment
+            self.answered = True
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -442,8 +606,9 @@ def serve(
 
         def _answer(self, handle: Callable[[], dict]) -> None:
             """200 and handle()'s answer, or the _Failed code and reason. After a refusal, the body left unread
-            (up to twice the cap) is read and dropped, so that a client still sending it reads the answer instead
-            of a reset connection; beyond that the connection is closed under it."""
+            (up to twice the cap, within the request's deadline) is read and dropped, so that a client still
+            sending it reads the answer instead of a reset connection; beyond that the connection is closed under
+            it."""
             values = self.headers.get_all("Content-Length") or []
             framed = len(values) == 1 and re.fullmatch(r"[0-9]{1,15}", values[0].strip()) is not None
             self.unread = int(values[0]) if framed and "Transfer-Encoding" not in self.headers else None
@@ -454,9 +619,9 @@ def serve(
                 left = self.unread or 0
                 if left <= 2 * max_bytes:
                     try:
-                        while left > 0 and (chunk := self.rfile.read(min(left, 1 << 16))):
+                        while left > 0 and (chunk := self.rfile.read1(min(left, 1 << 16))):
                             left -= len(chunk)
-                    except OSError:  # the client went, or stalled past the timeout: the connection closes anyway
+                    except OSError:  # the client went, stalled or ran past the deadline: the connection closes
                         pass
 
         def _check_token(self) -> None:
@@ -491,9 +656,9 @@ def serve(
                 raise _Failed(415, f"Content-Type must be application/json, not {given!r}")
             try:
                 body = self.rfile.read(length)
-            except TimeoutError:
+            except TimeoutError as e:
                 self.unread = None  # the socket reads no more after a timeout
-                raise _Failed(408, f"the body stopped arriving for {read_timeout:g} s") from None
+                raise _Failed(408, f"the body {e}") from None
             if len(body) < length:
                 self.unread = None
                 raise _Failed(400, f"the body ended after {len(body):,} of its {length:,} bytes")
@@ -505,36 +670,18 @@ def serve(
             if self.path != "/score":
                 raise _Failed(404, "POST /score or GET /health")
             raw = self._read_body()
-            try:
-                body = json.loads(raw)
-            except RecursionError:
-                raise _Failed(400, "JSON nested too deep") from None
-            except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
-                raise _Failed(400, f"{type(e).__name__}: {e}") from None
-            if not isinstance(body, dict) or not {"reward", "prompts", "images"} <= body.keys():
-                raise _Failed(400, 'the body must be a JSON object with "reward", "prompts" and "images"')
-            name, prompts, items = body["reward"], body["prompts"], body["images"]
-            if name not in names:
-                raise _Failed(400, f"'reward' must be one of {names}")
-            if not (isinstance(prompts, list) and all(isinstance(p, str) for p in prompts)):
-                raise _Failed(400, "'prompts' must be a list of strings")
-            if not isinstance(items, list) or len(items) != len(prompts) or not 0 < len(items) <= max_batch:
-                raise _Failed(400, f"'images' must be a list as long as 'prompts', 1 to {max_batch} items")
-            try:
-                images = decode_images(items, max_pixels)
-            except _TooManyPixels as e:
-                raise _Failed(413, str(e)) from None
-            except ValueError as e:
-                raise _Failed(400, f"{type(e).__name__}: {e}") from None
-            try:
-                with scoring, torch.no_grad():
-                    scores = [float(s) for s in score(name, images, prompts)]
-            except ValueError as e:  # the reward refuses these inputs: the client's to fix
-                raise _Failed(422, f"{name}: {type(e).__name__}: {e}") from None
-            except Exception as e:  # a failure of the reward here; the client may retry, the operator has the trace
-                traceback.print_exc()
-                first = (str(e).splitlines() or [""])[0][:300]
-                raise _Failed(500, f"{name}: {type(e).__name__}: {first}") from None
+            with decoding:
+                name, prompts, images = parse_request(raw, names, max_batch, max_pixels, max_prompt_chars)
+                del raw
+                try:
+                    with scoring, torch.no_grad():
+                        scores = [float(s) for s in score(name, images, prompts)]
+                except ValueError as e:  # the reward refuses these inputs: the client's to fix
+                    raise _Failed(422, f"{name}: {type(e).__name__}: {e}") from None
+                except Exception as e:  # a failure of the reward here; the client may retry, the operator has the trace
+                    traceback.print_exc()
+                    first = (str(e).splitlines() or [""])[0][:300]
+                    raise _Failed(500, f"{name}: {type(e).__name__}: {first}") from None
             if len(scores) != len(images) or not all(map(math.isfinite, scores)):
                 raise _Failed(500, f"{name} returned {str(scores)[:200]} for {len(images)} images")
             return {"scores": scores}
@@ -548,4 +695,4 @@ def serve(
         def log_message(self, *a):  # one line per request is noise at training rates
             pass
 
-    return _Server((host, port), Handler)
+    return _Server((host, port), Handler, max_connections)

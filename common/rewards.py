@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from common import InputError, RunError, hub_reachable
 from common.attention import ATTENTION_BACKENDS, set_attention_backend
 from common.offload import Offloaded
-from common.remote import Judge, Served, request_json
+from common.remote import STOPS, Judge, Served, request_json
 
 
 class Reward(Protocol):
@@ -769,14 +769,35 @@ class CompositeReward:
                 k = int(bad.nonzero()[0])
                 raise RunError(
                     f"reward '{name}' gave {r[k].item()} for image {k} (prompt {prompts[k]!r}), not a finite number; "
-                    "the run stops here, its last checkpoint intact"
+                    f"{STOPS}"
                 )
             if w != 0:
                 total = total + w * r
             scores[name] = r.detach()
             if isinstance(reward, Judge):  # 1 where the judge's answer gave no score (logged as a fraction)
                 scores[f"{name}_unparsed"] = unparsed
+        if self.check:
+            self._check_total(total.detach(), prompts)
         return total, scores
+
+    def _check_total(self, total: torch.Tensor, prompts) -> None:
+        """RunError unless the weighted sum is finite and small enough that any group's mean and standard deviation
+        of it are too (four times the sum of its squares finite in its dtype: no deviation's square, no sum of a
+        subset overflows), since that is what trains: finite scores times their weights can still overflow."""
+        bad = ~torch.isfinite(total)
+        if bad.any():
+            k = int(bad.nonzero()[0])
+            what = f"is {total[k].item()} for image {k} (prompt {prompts[k]!r})"
+        elif not torch.isfinite(4 * total.square().sum()):
+            k = int(total.abs().argmax())
+            what = f"reaches {total[k].item():.3g} (image {k}), too large for its batch's mean and spread to be finite"
+        else:
+            return
+        spec = self.spec.text if self.spec is not None else ",".join(f"{n}:{w:g}" for n, w, _ in self.components)
+        raise RunError(
+            f"the rewards' weighted sum (--reward {spec}) {what}, though each score was finite; check the weights "
+            f"and the scores; {STOPS}"
+        )
 
     def park(self) -> None:
         """With --offload-frozen, the reward networks back to the CPU (they come back when scoring)."""
@@ -834,7 +855,20 @@ def serve_main(argv: list[str] | None = None) -> None:
         help="decoded pixels per request, all its images together (and so per image), at most; read from each PNG's "
         "header before it is decoded (default 2**25: 64 images of 720x720, 32 of 1024x1024)",
     )
+    parser.add_argument("--max-prompt-chars", type=int, default=2000, help="characters per prompt, at most")
+    parser.add_argument(
+        "--max-connections", type=int, default=16, help="connections at once, at most (one more is answered 429)"
+    )
+    parser.add_argument(
+        "--request-deadline",
+        type=float,
+        default=60.0,
+        help="seconds a request may take to arrive whole, headers and body, from its connection (else 408)",
+    )
     a = parser.parse_args(argv)
+    for flag in ("max_batch", "max_mb", "max_pixels", "max_prompt_chars", "max_connections", "request_deadline"):
+        if not getattr(a, flag) > 0:  # NaN too
+            parser.error(f"--{flag.replace('_', '-')} must be positive, not {getattr(a, flag)}")
     from common.remote import serve
 
     try:
@@ -857,6 +891,9 @@ def serve_main(argv: list[str] | None = None) -> None:
         a.max_batch,
         a.max_mb,
         a.max_pixels,
+        max_prompt_chars=a.max_prompt_chars,
+        max_connections=a.max_connections,
+        request_deadline=a.request_deadline,
     )
     print(
         f"serving {names} at http://{a.host}:{server.server_port} (GET /health, POST /score); token: {token is not None}"

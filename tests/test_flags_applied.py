@@ -169,23 +169,30 @@ def test_wandb_project_name_is_the_wandb_project(tmp_path, monkeypatch):
     assert [c["project"] for c in calls] == ["my-project"]
 
 
-def test_serve_main_passes_every_option_to_the_server(monkeypatch, tmp_path):
+def test_serve_main_passes_every_option_to_the_server(monkeypatch, tmp_path, capsys):
     built, served = [], []
     probe = rewards.RewardKind(lambda device, checkpoint=None: built.append((device, checkpoint)), differentiable=False)
     monkeypatch.setitem(rewards.REWARDS, "probe", probe)
 
-    def serve(score, names, host, port, token, max_batch, max_mb, max_pixels):
-        served.append((names, host, port, max_batch, max_mb, max_pixels))
+    def serve(score, names, host, port, token, max_batch, max_mb, max_pixels, **limits):
+        served.append((names, host, port, max_batch, max_mb, max_pixels, limits))
         return types.SimpleNamespace(server_port=port, serve_forever=lambda: None)
 
     monkeypatch.setattr(remote, "serve", serve)
     ckpt = tmp_path / "probe.pt"
     ckpt.write_text("")
     argv = ["serve", "--reward", "probe", "--reward-ckpt", f"probe={ckpt}", "--host", "0.0.0.0", "--port", "8123",
-            "--device", "meta", "--max-batch", "3", "--max-mb", "1.5", "--max-pixels", "1000"]  # fmt: skip
+            "--device", "meta", "--max-batch", "3", "--max-mb", "1.5", "--max-pixels", "1000", "--max-prompt-chars",
+            "77", "--max-connections", "5", "--request-deadline", "2.5"]  # fmt: skip
     rewards.serve_main(argv)
     assert built == [("meta", str(ckpt))]
-    assert served == [(["probe"], "0.0.0.0", 8123, 3, 1.5, 1000)]
+    limits = dict(max_prompt_chars=77, max_connections=5, request_deadline=2.5)
+    assert served == [(["probe"], "0.0.0.0", 8123, 3, 1.5, 1000, limits)]
+    for flag, value in (("--max-connections", "0"), ("--request-deadline", "nan"), ("--max-mb", "-1")):
+        with pytest.raises(SystemExit) as refused:
+            rewards.serve_main([*argv, flag, value])
+        assert refused.value.code == 2
+        assert capsys.readouterr().err.startswith(f"error: {flag} must be positive, not "), flag
 
 
 # ---------------------------------------------------------------- main() in this process

@@ -9,6 +9,7 @@ import base64
 import io
 import json
 import re
+import select
 import socket
 import struct
 import threading
@@ -20,6 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from common import InputError, RunError, remote
@@ -27,6 +30,8 @@ from common.rewards import REWARDS
 from common.shapesbench import sample_batch
 
 TIMEOUT = 1.0  # the test server's read timeout (10 s in `python -m common.rewards serve`)
+DEADLINE = 2.0  # its --request-deadline (60 s)
+CONNECTIONS = 4  # its --max-connections (16)
 CAP_MB = 0.5  # its --max-mb
 SHAPES_PROMPT = "a red circle on a blue background"
 
@@ -39,7 +44,7 @@ def serve_on_a_thread(server) -> str:
 @pytest.fixture(scope="module")
 def server():
     """jpeg, verifier and boom (a reward that raises RuntimeError); token 'secret', 4 images and 3 of 32x32 pixels
-    a request at most."""
+    a request at most, prompts of 100 characters, 4 connections at once, each request whole within 2 s."""
     rewards = {"jpeg": REWARDS["jpeg"].factory("cpu"), "verifier": REWARDS["verifier"].factory("cpu")}
 
     def score(name, images, prompts):
@@ -48,7 +53,8 @@ def server():
         return rewards[name](images, prompts)
 
     names = ["jpeg", "verifier", "boom"]
-    limits = dict(max_batch=4, max_mb=CAP_MB, max_pixels=3 * 32 * 32, read_timeout=TIMEOUT)
+    limits = dict(max_batch=4, max_mb=CAP_MB, max_pixels=3 * 32 * 32, read_timeout=TIMEOUT, max_prompt_chars=100,
+                  max_connections=CONNECTIONS, request_deadline=DEADLINE)  # fmt: skip
     httpd = remote.serve(score, names, "127.0.0.1", 0, token="secret", **limits)
     url = serve_on_a_thread(httpd)
     yield url
@@ -122,7 +128,7 @@ def scores_of(url: str, images: list[bytes], **kwargs) -> list[float]:
 
 
 # ---------------------------------------------------------------- the server
-def test_a_stalled_client_holds_no_one_else_and_is_dropped_after_the_read_timeout(server, capsys):
+def test_a_stalled_client_holds_no_one_else_and_gets_a_408_after_the_read_timeout(server, capsys):
     stalled_body = socket.create_connection(("127.0.0.1", port(server)), timeout=TIMEOUT + 3)
     stalled_body.sendall(request(Content_Length="100"))  # headers, then silence: 100 bytes never come
     stalled_headers = socket.create_connection(("127.0.0.1", port(server)), timeout=TIMEOUT + 3)
@@ -132,10 +138,10 @@ def test_a_stalled_client_holds_no_one_else_and_is_dropped_after_the_read_timeou
     scores = client(torch.rand(2, 3, 32, 32), ["a", "b"])
     assert scores.shape == (2,) and bool((scores < 0).all())  # minus the JPEG's kB
     assert time.monotonic() - sent < 2.0
-    status, answer = read_answer(stalled_body)
-    assert status == 408 and "stopped arriving" in answer["error"]
-    assert read_answer(stalled_headers) == (None, None)  # dropped without an answer
-    assert TIMEOUT * 0.9 < time.monotonic() - sent < TIMEOUT + 2.0
+    for stalled in (stalled_body, stalled_headers):
+        status, answer = read_answer(stalled)
+        assert status == 408 and answer["error"].endswith(f"stopped arriving for {TIMEOUT:g} s"), answer
+    assert TIMEOUT * 0.9 < time.monotonic() - sent < TIMEOUT + 0.9
     stalled_body.close()
     stalled_headers.close()
     assert len(scores_of(server, [png()])) == 1
@@ -256,32 +262,194 @@ def test_the_token_is_checked_as_bytes_and_bearer_in_any_case(server, capsys):
     other.server_close()
 
 
+def trickle(url: str, at_once: bytes, slowly: bytes, every: float = 0.25, limit: float = 6.0):
+    """Send `at_once`, then `slowly` a byte every `every` seconds (never a read timeout's pause), until the server
+    answers or closes: (status, JSON body, seconds from the first byte). At most `limit` seconds."""
+    with socket.create_connection(("127.0.0.1", port(url)), timeout=limit) as sock:
+        started = time.monotonic()
+        sock.sendall(at_once)
+        for k in range(len(slowly)):
+            if select.select([sock], [], [], every)[0] or time.monotonic() - started > limit:
+                break  # an answer (or the close) is waiting
+            sock.sendall(slowly[k : k + 1])
+        status, answer = read_answer(sock)
+        return status, answer, time.monotonic() - started
+
+
+def test_a_request_trickling_in_gets_a_408_at_its_deadline_not_after_each_read(server, capsys):
+    # a byte every 0.25 s never lets a read wait the read timeout (1 s): the deadline from the connection (2 s)
+    # ends it, in its headers or in its body, on its own thread while the server serves others
+    whole = request(body([png()]))
+    head = whole[: whole.index(b"\r\n\r\n") + 4]
+    answers = {}
+    threads = [
+        threading.Thread(target=lambda: answers.update(headers=trickle(server, b"", whole))),
+        threading.Thread(target=lambda: answers.update(body=trickle(server, head, whole[len(head) :]))),
+    ]
+    for t in threads:
+        t.start()
+    assert len(scores_of(server, [png()])) == 1
+    for t in threads:
+        t.join()
+    for name, (status, answer, seconds) in answers.items():
+        assert status == 408 and answer["error"].endswith(f"did not arrive whole within {DEADLINE:g} s "
+                                                          "(--request-deadline)"), (name, answer)  # fmt: skip
+        assert DEADLINE - 0.05 < seconds < DEADLINE + 0.5, (name, seconds)
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_connection_over_the_limit_gets_a_429_at_once_and_the_server_serves_again_after(server):
+    held = [socket.create_connection(("127.0.0.1", port(server)), timeout=5) for _ in range(CONNECTIONS)]
+    for sock in held:
+        sock.sendall(b"POST /score HTTP/1.1\r\n")  # each holds its connection, up to the deadline
+    time.sleep(0.2)
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port(server)), timeout=2) as sock:  # answered before it sends
+        status, answer = read_answer(sock)
+    assert status == 429 and answer == {"error": f"{CONNECTIONS} connections at once already (--max-connections)"}
+    assert time.monotonic() - started < 0.5
+    for sock in held:
+        sock.close()
+    for _ in range(50):  # their threads see the close and end
+        status, _ = ask(server, request(body([png()])))
+        if status == 200:
+            break
+        time.sleep(0.05)
+    assert status == 200
+
+
+def two_headers(first: tuple[int, int], second: tuple[int, int]) -> bytes:
+    """A PNG with two IHDR chunks, `first` = (width, height) and `second`, and the pixels of `second` (zeros):
+    PIL's decoder takes the last header."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    width, height = second
+    rows = b"".join(b"\0" + bytes(3 * width) for _ in range(height))
+    ihdr = [chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) for w, h in (first, second)]
+    return remote._PNG_MAGIC + b"".join(ihdr) + chunk(b"IDAT", zlib.compress(rows, 9)) + chunk(b"IEND", b"")
+
+
+def test_the_pixel_cap_counts_the_size_the_decoder_decodes(server):
+    bomb = two_headers((1, 1), (2000, 2000))  # 4 M pixels from 12 KB, behind a 1x1 header
+    assert remote.decode_images([{"png": base64.b64encode(two_headers((1, 1), (40, 30))).decode()}]).shape == (
+        1, 3, 30, 40)  # fmt: skip  # the attack is real: without a cap, the second header is what decodes
+    started = time.monotonic()
+    status, answer = ask(server, request(body([bomb])))
+    assert status == 413 and "images[0] is 2000x2000, more than 3,072 pixels" in answer["error"], answer
+    assert time.monotonic() - started < 0.5
+    status, answer = ask(server, request(body([png(), two_headers((32, 32), (32, 33))])))  # a pair of one "size"
+    assert status == 400 and "images of different sizes" in answer["error"], answer
+
+
+def test_a_malformed_raw_pixel_shape_is_a_400_with_the_reason(server, capsys):
+    pixels = base64.b64encode(bytes(3)).decode()
+    for shape in ([True, True, 3], [1, 1, 3.0], ["1", 1, 3], [1, 1], [1, 1, 3, 1], [0, 1, 3], [-1, -1, 3],
+                  [1, 1, 4], {"h": 1}, None, [10**30, 1, 3], [[1], 1, 3]):  # fmt: skip
+        data = json.dumps({"reward": "jpeg", "prompts": ["p"], "images": [{"uint8": pixels, "shape": shape}]})
+        status, answer = ask(server, request(data.encode()))
+        assert status == 400 and "'shape' must be [H, W, 3]" in answer["error"] or status == 400 and (
+            "bytes for shape" in answer["error"]), (shape, status, answer)  # fmt: skip
+    data = json.dumps({"reward": "jpeg", "prompts": ["p"], "images": [{"uint8": pixels, "shape": [1, 1, 3]}]})
+    assert ask(server, request(data.encode()))[0] == 200
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_prompts_that_are_not_text_or_too_long_are_refused_and_not_retried(server, monkeypatch):
+    lone = b'{"reward": "jpeg", "prompts": ["a \\ud800 b"], "images": [{"png": "%s"}]}' % base64.b64encode(png())
+    status, answer = ask(server, request(lone))
+    assert status == 400 and answer == {"error": "prompts[0] is not text: surrogates not allowed at character 2"}
+    status, answer = ask(server, request(body([png()], prompts=["x" * 101])))
+    assert status == 413 and "prompts[0] has 101 characters, more than 100 (--max-prompt-chars)" in answer["error"]
+    monkeypatch.setattr(remote.time, "sleep", lambda s: pytest.fail("a refusal retried"))
+    client = remote.Served("jpeg", server, token="secret")
+    with pytest.raises(RunError, match=r"failed after 1 tries \(HTTP 400: .*not text"):
+        client(torch.rand(1, 3, 32, 32), ["a \ud800 b"])
+    # JSON values are counted before the body is parsed: 30,000 empty objects in 90 KB
+    crowd = b'{"reward": "jpeg", "prompts": ["p"], "images": [' + b"{}," * 30_000 + b"{}]}"
+    status, answer = ask(server, request(crowd))
+    count, bound = crowd.count(b",") + crowd.count(b":"), 64 + 8 * 4 + 4 * 100
+    assert status == 400 and f"{count:,} JSON separators, more than a request can need ({bound})" in answer["error"]
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+ITEM = st.one_of(
+    JSON,
+    st.fixed_dictionaries({"png": st.sampled_from([base64.b64encode(png(4)).decode(), "", "@@", "iVBORw0KGgo="])}),
+    st.fixed_dictionaries(
+        {"uint8": st.binary(max_size=12).map(lambda b: base64.b64encode(b).decode()), "shape": JSON}
+    ),
+    st.fixed_dictionaries({"uint8": st.just(base64.b64encode(bytes(12)).decode()), "shape": st.lists(
+        st.integers(-2, 5) | st.booleans() | st.floats(0, 5), min_size=2, max_size=4)}),
+)  # fmt: skip
+BODY = st.fixed_dictionaries(
+    {
+        "reward": st.sampled_from(["jpeg", "boom", 1, None]),
+        "prompts": st.lists(st.text(max_size=12) | JSON, max_size=5),
+        "images": st.lists(ITEM, max_size=5),
+    }  # fmt: skip
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(st.binary(max_size=200), JSON.map(lambda x: json.dumps(x).encode()),
+                 BODY.map(lambda x: json.dumps(x).encode())))  # fmt: skip
+def test_the_request_parser_answers_any_body_with_scores_input_or_a_4xx(raw):
+    try:
+        name, prompts, images = remote.parse_request(raw, ["jpeg", "boom"], 4, 3 * 32 * 32, 10)
+    except remote._Failed as e:
+        assert 400 <= e.code < 500 and e.reason, e
+        return
+    body = json.loads(raw)
+    assert name == body["reward"] and prompts == body["prompts"] and 1 <= len(prompts) <= 4
+    assert images.dtype == torch.float32 and images.shape[:2] == (len(prompts), 3)
+    assert images.shape[2] * images.shape[3] * len(prompts) <= 3 * 32 * 32 and 0 <= images.min() <= images.max() <= 1
+
+
 # ---------------------------------------------------------------- the client
 class Fake:
     """A reward server whose POST /score answers are `answers`, one a request, the last one repeated: (status, raw
-    body), "cut" (Content-Length 100, 10 bytes, closed) or "drop" (closed with no answer). GET /health answers
-    `health`. `posts` counts the requests."""
+    body[, Location]), "cut" (Content-Length 100, 10 bytes, closed), "drop" (closed with no answer) or "trickle" (a
+    good answer, a byte every 0.2 s). GET /health answers `health`. `posts` counts the requests, `tokens` keeps the
+    Authorization header of each request (GET and POST)."""
 
     def __init__(self):
-        self.answers, self.health, self.posts = [], b'{"rewards": ["fake"]}', 0
+        self.answers, self.health, self.posts, self.tokens = [], b'{"rewards": ["fake"]}', 0, []
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
-            def _raw(self, status: int, data: bytes, length: int | None = None) -> None:
+            def _raw(self, status: int, data: bytes, location: str | None = None, length: int | None = None) -> None:
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(data) if length is None else length))
+                if location is not None:
+                    self.send_header("Location", location)
                 self.end_headers()
                 self.wfile.write(data)
 
             def do_GET(self):
+                fake.tokens.append(self.headers.get("Authorization"))
                 self._raw(200, fake.health)
 
             def do_POST(self):
                 self.rfile.read(int(self.headers["Content-Length"]))
                 fake.posts += 1
+                fake.tokens.append(self.headers.get("Authorization"))
                 answer = fake.answers.pop(0) if len(fake.answers) > 1 else fake.answers[0]
                 if answer == "cut":
                     self._raw(200, b'{"scores":', length=100)
+                elif answer == "trickle":
+                    raw = b"HTTP/1.0 200 OK\r\nContent-Length: 23\r\n\r\n" + GOOD[1]
+                    try:
+                        for k in range(len(raw)):  # 13 s in all, unless the client hangs up first
+                            self.wfile.write(raw[k : k + 1])
+                            time.sleep(0.2)
+                    except OSError:
+                        pass
                 elif answer != "drop":
                     self._raw(*answer)
 
@@ -359,13 +527,39 @@ def test_the_client_retries_what_may_pass_and_nothing_else(fake):
     with socket.socket() as unused:  # a port nothing listens on
         unused.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{unused.getsockname()[1]}"
-    with pytest.raises(RunError, match=f"{closed}/score failed after 2 tries \\(URLError: .*refused"):
+    with pytest.raises(RunError, match=f"{closed}/score failed after 2 tries \\(ConnectionRefusedError: .*refused"):
         remote.request_json(f"{closed}/score", payload, tries=2, backoff=0.01)
     with pytest.raises(RunError, match="the token \\(\\$REWARD_API_KEY\\) holds a line break"):
         remote.request_json(f"{fake.url}/score", payload, token="secret\r\nX-Evil: 1")
-    for not_a_url in ("127.0.0.1:8100/score", "scorer-node/score", "ftp://scorer-node/score"):
-        with pytest.raises(RunError, match=f"{not_a_url} is not an http:// or https:// URL"):
+    for not_a_url in ("127.0.0.1:8100/score", "scorer-node/score", "ftp://scorer-node/score", "http://h\u00e9/score",
+                      "http://:80/score", "http://host:99999/score", "http://host/a b"):  # fmt: skip
+        with pytest.raises(RunError, match=f"{re.escape(not_a_url)} is not an http:// or https:// URL"):
             remote.request_json(not_a_url, payload)
+
+
+def test_a_redirect_is_not_followed_and_the_token_goes_nowhere_else(fake):
+    elsewhere = Fake()  # where the redirects point: it must never be asked
+    elsewhere.reset(GOOD)
+    client = remote.Served("fake", fake.url, token="secret")
+    for code in (301, 302, 303, 307, 308):
+        fake.reset((code, b"", f"{elsewhere.url}/score"))
+        with pytest.raises(RunError) as stopped:
+            client(torch.rand(2, 3, 8, 8), ["a", "b"])
+        assert str(stopped.value).startswith(f"{fake.url}/score answered HTTP {code}, a redirect to "
+                                             f"'{elsewhere.url}/score', which is not followed (nor sent the token)")  # fmt: skip
+        assert fake.posts == 1  # not retried either
+    assert elsewhere.posts == 0 and elsewhere.tokens == [] and set(fake.tokens[-6:]) == {"Bearer secret"}
+    elsewhere.server.shutdown()
+    elsewhere.server.server_close()
+
+
+def test_the_client_gives_up_on_a_trickling_answer_at_its_deadline(fake):
+    # a good answer, a byte every 0.2 s: no read waits 1 s, but no try may last more than 1 s in all
+    fake.reset("trickle")
+    started = time.monotonic()
+    with pytest.raises(RunError, match=re.escape("failed after 2 tries (no whole answer within 1 s (the deadline")):
+        remote.request_json(f"{fake.url}/score", {"x": 1}, timeout=1.0, tries=2, backoff=0.01)
+    assert 2.0 <= time.monotonic() - started < 2.6 and fake.posts == 2
 
 
 def test_a_server_that_is_not_a_reward_server_is_refused_at_start_up(fake):
@@ -379,3 +573,17 @@ def test_a_server_that_is_not_a_reward_server_is_refused_at_start_up(fake):
         with pytest.raises(error, match=re.escape(reason)):
             remote.Served("fake", fake.url)
     fake.health = b'{"rewards": ["fake"]}'
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON | st.lists(st.integers() | st.floats() | st.booleans() | JSON, max_size=4), st.integers(0, 4))
+def test_the_answer_validator_takes_exactly_n_numbers_finite_as_float32(scores, n):
+    # written apart from _wrong_scores: a list of n ints or floats (not booleans), each within float32's range
+    def number(s):
+        return type(s) in (int, float) and abs(s) <= 3.4028234663852886e38  # NaN and inf compare False
+
+    expected_ok = isinstance(scores, list) and len(scores) == n and all(map(number, scores))
+    wrong = remote._wrong_scores(json.loads(json.dumps(scores)), n)  # as it comes off the wire
+    assert (wrong is None) == expected_ok, (scores, n, wrong)
+    if wrong is None:
+        assert torch.isfinite(torch.tensor(scores, dtype=torch.float32)).all()
