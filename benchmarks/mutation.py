@@ -1,0 +1,322 @@
+"""Generated mutants: mutmut 3 mutates every algorithm function of a file (each comparison, operator, constant, argument
+and call it can change, one at a time) and runs the tests that reach that function against each mutant. A mutant the
+tests let pass SURVIVED: either the suite cannot see that change (a test to write) or the change does not alter what
+the code computes (an equivalent mutant, listed with its reason in docs/testing.md). benchmarks/mutants.py keeps the
+hand-written ones.
+
+    python benchmarks/mutation.py                       # every target below, one after another (hours on 2 cores)
+    python benchmarks/mutation.py diffusionnft.py       # one file
+    python benchmarks/mutation.py dancegrpo.py --functions group_advantages,policy_loss
+
+Each file is mutated in a fresh copy of the commit (`--ref`, default HEAD) under /tmp/mutation/<file>, never in this
+working tree; mutmut forks one test process per mutant (one at a time, niced, one thread) and stops a mutant's tests
+at the first failure or at its time limit (15 x the tests' own time + 5 s of CPU: a hang counts as killed). The scores
+go to benchmarks/mutation_out/<file>.json and .md, survivors with their diffs. The tool is pinned in
+benchmarks/requirements-mutation.txt (`pip install -r benchmarks/requirements-mutation.txt`).
+
+What is mutated: for the five scripts, the module-level functions and the methods of the classes above main() (not
+main(), not the flags class Args); for common/runs.py, common/remote.py and common/evaluate.py every function but an
+entry point's main(); for common/rewards.py, the served-reward path (how requests are made and their answers
+combined) and the parser of --reward. Tests: only in-process ones (a test that starts the script in another process is
+left out: mutmut cannot tell which functions it reaches, and it takes minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "mutation_out"
+WORK = Path("/tmp/mutation")
+
+# tests that reach every script's main() in this process
+MAIN_TESTS = [
+    "tests/test_flags_applied.py",
+    "tests/test_direction.py",
+    "tests/test_schedules.py",
+    "tests/test_aggregation.py",
+    "tests/test_inputs.py",
+]
+
+
+def script(name: str) -> dict:
+    return {"tests": [f"tests/test_{name}.py", f"tests/test_properties_{name}.py", *MAIN_TESTS], "scope": "above_main"}
+
+
+TARGETS = {
+    "diffusionnft.py": script("diffusionnft"),
+    "dancegrpo.py": script("dancegrpo"),
+    "branchgrpo.py": script("branchgrpo"),
+    "vgrpo.py": script("vgrpo"),
+    "rlr.py": script("rlr"),
+    "common/runs.py": {
+        "tests": ["tests/test_runs.py", "tests/test_properties_runs.py", "tests/test_schedules.py"],
+        "scope": "all",
+    },
+    "common/remote.py": {
+        "tests": ["tests/test_remote.py", "tests/test_server.py", "tests/test_properties_remote.py"],
+        "scope": "all",
+    },
+    "common/evaluate.py": {
+        "tests": ["tests/test_evaluate.py", "tests/test_evaluate_stats.py", "tests/test_properties_evaluate.py"],
+        "scope": "all",
+    },
+    "common/rewards.py": {
+        "tests": ["tests/test_rewards.py", "tests/test_remote.py", "tests/test_server.py"],
+        "scope": ["CompositeReward", "serve_main", "parse_rewards", "check_rewards", "_canonical", "_needs_url"],
+    },
+}
+
+# a test whose source has one of these starts a process (or a whole run): left out
+OUT_OF_PROCESS = re.compile(r"\brun_script\b|\bsubprocess\b|\bassert_survives_kills\b|(?<![\w.])run\(")
+
+
+def copy_commit(ref: str, dest: Path, worktree: bool) -> None:
+    """`ref`'s tracked files (or, with --worktree, this working tree's tracked and untracked ones) into dest."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    if worktree:
+        files = subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
+        ).stdout.split(b"\0")
+        for f in filter(None, files):
+            src = ROOT / f.decode()
+            if src.is_file():
+                (dest / f.decode()).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dest / f.decode())
+    else:
+        archive = subprocess.run(["git", "archive", ref], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+
+
+def mutated_names(source: str, scope) -> list[str]:
+    """mutmut's mangled names (x_fn, xǁClassǁmethod) of the functions to mutate."""
+    tree = ast.parse(source)
+    main_line = next((n.lineno for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"), float("inf"))
+    names = []
+    for node in tree.body:
+        if scope == "above_main" and node.lineno > main_line:
+            continue
+        if isinstance(scope, list) and getattr(node, "name", None) not in scope:
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name != "main":
+            names.append(f"x_{node.name}")
+        elif isinstance(node, ast.ClassDef) and not node.name.endswith("Args"):
+            for m in node.body:
+                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.append(f"xǁ{node.name}ǁ{m.name}")
+    return names
+
+
+def undecorate(source: str, names: list[str]) -> str:
+    """The same module with each decorator of the chosen functions applied by an assignment after the function
+    (`f = torch.no_grad()(f)` for `@torch.no_grad()`): mutmut leaves decorated functions out."""
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    edits = []  # (first line, last line, replacement of the decorator lines, line after the function)
+    for node in tree.body:
+        scope = [(node, "")]
+        if isinstance(node, ast.ClassDef):
+            scope = [(m, " " * m.col_offset) for m in node.body]
+        for fn, indent in scope:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.decorator_list:
+                continue
+            key = f"x_{fn.name}" if not indent else f"xǁ{node.name}ǁ{fn.name}"
+            if key not in names:
+                continue
+            applied = fn.name
+            for d in reversed(fn.decorator_list):
+                applied = f"({ast.get_source_segment(source, d)})({applied})"
+            first = fn.decorator_list[0].lineno - 1
+            edits.append((first, fn.lineno - 1, fn.end_lineno, f"{indent}{fn.name} = {applied}\n"))
+    for first, def_line, end, assignment in sorted(edits, reverse=True):
+        lines[end:end] = [assignment]
+        del lines[first:def_line]
+    return "".join(lines)
+
+
+def in_process_tests(copy: Path, files: list[str]) -> list[str]:
+    """pytest node ids: the files' test functions that run in this process."""
+    ids = []
+    for f in files:
+        path = copy / f
+        if not path.exists():
+            continue
+        source = path.read_text()
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                if not OUT_OF_PROCESS.search(ast.get_source_segment(source, node)):
+                    ids.append(f"{f}::{node.name}")
+    return ids
+
+
+def configure(copy: Path, target: str, tests: list[str]) -> None:
+    others = [p.name for p in copy.iterdir() if p.name not in ("tests", ".git") and p.name != target]
+    if "/" in target:  # a module of common/: the package is copied beside its mutated module
+        others = [p for p in others if p != target.split("/")[0]]
+        others += [str(p.relative_to(copy)) for p in (copy / target).parent.iterdir() if p.name != Path(target).name]
+    config = {
+        "source_paths": [target],
+        "also_copy": sorted(others),
+        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q"],
+        "pytest_add_cli_args_test_selection": tests,
+        "timeout_multiplier": 15.0,
+        "timeout_constant": 5.0,
+    }
+    lines = ["", "[tool.mutmut]"] + [f"{k} = {json.dumps(v)}" for k, v in config.items()]
+    with open(copy / "pyproject.toml", "a") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def run_target(target: str, args) -> dict:
+    spec = TARGETS[target]
+    copy = WORK / target.replace("/", "_")
+    copy_commit(args.ref, copy, args.worktree)
+    source = (copy / target).read_text()
+    names = mutated_names(source, spec["scope"])
+    (copy / target).write_text(undecorate(source, names))
+    if args.functions:
+        wanted = set(args.functions.split(","))
+        names = [n for n in names if n.split("ǁ")[-1].removeprefix("x_") in wanted]
+    tests = in_process_tests(copy, spec["tests"])
+    configure(copy, target, tests)
+    module = target.removesuffix(".py").replace("/", ".")
+    patterns = [f"{module}.{n}__mutmut_*" for n in names]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    mutmut = str(Path(sys.executable).with_name("mutmut"))
+    print(f"{target}: {len(names)} functions, {len(tests)} tests, in {copy}", flush=True)
+    start = time.time()
+    with open(copy / "mutmut.log", "w") as log:
+        subprocess.run(
+            ["nice", "-n", "19", mutmut, "run", "--max-children", "1", *patterns],
+            cwd=copy,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    seconds = time.time() - start
+    meta = json.loads((copy / "mutants" / f"{target}.meta").read_text())
+    codes = {k: v for k, v in meta["exit_code_by_key"].items() if any(re.fullmatch(_glob(p), k) for p in patterns)}
+    if not codes:
+        raise SystemExit(f"{target}: no mutant ran; see {copy / 'mutmut.log'}")
+    killed_codes = {1, 3, 36, 24, -24, 152, 255}  # a failing test, pytest's internal error, a time limit
+    per_function: dict[str, list[int]] = {}
+    survivors = []
+    for name, code in sorted(codes.items(), key=lambda kv: _order(kv[0])):
+        fn = name.removeprefix(module + ".").split("__mutmut_")[0]
+        killed = code in killed_codes
+        per_function.setdefault(fn, [0, 0])
+        per_function[fn][0] += killed
+        per_function[fn][1] += 1
+        if not killed:
+            survivors.append({"mutant": name, "status": _status(code)})
+    diffs = mutant_diffs(copy, target, [s["mutant"] for s in survivors], env)
+    for s in survivors:
+        s["diff"] = diffs[s["mutant"]]
+    killed = sum(k for k, _ in per_function.values())
+    result = {
+        "file": target,
+        "ref": "worktree" if args.worktree else _commit(args.ref),
+        "killed": killed,
+        "total": len(codes),
+        "seconds": round(seconds),
+        "tests": tests,
+        "per_function": per_function,
+        "survivors": survivors,
+    }
+    OUT.mkdir(exist_ok=True)
+    slug = target.replace("/", "_")
+    (OUT / f"{slug}.json").write_text(json.dumps(result, indent=1, ensure_ascii=False))
+    (OUT / f"{slug}.md").write_text(markdown(result))
+    print(f"{target}: {killed}/{len(codes)} killed ({100 * killed / len(codes):.1f}%) in {seconds / 60:.1f} min")
+    return result
+
+
+DIFFS = """
+import json, sys
+from pathlib import Path
+from mutmut.mutation.diff_apply import get_diff_for_mutant
+target, names = sys.argv[1], json.loads(sys.stdin.read())
+print(json.dumps({n: get_diff_for_mutant(n, path=Path(target)) for n in names}))
+"""
+
+
+def mutant_diffs(copy: Path, target: str, names: list[str], env: dict) -> dict[str, list[str]]:
+    """Each mutant's changed lines (- the original, + the mutant), from mutmut's own record of it."""
+    done = subprocess.run(
+        [sys.executable, "-c", DIFFS, target],
+        cwd=copy,
+        env=env,
+        input=json.dumps(names),
+        capture_output=True,
+        text=True,
+    )
+    diffs = json.loads(done.stdout)
+    return {
+        n: [line for line in d.splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+        for n, d in diffs.items()
+    }
+
+
+def markdown(r: dict) -> str:
+    lines = [
+        f"# {r['file']} at {r['ref']}: {r['killed']}/{r['total']} killed in {r['seconds'] / 60:.1f} min",
+        "",
+        "| function | killed / total |",
+        "|---|---|",
+    ]
+    lines += [f"| {fn} | {k} / {n} |" for fn, (k, n) in r["per_function"].items()]
+    lines += ["", "## Survivors", ""]
+    for s in r["survivors"]:
+        lines += [f"### {s['mutant']} ({s['status']})", "```diff", *s["diff"], "```", ""]
+    return "\n".join(lines) + "\n"
+
+
+def _glob(pattern: str) -> str:
+    return re.escape(pattern).replace(r"\*", ".*")
+
+
+def _order(name: str):
+    fn, _, n = name.rpartition("__mutmut_")
+    return fn, int(n) if n.isdigit() else 0
+
+
+def _status(code) -> str:
+    return {0: "survived", None: "not checked", 5: "no tests", 33: "no tests", 34: "skipped"}.get(code, f"exit {code}")
+
+
+def _commit(ref: str) -> str:
+    return subprocess.run(["git", "rev-parse", "--short", ref], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def cli() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("targets", nargs="*", help=f"files to mutate (default: all): {', '.join(TARGETS)}")
+    p.add_argument("--functions", help="only these functions (comma-separated names)")
+    p.add_argument("--ref", default="HEAD", help="the commit to mutate (a fresh copy of it)")
+    p.add_argument("--worktree", action="store_true", help="copy this working tree instead of a commit")
+    args = p.parse_args()
+    unknown = [t for t in args.targets if t not in TARGETS]
+    if unknown:
+        p.error(f"not a target: {', '.join(unknown)}")
+    results = [run_target(t, args) for t in (args.targets or TARGETS)]
+    print("\n| file | killed / total | score | time |\n|---|---|---|---|")
+    for r in results:
+        print(
+            f"| {r['file']} | {r['killed']} / {r['total']} | {100 * r['killed'] / r['total']:.1f}% | "
+            f"{r['seconds'] / 60:.1f} min |"
+        )
+
+
+if __name__ == "__main__":
+    cli()
