@@ -185,6 +185,47 @@ def test_ema_decay_and_soft_update():
     assert torch.equal(target[0], b)
 
 
+# ---------------------------------------------------------------- the training step's inputs
+def test_forward_process_forms_x_t_at_each_images_own_t():
+    """x_t = (1 - t) x0 + t eps at t = 0.3 and 0.8 (image 0: x0 = 2, eps = -1; image 1: x0 = -0.5, eps = 3): 1.4 -
+    0.3 = 1.1 and -0.1 + 2.4 = 2.3; a swapped t and 1 - t (-0.1, 0.35) or one image's t for both would differ."""
+    x0 = torch.tensor([2.0, -0.5]).view(2, 1, 1, 1).expand(2, 4, 2, 2)
+    eps = torch.tensor([-1.0, 3.0]).view(2, 1, 1, 1).expand(2, 4, 2, 2)
+    x_t = N.noised(x0, eps, torch.tensor([0.3, 0.8]))
+    assert x_t.shape == (2, 4, 2, 2)
+    torch.testing.assert_close(x_t[0], torch.full((4, 2, 2), 1.1))
+    torch.testing.assert_close(x_t[1], torch.full((4, 2, 2), 2.3))
+    x_t = N.noised(x0[:1], eps[:1], torch.tensor([1.0]))  # t = 1 is pure noise (the grid's first point)
+    torch.testing.assert_close(x_t, eps[:1])
+
+
+def test_trained_timesteps_differ_between_images_and_are_keyed_on_seed_iteration_and_image():
+    t_idx = N.train_timesteps(10, 9, (3, 5), [0, 1, 2, 3])
+    assert t_idx.shape == (4, 9)
+    for row in t_idx.tolist():  # 9 distinct grid points of sigma_0 .. sigma_9: t = 0 (index 10) never
+        assert len(set(row)) == 9 and all(0 <= i <= 9 for i in row)
+    assert not torch.equal(t_idx[0], t_idx[1])  # two images, two orders
+    assert len({tuple(r) for r in t_idx.tolist()}) == 4
+    # a function of (seed, iteration, image) alone: the same again, and image 2 alone or in another batch
+    assert torch.equal(N.train_timesteps(10, 9, (3, 5), [0, 1, 2, 3]), t_idx)
+    assert torch.equal(N.train_timesteps(10, 9, (3, 5), [2]), t_idx[2:3])
+    assert torch.equal(N.train_timesteps(10, 9, (3, 5), [7, 2])[1], t_idx[2])
+    assert not torch.equal(N.train_timesteps(10, 9, (4, 5), [0, 1, 2, 3]), t_idx)  # another seed
+    assert not torch.equal(N.train_timesteps(10, 9, (3, 6), [0, 1, 2, 3]), t_idx)  # another iteration
+    assert torch.equal(N.train_timesteps(10, 4, (3, 5), [0, 1, 2, 3]), t_idx[:, :4])  # a prefix of one permutation
+
+
+def test_timestep_fraction_truncates_as_the_official_code():
+    """The official count is int(T x fraction): 0.99 of 10 is 9 (rounding would give 10), 0.35 of 10 is 3, 0.4 of 10
+    is 4, 0.25 of 8 is 2, 0.5 of 4 is 2."""
+    assert N.n_train_timesteps(10, 0.99) == 9
+    assert N.n_train_timesteps(10, 0.35) == 3 and N.n_train_timesteps(10, 0.4) == 4
+    assert N.n_train_timesteps(8, 0.25) == 2 and N.n_train_timesteps(4, 0.5) == 2
+    N.resolve_and_check(N.Args(num_steps=10, timestep_fraction=0.15))  # 1 of 10: allowed
+    with pytest.raises(InputError, match="--timestep-fraction"):
+        N.resolve_and_check(N.Args(num_steps=10, timestep_fraction=0.09))  # 0 of 10
+
+
 # ---------------------------------------------------------------- the update on the real (tiny) model
 @pytest.fixture(scope="module")
 def shapes():
@@ -398,3 +439,121 @@ def test_two_processes_match_one_with_the_delayed_schedule(tmp_path):
         assert a["charts/grad_norm"] == pytest.approx(b["charts/grad_norm"], rel=1e-4)  # all-reduced: global
         assert a["losses/first_old_deviation"] == b["losses/first_old_deviation"] == 0 and a["nft/old_eta"] == 0
     assert rows["two"][-1]["charts/rank_weight_spread"] == 0
+
+
+# ---------------------------------------------------------------- the training step of main(), recorded
+NFT_STEP = [
+    "--seed",
+    "3",
+    "--num-steps",
+    "10",
+    "--timestep-fraction",
+    "0.99",
+    "--samples-per-device",
+    "4",
+    "--group-size",
+    "2",
+    "--rollout-batch-size",
+    "4",
+    "--train-batch-size",
+    "2",
+    "--samples-per-update",
+    "4",
+    "--beta",
+    "0.5",
+    "--kl-beta",
+    "0.1",
+    "--max-grad-norm",
+    "1e9",
+]  # fmt: skip  (2 micro-batches, 1 step)
+
+
+@pytest.fixture(scope="module")
+def nft_step(tmp_path_factory):
+    """main() for two iterations (tests/test_direction.py's run_main: policy_loss and the velocities with gradients
+    recorded); at the first optimizer step, the accumulated gradient and the weights it was taken at."""
+    from accelerate import Accelerator
+
+    from tests import test_direction
+
+    at_step = {}
+    real_clip = Accelerator.clip_grad_norm_
+
+    def clip(self, params, max_norm):
+        params = list(params)
+        if not at_step:
+            at_step["grads"] = [p.grad.detach().clone() for p in params]
+            at_step["weights"] = [p.detach().clone() for p in params]
+            at_step["params"] = params
+        return real_clip(self, params, max_norm)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Accelerator, "clip_grad_norm_", clip)
+        mp.setattr(test_direction, "QUICK", replace_flags(test_direction.QUICK, {"--iterations": "2"}))
+        tmp = tmp_path_factory.mktemp("nft_step")
+        tape, model = test_direction.run_main(N, mp, tmp, NFT_STEP, ["policy_loss"])
+    return tape, model, at_step
+
+
+def test_main_trains_9_of_10_timesteps_at_fraction_0_99(nft_step):
+    tape, _, _ = nft_step
+    calls = tape.calls["policy_loss"]
+    assert len(calls) == 2 * 2 * 9  # 2 iterations x 2 micro-batches x int(10 x 0.99) timesteps
+    assert len(tape.calls["velocity"]) == 2 * 2 * 9  # one trained forward each
+
+
+def test_main_forms_x_t_from_x0_keyed_noise_and_each_images_t(nft_step):
+    """Each recorded loss call: x_t = (1 - t) x0 + t eps, with eps keyed on (seed 3, iteration, 'eps', image k,
+    timestep j), t per image; x0 is the same rollout latent at every timestep of a micro-batch."""
+    from common.sampling import keyed_randn
+
+    tape, model, _ = nft_step
+    shape = model.latent_shape()
+    for n, (a, _, _) in enumerate(tape.calls["policy_loss"]):
+        it, (m, j) = n // 18, divmod(n % 18, 9)
+        x0, x_t, t = a[3], a[4], a[5]
+        eps = torch.stack([keyed_randn(shape, 3, it, "eps", k, j) for k in (2 * m, 2 * m + 1)])
+        tv = t.view(2, 1, 1, 1)
+        torch.testing.assert_close(x_t, (1 - tv) * x0 + tv * eps, rtol=0, atol=1e-6)
+        assert torch.equal(x0, tape.calls["policy_loss"][18 * it + 9 * m][0][3])
+        assert 0 < t.min() and t.max() <= 1 and not torch.equal(x_t, x0)
+
+
+def test_main_trains_each_image_at_its_keyed_timesteps(nft_step):
+    """Image k's 9 timesteps at iteration i are sigmas[train_timesteps(10, 9, (seed 3, i), k)], in that order; the
+    two images of a micro-batch are at different timesteps, and so is one image at its two iterations."""
+    tape, _, _ = nft_step
+    sigmas = N.sigma_schedule(10, 3.0)
+    ts = torch.stack([a[5] for a, _, _ in tape.calls["policy_loss"]])  # (36, 2): iteration, micro-batch, timestep
+    got = ts.view(2, 2, 9, 2).permute(0, 1, 3, 2).reshape(2, 4, 9)  # (iteration, image, timestep)
+    for it in range(2):
+        expected = sigmas[N.train_timesteps(10, 9, (3, it), range(4))]  # (4, 9)
+        torch.testing.assert_close(got[it], expected, rtol=0, atol=0)
+        assert all(not torch.equal(got[it, 2 * m], got[it, 2 * m + 1]) for m in range(2))
+        assert all(len(set(row.tolist())) == 9 for row in got[it])  # 9 distinct grid points, none repeated
+    assert not torch.equal(got[0], got[1])
+
+
+def test_main_step_gradient_is_the_mean_of_the_per_timestep_gradients(nft_step):
+    """The gradient at the first optimizer step against one computed here: the gradient of each (micro-batch,
+    timestep) loss (its mean over the micro-batch's images) at the step's weights, averaged over the 2 x 9 of them.
+    Summing over timesteps instead would give 9 times it, over micro-batches 2 times."""
+    tape, model, at_step = nft_step
+    params = at_step["params"]
+    with torch.no_grad():
+        for p, w in zip(params, at_step["weights"]):
+            p.copy_(w)
+    per_call = []
+    recorded = list(zip(tape.calls["policy_loss"], tape.calls["velocity"], strict=True))[:18]  # the first step's
+    for (a, kw, _), (va, vkw, _) in recorded:
+        _, v_old, v_ref, x0, x_t, t, r = a
+        v_theta = model.velocity(*va, **vkw).float()
+        loss, _ = N.policy_loss(v_theta, v_old, v_ref, x0, x_t, t, r, **kw)
+        per_call.append(torch.autograd.grad(loss.mean(), params, allow_unused=True))
+    assert len(per_call) == 18
+    total = 0.0
+    for k, (p, g) in enumerate(zip(params, at_step["grads"])):
+        mean = sum(c[k] if c[k] is not None else torch.zeros_like(p) for c in per_call) / len(per_call)
+        torch.testing.assert_close(g, mean, rtol=1e-4, atol=1e-9)
+        total += mean.abs().sum().item()
+    assert total > 0
