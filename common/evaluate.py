@@ -18,6 +18,7 @@ grid.png (the first sample of --grid-prompts prompts, a row per model). docs/eva
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -30,7 +31,7 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common import InputError
+from common import InputError, RunError
 from common.attention import set_attention_backend
 from common.flags import need
 from common.prompts import evenly_spaced
@@ -309,11 +310,76 @@ def load_weights(model, folder: Path) -> None:
 BATCH_FILE = "batch_{:05d}.pt"  # batch b of a model's cache: samples [b B, (b + 1) B)
 
 
+def weights_files(folder: Path) -> list[Path]:
+    """The files of a --weights folder (weights_folder's) that load_weights reads, in a fixed order."""
+    kind = weights_kind(folder)
+    if kind == "checkpoint":
+        names = ["model.safetensors", "adapter_config.json"]
+    elif kind == "lora":
+        from common.models.wan import LOW_NOISE_LORA
+
+        names = [LORA_FILE, LOW_NOISE_LORA]
+    else:
+        source = folder / "transformer" if (folder / "transformer").is_dir() else folder
+        index = source / "diffusion_pytorch_model.safetensors.index.json"
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else []
+        except Exception:  # a malformed index: check_weights refuses it, naming it
+            shards = []
+        prefix = source.relative_to(folder)
+        names = [str(prefix / n) for n in ("config.json", "diffusion_pytorch_model.safetensors", index.name, *shards)]
+    return [folder / n for n in dict.fromkeys(names) if (folder / n).is_file()]
+
+
+def weights_digest(spec: str, folder: Path) -> str:
+    """SHA-256 of the contents of the files load_weights reads (names and bytes): weights replaced under the same
+    path get another digest, so their old batches are never used. Read in 1 MB blocks (a 12B-parameter full
+    fine-tune, 24 GB, takes about 20 s)."""
+    digest = hashlib.sha256()
+    for path in weights_files(folder):
+        digest.update(f"{path.relative_to(folder)}\0{path.stat().st_size}\0".encode())
+        try:
+            with open(path, "rb") as f:
+                while block := f.read(1 << 20):
+                    digest.update(block)
+        except OSError as e:
+            raise InputError(f"--weights {spec}: {path} unreadable ({type(e).__name__}: {e})") from None
+    return digest.hexdigest()
+
+
 def cache_key(setting: dict, name: str, source: str | None) -> str:
-    """The key of a model's cached batches: the settings that change a score (those of cache/settings.json), the
-    row's name and its weights."""
+    """The key of a model's cached batches: the settings that change a score (those of cache/settings.json, the
+    prompts' digest among them), the row's name and its weights' digest (weights_digest)."""
     blob = json.dumps({"settings": setting, "model": name, "weights": source}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def record_digest(record: dict) -> str:
+    """SHA-256 of a batch record without its "checksum": every value, a tensor's dtype, shape and bytes included.
+    TypeError for what no batch record holds."""
+    digest = hashlib.sha256()
+
+    def feed(x) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous().view(-1)
+            digest.update(f"T{t.dtype}{tuple(x.shape)}".encode())
+            digest.update(t.view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, dict):
+            digest.update(f"D{len(x)}".encode())
+            for k in sorted(x, key=repr):
+                feed(k)
+                feed(x[k])
+        elif isinstance(x, (list, tuple)):
+            digest.update(f"L{len(x)}".encode())
+            for v in x:
+                feed(v)
+        elif x is None or isinstance(x, (str, int, float)):
+            digest.update(f"S{json.dumps(x)}".encode())
+        else:
+            raise TypeError(f"a {type(x).__name__}")
+
+    feed({k: v for k, v in record.items() if k != "checksum"})
+    return digest.hexdigest()
 
 
 def batch_problem(record, expect: dict) -> str:
@@ -322,6 +388,12 @@ def batch_problem(record, expect: dict) -> str:
     n = len(expect["prompts"])
     if not isinstance(record, dict):
         return f"holds a {type(record).__name__}, not a batch record"
+    try:
+        intact = record.get("checksum") == record_digest(record)
+    except (TypeError, ValueError, RuntimeError) as e:  # what torch.load gives back but no batch record holds
+        return f"holds what no batch record does ({type(e).__name__}: {str(e)[:80]})"
+    if not intact:
+        return "does not match its checksum (changed since it was written)"
     if record.get("key") != expect["key"]:
         return "is another evaluation's or another model's (its key differs)"
     if (record.get("batch"), record.get("start")) != (expect["batch"], expect["start"]):
@@ -337,6 +409,8 @@ def batch_problem(record, expect: dict) -> str:
         isinstance(scores, dict) and "total" in scores and all(tensor(v, n) and v.ndim == 1 for v in scores.values())
     ):
         return f"its scores are not {n} numbers per reward"
+    if not all(bool(torch.isfinite(v).all()) for v in scores.values()):
+        return "holds a score that is not a finite number"
     if not (tensor(grid, expect["grid"]) and grid.ndim in (4, 5)):
         return f"its grid images are not {expect['grid']} images"
     if expect["images"] and not (tensor(images, n) and images.shape[1:] == grid.shape[1:]):
@@ -358,14 +432,25 @@ def load_batch(path: Path, expect: dict) -> tuple[dict | None, str]:
 
 def save_atomically(obj, path: Path) -> None:
     """torch.save (dict: JSON) under a temporary name in the same folder, then renamed: a crash never leaves a partial
-    file under `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    file under `path`, and a failed write leaves no temporary file. A folder (or any other non-file) where `path`
+    or its folder goes: InputError naming --out."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    if path.suffix == ".json":
-        tmp.write_text(json.dumps(obj, indent=1))
-    else:
-        torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix == ".json":
+            tmp.write_text(json.dumps(obj, indent=1))
+        else:
+            torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        for p in (path, *path.parents):  # the file a folder, or a folder on its way a file
+            if p.exists() and not (p.is_file() if p == path else p.is_dir()):
+                what = "a folder" if p.is_dir() else "not a folder"
+                raise InputError(f"--out: {p} is {what}, where the cache writes {path.name}; remove it, or give "
+                                 "another --out") from None  # fmt: skip
+        raise
 
 
 def score_model(args, model, reward_fn, prompts, accelerator, cache: Path, grid: list[int], keep_images: bool,
@@ -385,7 +470,9 @@ def score_model(args, model, reward_fn, prompts, accelerator, cache: Path, grid:
         shown = [j - start for j in range(sl.start, sl.stop) if j in grid]
         path = cache / BATCH_FILE.format(start // B)
         expect = dict(batch=start // B, start=start, key=key, prompts=prompts[sl], grid=len(shown), images=keep_images)
-        if path.exists():
+        if path.exists() or path.is_symlink():
+            need(path.is_file(), f"--out: {path} is not a file, where the cache keeps a batch; remove it, or give "
+                 "another --out")  # fmt: skip
             record, problem = load_batch(path, expect)
             if record is not None:
                 out.append(record)
@@ -403,6 +490,7 @@ def score_model(args, model, reward_fn, prompts, accelerator, cache: Path, grid:
             "grid": images[shown].cpu(),
             "images": images.cpu() if keep_images else torch.zeros(0),
         }
+        record["checksum"] = record_digest(record)  # checked before the record is used again (batch_problem)
         save_atomically(record, path)
         out.append(record)
     return out
@@ -412,6 +500,21 @@ def paired(diff: torch.Tensor) -> tuple[float, float]:
     """Mean and standard error of per-prompt differences (P,)."""
     se = diff.std().item() / math.sqrt(len(diff)) if len(diff) > 1 else float("nan")
     return diff.mean().item(), se
+
+
+AGAIN = "the evaluation stops here, the batches scored so far cached under --out: the same command, run again, goes on"
+
+
+@contextlib.contextmanager
+def stops_as_an_evaluation():
+    """A RunError of the rewards (a served reward that fails, a non-finite score) told as this command's: it takes no
+    --resume-from, and its cache keeps every batch already scored."""
+    from common.remote import RESUME, STOPS
+
+    try:
+        yield
+    except RunError as e:
+        raise RunError(str(e).replace(RESUME, AGAIN).replace(STOPS, AGAIN)) from None
 
 
 def main(args: EvalArgs) -> None:
@@ -439,7 +542,8 @@ def main(args: EvalArgs) -> None:
     prompt_list, styles = load_prompt_set(args.prompts, args.max_prompts)
     models = [("base", None)] + [weights_folder(w) for w in args.weights]
     need(len({m for m, _ in models}) == len(models), "--weights: two rows with one name; give NAME=PATH")
-    check_rewards(reward_spec, video=kind == "wan")
+    with stops_as_an_evaluation():
+        check_rewards(reward_spec, video=kind == "wan")
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     accelerator.print(set_attention_backend(args.attention_backend, accelerator.device))
     device, out = accelerator.device, Path(args.out)
@@ -454,9 +558,11 @@ def main(args: EvalArgs) -> None:
                    resolution=args.resolution, num_frames=args.num_frames, mixed_precision=args.mixed_precision,
                    seed=args.seed, batch_size=args.batch_size, reward=args.reward,
                    reward_checkpoints={c.name: c.url or c.path for c in reward_spec.components if c.url or c.path},
-                   grid_prompts=args.grid_prompts)  # fmt: skip
+                   grid_prompts=args.grid_prompts,
+                   prompts_digest=hashlib.sha256(json.dumps([prompt_list, styles]).encode()).hexdigest())  # fmt: skip
     # the cache holds the batches of one setting, each model's under its row name: a name may not change its weights
-    sources = {name: str(folder) for name, folder in models}
+    # (their contents: weights replaced under the same path are other weights)
+    sources = {"base": None} | {n: weights_digest(w, f) for w, (n, f) in zip(args.weights, models[1:])}
     saved = out / "cache" / "settings.json"
     cached = {"settings": setting, "weights": sources}
     if saved.is_file():
@@ -469,11 +575,14 @@ def main(args: EvalArgs) -> None:
         need(not why, f"--out {out}: {saved} {why}; give another --out, or delete the file (each cached batch is "
              "checked on its own)")  # fmt: skip
     moved = [m for m, src in sources.items() if cached["weights"].get(m, src) != src]
+    theirs = cached.get("settings") if isinstance(cached.get("settings"), dict) else {}
+    differ = [k for k in sorted(setting.keys() | theirs.keys()) if theirs.get(k, "?") != setting.get(k, "?")]
     need(
-        cached.get("settings") == setting and not moved,
-        f"--out {out}: its cache holds another evaluation's batches"
-        + (f" (another {', '.join(moved)})" if moved else "")
-        + "; give another --out",
+        not differ and not moved,
+        f"--out {out}: its cache holds another evaluation's batches (another {', '.join(differ + moved)}: "
+        + ("the prompts' contents differ, " if "prompts_digest" in differ else "")
+        + ("the weights' contents differ, " if moved else "")
+        + "so none is used); give another --out",
     )
 
     # ---------------------------------------------------------------- every --weights checked before any sampling
@@ -483,21 +592,24 @@ def main(args: EvalArgs) -> None:
     accelerator.wait_for_everyone()  # every process has read settings.json before the main one writes it
     if accelerator.is_main_process:
         save_atomically({"settings": setting, "weights": cached["weights"] | sources}, saved)
-    reward_fn = build_reward(reward_spec, device)
 
     # ---------------------------------------------------------------- each model in turn, sharded over processes
     records = {}
-    for name, folder in models:
-        model = base if folder is None else load_model(args.model_id, device, dtype, args.resolution, args.num_frames)
-        base = None  # loaded once, for the first row
-        if folder is not None:
-            load_weights(model, folder)
-        model.transformer.eval()
-        key = cache_key(setting, name, sources[name])
-        mine = score_model(args, model, reward_fn, prompts, accelerator, out / "cache" / name, grid,
-                           model.kind == "shapes", key)  # fmt: skip
-        records[name] = sorted(gather_object(mine), key=lambda r: r["start"])  # every process's batches
-        del model
+    with stops_as_an_evaluation():  # a served reward's failure
+        reward_fn = build_reward(reward_spec, device)
+        for name, folder in models:
+            model = (
+                base if folder is None else load_model(args.model_id, device, dtype, args.resolution, args.num_frames)
+            )
+            base = None  # loaded once, for the first row
+            if folder is not None:
+                load_weights(model, folder)
+            model.transformer.eval()
+            key = cache_key(setting, name, sources[name])
+            mine = score_model(args, model, reward_fn, prompts, accelerator, out / "cache" / name, grid,
+                               model.kind == "shapes", key)  # fmt: skip
+            records[name] = sorted(gather_object(mine), key=lambda r: r["start"])  # every process's batches
+            del model
     if accelerator.is_main_process:
         report(args, setting, records, prompt_list, styles, prompts, grid, out, reward_spec.path("shapes"))
     accelerator.wait_for_everyone()

@@ -9,12 +9,16 @@ import math
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
 import tyro
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from common import InputError
 from common import evaluate as E
@@ -57,7 +61,9 @@ def test_a_runs_final_weights_give_its_last_evaluation_and_an_interrupted_evalua
     with pytest.raises(ValueError, match="another evaluation"):  # a cache of other settings is never mixed in
         E.main(tyro.cli(E.EvalArgs, args=[*argv, "--seed", "1"]))
     moved = [f"trained={run / 'checkpoints' / 'iter_000002'}" if a == f"trained={run}" else a for a in argv]
-    with pytest.raises(ValueError, match=r"another evaluation's batches \(another trained\)"):  # a row's weights
+    with pytest.raises(
+        ValueError, match=r"another evaluation's batches \(another trained: the weights' contents differ"
+    ):  # a row's weights
         E.main(tyro.cli(E.EvalArgs, args=moved))
 
     # two processes: the same batches, so the same figures
@@ -174,3 +180,155 @@ def test_tiny_real_models_against_a_lora_fine_tune(kind, tmp_path):
     assert "per style" in (tmp_path / "eval" / "results.md").read_text()
     with pytest.raises(ValueError, match="shapes, verifier, --prompts shapes-eval belong to ShapesBench"):
         E.main(tyro.cli(E.EvalArgs, args=["--model-id", str(tmp_path / kind)]))  # ShapesBench's defaults, refused
+
+
+def cli(argv, monkeypatch, capsys) -> tuple[int, list[str], str]:
+    """`python -m common.evaluate ARGV` in this process: (exit status, its `error:` lines, stderr)."""
+    from common import flags
+
+    monkeypatch.setattr("sys.argv", ["common/evaluate.py", *argv])
+    try:
+        flags.cli(E.main, E.EvalArgs)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    return code, [line for line in err.splitlines() if line.startswith("error:")], err
+
+
+def flip(path, offset: int, bit: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1 << bit
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_in_a_cached_score_or_image_is_never_used(tmp_path, monkeypatch, capsys):
+    """torch.load reads a batch file with a flipped bit without complaint (its zip's CRC is not checked): each
+    record's checksum is, before the record is used, and a record that fails it is computed again. A record whose
+    checksum was made to match a NaN score is refused too."""
+    out = tmp_path / "eval"
+    E.main(tyro.cli(E.EvalArgs, args=[*SMALL, "--out", str(out)]))
+    clean = json.loads((out / "results.json").read_text())
+    cache = out / "cache" / "base"
+    record = torch.load(cache / "batch_00000.pt", weights_only=True)
+    score = record["scores"]["shapes"][1].item()
+    data = (cache / "batch_00000.pt").read_bytes()
+    at = data.find(struct.pack("<f", score))  # the score's float32 bytes, little-endian, as torch.save stores them
+    assert at > 0
+    flip(cache / "batch_00000.pt", at + 2, 6)  # the mantissa's top bit: the score moves by a quarter or more
+    tampered = torch.load(cache / "batch_00000.pt", weights_only=True)["scores"]
+    assert score in (tampered["total"][1].item(), tampered["shapes"][1].item()) and not torch.equal(
+        tampered["total"], tampered["shapes"])  # fmt: skip  # the attack: it loads, one score changed (total = shapes)
+    grid = zipfile.ZipFile(cache / "batch_00001.pt").infolist()
+    largest = max(grid, key=lambda i: i.file_size)  # the grid's images, stored uncompressed
+    flip(cache / "batch_00001.pt", largest.header_offset + 30 + len(largest.filename) + largest.file_size // 2, 5)
+    record = torch.load(cache / "batch_00002.pt", weights_only=True)
+    record["scores"]["total"][0] = float("nan")  # a NaN written with a checksum that matches it
+    record["checksum"] = E.record_digest(record)
+    torch.save(record, cache / "batch_00002.pt")
+    capsys.readouterr()
+    calls = []
+    monkeypatch.setattr(E, "sample_prompts", lambda *a, **kw: calls.append(1) or sample_prompts(*a, **kw))
+    E.main(tyro.cli(E.EvalArgs, args=[*SMALL, "--out", str(out)]))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("cache:")]
+    assert lines == [
+        f"cache: {cache / 'batch_00000.pt'} does not match its checksum (changed since it was written), computed again",
+        f"cache: {cache / 'batch_00001.pt'} does not match its checksum (changed since it was written), computed again",
+        f"cache: {cache / 'batch_00002.pt'} holds a score that is not a finite number, computed again",
+    ]
+    assert len(calls) == 3 and json.loads((out / "results.json").read_text()) == clean
+
+
+def test_weights_replaced_under_the_same_path_do_not_get_the_old_scores(tmp_path, monkeypatch, capsys):
+    """The cache is keyed on the weights' contents, not their path: new weights under a row's old path are refused
+    at start-up (the --out holds the old weights' batches), and with that record gone, every batch is computed
+    again (its key differs)."""
+    weights, out = tmp_path / "w", tmp_path / "eval"
+    shutil.copytree(SHIPPED / "transformer", weights)
+    argv = [*SMALL, "--weights", f"w={weights}", "--out", str(out)]
+    E.main(tyro.cli(E.EvalArgs, args=argv))
+    before = json.loads((out / "results.json").read_text())["figures"]
+    assert before["w"] == before["base"]  # the shipped weights: the base's figures exactly
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(weights / "diffusion_pytorch_model.safetensors")
+    state = {k: v + 0.05 * torch.randn_like(v) if v.is_floating_point() else v for k, v in state.items()}
+    save_file(state, weights / "diffusion_pytorch_model.safetensors")  # other weights, the same path
+    code, errors, _ = cli(argv, monkeypatch, capsys)
+    assert code == 2 and errors == [f"error: --out {out}: its cache holds another evaluation's batches (another w: the "
+                                    "weights' contents differ, so none is used); give another --out"]  # fmt: skip
+    (out / "cache" / "settings.json").unlink()
+    E.main(tyro.cli(E.EvalArgs, args=argv))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("cache:")]
+    assert lines == [f"cache: {out / 'cache' / 'w' / f'batch_0000{b}.pt'} is another evaluation's or another "
+                     "model's (its key differs), computed again" for b in range(3)]  # fmt: skip
+    after = json.loads((out / "results.json").read_text())["figures"]
+    assert after["base"] == before["base"] and after["w"] != before["w"]
+
+
+def test_a_weights_row_added_and_a_prompt_file_edited_under_an_existing_out(tmp_path, monkeypatch, capsys):
+    """An added --weights row computes only its own batches, and its figures are a fresh evaluation's (the shipped
+    weights: the base's, exactly); a prompt file edited since the cache was written is refused, naming the prompts,
+    before anything is sampled: a changed prompt never gets another prompt's cached score."""
+    from common.prompts import load_prompts
+
+    prompts, out, weights = tmp_path / "prompts.txt", tmp_path / "eval", tmp_path / "w"
+    lines = load_prompts("shapes-eval")[:6]
+    prompts.write_text("\n".join(lines) + "\n")
+    shutil.copytree(SHIPPED / "transformer", weights)
+    argv = [*SMALL, "--prompts", str(prompts), "--out", str(out)]
+    E.main(tyro.cli(E.EvalArgs, args=argv))
+    base = json.loads((out / "results.json").read_text())["figures"]["base"]
+    calls = []
+    monkeypatch.setattr(E, "sample_prompts", lambda *a, **kw: calls.append(1) or sample_prompts(*a, **kw))
+    E.main(tyro.cli(E.EvalArgs, args=[*argv, "--weights", f"w={weights}"]))
+    figures = json.loads((out / "results.json").read_text())["figures"]
+    assert len(calls) == 3 and figures == {"base": base, "w": base}  # w's 3 batches, none of the base's
+    E.main(tyro.cli(E.EvalArgs, args=[*SMALL, "--prompts", str(prompts), "--weights", f"w={weights}", "--out",
+                                      str(tmp_path / "fresh")]))  # fmt: skip
+    assert json.loads((tmp_path / "fresh" / "results.json").read_text())["figures"] == figures
+    prompts.write_text("\n".join([lines[1], lines[0], *lines[2:]]) + "\n")  # the same prompts, two swapped
+    calls.clear()
+    code, errors, _ = cli(argv, monkeypatch, capsys)
+    assert code == 2 and len(errors) == 1 and not calls, errors
+    assert "(another prompts_digest: the prompts' contents differ, so none is used); give another --out" in errors[0]
+
+
+def test_a_cache_path_that_is_a_folder_is_one_error_line_and_leaves_no_temporary_file(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "eval"
+    E.main(tyro.cli(E.EvalArgs, args=[*SMALL, "--out", str(out)]))
+    batch = out / "cache" / "base" / "batch_00001.pt"
+    batch.unlink()
+    (batch / "inside").mkdir(parents=True)
+    code, errors, err = cli([*SMALL, "--out", str(out)], monkeypatch, capsys)
+    assert code == 2 and "Traceback" not in err and errors == [
+        f"error: --out: {batch} is not a file, where the cache keeps a batch; remove it, or give another --out"]  # fmt: skip
+    batch.rename(tmp_path / "moved")
+    settings = out / "cache" / "settings.json"
+    settings.unlink()
+    (settings / "inside").mkdir(parents=True)
+    code, errors, err = cli([*SMALL, "--out", str(out)], monkeypatch, capsys)
+    assert code == 2 and "Traceback" not in err and errors == [
+        f"error: --out: {settings} is a folder, where the cache writes settings.json; remove it, or give another --out"]  # fmt: skip
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 7)), min_size=1, max_size=3))
+def test_the_cache_reader_never_gives_back_a_record_other_than_the_one_written(tmp_path_factory, flips):
+    """Any bits flipped anywhere in a batch file: load_batch gives back the record as written, or None with a reason;
+    never another record."""
+    path = tmp_path_factory.mktemp("cache") / "batch_00000.pt"
+    record = {"batch": 0, "start": 0, "key": "k", "prompts": ["a", "b"], "grid": torch.rand(1, 3, 4, 4),
+              "scores": {"total": torch.tensor([0.25, 0.5]), "shapes": torch.tensor([0.25, 0.5])},
+              "images": torch.zeros(0)}  # fmt: skip
+    record["checksum"] = E.record_digest(record)
+    torch.save(record, path)
+    size = path.stat().st_size
+    for offset, bit in flips:
+        flip(path, offset % size, bit)
+    expect = dict(batch=0, start=0, key="k", prompts=["a", "b"], grid=1, images=False)
+    loaded, problem = E.load_batch(path, expect)
+    assert (loaded is None) == bool(problem)
+    if loaded is not None:
+        assert E.record_digest(loaded) == record["checksum"] and torch.equal(loaded["grid"], record["grid"])

@@ -2,7 +2,8 @@
 runs in this process against a fake reward server on 127.0.0.1 that scores with ShapesBench's learned reward while it
 answers well: the clean run evaluates and draws its sample grids through it too. A second run's server goes wrong after iteration 1's
 checkpoint, then answers each bad kind in turn to a resume: NaN, inf, nested lists, booleans, strings, a JSON list,
-an answer cut off mid-body. Each ends in exactly one `error:` line naming the URL and the fault, exit status 1, no
+an answer cut off mid-body, a redirect to another server (which must never be asked, nor see the token), finite
+scores too large for their batch's mean and spread (each served number passes, what trains would be NaN). Each ends in exactly one `error:` line naming the URL and the fault, exit status 1, no
 traceback, iteration 1's checkpoint intact. Answering 429 once and then well, the last resume finishes with weights
 bitwise equal to the clean run's."""
 
@@ -28,7 +29,14 @@ BAD = {  # what the server sends for /score: (status, body bytes), and what the 
     "strings": (200, b'{"scores": ["0.5", "0.5", "0.5", "0.5"]}', "scores[0]"),
     "a list": (200, b"[0.5, 0.5, 0.5, 0.5]", "not an object"),
     "cut off": (200, None, "broke off"),
+    "redirect": (307, b"", "HTTP 307, a redirect to 'http://127.0.0.1:"),
+    "overflow": (
+        200,
+        b'{"scores": [3e38, 3e38, -3e38, 3e38]}',
+        "the rewards' weighted sum (--reward shapes) reaches 3e+38",
+    ),
 }
+ELSEWHERE = []  # the Authorization header of every request the redirect's target received
 
 
 class FakeRewardServer(BaseHTTPRequestHandler):
@@ -42,6 +50,8 @@ class FakeRewardServer(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body) if length is None else length))
+        if 300 <= status < 400:  # to a port of this server, under another path: a request there is recorded
+            self.send_header("Location", f"http://127.0.0.1:{self.server.server_port}/elsewhere")
         self.end_headers()
         self.wfile.write(body)
 
@@ -50,6 +60,9 @@ class FakeRewardServer(BaseHTTPRequestHandler):
 
     def do_POST(self):
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/elsewhere":
+            ELSEWHERE.append(self.headers.get("Authorization"))
+            return self._send(200, json.dumps({"scores": [0.5] * len(request["prompts"])}).encode())
         state = self.state
         mode = state["mode"] if state["good"] <= 0 else "good"
         state["good"] -= 1
@@ -72,6 +85,8 @@ class FakeRewardServer(BaseHTTPRequestHandler):
 @pytest.fixture
 def server(monkeypatch):
     monkeypatch.setattr(remote.time, "sleep", lambda s: None)  # retries without their backoff waits
+    monkeypatch.setenv("REWARD_API_KEY", "secret")
+    ELSEWHERE.clear()
     FakeRewardServer.state.update(mode="good", good=0)
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeRewardServer)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -106,10 +121,33 @@ def test_a_served_reward_that_answers_wrong_stops_the_run_and_a_resume_finishes_
         FakeRewardServer.state.update(mode=mode, good=2 if k == 0 else 0)  # the first run: iteration 1 scored well
         code, errors, err = run(argv + (["--resume-from", "latest"] if k else []), monkeypatch, capsys)
         assert code == 1 and "Traceback" not in err, (mode, err[-2000:])
-        assert len(errors) == 1 and f"{server}/score" in errors[0] and BAD[mode][2] in errors[0], (mode, errors)
+        assert (
+            len(errors) == 1 and (f"{server}/score" in errors[0] or mode == "overflow") and BAD[mode][2] in errors[0]
+        ), (mode, errors)
         checkpoints = find_run(tmp_path / "faulty") / "checkpoints"
         assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_000001"], mode
+    assert ELSEWHERE == []  # the redirect was not followed: its target never saw a request, nor the token
     FakeRewardServer.state.update(mode="429", good=0)
     code, errors, err = run([*argv, "--resume-from", "latest"], monkeypatch, capsys)
     assert code == 0 and not errors and FakeRewardServer.state["mode"] == "good", err[-2000:]  # a 429, retried
     assert_same_trained_weights(tmp_path / "clean", tmp_path / "faulty")
+
+
+def test_the_evaluator_stops_at_a_redirect_with_its_own_advice(server, tmp_path, monkeypatch, capsys):
+    """python -m common.evaluate, scored by a server that redirects: exit status 1, one `error:` line that says
+    what its user can do (run it again: the cache keeps what was scored), not --resume-from (a training flag)."""
+    from common import evaluate as E
+
+    FakeRewardServer.state.update(mode="redirect", good=0)
+    argv = ["--num-steps", "2", "--samples-per-prompt", "1", "--max-prompts", "4", "--batch-size", "4", "--reward",
+            "shapes", "--reward-url", f"shapes={server}", "--grid-prompts", "2", "--out", str(tmp_path / "eval")]  # fmt: skip
+    monkeypatch.setattr("sys.argv", ["common/evaluate.py", *argv])
+    with pytest.raises(SystemExit) as stopped:
+        flags.cli(E.main, E.EvalArgs)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert stopped.value.code == 1 and len(errors) == 1 and "Traceback" not in err, err[-2000:]
+    assert f"{server}/score answered HTTP 307, a redirect to" in errors[0] and "--resume-from" not in errors[0]
+    assert errors[0].endswith("the evaluation stops here, the batches scored so far cached under --out: the same "
+                              "command, run again, goes on")  # fmt: skip
+    assert ELSEWHERE == []

@@ -8,16 +8,20 @@ and what was wrong, never a traceback or a made-up score."""
 import base64
 import io
 import json
+import os
 import re
 import select
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +32,7 @@ from PIL import Image
 from common import InputError, RunError, remote
 from common.rewards import REWARDS
 from common.shapesbench import sample_batch
+from tests.helpers import ROOT
 
 TIMEOUT = 1.0  # the test server's read timeout (10 s in `python -m common.rewards serve`)
 DEADLINE = 2.0  # its --request-deadline (60 s)
@@ -371,6 +376,52 @@ def test_prompts_that_are_not_text_or_too_long_are_refused_and_not_retried(serve
     status, answer = ask(server, request(crowd))
     count, bound = crowd.count(b",") + crowd.count(b":"), 64 + 8 * 4 + 4 * 100
     assert status == 400 and f"{count:,} JSON separators, more than a request can need ({bound})" in answer["error"]
+
+
+def test_the_servers_memory_is_bounded_by_its_caps_times_two_decoding_plus_its_connections(tmp_path):
+    """`python -m common.rewards serve` in its own process, 8 connections at once, each a request of 2 noisy
+    1024x1024 PNGs at the pixel cap (8.4 MB of body): its peak memory above its resting memory stays within
+    docs/models.md's bound, 2 x (5 x body + 23 x pixels) + connections x 2 x body (+ 32 MB for the jpeg reward and
+    the threads), which 8 requests decoded at once would pass twice over."""
+    connections, pixels, cap_mb = 8, 2**21, 12
+    argv = ["--reward", "jpeg", "--port", "0", "--device", "cpu", "--max-pixels", str(pixels), "--max-mb", str(cap_mb),
+            "--max-connections", str(connections), "--request-deadline", "30", "--max-batch", "4"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen([sys.executable, "-m", "common.rewards", "serve", *argv], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        line = next(line for line in server.stdout if line.startswith("serving"))
+        url = re.search(r"http://[0-9.]+:[0-9]+", line).group(0)
+        noise = torch.randint(0, 256, (1024, 1024, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(noise.numpy()).save(buffer, format="PNG", compress_level=1)
+        data = body([buffer.getvalue()] * 2)
+        raw = request(data, Authorization=None)
+
+        def memory(field: str) -> int:
+            return (
+                int(re.search(rf"{field}:\s+(\d+) kB", Path(f"/proc/{server.pid}/status").read_text()).group(1)) * 1024
+            )
+
+        assert ask(url, raw, wait=30)[0] == 200  # every import and the reward's first call done
+        time.sleep(0.3)
+        resting = memory("VmRSS")
+        answers = []
+        threads = [
+            threading.Thread(target=lambda: answers.append(ask(url, raw, wait=30)[0])) for _ in range(connections)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert answers == [200] * connections
+        peak = memory("VmHWM") - resting
+    finally:
+        server.terminate()
+        server.wait(10)
+    heavy = 5 * len(data) + 23 * pixels  # one request parsed and decoded (docs/models.md)
+    bound = 2 * heavy + connections * 2 * len(data) + 32e6
+    assert peak < bound < connections * heavy / 2, (peak / 1e6, bound / 1e6)
 
 
 JSON = st.recursive(
