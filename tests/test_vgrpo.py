@@ -184,23 +184,27 @@ def test_no_stratified_changes_only_the_timesteps():
 
 # ---------------------------------------------------------------- surrogate
 def test_pair_values_by_hand():
-    x = torch.tensor([[1.0, -2.0]])
-    eps = torch.tensor([[0.5, 1.0]])
-    t = torch.tensor([0.5])
-    z = (1 - t) * x + t * eps  # [0.75, -0.5]
-    v = torch.tensor([[0.0, 2.0]])
+    """Two pairs at t = 0.2 and 0.7 (not 0.5, where t and 1 - t coincide), each with its own t."""
+    x = torch.tensor([[1.0, -2.0], [0.5, 1.0]])
+    eps = torch.tensor([[0.5, 1.0], [-1.0, 2.0]])
+    t = torch.tensor([0.2, 0.7])
+    z = torch.tensor([[0.9, -1.4], [-0.55, 1.7]])  # (1 - t) x + t eps
+    v = torch.tensor([[0.0, 2.0], [1.0, -1.0]])
     values, x0_hat = V.pair_values(v, x, z, eps, t)
-    torch.testing.assert_close(x0_hat, torch.tensor([[0.75, -1.5]]))  # z - t v
-    # err = [-0.25, 0.5]: mean square 0.15625, mean abs 0.375
-    torch.testing.assert_close(values, torch.tensor([-0.15625 / 0.375]))
-    torch.testing.assert_close(V.pair_values(v, x, z, eps, t, self_normalize=False)[0], torch.tensor([-0.15625]))
+    torch.testing.assert_close(x0_hat, torch.tensor([[0.9, -1.8], [-1.25, 2.4]]))  # z - t v
+    # err = x0_hat - x = [-0.1, 0.2] (mean square 0.025, mean abs 0.15) and [-1.75, 1.4] (2.51125, 1.575)
+    torch.testing.assert_close(values, torch.tensor([-0.025 / 0.15, -2.51125 / 1.575]))
+    torch.testing.assert_close(
+        V.pair_values(v, x, z, eps, t, self_normalize=False)[0], torch.tensor([-0.025, -2.51125])
+    )
     # the normaliser is clamped at 1e-5 and carries no gradient
-    values, _ = V.pair_values(v, x, x.clone(), eps, torch.tensor([1e-9]))
+    values, _ = V.pair_values(v[:1], x[:1], x[:1].clone(), eps[:1], torch.tensor([1e-9]))
     assert torch.isfinite(values).all()
     v = v.clone().requires_grad_()
     V.pair_values(v, x, z, eps, t)[0].sum().backward()
-    # d/dv of -mean(err^2) / 0.375 with err = x0_hat - x, d x0_hat / dv = -t
-    torch.testing.assert_close(v.grad, -2 * torch.tensor([[-0.25, 0.5]]) / 2 * (-0.5) / 0.375)
+    # d/dv of -mean(err^2) / w with err = x0_hat - x, d x0_hat / dv = -t: err t / w (2 dims: 2 err / 2)
+    expected = torch.tensor([[-0.1 * 0.2 / 0.15, 0.2 * 0.2 / 0.15], [-1.75 * 0.7 / 1.575, 1.4 * 0.7 / 1.575]])
+    torch.testing.assert_close(v.grad, expected)
 
 
 def test_prediction_and_self_normalize_change_only_the_error_space_and_weight():
@@ -302,9 +306,12 @@ def test_policy_loss_averages_pairs_before_the_ratio_and_clips():
 
 
 def test_coefficient_of_variation():
-    s = torch.tensor([-1.0, -1.0, -3.0, -3.0])
+    """Groups of 2 whose values differ: [-1, -3] (std sqrt 2, |mean| 2) and [2, 4] (std sqrt 2, mean 3); over all 4,
+    mean 0.5 and squared deviations 2.25 + 12.25 + 2.25 + 12.25 = 29 (unbiased variance 29 / 3)."""
+    s = torch.tensor([-1.0, -3.0, 2.0, 4.0])
     cv, group_cv = V.coefficient_of_variation(s, 2)
-    assert group_cv == 0 and cv == pytest.approx(s.std().item() / 2)
+    assert cv == pytest.approx(math.sqrt(29 / 3) / 0.5)
+    assert group_cv == pytest.approx((math.sqrt(2) / 2 + math.sqrt(2) / 3) / 2)
 
 
 def test_validation_names_the_flag(tmp_path):
