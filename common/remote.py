@@ -555,7 +555,7 @@ def serve(
     read_timeout: float = 10.0,
     *,
     max_prompt_chars: int = 2000,
-    max_connections: int = 16,
+    max_connections: int = 8,
     request_deadline: float = 60.0,
 ) -> ThreadingHTTPServer:
     """An HTTP server (not yet serving: call .serve_forever()) for the rewards `names`, scoring with

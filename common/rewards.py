@@ -870,7 +870,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--max-prompt-chars", type=int, default=2000, help="characters per prompt, at most")
     parser.add_argument(
-        "--max-connections", type=int, default=16, help="connections at once, at most (one more is answered 429)"
+        "--max-connections", type=int, default=8, help="connections at once, at most (one more is answered 429)"
     )
     parser.add_argument(
         "--request-deadline",
