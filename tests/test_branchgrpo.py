@@ -190,6 +190,16 @@ def test_path_fusion_with_beta_zero_is_uniform_and_weights_high_probability_leav
     path = B.node_values(r, lps, sizes, "path", 1.0, 1.0)
     w = torch.softmax(torch.tensor([0.0, 1.0]), 0)  # leaf 2 (index 1) has path log-prob 1 below node 0 of depth 1
     torch.testing.assert_close(path[1], torch.tensor([[w[0] * 1 + w[1] * 2, 4.0]], dtype=torch.float64))
+    # gamma 0.5 and temperature 2 (a softmax of 0.25 lp), every step's edges carrying log-probs: below the root the
+    # leaves' paths sum steps 0-2 (0.4 + 0 + 0.5, 0.4 + 1, 0, -1), below depth 1 steps 1-2 (0.5, 1 | 0, -1)
+    lps = [torch.tensor([0.4, 0.0]), torch.tensor([0.0, 1.0, 0.0, 0.0]), torch.tensor([0.5, 0.0, 0.0, -1.0])]
+    path = B.node_values(r, lps, sizes, "path", 0.5, 2.0)
+    w0 = torch.softmax(0.25 * torch.tensor([0.9, 1.4, 0.0, -1.0], dtype=torch.float64), 0)
+    w1 = [torch.softmax(0.25 * torch.tensor(x, dtype=torch.float64), 0) for x in ([0.5, 1.0], [0.0, -1.0])]
+    torch.testing.assert_close(path[0], (w0 * torch.tensor([1.0, 2.0, 3.0, 5.0])).sum().view(1, 1).double())
+    expected = [(w1[0] * torch.tensor([1.0, 2.0])).sum(), (w1[1] * torch.tensor([3.0, 5.0])).sum()]
+    torch.testing.assert_close(path[1], torch.stack(expected).view(1, 2).double())
+    torch.testing.assert_close(path[2], r.double())  # one leaf below each node of depth 2
 
 
 def test_depth_advantages_by_hand():
