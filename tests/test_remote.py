@@ -242,3 +242,36 @@ def test_tiny_flux_trains_on_hps_imagereward_and_a_served_judge_that_dies_then_c
     assert slow.requests >= 8  # iteration 2's samples, and the final evaluation
     assert (run / "final" / "pytorch_lora_weights.safetensors").is_file()
     slow.stop()
+
+
+def test_the_weighted_sum_is_checked_where_it_is_formed_not_only_each_score():
+    """Each component finite, what trains not: 2e38 + 2e38 overflows float32 to inf; 3e38 alone is finite but its
+    batch's mean and spread (what every script's advantages take) are not. Both stop with one RunError naming
+    --reward; 1e18 passes (4 x 2 x 1e36 is finite)."""
+
+    def constant(value):
+        return lambda images, prompts: torch.full((len(images),), value)
+
+    class Local:
+        differentiable, video, parts = False, False, None
+
+        def __init__(self, value):
+            self.fn = constant(value)
+
+        def __call__(self, images, prompts):
+            return self.fn(images, prompts)
+
+    images, prompts = torch.zeros(2, 3, 4, 4), ["a", "b"]
+    spec = parse_rewards("shapes:1,verifier:1")
+    both = CompositeReward([("shapes", 1.0, Local(2e38)), ("verifier", 1.0, Local(2e38))], spec=spec)
+    with pytest.raises(
+        RunError, match=r"weighted sum \(--reward shapes:1,verifier:1\) is inf for image 0 \(prompt 'a'\)"
+    ):
+        both(images, prompts)
+    alone = CompositeReward([("shapes", 1.0, Local(3e38))], spec=parse_rewards("shapes"))
+    with pytest.raises(
+        RunError, match=r"\(--reward shapes\) reaches 3e\+38 \(image 0\), too large for its batch's mean"
+    ):
+        alone(images, prompts)
+    total, parts = CompositeReward([("shapes", 1.0, Local(1e18))], spec=parse_rewards("shapes"))(images, prompts)
+    assert torch.equal(total, torch.full((2,), 1e18)) and torch.isfinite(total.square().sum() * 4)
