@@ -1,12 +1,14 @@
 """Rewards computed by another process, over HTTP: VLM judges behind an OpenAI-compatible server (`vllm serve`,
 SGLang) and any registered reward hosted by `python -m common.rewards serve` (docs/models.md: the schema).
 
-A request that fails (no connection, a reset, an answer cut short, a timeout, HTTP 429 or 5xx) is retried with
-exponential backoff; one that still fails raises RunError naming the URL, so the run stops with one `error:` line and
-its last checkpoint intact: a score is never made up. A 4xx answer other than 429 is not retried (the request itself
-is wrong), and neither is an answer that is not what was asked for (not a JSON object; not one finite number per
-image), which stops the run at once. The server fails closed too: every request it cannot or will not score gets a
-4xx (5xx for a failure of the reward itself) and {"error": reason}, and it goes on serving (serve()).
+Each try has a deadline for all of it (connect, send, the whole answer). A request that fails (no connection, a
+reset, an answer cut short, a try past its deadline, HTTP 429 or 5xx) is retried with exponential backoff; one that
+still fails raises RunError naming the URL, so the run stops with one `error:` line and its last checkpoint intact: a
+score is never made up. A redirect is never followed (the token goes to the URL given alone), and neither it, nor a
+4xx answer other than 429 (the request itself is wrong), nor an answer that is not what was asked for (not a JSON
+object; not one finite number per image) is retried: the run stops at once. The server fails closed too: every
+request it cannot or will not score gets a 4xx (5xx for a failure of the reward itself) and {"error": reason}, each
+request must arrive whole by its deadline, and its memory is bounded by its caps; it goes on serving (serve()).
 """
 
 from __future__ import annotations
