@@ -615,16 +615,23 @@ def serve(
             framed = len(values) == 1 and re.fullmatch(r"[0-9]{1,15}", values[0].strip()) is not None
             self.unread = int(values[0]) if framed and "Transfer-Encoding" not in self.headers else None
             try:
-                self._send(200, handle())
+                answer = handle()
             except _Failed as e:
                 self._send(e.code, {"error": e.reason})
-                left = self.unread or 0
-                if left <= 2 * max_bytes:
-                    try:
-                        while left > 0 and (chunk := self.rfile.read1(min(left, 1 << 16))):
-                            left -= len(chunk)
-                    except OSError:  # the client went, stalled or ran past the deadline: the connection closes
-                        pass
+            except OSError:  # the client went: no one to answer
+                raise
+            except Exception as e:  # a bug here: an answer with a body all the same, and the trace for the operator
+                traceback.print_exc()
+                return self._send(500, {"error": f"the server failed: {type(e).__name__}: {str(e)[:200]}"})
+            else:
+                return self._send(200, answer)
+            left = self.unread or 0
+            if left <= 2 * max_bytes:
+                try:
+                    while left > 0 and (chunk := self.rfile.read1(min(left, 1 << 16))):
+                        left -= len(chunk)
+                except OSError:  # the client went, stalled or ran past the deadline: the connection closes
+                    pass
 
         def _check_token(self) -> None:
             if expected is None:

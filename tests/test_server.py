@@ -424,6 +424,17 @@ def test_the_servers_memory_is_bounded_by_its_caps_times_two_decoding_plus_its_c
     assert peak < bound < connections * heavy / 2, (peak / 1e6, bound / 1e6)
 
 
+def test_a_bug_in_the_server_is_still_an_answer_with_a_body(server, monkeypatch, capsys):
+    def broken(*a, **kw):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(remote, "parse_request", broken)
+    assert ask(server, request(body([png()]))) == (500, {"error": "the server failed: KeyError: 'a bug'"})
+    assert "KeyError: 'a bug'" in capsys.readouterr().err  # the operator's trace
+    monkeypatch.undo()
+    assert len(scores_of(server, [png()])) == 1
+
+
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
