@@ -146,7 +146,7 @@ def test_a_stalled_client_holds_no_one_else_and_gets_a_408_after_the_read_timeou
     for stalled in (stalled_body, stalled_headers):
         status, answer = read_answer(stalled)
         assert status == 408 and answer["error"].endswith(f"stopped arriving for {TIMEOUT:g} s"), answer
-    assert TIMEOUT * 0.9 < time.monotonic() - sent < TIMEOUT + 0.9
+    assert TIMEOUT * 0.9 < time.monotonic() - sent < TIMEOUT + 2.0
     stalled_body.close()
     stalled_headers.close()
     assert len(scores_of(server, [png()])) == 1
@@ -299,7 +299,7 @@ def test_a_request_trickling_in_gets_a_408_at_its_deadline_not_after_each_read(s
     for name, (status, answer, seconds) in answers.items():
         assert status == 408 and answer["error"].endswith(f"did not arrive whole within {DEADLINE:g} s "
                                                           "(--request-deadline)"), (name, answer)  # fmt: skip
-        assert DEADLINE - 0.05 < seconds < DEADLINE + 0.5, (name, seconds)
+        assert DEADLINE - 0.05 < seconds < DEADLINE + 1.0, (name, seconds)  # not 6 s: the trickle's end
     assert "Traceback" not in capsys.readouterr().err
 
 
@@ -312,7 +312,7 @@ def test_a_connection_over_the_limit_gets_a_429_at_once_and_the_server_serves_ag
     with socket.create_connection(("127.0.0.1", port(server)), timeout=2) as sock:  # answered before it sends
         status, answer = read_answer(sock)
     assert status == 429 and answer == {"error": f"{CONNECTIONS} connections at once already (--max-connections)"}
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 1.0
     for sock in held:
         sock.close()
     for _ in range(50):  # their threads see the close and end
@@ -343,7 +343,7 @@ def test_the_pixel_cap_counts_the_size_the_decoder_decodes(server):
     started = time.monotonic()
     status, answer = ask(server, request(body([bomb])))
     assert status == 413 and "images[0] is 2000x2000, more than 3,072 pixels" in answer["error"], answer
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 1.0
     status, answer = ask(server, request(body([png(), two_headers((32, 32), (32, 33))])))  # a pair of one "size"
     assert status == 400 and "images of different sizes" in answer["error"], answer
 
@@ -621,7 +621,7 @@ def test_the_client_gives_up_on_a_trickling_answer_at_its_deadline(fake):
     started = time.monotonic()
     with pytest.raises(RunError, match=re.escape("failed after 2 tries (no whole answer within 1 s (the deadline")):
         remote.request_json(f"{fake.url}/score", {"x": 1}, timeout=1.0, tries=2, backoff=0.01)
-    assert 2.0 <= time.monotonic() - started < 2.6 and fake.posts == 2
+    assert 2.0 <= time.monotonic() - started < 3.5 and fake.posts == 2  # not 13 s: the trickle's end
 
 
 def test_a_server_that_is_not_a_reward_server_is_refused_at_start_up(fake):
