@@ -102,13 +102,19 @@ def test_weights_are_detached_and_clamped():
     loss, _ = N.policy_loss(v_exact, v_exact.detach(), None, x0, x_t, t, r, beta=1.0, kl_beta=0, self_normalize=True)
     loss.sum().backward()
     assert loss.item() < 1e-6 and torch.isfinite(v_exact.grad).all()
-    # the gradient is that of mean(err^2) / w with w a constant: 2 err / (N w) d err / d v
+    # the gradient is that of mean(err^2) / w with w a constant: 2 err / (N w) d err / d v. At v_theta = v_old both
+    # policies are v_old, so with d v+ / d v_theta = beta and d v- / d v_theta = -beta the factor 5 (r - (1 - r)) beta
+    # / beta = 5 (2 r - 1): 3 for r = 0.8, -2.5 for r = 0.25 (r = 1 would hide the negative term); t 0.3 and 0.7
+    x0, eps, v_old, _, _ = sample(3, (2, 2, 2, 2))
+    t, r = torch.tensor([0.3, 0.7]), torch.tensor([0.8, 0.25])
+    x_t = (1 - t.view(2, 1, 1, 1)) * x0 + t.view(2, 1, 1, 1) * eps
     v_theta = v_old.clone().requires_grad_()
-    loss, _ = N.policy_loss(v_theta, v_old, None, x0, x_t, t, r, beta=1.0, kl_beta=0, self_normalize=True)
+    loss, _ = N.policy_loss(v_theta, v_old, None, x0, x_t, t, r, beta=0.4, kl_beta=0, self_normalize=True)
     loss.sum().backward()
-    err = (x_t - t * v_old - x0).flatten()
-    expected = 5 * 2 * err / 8 / err.abs().mean() * (-t)
-    torch.testing.assert_close(v_theta.grad.flatten(), expected)
+    for b, factor in enumerate((3.0, -2.5)):
+        err = (x_t[b] - t[b] * v_old[b] - x0[b]).flatten()
+        expected = factor * 2 * err / 8 / err.abs().mean() * (-t[b])
+        torch.testing.assert_close(v_theta.grad[b].flatten(), expected)
 
 
 def minimise(r, beta, self_normalize, steps=800):
