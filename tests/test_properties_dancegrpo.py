@@ -1,0 +1,142 @@
+"""dancegrpo.py's functions at values where a wrong constant, sign, bound or index shows: each against numbers worked
+out by hand here. Written for the mutants benchmarks/mutation.py generated that the other tests let pass."""
+
+import inspect
+import math
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+import dancegrpo as D
+from common import InputError
+
+
+class Linear:
+    """A model whose velocity is v = guidance * cond * x + t: every step of a rollout can be done by hand."""
+
+    def velocity(self, denoiser, x, t, cond, guidance_scale):
+        assert denoiser == "denoiser"
+        return guidance_scale * cond * x + t.view(-1, 1)
+
+
+def test_rollout_by_hand_an_sde_step_then_an_euler_step():
+    """sigmas (0.8, 0.4, 0), g = 0.5, the SDE at step 0 only, guidance 2.
+    Image 1 (x = 1, cond = 1, noise 0.5): v = 2.8, x0_hat = 1 - 0.8 * 2.8 = -1.24,
+    score = -(1 - 0.2 * -1.24) / 0.64 = -1.95, mean = 1 - 0.4 (2.8 + 0.125 * 1.95) = -0.2175, std = 0.5 sqrt(0.4) =
+    0.316228, x = -0.2175 + 0.5 * 0.316228 = -0.059386, log-density -0.5^2 / 2 - log 0.316228 - log(2 pi) / 2 = 0.107354;
+    then Euler: v = -0.118772 + 0.4 = 0.281228, x = -0.059386 - 0.4 * 0.281228 = -0.171877.
+    Image 2 (x = -1, cond = 0.5, noise -1): v = -0.2, x0_hat = -0.84, score = 1.3, mean = -1 + 0.4 * 0.3625 = -0.855,
+    x = -0.855 - 0.316228 = -1.171228, log-density -1/2 + 1.151293 - 0.918939 = -0.267646; Euler: v = -0.771228,
+    x = -1.171228 + 0.308491 = -0.862737."""
+    x, cond = torch.tensor([[1.0], [-1.0]]), torch.tensor([[1.0], [0.5]])
+    noise = torch.tensor([[[0.5], [9.0]], [[-1.0], [9.0]]])  # (B, T, 1): step 1 is an ODE step, its noise unused
+    sigmas, g = torch.tensor([0.8, 0.4, 0.0]), torch.tensor([0.5, 0.5])
+    step = {"step": D.sde_step} if "step" in inspect.signature(D.rollout).parameters else {}  # the SDE step to use
+    latents, log_probs = D.rollout(Linear(), "denoiser", cond, x, noise, sigmas, g, [0], 2.0, nullcontext, **step)[:2]
+    expected = torch.tensor([[[1.0], [-0.059386], [-0.171877]], [[-1.0], [-1.171228], [-0.862737]]])
+    torch.testing.assert_close(latents, expected, atol=2e-6, rtol=0)
+    torch.testing.assert_close(log_probs, torch.tensor([[0.107354, 0.0], [-0.267646, 0.0]]), atol=2e-6, rtol=0)
+
+
+def test_sigma_schedule_is_the_float64_formula_rounded_once():
+    """s = 1 - i / 10 warped by 3 s / (1 + 2 s), computed in float64 and rounded to float32 once; s = 0.7:
+    2.1 / 2.4 = 0.875."""
+    expected = [3 * (1 - i / 10) / (1 + 2 * (1 - i / 10)) for i in range(11)]
+    assert torch.equal(D.sigma_schedule(10, 3.0), torch.tensor(expected, dtype=torch.float64).float())
+    assert D.sigma_schedule(10, 3.0)[3] == 0.875
+
+
+def test_flow_noise_by_hand():
+    """Flow-GRPO's g = a sqrt(s / (1 - s)) at sigmas (1, 0.75, 0.5, 0): a = 0.5 gives 0.5 sqrt(3) = 0.866025 at 0.75,
+    0.5 at 0.5, and at s = 1 the second sigma stands in for the denominator: 0.5 sqrt(1 / 0.25) = 1."""
+    g = D.noise_g(torch.tensor([1.0, 0.75, 0.5, 0.0]), "flow", 0.5)
+    torch.testing.assert_close(g, torch.tensor([1.0, 0.5 * math.sqrt(3), 0.5]))
+
+
+def test_a_near_tie_is_scaled_by_the_floor_of_the_std():
+    """Rewards (0, 2e-8, 0, 0) in double: mean 5e-9, deviations (-5e-9, 1.5e-8, -5e-9, -5e-9), sum of squares 3e-16,
+    unbiased std sqrt(3e-16 / 3) = 1e-8; plus the floor 1e-8 the advantages are the deviations over 2e-8:
+    (-0.25, 0.75, -0.25, -0.25). A floor of another size gives other numbers."""
+    adv = D.group_advantages(torch.tensor([0.0, 2e-8, 0.0, 0.0], dtype=torch.float64), 4)
+    torch.testing.assert_close(adv, torch.tensor([-0.25, 0.75, -0.25, -0.25]))
+
+
+def test_combined_advantages_weigh_each_reward_and_leave_zero_weights_out():
+    """Two groups of 2: a's advantages are (-1, 1) / sqrt(2) per group (unbiased std of two values d apart is
+    d / sqrt(2), deviations d / 2), b's the same with the sign of its order; weight 2 on a, 0.5 on b, 0 on c (whose
+    NaN scores must never enter)."""
+    scores = {
+        "a": torch.tensor([1.0, 3.0, 5.0, 4.0]),
+        "b": torch.tensor([2.0, 1.0, 0.0, 10.0]),
+        "c": torch.tensor([float("nan")] * 4),
+    }
+    r = 1 / math.sqrt(2)
+    expected = 2 * torch.tensor([-r, r, r, -r]) + 0.5 * torch.tensor([r, -r, -r, r])
+    torch.testing.assert_close(D.combined_advantages(scores, {"a": 2.0, "b": 0.5, "c": 0.0}, 2), expected)
+
+
+def test_sde_step_at_a_mid_sigma_by_hand():
+    """x = 1, v = 0.5 from sigma 0.6 to 0.2 with g = 0.4: x0_hat = 0.7, score = -(1 - 0.4 * 0.7) / 0.36 = -2,
+    mean = 1 - 0.4 (0.5 + 0.08 * 2) = 0.736, std = 0.4 sqrt(0.4) = 0.252982; noise 1: x' = 0.988982,
+    log-density -1/2 - log 0.252982 - 0.918939 = -0.044502."""
+    x_next, log_prob, mean, std = D.sde_step(
+        torch.tensor([[1.0]]), torch.tensor([[0.5]]), 0.6, 0.2, 0.4, noise=torch.tensor([[1.0]])
+    )
+    torch.testing.assert_close(mean, torch.tensor([[0.736]]))
+    torch.testing.assert_close(std.flatten(), torch.tensor([0.252982]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(x_next, torch.tensor([[0.988982]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(log_prob, torch.tensor([-0.044502]), atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- flags: every bound at its edge, each message naming it
+REFUSED = [
+    (dict(num_steps=1), "--num-steps must be at least 2"),
+    (dict(num_steps=4, sde_window=4), "--sde-window must be in [0, 3]"),
+    (dict(sde_window=-1), "--sde-window must be in [0,"),
+    (dict(timestep_fraction=0.0), "--timestep-fraction must be in (0, 1]"),
+    (dict(timestep_fraction=1.5), "--timestep-fraction must be in (0, 1]"),
+    (dict(noise_level=0.0), "--noise-level > 0 and --window-shift-every >= 1"),
+    (dict(sde_window=2, window_shift_every=0), "--noise-level > 0 and --window-shift-every >= 1"),
+    (dict(group_size=1), "--group-size must be >= 2"),
+    (dict(samples_per_device=12, rollout_batch_size=8), "--samples-per-device must be a multiple of"),
+    (dict(samples_per_update=6, rollout_batch_size=4), "--samples-per-update must be a multiple of"),
+    (dict(samples_per_update=8, samples_per_device=12, rollout_batch_size=4), "--samples-per-update must be a multi"),
+    (dict(kl_beta=-0.1), "--kl-beta >= 0, --clip-range, --adv-clip-max"),
+    (dict(clip_range=0.0), "--kl-beta >= 0, --clip-range, --adv-clip-max"),
+    (dict(adv_clip_max=0.0), "--kl-beta >= 0, --clip-range, --adv-clip-max"),
+]
+ACCEPTED = [
+    dict(num_steps=2, timestep_fraction=1.0),
+    dict(num_steps=4, sde_window=3),
+    dict(timestep_fraction=1.0),
+    dict(kl_beta=0.0),
+    dict(sde_window=2, window_shift_every=1),
+]
+
+
+@pytest.mark.parametrize("flags,message", REFUSED)
+def test_each_refused_flag_is_one_message_that_starts_with_it(flags, message):
+    with pytest.raises(InputError) as e:
+        D.resolve_and_check(D.Args(**flags))
+    assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("flags", ACCEPTED)
+def test_each_bound_itself_is_accepted_and_the_mode_sets_its_defaults(flags):
+    args = D.Args(**flags)
+    D.resolve_and_check(args)
+    assert args.exp_name == ("dancegrpo_mix" if args.sde_window else "dancegrpo")
+
+
+def test_the_modes_defaults_by_hand():
+    """DanceGRPO's SDE (dance) noise 0.3, Flow-GRPO's (flow) 0.7; a MixGRPO window trains every windowed step
+    (fraction 1), DanceGRPO 0.6 of them; a name given is kept."""
+    dance, flow = D.Args(sde_type="dance"), D.Args(sde_type="flow", sde_window=2, exp_name="mine")
+    D.resolve_and_check(dance)
+    D.resolve_and_check(flow)
+    assert (dance.noise_level, dance.timestep_fraction, dance.exp_name) == (0.3, 0.6, "dancegrpo")
+    assert (flow.noise_level, flow.timestep_fraction, flow.exp_name) == (0.7, 1.0, "mine")
+    given = D.Args(noise_level=0.45, timestep_fraction=0.25)
+    D.resolve_and_check(given)
+    assert (given.noise_level, given.timestep_fraction) == (0.45, 0.25)
