@@ -1,82 +1,77 @@
-"""The prepared GPU check: full-size models with random weights (built from their published configs; nothing is
-downloaded), bf16, LoRA r128, gradient checkpointing and --offload-frozen as in run.sh's recipes, 2 iterations of each
-script with small batches, in two cases by default:
+"""The prepared GPU check: every model kind's training step on one lent GPU, in two calls, with random weights built
+on the GPU from the published configs (benchmarks/memory.py's; nothing is downloaded or written to disk).
 
-  flux   FLUX.1-dev at 512 px: dancegrpo.py, branchgrpo.py --pruning depth, vgrpo.py and diffusionnft.py (8 steps,
-         10 for the tree)
-  wan    Wan2.1-T2V-1.3B video, 480 x 832 x 9 frames, CFG 5, reward hpsv2.1 on 4 frames + temporal:0.5 (the wan
-         recipes' settings): dancegrpo.py (4 videos, rollout batch 4, 8 steps) and branchgrpo.py --pruning depth
-         (one tree of 4 leaves, 10 steps)
+    call 1  (4 minutes at most) the environment, benchmarks/sdpa_probe.py (every attention kernel at every kind's
+            training shapes), then one iteration of each model kind's script: FLUX.1-dev, FLUX.2 [klein] base 4B and
+            [dev], SD3.5-Medium, SD1.5 (rlr.py), Qwen-Image, Z-Image, Wan2.1-T2V-1.3B, Wan2.2-TI2V-5B, Wan2.2-T2V-A14B
+            (both experts); the large ones (FLUX.1-dev, FLUX.2 [dev], Qwen-Image, A14B) at their real width with 2
+            blocks of each type (text encoders: 2 layers, or as many as the pipeline reads hidden states from), so
+            every kernel, dtype and shape of the real model runs forward and backward; the others at full size
+    call 2  (6 minutes at most) one iteration of each of the five scripts on full-depth FLUX.1-dev at a recipe's
+            settings: 720 px, bf16, LoRA r128, gradient checkpointing, --offload-frozen
 
-and, with --models, one case per model kind after those (dancegrpo.py only, with the flux case's flags for an image
-and the wan case's for a video; memory.py's published configs; Z-Image is not among them: memory.py has no Z-Image
-to plan):
+    bash benchmarks/gpu_check.sh --prepare          # wheels for an offline GPU node in .whl/, the plan, the commands
+    bash benchmarks/gpu_check.sh --call 1           # one H100 / H200-class GPU
+    bash benchmarks/gpu_check.sh --call 2
+    bash benchmarks/gpu_check.sh --call 1 --cases qwen-image,wan22-a14b   # a rerun of some cases
+    bash benchmarks/gpu_check.sh --rehearse         # both calls end to end on the CPU at tiny widths (tests run it)
 
-  qwen-image   Qwen-Image (20.4B transformer, Qwen2.5-VL-7B) at 512 px, CFG 4: 58 GB on disk
-  flux2-klein  FLUX.2 [klein] base 4B (Qwen3-4B) at 512 px, CFG 4: 16 GB
-  wan22-5b     Wan2.2-TI2V-5B video, 704 x 704 x 9 frames, CFG 5, shift 5: 25 GB
+How the kit differs from a user's run: the scripts run in the kit's own process (their `main(args)` on flags parsed
+by their own `Args`, one case after the other), and only two things are replaced, inside `kit_weights` and only while
+a case runs: the script's `load_model` builds the pipeline with random weights directly on the GPU (`build_model`:
+each part made on the meta device, then its parameters on the GPU in the dtype `from_pretrained(dtype=...)` would
+give them, modules the libraries keep in float32 included, and initialised there) instead of reading --model-id's
+weights, and the hpsv2.1 reward builds ViT-H-14 with random weights on the GPU instead of reading its checkpoint.
+--model-id is a folder holding only a model_index.json (a few bytes), so the scripts' own checks of the flags, the
+model kind and its experts run unchanged. Reading weights from disk is not measured here (a user's run reads them
+once, at start-up); tokenizers are built in memory (letters or bytes as tokens: prompts are more tokens than with
+the real ones, padded to the pipelines' lengths as the real ones are).
 
-For each script it prints seconds per iteration, the peak GPU memory (torch.cuda.max_memory_allocated, as the scripts
-log it in perf/peak_mem_gb) next to benchmarks/memory.py's plan for the same flags, and the model FLOP rate and
-utilisation of the transformer's forwards without gradients (the rollout) and of the training step, each timed alone.
+Each case is contained: its failure (an exception, an out-of-memory, a time-out: SIGALRM at the time left) is
+recorded with its type, message and traceback, and the call goes on; after each case the accelerate state is reset
+and the GPU memory released (gc, empty_cache), and whether the case's model was freed is recorded. The results are
+written from the start and after every step (gpu_check.json, gpu_check.md, gpu_check.log in --out and --results),
+each case's line as it finishes; the call ends with one table: case, status, seconds of the rollout (the sampling
+phase) and of the training step (the rest of the iteration), peak GPU memory (torch.cuda.max_memory_allocated, as
+the scripts log it) against benchmarks/memory.py's plan for the same flags and sizes, and the TFLOP/s and MFU of the
+denoiser's forwards without gradients (the rollout) and of the training step (forwards with gradients + backward),
+each timed alone by benchmarks/gpu_timing.py's CUDA events: rows x the FLOPs of one row, counted by
+torch.utils.flop_counter on the denoiser as the scripts train it (common.models.trainable_denoiser: LoRA adapter,
+frozen bf16 base) on the meta device at the case's shapes, backward counted, not assumed; gradient checkpointing's
+recomputed forwards are the hardware's work, not the model's, and are not counted.
 
-    bash benchmarks/gpu_check.sh --prepare        # on a machine with the package index: wheels and plans in .whl/,
-                                                  # and the command for an offline GPU node (docs/gpu.md)
-    bash benchmarks/gpu_check.sh                  # one H100 / H200-class GPU: 8 minutes at most (--limit-s)
-    bash benchmarks/gpu_check.sh --cases wan      # one case only (a rerun that fits the time left)
-    bash benchmarks/gpu_check.sh --cases none --models qwen-image        # a new model kind alone (--cases none)
-    bash benchmarks/gpu_check.sh --cases none --models flux2-klein,wan22-5b
-    bash benchmarks/gpu_check.sh --tiny           # the same harness on tiny models, on the CPU (tests run it)
+Beside the table the timing model (`estimate_case`, `estimate_call`) gives each case's and each call's GPU time
+from the FLOPs the case does at an assumed MFU of the GPU's datasheet peak, plus fixed costs (TIMING: start-up,
+the probe, building weights at an assumed initialisation rate, a first iteration's kernel set-up, offload trips over
+PCIe); the printed plan of both calls must fit 4 + 6 minutes by it (the tests check it). --rehearse runs both calls
+end to end on the CPU at tiny widths (the same code: the builders, kit_weights, the scripts' main, the timing, the
+table), so what runs on a lent GPU has run before; its seconds are the CPU's, its peak memory the process's resident
+set, and its MFU none: it checks the kit, not the figures.
 
-What it measures and what it does not:
-- random weights give the real shapes, so memory and speed, not image or video quality or learning;
-- the reward is an HPSv2.1 model (open_clip ViT-H-14) with random weights: the real one's size and cost;
-- each script runs under benchmarks/gpu_timing.py, which times every transformer forward and backward pass with CUDA
-  events; rows (one image or video each; a CFG batch counts both halves) x the FLOPs of one row / that time, against
-  the GPU's bf16 matmul peak measured first, and the datasheet's;
-- the FLOPs are counted, not assumed: torch.utils.flop_counter on one forward and on one forward + backward of the
-  denoiser as the scripts train it (common.models.trainable_denoiser: the LoRA adapter wrapped in, the frozen base
-  computing no weight gradients), on the meta device at the real shapes (no memory, no GPU), attention by its math
-  path (counted on every device); the recomputed forwards of gradient checkpointing are the hardware's work, not the
-  model's, and are not counted. A forward is printed next to the value expected by hand from the configs
-  (expected_flops);
-- batches and step counts are smaller than the recipes' (4 samples or one 4-leaf tree per iteration, 8-10 steps;
-  Wan: 9 frames where the recipes have 33), so the training phase's share of an iteration differs from a real run's.
-
-Every failure is recorded and the check goes on: the reward checkpoint, each model's build, its FLOP count and each
-script are caught one by one (the step, the exception's type, the first lines of its message and the end of its
-traceback or log) in gpu_check.json ("failures") and gpu_check.md. Before each build and each script the time left
-of --limit-s is checked against what it needs (BUILD_S, MIN_SCRIPT_S): one that does not fit is skipped with the
-reason. The memory plans, the FLOP counts (both in --plan when prepared) and a disk check come before the clock
-starts; a failure there (no CUDA, a plan for other flags, too little disk) stops the check, and is written to the
-results too. Every script runs in its own process with its own time limit; a failure or a time-out is recorded with
-the end of its log. The runs write no checkpoints or weights (--no-save). {--out}/gpu_check.json, gpu_check.md and
-gpu_check.log (every line printed) and --results (the same, with the scripts' logs) are written from the start and
-after every step, so a run stopped early keeps what finished; a SIGTERM (gpu_check.sh's outer limit) is recorded
-too. Each case's model folder is deleted after its scripts (FLUX.1-dev's is 34 GB, Qwen-Image's 58 GB: the disk
-check asks for the largest chosen one and the reward's checkpoint). A bad --cases or --models value stops the check
-before anything runs, naming the flag. In --tiny mode the peak memory
-is the process's resident set on the CPU, not comparable with the plan, and there is no MFU: that mode checks the
-harness, not the figures; its reward is HPSv2.1 too, a tiny open_clip architecture ('tiny-hps', tests/tiny.py's)
-saved and loaded by the same path as the real one; the --models cases are tests/tiny.py's models.
+The plan (benchmarks/gpu_plan.json, written by --write-plan, which --prepare runs) holds, per case, memory.py's
+peak and the FLOP and parameter counts at the GPU's shapes, each under a key of what it depends on: an entry made
+for other configs or flags is not used (FLOPs are then counted at start-up; the memory plan is shown as missing).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
+import importlib
 import json
 import os
-import re
+import platform
 import shutil
 import signal
-import subprocess
 import sys
 import time
 import traceback
 import types
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -84,538 +79,850 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}  # dense bf16 tensor-core peak of the SXM parts (NVIDIA datasheets)
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
+from benchmarks import gpu_timing, memory  # noqa: E402
+
+PLAN = ROOT / "benchmarks" / "gpu_plan.json"
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "B200": 2250.0}  # dense bf16 peaks (NVIDIA datasheets, SXM)
 PROMPTS = [
     "a photo of an astronaut riding a horse on the moon",
     "a watercolor painting of a lighthouse at dawn",
     "an anime girl with silver hair in a rainy city",
     "concept art of a floating castle above the clouds",
 ]
-CASES = ("flux", "wan")  # the default check
-# --models: one case each after the default ones, dancegrpo.py on the kind's published config (memory.py has it)
-MODELS = ("qwen-image", "flux2-klein", "wan22-5b")
-KIND = {"flux": "flux", "wan": "wan", "qwen-image": "qwen", "flux2-klein": "flux2", "wan22-5b": "wan22"}  # memory.py's
-# The model folder's name under --out: memory.model_kind reads a plan's kind from it (the plans name OUT/<folder>)
-FOLDER = {"flux": "flux", "wan": "wan", "qwen-image": "Qwen-Image", "flux2-klein": "FLUX.2-klein-base-4B",
-          "wan22-5b": "Wan2.2-TI2V-5B"}  # fmt: skip
-LORA_RANK, LORA_ALPHA = 128, 256  # the recipes' adapter
-TINY_HPS = "tiny-hps"  # --tiny's HPSv2.1 architecture: open_clip config memory.TINY_FLUX["reward"] (tests/tiny.py's)
-RUN_WITH_TINY_HPS = "--run-with-tiny-hps"  # internal: --tiny's scripts run through this file (run_with_tiny_hps)
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+TINY_HPS = "tiny-hps"  # --rehearse's HPSv2.1 architecture: open_clip config memory.TINY_FLUX["reward"]
+CALL_LIMIT_S = {1: 240, 2: 360}  # what each call must fit in, by the timing model and on the GPU (--limit-s)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Pipelines with random weights: FLUX.1-dev- and Wan2.1-T2V-1.3B-shaped
+# The model kinds: memory.py's published configs, their reduced depth (call 1) and tiny widths (--rehearse)
 # ---------------------------------------------------------------------------------------------------
-def flux_configs(tiny: bool) -> dict:
-    """Keyword arguments of each part: FLUX.1-dev's published configs, or the CPU-sized ones, as benchmarks/memory.py
-    has them (so its estimate is of the same model)."""
-    from benchmarks import memory
+@dataclass(frozen=True)
+class Kind:
+    title: str
+    memory_kind: str  # memory.MODELS' key
+    index: dict  # model_index.json: what check_model_id, has_two_experts and memory.model_kind read
+    script: str  # call 1's script: dancegrpo.py, or the kind's recipe script where dancegrpo.py does not train it
+    lora_rank: int  # the kind's recipe's (run.sh)
+    size: dict  # call 1's size on the GPU: {"resolution"} or {"height", "width", "frames"}
+    tiny_size: dict
+    reduced: dict | None = None  # call 1's model_config (memory.estimate's): 2 blocks of each type; None = full
+    tiny: dict = field(default_factory=dict)  # --rehearse's model_config
+    guidance: float = 4.0
 
-    if not tiny:
-        return {"transformer": memory.FLUX_DEV, "clip": memory.CLIP_L, "t5": memory.T5_XXL, "vae": memory.VAE_16CH}
-    tiny_parts = memory.TINY_FLUX
-    (_, clip, _), (_, t5, _) = tiny_parts["text"]
-    return {
-        "transformer": {**memory.FLUX_DEV, **tiny_parts["denoiser"]},
-        "clip": clip,
-        "t5": t5,
-        "vae": {**memory.VAE_16CH, **tiny_parts["vae"]},
-    }
-
-
-def wan_configs(tiny: bool) -> dict:
-    """Wan2.1-T2V-1.3B's published configs (transformer, UMT5-XXL encoder, AutoencoderKLWan), or memory.TINY_WAN's."""
-    from benchmarks import memory
-
-    if not tiny:
-        return {"transformer": memory.WAN_T2V_1_3B, "umt5": memory.UMT5_XXL, "vae": memory.VAE_WAN}
-    tiny_parts = memory.TINY_WAN
-    return {
-        "transformer": {**memory.WAN_T2V_1_3B, **tiny_parts["denoiser"]},
-        "umt5": tiny_parts["text"][0][1],
-        "vae": {**memory.VAE_WAN, **tiny_parts["vae"]},
-    }
+    @property
+    def video(self) -> bool:
+        return "frames" in self.size
 
 
-def tokenizers():
-    """CLIP and T5 tokenizers built in memory (letters as tokens): the real ones cannot be downloaded here, and the
-    pipelines pad every prompt to the same length (77 CLIP, 512 T5 / UMT5 tokens), so the sequence shapes are the
-    real ones. Wan2.1's UMT5 takes the T5 one (its ids are within UMT5's vocabulary)."""
-    from transformers import CLIPTokenizer, T5Tokenizer
-
-    vocab = [*LETTERS, *(c + "</w>" for c in LETTERS), "<|startoftext|>", "<|endoftext|>"]
-    clip = CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=[], model_max_length=77)
-    t5_vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0), *((c, -3.0) for c in LETTERS)]
-    t5 = T5Tokenizer(vocab=t5_vocab, extra_ids=0)
-    return clip, t5
+def clip(config, **kw):
+    return dict(config, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, **kw)
 
 
-class _DefaultDtype:
-    """Initialise in bf16 on the device: FLUX.1-dev's 12B parameters in seconds."""
-
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-    def __enter__(self):
-        self.saved = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-
-    def __exit__(self, *exc):
-        torch.set_default_dtype(self.saved)
-
-
-@torch.no_grad()
-def build_flux(folder: Path, tiny: bool, device, size: dict) -> None:
-    """Save a FluxPipeline with random weights into `folder`."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-
-    cfg = flux_configs(tiny)
-    clip_tok, t5_tok = tokenizers()
-    torch.manual_seed(0)
-    with _DefaultDtype(torch.bfloat16), torch.device(device):
-        transformer = FluxTransformer2DModel(**cfg["transformer"])
-        clip = CLIPTextModel(CLIPTextConfig(**cfg["clip"]))
-        t5 = T5EncoderModel(T5Config(**cfg["t5"]))
-        vae = AutoencoderKL(**cfg["vae"], shift_factor=0.1159, scaling_factor=0.3611)  # FLUX.1-dev's latent scaling
-    pipe = FluxPipeline(FlowMatchEulerDiscreteScheduler(shift=3.0), vae, clip, clip_tok, t5, t5_tok, transformer)
-    pipe.save_pretrained(folder)
-
-
-@torch.no_grad()
-def build_wan(folder: Path, tiny: bool, device, size: dict) -> None:
-    """Save a WanPipeline (Wan2.1 text-to-video) with random weights into `folder`."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    cfg = wan_configs(tiny)
-    _, tokenizer = tokenizers()
-    torch.manual_seed(0)
-    with _DefaultDtype(torch.bfloat16), torch.device(device):
-        transformer = WanTransformer3DModel(**cfg["transformer"])
-        text_encoder = UMT5EncoderModel(UMT5Config(**cfg["umt5"]))
-    vae = AutoencoderKLWan(**cfg["vae"]).to(device)  # fp32, as the scripts decode (common.models.WanModel)
-    pipe = WanPipeline(
-        tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-    )  # fmt: skip
-    pipe.save_pretrained(folder)
-
-
-@torch.no_grad()
-def build_qwen_image(folder: Path, tiny: bool, device, size: dict) -> None:
-    """Save a QwenImagePipeline with random weights into `folder`: memory.py's published configs (the 20.4B
-    transformer, Qwen2.5-VL-7B with its vision tower, the VAE), Qwen-Image's scheduler, tests/tiny.py's byte-level
-    tokenizer with the chat markers (the pipeline's template is then more tokens than the real one's 34, and so is
-    each prompt). --tiny: tests/tiny.py's build_qwen."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    from benchmarks import memory
-    from tests import tiny as tiny_models
-
-    if tiny:
-        return tiny_models.build_qwen(folder)
-    torch.manual_seed(0)
-    with _DefaultDtype(torch.bfloat16), torch.device(device):
-        transformer = QwenImageTransformer2DModel(**memory.QWEN_IMAGE)
-        text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**memory.QWEN25_VL_7B))
-        vae = AutoencoderKLQwenImage(**memory.VAE_QWEN)
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0, shift_terminal=0.02,
-        use_dynamic_shifting=True, time_shift_type="exponential",
-    )  # fmt: skip
-    QwenImagePipeline(
-        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tiny_models.qwen_tokenizer(),
-        transformer=transformer,
-    ).save_pretrained(folder)  # fmt: skip
-
-
-@torch.no_grad()
-def build_flux2_klein(folder: Path, tiny: bool, device, size: dict) -> None:
-    """Save a Flux2KleinPipeline (FLUX.2 [klein] base 4B: CFG with "") with random weights into `folder`: memory.py's
-    published configs (the 3.9B transformer, Qwen3-4B, the FLUX.2 VAE), tests/tiny.py's byte-level tokenizer with
-    Qwen3's chat template. --tiny: tests/tiny.py's build_flux2_klein."""
-    from diffusers import (
-        AutoencoderKLFlux2,
-        FlowMatchEulerDiscreteScheduler,
-        Flux2KleinPipeline,
-        Flux2Transformer2DModel,
-    )
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from benchmarks import memory
-    from tests import tiny as tiny_models
-
-    if tiny:
-        return tiny_models.build_flux2_klein(folder)
-    torch.manual_seed(0)
-    with _DefaultDtype(torch.bfloat16), torch.device(device):
-        transformer = Flux2Transformer2DModel(**memory.FLUX2_KLEIN_4B)
-        text_encoder = Qwen3ForCausalLM(Qwen3Config(**memory.QWEN3_4B))
-        vae = AutoencoderKLFlux2(**memory.VAE_FLUX2)
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
-    Flux2KleinPipeline(
-        text_encoder=text_encoder, tokenizer=tiny_models.qwen_tokenizer(), is_distilled=False,
-        transformer=transformer, vae=vae, scheduler=scheduler,
-    ).save_pretrained(folder)  # fmt: skip
-
-
-@torch.no_grad()
-def build_wan22_5b(folder: Path, tiny: bool, device, size: dict) -> None:
-    """Save a WanPipeline of Wan2.2-TI2V-5B (one timestep per token: expand_timesteps) with random weights into
-    `folder`: memory.py's published configs (the 5.0B transformer, UMT5-XXL, the Wan2.2 VAE in fp32), shift 5.
-    --tiny: tests/tiny.py's build_wan22_5b."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    from benchmarks import memory
-
-    if tiny:
-        from tests.tiny import build_wan22_5b as build_tiny
-
-        return build_tiny(folder)
-    _, tokenizer = tokenizers()
-    torch.manual_seed(0)
-    with _DefaultDtype(torch.bfloat16), torch.device(device):
-        transformer = WanTransformer3DModel(**memory.WAN22_TI2V_5B)
-        text_encoder = UMT5EncoderModel(UMT5Config(**memory.UMT5_XXL))
-    vae = AutoencoderKLWan(**memory.VAE_WAN22).to(device)  # fp32, as the scripts decode
-    WanPipeline(
-        tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), expand_timesteps=True,
-    ).save_pretrained(folder)  # fmt: skip
-
-
-BUILDERS = {
-    "flux": build_flux, "wan": build_wan, "qwen-image": build_qwen_image, "flux2-klein": build_flux2_klein,
-    "wan22-5b": build_wan22_5b,
+T5_TINY = dict(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2)
+VAE_TINY = memory.TINY_FLUX["vae"]
+QWEN3_TINY = dict(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=27, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8)  # fmt: skip
+FLUX2_TINY = dict(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                  joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4))  # fmt: skip
+FLUX2_VAE_TINY = dict(block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4,
+                      down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2)  # fmt: skip
+IMAGE, VIDEO = {"resolution": 32}, {"height": 32, "width": 32, "frames": 5}
+KINDS = {
+    "flux": Kind(
+        "FLUX.1-dev", "flux", {"_class_name": "FluxPipeline"}, "dancegrpo.py", 128, {"resolution": 720},
+        {"resolution": 64}, guidance=3.5,
+        reduced={"denoiser": dict(num_layers=2, num_single_layers=2),
+                 "text": [("clip", dict(memory.CLIP_L, num_hidden_layers=2), 77),
+                          ("t5", dict(memory.T5_XXL, num_layers=2), 512)]},
+        tiny=memory.TINY_FLUX,
+    ),
+    "flux2-klein": Kind(
+        "FLUX.2 [klein] base 4B", "flux2", {"_class_name": "Flux2KleinPipeline", "is_distilled": False},
+        "dancegrpo.py", 64, {"resolution": 384}, IMAGE,
+        tiny={"denoiser": FLUX2_TINY, "text": [("qwen3", dict(memory.QWEN3_4B, **QWEN3_TINY), 512)],
+              "vae": FLUX2_VAE_TINY, "reward": memory.TINY_FLUX["reward"]},
+    ),
+    "flux2-dev": Kind(
+        "FLUX.2 [dev]", "flux2_dev", {"_class_name": "Flux2Pipeline"}, "dancegrpo.py", 64, {"resolution": 512},
+        IMAGE, guidance=4.0,
+        # the pipeline stacks Mistral's hidden states 10, 20 and 30: 30 of its 40 layers; 2 of Pixtral's 24 (unused)
+        reduced={"denoiser": dict(num_layers=2, num_single_layers=2),
+                 "text": [("mistral3", {**memory.MISTRAL_SMALL_31,
+                                        "text_config": dict(memory.MISTRAL_SMALL_31["text_config"],
+                                                            num_hidden_layers=30),
+                                        "vision_config": dict(memory.MISTRAL_SMALL_31["vision_config"],
+                                                              num_hidden_layers=2)}, 512)]},
+        tiny={"denoiser": dict(FLUX2_TINY, guidance_embeds=True), "vae": FLUX2_VAE_TINY,
+              "text": [("mistral3", dict(
+                  text_config=dict(model_type="mistral", vocab_size=300, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=30, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                   max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                  vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, head_dim=8, patch_size=4, image_size=64),
+                  image_token_index=7, spatial_merge_size=2), 512)],
+              "reward": memory.TINY_FLUX["reward"]},
+    ),
+    "sd35": Kind(
+        "SD3.5-Medium", "sd3", {"_class_name": "StableDiffusion3Pipeline"}, "dancegrpo.py", 32, {"resolution": 512},
+        IMAGE, guidance=4.5,
+        tiny={"denoiser": dict(sample_size=32, num_layers=1, attention_head_dim=16, num_attention_heads=2,
+                               joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
+                               pos_embed_max_size=64),
+              "text": [("clip", clip(memory.CLIP_L, projection_dim=32), 77),
+                       ("clip", clip(memory.CLIP_G, projection_dim=32), 77),
+                       ("t5", dict(memory.T5_XXL, **T5_TINY, ) | {"d_model": 64}, 256)],
+              "vae": VAE_TINY, "reward": memory.TINY_FLUX["reward"]},
+    ),
+    "sd15": Kind(
+        "SD1.5", "sd1", {"_class_name": "StableDiffusionPipeline"}, "rlr.py", 4, {"resolution": 512}, IMAGE,
+        guidance=5.0,
+        tiny={"denoiser": dict(sample_size=16, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
+                               attention_head_dim=8, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                               up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), norm_num_groups=8),
+              "text": [("clip", clip(memory.CLIP_L), 77)], "vae": VAE_TINY, "reward": memory.TINY_FLUX["reward"]},
+    ),
+    "qwen-image": Kind(
+        "Qwen-Image", "qwen", {"_class_name": "QwenImagePipeline"}, "dancegrpo.py", 64, {"resolution": 512}, IMAGE,
+        reduced={"denoiser": dict(num_layers=2),
+                 "text": [("qwen25vl", {**memory.QWEN25_VL_7B,
+                                        "text_config": dict(memory.QWEN25_VL_7B["text_config"], num_hidden_layers=2),
+                                        "vision_config": dict(memory.QWEN25_VL_7B["vision_config"], depth=2,
+                                                              fullatt_block_indexes=[1])}, 34 + 256)]},
+        tiny=memory.TINY_QWEN,
+    ),
+    "z-image": Kind(
+        "Z-Image", "zimage", {"_class_name": "ZImagePipeline"}, "dancegrpo.py", 64, {"resolution": 512}, IMAGE,
+        tiny={"denoiser": dict(dim=32, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16,
+                               axes_dims=[4, 6, 6], axes_lens=[256, 64, 64]),
+              "text": [("qwen3", dict(memory.QWEN3_4B, **QWEN3_TINY, ) | {"num_hidden_layers": 2}, 256)],
+              "vae": VAE_TINY, "reward": memory.TINY_FLUX["reward"]},
+    ),
+    "wan21": Kind(
+        "Wan2.1-T2V-1.3B", "wan", {"_class_name": "WanPipeline"}, "dancegrpo.py", 128,
+        {"height": 480, "width": 832, "frames": 9}, VIDEO, guidance=5.0, tiny=memory.TINY_WAN,
+    ),
+    "wan22-5b": Kind(
+        "Wan2.2-TI2V-5B", "wan22", {"_class_name": "WanPipeline", "expand_timesteps": True}, "dancegrpo.py", 128,
+        {"height": 704, "width": 1280, "frames": 9}, {"height": 64, "width": 64, "frames": 5}, guidance=5.0,
+        tiny={**memory.TINY_WAN, "denoiser": {**memory.TINY_WAN["denoiser"], "in_channels": 48, "out_channels": 48},
+              "vae": dict(base_dim=8, decoder_base_dim=8, num_res_blocks=1)},
+    ),
+    "wan22-a14b": Kind(
+        "Wan2.2-T2V-A14B", "wan22_a14b",
+        {"_class_name": "WanPipeline", "transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875},
+        "dancegrpo.py", 128, {"height": 480, "width": 832, "frames": 9}, VIDEO, guidance=5.0,
+        reduced={"denoiser": dict(num_layers=2), "text": [("umt5", dict(memory.UMT5_XXL, num_layers=2), 512)]},
+        tiny=memory.TINY_WAN,
+    ),
 }  # fmt: skip
+SCRIPTS = ("dancegrpo.py", "branchgrpo.py", "vgrpo.py", "rlr.py", "diffusionnft.py")
 
 
-def build_hps(path: Path, arch: str, device) -> None:
-    """An HPSv2.1 checkpoint ({'state_dict': ...}, as HPS_v2.1_compressed.pt) of open_clip `arch` with random weights."""
-    import open_clip
-
-    torch.manual_seed(0)
-    with torch.device(device):  # initialised on the GPU: seconds on the CPU
-        model = open_clip.create_model(arch, pretrained=None)
-    torch.save({"state_dict": model.state_dict()}, path)
+def model_config(kind: str, scale: str) -> dict | None:
+    """memory.estimate's model_config of a kind at a scale: 'full' (None: the published configs), 'reduced' (call 1's
+    depth), 'tiny' (--rehearse's widths)."""
+    k = KINDS[kind]
+    return {"full": None, "reduced": k.reduced, "tiny": k.tiny}[scale]
 
 
-def register_tiny_hps(folder: Path) -> None:
-    """Register open_clip config 'tiny-hps' (memory.TINY_FLUX's reward, tests/tiny.py's TINY_HPS) from `folder`,
-    writing it there first if it is not there."""
-    import open_clip
-
-    from benchmarks import memory
-
-    folder.mkdir(parents=True, exist_ok=True)
-    config = folder / f"{TINY_HPS}.json"
-    if not config.is_file():
-        config.write_text(json.dumps(memory.TINY_FLUX["reward"]))
-    open_clip.add_model_config(folder)
-
-
-def build_reward_checkpoint(out: Path, tiny: bool, device) -> None:
-    """{out}/hps.pt, which every script loads with --reward-ckpt hpsv2.1=...: ViT-H-14 (HPSv2.1's architecture), or in
-    --tiny mode 'tiny-hps', registered from {out}/open_clip (the scripts' processes register it from there too)."""
-    if tiny:
-        register_tiny_hps(out / "open_clip")
-    build_hps(out / "hps.pt", TINY_HPS if tiny else "ViT-H-14", device)
-
-
-def run_with_tiny_hps(config_folder: str, argv: list[str]) -> None:
-    """--tiny's script processes: `python gpu_check.py --run-with-tiny-hps FOLDER gpu_timing.py ...` registers the
-    'tiny-hps' open_clip config and makes the hpsv2.1 reward build it (as the tests do with
-    tests/tiny.py's use_tiny_hps), then runs gpu_timing.py as `python gpu_timing.py ...` would; the checkpoint is read
-    from --reward-ckpt as on the GPU."""
-    import runpy
-
-    from common import rewards
-
-    register_tiny_hps(Path(config_folder))
-    kind = rewards.REWARDS["hpsv2.1"]
-    rewards.REWARDS["hpsv2.1"] = dataclasses.replace(kind, factory=functools.partial(kind.factory, arch=TINY_HPS))
-    sys.argv = list(argv)
-    runpy.run_path(argv[0], run_name="__main__")
-
-
-# ---------------------------------------------------------------------------------------------------
-# The cases and their runs
-# ---------------------------------------------------------------------------------------------------
-# Sizes: FLUX at 512 px; Wan2.1 at its native 480 x 832 (no --resolution) with 9 frames (latents (16, 3, 60, 104))
-SIZES = {
-    ("flux", False): {"resolution": 512},
-    ("flux", True): {"resolution": 64},
-    ("wan", False): {"height": 480, "width": 832, "frames": 9},
-    ("wan", True): {"height": 32, "width": 32, "frames": 5},
-    # --models: the images at 512 px (CFG 4, the pipelines' default); Wan2.2-TI2V-5B square at its native 704 px
-    # height (--resolution is a side; the scripts' Wan default is Wan2.1's 480 x 832), 9 frames (latents (48, 3, 44,
-    # 44)); --tiny: tests/tiny.py's sizes
-    ("qwen-image", False): {"resolution": 512},
-    ("qwen-image", True): {"resolution": 32},
-    ("flux2-klein", False): {"resolution": 512},
-    ("flux2-klein", True): {"resolution": 32},
-    ("wan22-5b", False): {"height": 704, "width": 704, "frames": 9},
-    ("wan22-5b", True): {"height": 64, "width": 64, "frames": 5},
-}
-NAMES = {  # case: (the model, its tiny stand-in)
-    "flux": ("FLUX.1-dev", "tiny FLUX"), "wan": ("Wan2.1-T2V-1.3B", "tiny Wan2.1"),
-    "qwen-image": ("Qwen-Image", "tiny Qwen-Image"), "flux2-klein": ("FLUX.2 [klein] base 4B", "tiny FLUX.2 [klein]"),
-    "wan22-5b": ("Wan2.2-TI2V-5B", "tiny Wan2.2-TI2V-5B"),
-}  # fmt: skip
-
-
-def describe(case: str, size: dict, tiny: bool) -> str:
-    what = NAMES[case][tiny]
-    if case == "flux":
-        return f"{what}, {size['resolution']} px"
-    if "frames" not in size:
-        return f"{what}, {size['resolution']} px, CFG 4"
-    return f"{what} video, {size['height']}x{size['width']} px x {size['frames']} frames, CFG 5"
-
-
-def case_flags(case: str, tiny: bool, out: Path) -> list[str]:
-    """The flags a case's scripts share: the model, its size, guidance and reward (HPSv2.1 with random weights from
-    {out}/hps.pt: full size, its architecture ViT-H-14; tiny, 'tiny-hps', which run_with_tiny_hps registers)."""
-    size = SIZES[case, tiny]
-    if case == "flux":
-        own = ["--resolution", str(size["resolution"]), "--guidance-scale", "3.5", "--reward", "hpsv2.1"]
-    elif case in ("qwen-image", "flux2-klein"):  # true CFG (Qwen-Image with " ", FLUX.2 [klein] base with "")
-        own = ["--resolution", str(size["resolution"]), "--guidance-scale", "4", "--reward", "hpsv2.1"]
-    else:  # the wan recipes' reward, guidance and shift (Wan2.2-TI2V-5B: square, its scheduler's shift 5)
-        full_size_native = case == "wan" and not tiny  # Wan2.1's native 480 x 832: no --resolution
-        resolution = [] if full_size_native else ["--resolution", str(size["height"])]
-        own = [
-            *resolution, "--num-frames", str(size["frames"]), "--reward-frames", "4", "--guidance-scale", "5",
-            "--shift", "5" if case == "wan22-5b" else "3", "--reward", "hpsv2.1,temporal:0.5",
-        ]  # fmt: skip
-    return [
-        "--model-id", str(out / FOLDER[case]), "--mixed-precision", "bf16", "--gradient-checkpointing",
-        "--offload-frozen",
-        "--lora", "--lora-rank", str(LORA_RANK), "--lora-alpha", str(LORA_ALPHA), "--prompts", str(out / "prompts.txt"),
-        "--eval-prompts", str(out / "prompts.txt"), "--iterations", "2", "--eval-every", "0", "--sample-every", "0",
-        "--weight-decay", "0", "--lr-warmup", "0", *own, "--reward-ckpt", f"hpsv2.1={out / 'hps.pt'}",
-    ]  # fmt: skip
-
-
-def script_flags(case: str, tiny: bool) -> dict[str, list[str]]:
-    """Each script's own flags in a case: the recipes' settings with small batches and few steps. A --models case
-    runs dancegrpo.py with its modality's flags (the flux case's for an image, the wan case's for a video)."""
-    if case in MODELS:
-        return {"dancegrpo.py": script_flags("wan" if case == "wan22-5b" else "flux", tiny)["dancegrpo.py"]}
-    if case == "flux":
-        steps = ["--num-steps", "4" if tiny else "8"]
-        return {
-            "dancegrpo.py": [*steps, "--sde-type", "dance", "--noise-level", "0.3", "--samples-per-device", "4",
-                             "--group-size", "4", "--rollout-batch-size", "1", "--samples-per-update", "4",
-                             "--same-noise", "--clip-range", "1e-4", "--kl-beta", "0"],
-            "branchgrpo.py": ["--pruning", "depth", "--num-steps", "6" if tiny else "10", "--sde-type", "dance",
-                              "--split-schedule", "dense", "--num-splits", "2", "--branch-factor", "2",
-                              "--trees-per-device", "1", "--trees-per-update", "1", "--window", "4",
-                              "--rollout-batch-size", "4", "--clip-range", "1e-4", "--kl-beta", "0"],
-            "vgrpo.py": [*steps, "--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "1",
-                         "--train-batch-size", "1", "--samples-per-update", "4", "--n-mc", "4", "--clip-range", "6e-3",
-                         "--kl-beta", "0"],
-            # Flow-Factory's NFT setting (run.sh's diffusionnft-flux-8gpu): 2 of 8 grid timesteps trained per image
-            "diffusionnft.py": [*steps, "--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "1",
-                                "--train-batch-size", "1", "--samples-per-update", "4", "--timestep-fraction", "0.25",
-                                "--kl-beta", "0"],
-        }  # fmt: skip
-    # Wan: the recipes' micro-batch (4 videos, CFG: 8 rows), 4 videos or one tree of 4 leaves per iteration
-    return {
-        "dancegrpo.py": ["--num-steps", "4" if tiny else "8", "--sde-type", "dance", "--noise-level", "0.3",
-                         "--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4",
-                         "--samples-per-update", "4", "--clip-range", "1e-3", "--kl-beta", "0"],
-        "branchgrpo.py": ["--pruning", "depth", "--num-steps", "6" if tiny else "10", "--sde-type", "dance",
-                          "--noise-level", "0.3", "--split-schedule", "dense", "--num-splits", "2",
-                          "--branch-factor", "2", "--trees-per-device", "1", "--trees-per-update", "1", "--window",
-                          "4", "--rollout-batch-size", "4", "--clip-range", "1e-3", "--kl-beta", "0"],
-    }  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------------
-# FLOPs: counted on the denoiser as the scripts train it, and expected by hand
-# ---------------------------------------------------------------------------------------------------
-def tiny_config(case: str) -> dict:
-    """memory.estimate's model_config of the case's tiny model: memory.TINY_FLUX, TINY_WAN, TINY_QWEN (tests/tiny.py's
-    build_qwen), and tests/tiny.py's build_wan22_5b and build_flux2_klein as memory.py's classes take them."""
-    from benchmarks import memory
-
-    if case in ("flux", "wan", "qwen-image"):
-        return {"flux": memory.TINY_FLUX, "wan": memory.TINY_WAN, "qwen-image": memory.TINY_QWEN}[case]
-    if case == "wan22-5b":
-        return {
-            **memory.TINY_WAN, "denoiser": {**memory.TINY_WAN["denoiser"], "in_channels": 48, "out_channels": 48},
-            "vae": dict(base_dim=8, decoder_base_dim=8, num_res_blocks=1),
-        }  # fmt: skip
-    qwen3 = dict(memory.QWEN3_4B, vocab_size=259, hidden_size=16, intermediate_size=32, num_hidden_layers=27,
-                 num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=False)  # fmt: skip
-    return {
-        "denoiser": dict(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-                         joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4)),
-        "text": [("qwen3", qwen3, 512)],
-        "vae": dict(block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4,
-                    down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2),
-        "reward": memory.TINY_FLUX["reward"],
-    }  # fmt: skip
-
-
-def model_parts(case: str, tiny: bool) -> dict:
-    """benchmarks/memory.py's parts of the case's model (as estimate() merges a model_config into MODELS)."""
-    from benchmarks import memory
-
-    parts = dict(memory.MODELS[KIND[case]])
-    for name, value in (tiny_config(case) if tiny else {}).items():
+def parts_of(kind: str, scale: str) -> dict:
+    """The parts of `kind` at `scale`, as memory.estimate merges a model_config into memory.MODELS."""
+    parts = dict(memory.MODELS[KINDS[kind].memory_kind])
+    for name, value in (model_config(kind, scale) or {}).items():
         parts[name] = {**parts[name], **value} if name in ("denoiser", "vae") else value
     return parts
 
 
-def model_shapes(case: str, tiny: bool):
-    """memory.Shapes of one sample of the case (FLUX: packed latent tokens; Wan: (16, F', h, w))."""
-    from benchmarks import memory
+# ---------------------------------------------------------------------------------------------------
+# Weights built on the device: each part on the meta device, then made there as from_pretrained(dtype) leaves it
+# ---------------------------------------------------------------------------------------------------
+def fp32_modules(module, dtype) -> set[str]:
+    """Names of the modules that loading in `dtype` keeps in float32: diffusers keeps `_keep_in_fp32_modules` in any
+    dtype, transformers `_keep_in_fp32_modules_strict` in bf16 and fp16 and `_keep_in_fp32_modules` in fp16."""
+    if dtype == torch.float32:
+        return set()
+    names = set(getattr(module, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16 or not hasattr(module, "_keep_in_fp32_modules_strict"):  # diffusers: always
+        names |= set(getattr(module, "_keep_in_fp32_modules", None) or [])
+    return names
 
-    size, kind = SIZES[case, tiny], KIND[case]
-    if "frames" not in size:
-        return memory.Shapes.of(kind, model_parts(case, tiny), size["resolution"])
-    return memory.Shapes.of(kind, model_parts(case, tiny), (size["height"], size["width"]), size["frames"])
+
+@torch.no_grad()
+def materialize(module, device, dtype):
+    """`module`'s parameters, left on the meta device by accelerate.init_empty_weights, made on `device` with random
+    values: float ones in `dtype` (float32 for the modules the library keeps so), each once however often it is
+    shared (tied embeddings), then every module's own reset_parameters() where it has one (others: 1-D weights 1,
+    biases 0, the rest N(0, 0.02)); buffers (made at construction) moved there, the persistent float ones in
+    `dtype` and the non-persistent ones as built, as from_pretrained(dtype=...) leaves them."""
+    keep = fp32_modules(module, dtype)
+    made = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name, p in list(sub._parameters.items()):
+            if p is None:
+                continue
+            full = f"{prefix}.{name}" if prefix else name
+            if id(p) not in made:
+                kept = any(k in full.split(".") for k in keep)
+                dt = (torch.float32 if kept else dtype) if p.is_floating_point() else p.dtype
+                t = torch.empty(p.shape, dtype=dt, device=device)
+                if not t.is_floating_point():
+                    t.zero_()
+                elif t.ndim == 1:
+                    t.fill_(0.0 if name.endswith("bias") else 1.0)
+                else:
+                    t.normal_(0, 0.02)
+                made[id(p)] = torch.nn.Parameter(t, requires_grad=p.requires_grad)
+            sub._parameters[name] = made[id(p)]
+        for name, b in list(sub._buffers.items()):
+            if b is None:
+                continue
+            full = f"{prefix}.{name}" if prefix else name
+            persistent = name not in sub._non_persistent_buffers_set
+            kept = any(k in full.split(".") for k in keep)
+            dt = dtype if persistent and b.is_floating_point() and not kept else b.dtype
+            sub._buffers[name] = torch.zeros(b.shape, dtype=dt, device=device) if b.is_meta else b.to(device, dt)
+    for sub in module.modules():
+        if callable(getattr(sub, "reset_parameters", None)) and next(sub.parameters(recurse=False), None) is not None:
+            sub.reset_parameters()
+    return module
 
 
-def count_flops(case: str, tiny: bool, device="meta") -> dict[str, float]:
-    """FLOPs of one row (one image or video; no CFG), counted by torch.utils.flop_counter.FlopCounterMode on the
-    case's denoiser at the real shapes, called as the scripts call it (memory.denoise):
-      forward_base   one forward of the model without the adapter
-      forward        one forward with the LoRA adapter (r128, as the scripts' rollout runs it)
-      train          that forward + its backward, the model as common.models.trainable_denoiser prepares it (the
-                     LoRA adapter trainable, the frozen base computing the gradients of its inputs only)
-    On the meta device (the default) nothing is computed or allocated. Attention runs its math path (matmuls that
-    FlopCounterMode counts on every device: its CPU flash kernel is not counted), and gradient checkpointing is off
-    (its recomputed forwards are not model FLOPs)."""
+def made(device, dtype, factory, *args, **kwargs):
+    """factory(*args, **kwargs) built on the meta device (as from_pretrained builds before loading), materialized on
+    `device` in `dtype`."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        module = factory(*args, **kwargs)
+    materialize(module, device, dtype)
+    if callable(getattr(module, "tie_weights", None)):  # transformers ties its embeddings as from_pretrained does
+        module.tie_weights()
+    return module.eval()
+
+
+def tokenizers():
+    """CLIP and T5 tokenizers built in memory (letters as tokens): the pipelines pad every prompt to their lengths
+    (77 CLIP, 256 or 512 T5 / UMT5 tokens), so the sequence shapes are the real ones. UMT5 takes the T5 one."""
+    from transformers import CLIPTokenizer, T5Tokenizer
+
+    vocab = [*LETTERS, *(c + "</w>" for c in LETTERS), "<|startoftext|>", "<|endoftext|>"]
+    clip_tok = CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=[], model_max_length=77)
+    t5_vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0), *((c, -3.0) for c in LETTERS)]
+    return clip_tok, T5Tokenizer(vocab=t5_vocab, extra_ids=0)
+
+
+def mistral_processor():
+    """FLUX.2 [dev]'s tokenizer: tests/tiny.py's byte-level one with Mistral's markers and chat template."""
+    from transformers import PixtralImageProcessor, PixtralProcessor, Qwen2Tokenizer
+
+    from tests import tiny
+
+    chars = [t for t in sorted(tiny.qwen_tokenizer().get_vocab().items(), key=lambda kv: kv[1]) if t[0][:2] != "<|"]
+    vocab = {t: i for i, t in enumerate(tiny.MISTRAL_MARKERS + [c for c, _ in chars])}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token="<pad>", eos_token="</s>", pad_token="<pad>", bos_token="<s>",
+                         additional_special_tokens=tiny.MISTRAL_MARKERS[3:], model_max_length=4096)  # fmt: skip
+    return PixtralProcessor(image_processor=PixtralImageProcessor(patch_size=4), tokenizer=tok, patch_size=4,
+                            spatial_merge_size=2, chat_template=tiny.MISTRAL_CHAT)  # fmt: skip
+
+
+def text_encoder(family: str, config: dict, device, dtype, projection: bool = False):
+    """One text encoder of memory.py's families, as its pipeline loads it."""
+    import transformers as tf
+
+    if family in ("t5", "umt5"):
+        cls, cfg = (tf.T5EncoderModel, tf.T5Config) if family == "t5" else (tf.UMT5EncoderModel, tf.UMT5Config)
+        return made(device, dtype, cls, cfg(**config, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    if family == "clip":
+        cls = tf.CLIPTextModelWithProjection if projection else tf.CLIPTextModel
+        return made(device, dtype, cls, tf.CLIPTextConfig(**config, bos_token_id=52, eos_token_id=53, pad_token_id=53))
+    if family == "qwen3":  # FLUX.2 [klein]: the causal LM; Z-Image: the model alone (projection=False)
+        cls = tf.Qwen3ForCausalLM if projection else tf.Qwen3Model
+        return made(device, dtype, cls, tf.Qwen3Config(**config))
+    if family == "mistral3":
+        return made(device, dtype, tf.Mistral3ForConditionalGeneration, tf.Mistral3Config(**config))
+    return made(device, dtype, tf.Qwen2_5_VLForConditionalGeneration, tf.Qwen2_5_VLConfig(**config))
+
+
+def build_model(kind: str, parts: dict, device, dtype, resolution, num_frames, offload):
+    """The common.models model of `kind` from `parts` with random weights on `device`, in `dtype` as load_model
+    loads it, then moved as load_model moves it (with `offload`, the frozen parts to the CPU)."""
+    import diffusers as d
+
+    from common import models
+
+    mk, den, vae_cfg = KINDS[kind].memory_kind, parts["denoiser"], parts["vae"]
+    text = parts["text"]
+    clip_tok, t5_tok = tokenizers()
+    torch.manual_seed(0)
+    if mk == "flux":
+        pipe = d.FluxPipeline(
+            scheduler=d.FlowMatchEulerDiscreteScheduler(shift=3.0),
+            vae=made(device, dtype, d.AutoencoderKL, **vae_cfg, shift_factor=0.1159, scaling_factor=0.3611),
+            text_encoder=text_encoder(*text[0][:2], device, dtype), tokenizer=clip_tok,
+            text_encoder_2=text_encoder(*text[1][:2], device, dtype), tokenizer_2=t5_tok,
+            transformer=made(device, dtype, d.FluxTransformer2DModel, **den),
+        )  # fmt: skip
+        return models.FluxModel(pipe, resolution).to(device, offload=offload)
+    if mk == "sd3":
+        pipe = d.StableDiffusion3Pipeline(
+            transformer=made(device, dtype, d.SD3Transformer2DModel, **den),
+            scheduler=d.FlowMatchEulerDiscreteScheduler(shift=3.0),
+            vae=made(device, dtype, d.AutoencoderKL, **vae_cfg, shift_factor=0.0609, scaling_factor=1.5305),
+            text_encoder=text_encoder(*text[0][:2], device, dtype, True), tokenizer=clip_tok,
+            text_encoder_2=text_encoder(*text[1][:2], device, dtype, True), tokenizer_2=clip_tok,
+            text_encoder_3=text_encoder(*text[2][:2], device, dtype), tokenizer_3=t5_tok,
+        )  # fmt: skip
+        return models.SD3Model(pipe, resolution).to(device, offload=offload)
+    if mk == "sd1":
+        scheduler = d.DDIMScheduler(beta_schedule="scaled_linear", clip_sample=False, set_alpha_to_one=False,
+                                    steps_offset=1)  # fmt: skip
+        pipe = d.StableDiffusionPipeline(
+            vae=made(device, dtype, d.AutoencoderKL, **vae_cfg, scaling_factor=0.18215),
+            text_encoder=text_encoder(*text[0][:2], device, dtype), tokenizer=clip_tok,
+            unet=made(device, dtype, d.UNet2DConditionModel, **den), scheduler=scheduler, safety_checker=None,
+            feature_extractor=None, requires_safety_checker=False,
+        )  # fmt: skip
+        return models.DDIMModel(pipe, resolution).to(device, offload=offload)
+    if mk in ("flux2", "flux2_dev"):
+        from tests.tiny import qwen_tokenizer
+
+        common = dict(
+            scheduler=d.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True,
+                                                        time_shift_type="exponential"),
+            vae=made(device, dtype, d.AutoencoderKLFlux2, **vae_cfg),
+            transformer=made(device, dtype, d.Flux2Transformer2DModel, **den),
+        )  # fmt: skip
+        if mk == "flux2":
+            te = text_encoder(*text[0][:2], device, dtype, True)
+            pipe = d.Flux2KleinPipeline(text_encoder=te, tokenizer=qwen_tokenizer(), is_distilled=False, **common)
+        else:
+            pipe = d.Flux2Pipeline(text_encoder=text_encoder(*text[0][:2], device, dtype),
+                                   tokenizer=mistral_processor(), **common)  # fmt: skip
+        return models.Flux2Model(pipe, resolution).to(device, offload=offload)
+    if mk == "qwen":
+        from tests.tiny import qwen_tokenizer
+
+        scheduler = d.FlowMatchEulerDiscreteScheduler(
+            base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0,
+            shift_terminal=0.02, use_dynamic_shifting=True, time_shift_type="exponential",
+        )  # fmt: skip
+        pipe = d.QwenImagePipeline(
+            scheduler=scheduler, vae=made(device, dtype, d.AutoencoderKLQwenImage, **vae_cfg),
+            text_encoder=text_encoder(*text[0][:2], device, dtype), tokenizer=qwen_tokenizer(),
+            transformer=made(device, dtype, d.QwenImageTransformer2DModel, **den),
+        )  # fmt: skip
+        return models.QwenImageModel(pipe, resolution).to(device, offload=offload)
+    if mk == "zimage":
+        from tests.tiny import qwen_tokenizer
+
+        pipe = d.ZImagePipeline(
+            scheduler=d.FlowMatchEulerDiscreteScheduler(shift=3.0),
+            vae=made(device, dtype, d.AutoencoderKL, **vae_cfg, scaling_factor=0.3611, shift_factor=0.1159),
+            text_encoder=text_encoder(*text[0][:2], device, dtype), tokenizer=qwen_tokenizer(),
+            transformer=made(device, dtype, d.ZImageTransformer2DModel, **den),
+        )  # fmt: skip
+        return models.ZImageModel(pipe, resolution).to(device, offload=offload)
+    # Wan2.1, Wan2.2-TI2V-5B (one timestep per token), Wan2.2-T2V-A14B (two experts, switched at sigma 0.875)
+    two = mk == "wan22_a14b"
+    pipe = d.WanPipeline(
+        tokenizer=t5_tok, text_encoder=text_encoder(*text[0][:2], device, dtype),
+        vae=made(device, dtype, d.AutoencoderKLWan, **vae_cfg),
+        scheduler=d.FlowMatchEulerDiscreteScheduler(shift=5.0 if mk == "wan22" else 3.0),
+        transformer=made(device, dtype, d.WanTransformer3DModel, **den),
+        transformer_2=made(device, dtype, d.WanTransformer3DModel, **den) if two else None,
+        boundary_ratio=0.875 if two else None, expand_timesteps=mk == "wan22",
+    )  # fmt: skip
+    return models.WanModel(pipe, resolution, num_frames).to(device, offload=offload)
+
+
+def random_hps(device, checkpoint=None, arch="ViT-H-14"):
+    """The hpsv2.1 reward of common.rewards.hpsv2_1 with ViT-H-14's random initialisation, built on `device` as
+    hpsv2_1 builds it, and no checkpoint read; its score is hpsv2_1's."""
+    import open_clip
+
+    from common.offload import Offloaded
+    from common.rewards import ScoreFn, hps_pixels
+
+    with torch.device(device):
+        model = open_clip.create_model(arch, pretrained=None)
+    model.eval().requires_grad_(False)
+    tokenizer, size = open_clip.get_tokenizer(arch), model.visual.image_size[0]
+
+    def score(images, prompts):
+        image_features = model.encode_image(hps_pixels(images.to(device, torch.float32), size), normalize=True)
+        text_features = model.encode_text(tokenizer(prompts).to(device), normalize=True)
+        return (image_features * text_features).sum(-1)
+
+    return ScoreFn(score, differentiable=True, parts=Offloaded([model], device, False))
+
+
+@contextlib.contextmanager
+def kit_weights(script_module, kind: str, parts: dict, hps_arch: str, built: list):
+    """Only inside this block: `script_module.load_model` builds `kind` from `parts` with random weights on the device
+    (build_model; a weak reference to the denoiser goes into `built`), and the hpsv2.1 reward builds `hps_arch` with
+    random weights (random_hps) and its weights are not looked for on the hub. Everything is restored on leaving."""
+    from common import rewards
+
+    def load_model(model_id="shapesbench", device="cpu", dtype=torch.float32, resolution=None, num_frames=None,
+                   offload=False):  # fmt: skip
+        model = build_model(kind, parts, device, dtype, resolution, num_frames, offload)
+        built.append(weakref.ref(model.unet if model.kind == "sd1" else model.transformer))
+        return model
+
+    hps, hub_file, loader = rewards.REWARDS["hpsv2.1"], rewards._hub_file, script_module.load_model
+    try:
+        script_module.load_model = load_model
+        rewards.REWARDS["hpsv2.1"] = dataclasses.replace(hps, factory=functools.partial(random_hps, arch=hps_arch))
+        rewards._hub_file = lambda name, download=True: None if name == "hpsv2.1" else hub_file(name, download)
+        yield
+    finally:
+        script_module.load_model, rewards.REWARDS["hpsv2.1"], rewards._hub_file = loader, hps, hub_file
+
+
+def register_tiny_hps(folder: Path) -> None:
+    """open_clip config 'tiny-hps' (memory.TINY_FLUX's reward), registered from `folder`."""
+    import open_clip
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{TINY_HPS}.json").write_text(json.dumps(memory.TINY_FLUX["reward"]))
+    open_clip.add_model_config(folder)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The cases of the two calls
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    name: str  # call 1: the kind; call 2: the script's name
+    call: int
+    kind: str
+    script: str
+    scale: str  # 'full' or 'reduced' on the GPU ('tiny' when rehearsed)
+
+
+CASES = {
+    1: [Case(k, 1, k, spec.script, "reduced" if spec.reduced else "full") for k, spec in KINDS.items()],
+    2: [Case(s[:-3], 2, "flux", s, "full") for s in SCRIPTS],
+}
+
+
+def size_of(case: Case, tiny: bool) -> dict:
+    k = KINDS[case.kind]
+    return k.tiny_size if tiny else k.size
+
+
+def describe(case: Case, tiny: bool) -> str:
+    size, k = size_of(case, tiny), KINDS[case.kind]
+    depth = {"full": "", "reduced": ", 2 blocks of each type", "tiny": " (tiny)"}["tiny" if tiny else case.scale]
+    px = f"{size['height']}x{size['width']} x {size['frames']} frames" if k.video else f"{size['resolution']} px"
+    return f"{k.title}{depth}, {px}"
+
+
+def case_flags(case: Case, tiny: bool, out: Path) -> list[str]:
+    """The script's flags: the kind's model folder and size, bf16, LoRA (the recipe's rank; call 2: r128), gradient
+    checkpointing, small batches and few steps, one iteration, nothing saved; call 2 with --offload-frozen (the FLUX
+    recipes'); the reward hpsv2.1 (videos: + temporal:0.5 on 4 frames, as the Wan recipes)."""
+    k, size = KINDS[case.kind], size_of(case, tiny)
+    rank = k.lora_rank
+    flags = [
+        "--model-id", str(out / "models" / case.kind), "--mixed-precision", "bf16", "--gradient-checkpointing",
+        "--lora", "--lora-rank", str(rank), "--lora-alpha", str(2 * rank), "--prompts", str(out / "prompts.txt"),
+        "--eval-prompts", str(out / "prompts.txt"), "--iterations", "1", "--eval-every", "0", "--sample-every", "0",
+        "--weight-decay", "0", "--lr-warmup", "0", "--no-save", "--guidance-scale", str(k.guidance),
+    ]  # fmt: skip
+    if k.video:
+        flags += ["--resolution", str(size["height"])] if size["height"] == size["width"] else []
+        flags += ["--num-frames", str(size["frames"]), "--reward-frames", "4", "--reward", "hpsv2.1,temporal:0.5"]
+        flags += ["--shift", "5" if k.memory_kind == "wan22" else "3"]
+    else:
+        flags += ["--resolution", str(size["resolution"]), "--reward", "hpsv2.1"]
+    if case.call == 2:
+        flags += ["--offload-frozen"]
+    return flags + script_flags(case)
+
+
+def script_flags(case: Case) -> list[str]:
+    """Each script's own flags: a recipe's settings with 4 samples (videos: 2) or one 4-leaf tree, 4 steps (call 2: 8,
+    the tree 10)."""
+    if case.call == 1 and case.script == "dancegrpo.py":
+        n = 2 if KINDS[case.kind].video else 4
+        return ["--num-steps", "4", "--sde-type", "dance", "--noise-level", "0.3", "--samples-per-device", str(n),
+                "--group-size", str(n), "--rollout-batch-size", str(n), "--samples-per-update", str(n),
+                "--clip-range", "1e-4", "--kl-beta", "0"]  # fmt: skip
+    if case.script == "rlr.py":  # the rlr-sd15 recipe's estimator (FO + HO, a 2-step sub-chain anywhere)
+        steps = "4" if case.call == 1 else "8"
+        return ["--num-steps", steps, "--group-size", "2", "--samples-per-device", "2", "--rollout-batch-size", "1",
+                "--subchain-len", "2", "--terms", "fo+ho", "--subchain-stage", "any"]  # fmt: skip
+    steps = ["--num-steps", "8"]
+    return {
+        "dancegrpo.py": [*steps, "--sde-type", "dance", "--noise-level", "0.3", "--samples-per-device", "4",
+                         "--group-size", "4", "--rollout-batch-size", "1", "--samples-per-update", "4",
+                         "--same-noise", "--clip-range", "1e-4", "--kl-beta", "0"],
+        "branchgrpo.py": ["--pruning", "depth", "--num-steps", "10", "--sde-type", "dance", "--split-schedule",
+                          "dense", "--num-splits", "2", "--branch-factor", "2", "--trees-per-device", "1",
+                          "--trees-per-update", "1", "--window", "4", "--rollout-batch-size", "4", "--clip-range",
+                          "1e-4", "--kl-beta", "0"],
+        "vgrpo.py": [*steps, "--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "1",
+                     "--train-batch-size", "1", "--samples-per-update", "4", "--n-mc", "4", "--clip-range", "6e-3",
+                     "--kl-beta", "0"],
+        # Flow-Factory's NFT setting (run.sh's diffusionnft-flux-8gpu): 2 of 8 grid timesteps trained per image
+        "diffusionnft.py": [*steps, "--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "1",
+                            "--train-batch-size", "1", "--samples-per-update", "4", "--timestep-fraction", "0.25",
+                            "--kl-beta", "0"],
+    }[case.script]  # fmt: skip
+
+
+def write_model_folder(case: Case, out: Path) -> None:
+    """--model-id's folder: its model_index.json only (the kind, Wan2.2's experts), for the scripts' own checks."""
+    folder = out / "models" / case.kind
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model_index.json").write_text(json.dumps(KINDS[case.kind].index))
+
+
+# ---------------------------------------------------------------------------------------------------
+# FLOPs and parameters, counted on the meta device at the case's shapes
+# ---------------------------------------------------------------------------------------------------
+def shapes_of(case: Case, scale: str):
+    """memory.Shapes of one sample of the case at `scale` ('tiny': the rehearsal's size)."""
+    k, size = KINDS[case.kind], size_of(case, scale == "tiny")
+    parts = parts_of(case.kind, scale)
+    if k.video:
+        return memory.Shapes.of(k.memory_kind, parts, (size["height"], size["width"]), size["frames"])
+    return memory.Shapes.of(k.memory_kind, parts, size["resolution"])
+
+
+def lora_rank(case: Case) -> int:
+    return KINDS[case.kind].lora_rank
+
+
+@contextlib.contextmanager
+def quiet_diffusers():
+    """diffusers' logger at ERROR: not its notes on fp32 modules when memory.py's builders cast a meta model."""
     import logging
 
+    log = logging.getLogger("diffusers")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def count_flops(case: Case, scale: str) -> dict[str, float]:
+    """_count_flops of the case's kind at `scale` and size (made once per process: call 2's cases share it)."""
+    return dict(_count_flops(case.kind, scale, json.dumps(size_of(case, scale == "tiny"))))
+
+
+@functools.cache
+def _count_flops(kind: str, scale: str, size: str) -> dict[str, float]:
+    """FLOPs of one row (one image or video; no CFG), counted by FlopCounterMode on the case's denoiser at its shapes,
+    called as the scripts call it (memory.denoise): forward_base (no adapter), forward (with the LoRA adapter, as the
+    rollout runs it), train (that forward + its backward, the model as common.models.trainable_denoiser prepares it);
+    and params: the denoiser's (one expert's for A14B). On the meta device (nothing computed or allocated), attention
+    by its math path (matmuls FlopCounterMode counts on every device), without gradient checkpointing."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from benchmarks import memory
     from common.models import Flux2Model, trainable_denoiser
 
-    parts, shapes = model_parts(case, tiny), model_shapes(case, tiny)
-    quiet = logging.getLogger("diffusers")  # not "modules that should be kept in float32": none are, here
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        with torch.device(device), sdpa_kernel(SDPBackend.MATH):
-            torch.manual_seed(0)
-            module = memory.build_denoiser(KIND[case], parts["denoiser"], torch.bfloat16).requires_grad_(False)
+    case = Case(kind, 1, kind, "", scale)  # the counts depend on the kind, its scale and its size only
+    mk, parts, shapes = KINDS[kind].memory_kind, parts_of(kind, scale), shapes_of(case, scale)
+    with quiet_diffusers():
+        with torch.device("meta"), sdpa_kernel(SDPBackend.MATH):
+            module = memory.build_denoiser(mk, parts["denoiser"], torch.bfloat16).requires_grad_(False)
+            params = sum(p.numel() for p in module.parameters())
             x = torch.randn(1, *shapes.latent)
             with torch.no_grad(), FlopCounterMode(display=False) as counter:
                 memory.denoise(shapes, module, x)
             base = float(counter.get_total_flops())
-            args = types.SimpleNamespace(
-                lora=True, lora_rank=LORA_RANK, lora_alpha=LORA_ALPHA, gradient_checkpointing=False
-            )
-            holder = types.SimpleNamespace(kind=KIND[case], unet=module, transformer=module)
-            if KIND[case] == "flux2":  # its adapter also covers the single blocks' fused Linears
+            rank = KINDS[kind].lora_rank
+            args = types.SimpleNamespace(lora=True, lora_rank=rank, lora_alpha=2 * rank, gradient_checkpointing=False)
+            holder = types.SimpleNamespace(kind=mk, unet=module, transformer=module)
+            if mk in memory.FLUX2_KINDS:  # its adapter also covers the single blocks' fused Linears
                 holder.lora_targets = Flux2Model.lora_targets
             module = trainable_denoiser(holder, args)
             with FlopCounterMode(display=False) as counter:
                 y = memory.denoise(shapes, module, x)
-                forward = float(counter.get_total_flops())  # the same operations as without gradients
+                forward = float(counter.get_total_flops())
                 y.square().mean().backward()
             train = float(counter.get_total_flops())
-    finally:
-        quiet.setLevel(level)
-    return {"forward_base": base, "forward": forward, "train": train}
+    return {"forward_base": base, "forward": forward, "train": train, "params": float(params)}
 
 
-def expected_flops(case: str, tiny: bool) -> dict[str, float]:
-    """One row's forward by hand, from the configs: 2 FLOPs a multiply-add of every projection on every token
-    (embedders, attention's q, k, v, out, the MLP, the output layer) and attention's two matmuls (4 n^2 d a layer,
-    n tokens, width d); the per-sample vectors (time, guidance and pooled embeddings, the AdaLN modulation) are left
-    out (under 0.1% at full size). "lora": what the adapter adds, 4 n r d for each adapted d x d projection on n
-    tokens (r: the rank; common.models.LORA_TARGETS, attention's projections). "forward" = "forward_base" + "lora"."""
-    den, shapes, r = model_parts(case, tiny)["denoiser"], model_shapes(case, tiny), LORA_RANK
+def count_params(case: Case, scale: str) -> dict[str, float]:
+    """_count_params of the case's kind at `scale` and size (made once per process)."""
+    return dict(_count_params(case.kind, scale, json.dumps(size_of(case, scale == "tiny"))))
+
+
+@functools.cache
+def _count_params(kind: str, scale: str, size: str) -> dict[str, float]:
+    """Parameters of the frozen parts (text encoders, VAE; built on the meta device) and the VAE's decode FLOPs of
+    one sample (FlopCounterMode on the meta device, as memory.vae_decode runs it)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    case = Case(kind, 1, kind, "", scale)
+    mk, parts, shapes = KINDS[kind].memory_kind, parts_of(kind, scale), shapes_of(case, scale)
+    with quiet_diffusers(), torch.device("meta"):
+        text = sum(
+            sum(p.numel() for p in memory.build_text_encoder(fam, cfg, torch.bfloat16, fam == "clip").parameters())
+            for fam, cfg, _ in parts["text"]
+        )
+        vae = memory.build_vae(mk, parts["vae"], torch.bfloat16)
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            memory.vae_decode(vae, shapes, torch.zeros(1, *shapes.latent))
+    return {"text": float(text), "vae": float(sum(p.numel() for p in vae.parameters())),
+            "decode": float(counter.get_total_flops())}  # fmt: skip
+
+
+def expected_flops(case: Case, scale: str) -> float | None:
+    """One row's forward with the adapter by hand, from the configs (FLUX.1, Qwen-Image, FLUX.2, Wan; None for the
+    others): 2 FLOPs a multiply-add of every projection on every token, attention's two matmuls (4 n^2 d a layer),
+    and the adapter's 4 n r d per adapted d x d projection; the per-sample vectors (time, guidance, pooled embeddings,
+    modulation) are left out (under 0.1% at full size)."""
+    mk, parts, shapes, r = KINDS[case.kind].memory_kind, parts_of(case.kind, scale), shapes_of(case, scale), 0
+    den, r = parts["denoiser"], lora_rank(case)
+    if mk not in ("flux", "qwen", "flux2", "flux2_dev", "wan", "wan22", "wan22_a14b"):
+        return None
     d = den["num_attention_heads"] * den["attention_head_dim"]
     n_txt, d_txt = shapes.cond["prompt_embeds"]
-    kind = KIND[case]
-    if kind in ("flux", "qwen"):  # joint attention on image and text tokens; every block, double or single, 24 n d^2
+    if mk in ("flux", "qwen"):  # joint attention on image and text tokens; every block 24 n d^2
         n_img, c_in = shapes.latent
         n, f, p = n_img + n_txt, 4 * d, den["patch_size"]
-        layers = den["num_layers"] + den.get("num_single_layers", 0)  # Qwen-Image: double-stream blocks only
+        layers = den["num_layers"] + den.get("num_single_layers", 0)
         c_out = p * p * (den.get("out_channels") or c_in)
         base = 2 * n_img * c_in * d + 2 * n_txt * d_txt * d + 2 * n_img * d * c_out
         base += layers * (2 * n * (4 * d * d + 2 * d * f) + 4 * n * n * d)
-        # double blocks: q, k, v, out of both streams (4 a token); single blocks: q, k, v (3 a token)
         lora = 4 * r * d * n * (4 * den["num_layers"] + 3 * den.get("num_single_layers", 0))
-    elif kind == "flux2":  # FLUX.2: a SwiGLU MLP of 3d; every block, double or single, 26 n d^2 (13 d^2 a token)
+    elif mk in memory.FLUX2_KINDS:  # a SwiGLU MLP of 3d; every block 26 n d^2; single blocks' fused Linears
         n_img, c_in = shapes.latent
         n = n_img + n_txt
         base = 2 * n_img * c_in * d + 2 * n_txt * d_txt * d + 2 * n_img * d * c_in
         base += (den["num_layers"] + den["num_single_layers"]) * (2 * n * 13 * d * d + 4 * n * n * d)
-        # double blocks: q, k, v, out of both streams; single blocks: the fused d -> 3d + 6d and 4d -> d Linears
         lora = 4 * r * d * n * 4 * den["num_layers"] + 2 * r * n * (10 * d + 5 * d) * den["num_single_layers"]
-    else:  # Wan2.1: self-attention over the video's patches, cross-attention to the text, a d -> ffn -> d MLP
+    else:  # Wan: self-attention over the video's patches, cross-attention to the text, a d -> ffn -> d MLP
         c, frames, h, w = shapes.latent
         pt, ph, pw = den["patch_size"]
         n, f, patch = (frames // pt) * (h // ph) * (w // pw), den["ffn_dim"], pt * ph * pw
         base = 2 * n * c * patch * d + 2 * n_txt * (d_txt + d) * d + 2 * n * d * den["out_channels"] * patch
-        block = 2 * n * (6 * d * d + 2 * d * f) + 2 * n_txt * 2 * d * d + 4 * n * n * d + 4 * n * n_txt * d
-        base += den["num_layers"] * block
-        if kind == "wan22":  # one timestep per token: its embedding (freq -> d -> d) and modulation (d -> 6d) too
+        base += den["num_layers"] * (2 * n * (6 * d * d + 2 * d * f) + 2 * n_txt * 2 * d * d + 4 * n * n * d
+                                     + 4 * n * n_txt * d)  # fmt: skip
+        if mk == "wan22":  # one timestep per token: its embedding (freq -> d -> d) and modulation (d -> 6d)
             base += 2 * n * (den["freq_dim"] * d + d * d + 6 * d * d)
-        lora = 4 * r * d * den["num_layers"] * (6 * n + 2 * n_txt)  # self: q, k, v, out; cross: q, out and k, v
-    return {"forward_base": float(base), "lora": float(lora), "forward": float(base + lora)}
+        lora = 4 * r * d * den["num_layers"] * (6 * n + 2 * n_txt)
+    return float(base + lora)
 
 
-def flops_key(case: str, tiny: bool) -> dict:
-    """What a count depends on, as JSON reads it back: a prepared count (--plan) is used only if this matches."""
-    key = {"denoiser": model_parts(case, tiny)["denoiser"], "size": SIZES[case, tiny], "lora": [LORA_RANK, LORA_ALPHA]}
-    return json.loads(json.dumps(key))
+# ---------------------------------------------------------------------------------------------------
+# The plan: memory.py's peak, FLOP and parameter counts per case, at the GPU's shapes, keyed
+# ---------------------------------------------------------------------------------------------------
+def plan_key(case: Case, tiny: bool) -> dict:
+    """What a case's plan depends on (compared as JSON reads it back): the parts, the size, the flags."""
+    scale = "tiny" if tiny else case.scale
+    key = {
+        "parts": parts_of(case.kind, scale),
+        "size": size_of(case, tiny),
+        "flags": case_flags(case, tiny, Path("OUT")),
+    }
+    return json.loads(json.dumps(key, default=str))
 
 
-def flops_entry(case: str, tiny: bool) -> dict:
-    """A case's FLOPs per row (count_flops on the meta device, expected_flops), with its key, as --plan keeps it."""
-    return {"key": flops_key(case, tiny), "counted": count_flops(case, tiny), "expected": expected_flops(case, tiny)}
+def plan_case(case: Case, tiny: bool = False, memory_plan: bool = True, say=print) -> dict:
+    """One case's plan: memory.estimate's peak (GB) for its script and flags with its model_config, and the counts."""
+    scale = "tiny" if tiny else case.scale
+    entry = {"key": plan_key(case, tiny), "flops": count_flops(case, scale), "parts": count_params(case, scale)}
+    entry["expected_forward"] = expected_flops(case, scale)
+    if memory_plan:
+        flags = case_flags(case, tiny, Path("OUT"))
+        flags[flags.index("--model-id") + 1] = str(_index_folder(case))
+        est = memory.estimate(case.script, flags, model_config=model_config(case.kind, scale))
+        entry |= {"memory_gb": est["peak"], "memory_phase": est["peak_phase"]}
+        say(f"planned {case.call}/{case.name}: {est['peak']:.3g} GB ({est['peak_phase']})")
+    return entry
 
 
-DISK_GB = {("flux", False): 34.0, ("wan", False): 15.0, ("flux", True): 0.1, ("wan", True): 0.1}  # saved folders
-# --models, in bf16 as built (the Wan2.2 VAE in fp32): Qwen-Image 20.43B + Qwen2.5-VL-7B 8.29B + VAE 0.13B; FLUX.2
-# [klein] 3.88B + Qwen3-4B 4.02B + VAE 0.08B; Wan2.2-TI2V-5B 5.00B + UMT5-XXL 5.68B + VAE 0.71B (2.8 GB)
-DISK_GB |= {("qwen-image", False): 58.0, ("flux2-klein", False): 16.0, ("wan22-5b", False): 25.0}
-DISK_GB |= {(case, True): 0.1 for case in MODELS}
-HPS_GB = 3.94  # the random-weight HPSv2.1 checkpoint (fp32 ViT-H-14)
-# Seconds a build needs (docs/gpu.md's budget, its upper end; --tiny: a few), and the least a script's run needs to be
-# worth starting: a build is started only if it and one script fit in the time left, a script only if it fits
-BUILD_S = {
-    ("reward", False): 15, ("flux", False): 90, ("wan", False): 30,
-    ("reward", True): 5, ("flux", True): 5, ("wan", True): 5,
-    # --models: planned from the flux and wan builds (about 1.7 s a GB written), not measured yet
-    ("qwen-image", False): 150, ("flux2-klein", False): 45, ("wan22-5b", False): 60,
-    ("qwen-image", True): 5, ("flux2-klein", True): 5, ("wan22-5b", True): 5,
-}  # fmt: skip
-MIN_SCRIPT_S = {False: 30, True: 10}
+def _index_folder(case: Case) -> Path:
+    """A folder with the kind's model_index.json, for memory.model_kind (under the system's temporary folder)."""
+    import tempfile
+
+    out = Path(tempfile.gettempdir()) / "gpu_check_index"
+    write_model_folder(case, out)
+    return out / "models" / case.kind
 
 
-def plan(cases, tiny: bool, say=print) -> dict:
-    """memory.py's per-GPU plan (GB) of every (case, script), keyed so that a plan made for other flags is refused."""
-    from benchmarks import memory
+def read_plan(path: Path | None) -> dict:
+    if path is None or not Path(path).is_file():
+        return {}
+    return json.loads(Path(path).read_text())
 
-    out = {}
-    for case in cases:
-        config = tiny_config(case) if tiny else None
-        for script, own in script_flags(case, tiny).items():
-            flags = case_flags(case, tiny, Path("OUT")) + own  # --model-id OUT/<FOLDER>: the kind by its name
-            gb = memory.estimate(script, flags, model_config=config)["peak"]
-            out[f"{case}/{script}"] = {"flags": flags, "estimate_gb": gb}
-            say(f"planned {case} {script}: {gb:.3g} GB")
-    return out
+
+def plan_for(plan: dict, case: Case, tiny: bool) -> dict | None:
+    """The plan's entry of `case`, if it was made for the case's current parts, size and flags."""
+    entry = plan.get(f"{case.call}/{case.name}" + ("/tiny" if tiny else ""))
+    return entry if entry and entry.get("key") == plan_key(case, tiny) else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The timing model: each case's and each call's GPU seconds, before the GPU is lent
+# ---------------------------------------------------------------------------------------------------
+TIMING = {
+    # assumed, for an H100 / H200 SXM (989 TFLOP/s dense bf16): what fraction of it each kind of work reaches
+    "peak_tflops": 989.4,
+    "mfu_rollout": 0.45,  # no-grad denoiser forwards of a full-size model (bf16 matmuls and flash attention)
+    "mfu_train": 0.35,  # forward + backward with LoRA, gradient checkpointing's recomputed forward on top (below)
+    "mfu_small": 0.15,  # the same at 2 blocks of each type or under 1B parameters: launches and small GEMMs
+    "mfu_vae": 0.15,  # VAE decodes (convolutions, group norms; Wan's VAE in float32: TF32)
+    "recompute": 1.0,  # gradient checkpointing: one more forward per training forward
+    "launch_s_per_block": 4e-4,  # a forward's kernel launches per block: the floor of a small model's forward
+    # fixed costs (seconds), set from the one GPU run so far (docs/gpu.md: its scripts' start-up and first iteration)
+    "start_s": 25.0,  # the process: imports (torch, diffusers, transformers), the CUDA context, the matmul peak
+    "environment_s": 2.0,
+    "probe_s": 60.0,  # benchmarks/sdpa_probe.py, every kind and kernel: one process per kernel ("about a minute")
+    "case_s": 3.0,  # a script's set-up around its model: Accelerator, run folder, logs, prompts, the reward's build
+    "first_iteration_s": 6.0,  # a case's first iteration on new shapes: kernel loading, cuBLAS / cuDNN heuristics
+    "first_call_s": 10.0,  # once per process: the first CUDA work (lazy module loading, cuBLAS workspace, allocator)
+    "init_gb_s": 100.0,  # building weights on the GPU: bytes initialised per second (random fill, kaiming)
+    "modules_s": 2.0,  # building a model's modules on the meta device (Python), per model
+    "pcie_gb_s": 12.0,  # --offload-frozen: the frozen parts' trips to and from the GPU, twice per iteration
+    "release_s": 1.0,  # gc and empty_cache after a case
+    "text_flop_per_token_param": 2.0,  # text encoders: 2 FLOPs per parameter per token (at mfu_rollout)
+}
+
+
+def case_work(entry: dict, rows: dict) -> dict:
+    """The FLOPs a case does: its rows (the rehearsal's or the GPU's own count: the same flags give the same rows)
+    x the counted FLOPs of one row."""
+    f = entry["flops"]
+    return {
+        "rollout_flop": rows["nograd_rows"] * f["forward"],
+        "train_flop": rows["grad_rows"] * f["train"],
+        "recompute_flop": rows["grad_rows"] * f["forward"],
+    }
+
+
+def estimate_case(case: Case, entry: dict, rows: dict, timing: dict = TIMING) -> dict:
+    """GPU seconds of one case by the timing model: building its weights, its FLOPs at the assumed MFU (a small model
+    at mfu_small, each forward at least its launches), the VAE's decodes, the text encoders, the offload trips, the
+    fixed costs. `rows`: nograd_rows, grad_rows, samples (decoded samples), forwards (denoiser calls)."""
+    t, peak = dict(timing), timing["peak_tflops"] * 1e12
+    f, p = entry["flops"], entry["parts"]
+    small = f["params"] < 1.5e9 or case.scale == "reduced"
+    experts = 2 if KINDS[case.kind].memory_kind == "wan22_a14b" else 1
+    work = case_work(entry, rows)
+    mfu_r, mfu_t = (t["mfu_small"], t["mfu_small"]) if small else (t["mfu_rollout"], t["mfu_train"])
+    rollout = work["rollout_flop"] / (mfu_r * peak)
+    train = (work["train_flop"] + t["recompute"] * work["recompute_flop"]) / (mfu_t * peak)
+    blocks = sum(v for k, v in parts_of(case.kind, case.scale)["denoiser"].items() if k in ("num_layers",
+                 "num_single_layers", "n_layers", "n_refiner_layers")) or 16  # fmt: skip
+    floor = rows.get("forwards", 0) * blocks * t["launch_s_per_block"] * 3  # forward, backward, recompute: at most 3x
+    weights_gb = 2 * (f["params"] * experts + p["text"] + p["vae"]) / 1e9 + 4 * 1.0  # bf16 parts, fp32 HPS (1B)
+    build = weights_gb / t["init_gb_s"] + t["modules_s"]
+    decode = rows.get("samples", 0) * p["decode"] / (t["mfu_vae"] * peak)
+    text_flop = rows.get("prompts", 0) * text_tokens(case) * p["text"] * t["text_flop_per_token_param"]
+    text = text_flop / (t["mfu_rollout"] * peak)
+    frozen_gb = (2 * (p["text"] + p["vae"]) + 4 * 1e9) / 1e9  # bf16 text encoders and VAE, the fp32 HPS
+    offload = 2 * frozen_gb / t["pcie_gb_s"] if case.call == 2 else 0.0  # to the GPU and back, once an iteration
+    fixed = t["case_s"] + t["first_iteration_s"] + t["release_s"]
+    parts = {"build": build, "rollout": max(rollout, floor / 3), "train": max(train, floor * 2 / 3),
+             "decode": decode, "text": text, "offload": offload, "fixed": fixed}  # fmt: skip
+    return {"total_s": sum(parts.values()), **{f"{k}_s": v for k, v in parts.items()}, **work}
+
+
+def text_tokens(case: Case) -> int:
+    """Tokens per prompt through the text encoders (memory.py's padded lengths)."""
+    return sum(n for _, _, n in parts_of(case.kind, case.scale)["text"])
+
+
+def estimate_call(call: int, cases: dict[str, dict], timing: dict = TIMING) -> dict:
+    """A call's GPU seconds: start-up, (call 1) the environment and the probe, the first CUDA work, its cases."""
+    fixed = (
+        timing["start_s"] + timing["first_call_s"] + (timing["environment_s"] + timing["probe_s"] if call == 1 else 0)
+    )
+    total = fixed + sum(c["total_s"] for c in cases.values())
+    return {"call": call, "fixed_s": fixed, "cases_s": total - fixed, "total_s": total, "limit_s": CALL_LIMIT_S[call]}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running a case in this process
+# ---------------------------------------------------------------------------------------------------
+def release() -> None:
+    """After a case: accelerate's process-wide state reset (the next case's Accelerator starts afresh), garbage
+    collected, the CUDA cache emptied, so that the next case has the GPU's memory."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_case(case: Case, tiny: bool, out: Path, attention: str | None) -> dict:
+    """One iteration of the case's script in this process under kit_weights and gpu_timing; its metrics (iteration,
+    sampling, peak memory, rewards) from the run folder, and the clock's rows and GPU seconds."""
+    from common.flags import parse_flags
+    from common.logs import read_metrics
+
+    write_model_folder(case, out)
+    flags = case_flags(case, tiny, out) + ["--output-dir", str(out / "runs"), "--exp-name", f"{case.call}_{case.name}"]
+    if attention:
+        flags += ["--attention-backend", attention]
+    module = importlib.import_module(case.script[:-3])
+    args = parse_flags(module.Args, flags)
+    parts, clock, built = parts_of(case.kind, "tiny" if tiny else case.scale), gpu_timing.Clock(), []
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    try:
+        with kit_weights(module, case.kind, parts, TINY_HPS if tiny else "ViT-H-14", built), gpu_timing.timing(clock):
+            module.main(args)
+        timings = clock.table()
+    finally:
+        del module, args, clock
+        release()
+    r = {"status": "ok", "wall_s": time.perf_counter() - t0, "released": all(ref() is None for ref in built)}
+    if torch.cuda.is_available():  # what the case left allocated on the GPU (0: everything released)
+        r["left_gb"] = torch.cuda.memory_allocated() / 1e9
+    runs = sorted((out / "runs").glob(f"{case.call}_{case.name}__*"))
+    metrics = [m for m in read_metrics(runs[-1]) if "perf/iteration_s" in m] if runs else []
+    if not metrics:
+        return r | {"status": "failed (no iteration logged)"}
+    last = metrics[-1]
+    r |= {
+        "iteration_s": last["perf/iteration_s"], "rollout_s": last["perf/sampling_s"],
+        "train_s": last["perf/iteration_s"] - last["perf/sampling_s"], "peak_gb": last["perf/peak_mem_gb"],
+        "rewards": {k: v for k, v in last.items() if k.startswith("rewards/")},
+    }  # fmt: skip
+    if timings:
+        t = timings[-1]
+        r |= {k: t[k] for k in ("nograd_rows", "nograd_s", "grad_rows", "grad_s", "backward_s")}
+    for run_dir in runs:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return r
+
+
+def rows_of(r: dict, case: Case) -> dict:
+    """The counts the timing model takes, from a case's result: denoiser rows, forwards, decoded samples, prompts."""
+    flags = script_flags(case)
+    spd = int(flags[flags.index("--samples-per-device") + 1]) if "--samples-per-device" in flags else 4
+    return {"nograd_rows": r.get("nograd_rows", 0), "grad_rows": r.get("grad_rows", 0),
+            "forwards": (r.get("nograd_rows", 0) + r.get("grad_rows", 0)) // 2 or 1,
+            "samples": spd, "prompts": spd + 1}  # fmt: skip
+
+
+def add_rates(r: dict, flops: dict | None, peak: float | None) -> None:
+    """TFLOP/s and MFU (against the measured matmul peak) of the rollout's forwards and of the training step, and
+    the FLOPs done."""
+    if "nograd_s" not in r or not flops:
+        return
+    r["rollout_pflop"] = r["nograd_rows"] * flops["forward"] / 1e15
+    r["train_pflop"] = r["grad_rows"] * flops["train"] / 1e15
+    r["rollout_tflops"] = r["rollout_pflop"] * 1e3 / max(r["nograd_s"], 1e-9)
+    r["train_tflops"] = r["train_pflop"] * 1e3 / max(r["grad_s"] + r["backward_s"], 1e-9)
+    for what in ("rollout", "train"):
+        r[f"{what}_mfu"] = r[f"{what}_tflops"] / peak if peak else None
 
 
 def matmul_peak_tflops(n: int = 8192, reps: int = 20) -> float:
@@ -632,168 +939,33 @@ def matmul_peak_tflops(n: int = 8192, reps: int = 20) -> float:
     return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
 
 
-def first_lines(text: str, n: int = 6, width: int = 300) -> str:
-    """The first `n` non-empty lines of `text`, each cut to `width` characters."""
-    return "\n".join([line[:width] for line in str(text).strip().splitlines() if line.strip()][:n])
+def environment() -> dict:
+    """Versions and the device: what a result depends on."""
+    import accelerate
+    import diffusers
+    import peft
+    import transformers
 
-
-def error_in_log(text: str) -> tuple[str | None, str]:
-    """(type, message) of what a script's log ends with: the exception that ends its last traceback, or else its last
-    'error: ...' line (the scripts' refusal of an input); (None, "") when neither."""
-    lines = text.rstrip().splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
-    if starts:
-        after = lines[starts[-1] + 1 :]
-        at = next((i for i, line in enumerate(after) if line and not line[0].isspace()), None)
-        if at is not None:
-            name, sep, message = after[at].partition(":")
-            if sep and re.fullmatch(r"[A-Za-z_][\w.]*", name):
-                return name, first_lines("\n".join([message.strip(), *after[at + 1 :]]))
-            return after[at][:300], first_lines("\n".join(after[at + 1 :]))
-    errors = [line for line in lines if line.startswith("error:")]
-    return ("error", errors[-1][len("error:") :].strip()[:300]) if errors else (None, "")
-
-
-def run_script(script, flags, out: Path, limit_s: float, exp_name: str, tiny_hps: Path | None = None) -> dict:
-    """One 2-iteration run under benchmarks/gpu_timing.py, its output in {out}/logs/{exp_name}.log (tiny_hps: the
-    folder of the 'tiny-hps' config, for --tiny's reward: the run goes through run_with_tiny_hps). A failure or a
-    time-out is returned with the end of the log and the exception it ends with; the process group is killed when
-    the run ends early, whatever ends it (a SIGTERM of the check too)."""
-    from common.logs import read_metrics
-
-    logs = out / "logs"
-    logs.mkdir(exist_ok=True)
-    log, timings = logs / f"{exp_name}.log", logs / f"{exp_name}.timings.json"
-    cmd = [sys.executable]
-    if tiny_hps is not None:
-        cmd += [str(Path(__file__).resolve()), RUN_WITH_TINY_HPS, str(tiny_hps)]
-    cmd += [str(ROOT / "benchmarks" / "gpu_timing.py"), str(timings), script, *flags]
-    cmd += ["--output-dir", str(out / "runs"), "--exp-name", exp_name, "--no-save"]  # no checkpoint, no final weights
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            status = "ok" if proc.wait(timeout=max(limit_s, 1)) == 0 else f"failed (exit {proc.returncode})"
-        except subprocess.TimeoutExpired:
-            status = f"timed out after {limit_s:.0f} s"
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # the script and anything it started
-                proc.wait()
-    r = {"status": status, "wall_s": time.perf_counter() - t0, "log": str(log)}
-    runs = sorted((out / "runs").glob(f"{exp_name}__*"))
-    train = [m for m in read_metrics(runs[-1]) if "perf/iteration_s" in m] if runs else []
-    if status != "ok" or not train:
-        text = log.read_text(errors="replace")
-        r["log_tail"] = text[-3000:]
-        kind, message = error_in_log(text)
-        r["error"] = {"type": kind or status, "message": message or first_lines(text[-600:], n=4)}
-        if status == "ok":
-            r["status"] = "failed (no iteration logged)"
-        return r
-    last = train[-1]  # the second iteration: the first one also warms up kernels and caches
-    r |= {
-        "iterations": len(train),
-        "iteration_s": last["perf/iteration_s"],
-        "sampling_s": last["perf/sampling_s"],
-        "peak_gb": max(m["perf/peak_mem_gb"] for m in train),
-        "rewards": {k: v for k, v in last.items() if k.startswith("rewards/")},
-    }
-    if timings.is_file():
-        t = json.loads(timings.read_text())[-1]
-        r |= {k: t[k] for k in ("nograd_rows", "nograd_s", "grad_rows", "grad_s", "backward_s")}
-    for run_dir in runs:  # its logs and sample grids, if any: the next runs need the disk
-        shutil.rmtree(run_dir, ignore_errors=True)
-    return r
-
-
-def add_rates(r: dict, flops: dict | None, peak: float | None) -> None:
-    """TFLOP/s of the no-grad forwards (the rollout: rows x one forward with the adapter) and of the training step
-    (forwards with gradients + backward: rows x one counted forward + backward), and their MFU against the measured
-    matmul peak. No FLOP count (it failed): no rates."""
-    if "nograd_s" not in r or not flops:
-        return
-    r["rollout_tflops"] = r["nograd_rows"] * flops["forward"] / max(r["nograd_s"], 1e-9) / 1e12
-    r["train_tflops"] = r["grad_rows"] * flops["train"] / max(r["grad_s"] + r["backward_s"], 1e-9) / 1e12
-    for what in ("rollout", "train"):
-        r[f"{what}_mfu"] = r[f"{what}_tflops"] / peak if peak else None
-
-
-def pct(x) -> str:
-    return f"{x:.0%}" if x is not None else "n/a"
-
-
-def gb(x) -> str:
-    return f"{x:.3g}" if x is not None else "n/a"
-
-
-def table(results: dict, cases) -> str:
-    """Markdown: the status, the FLOPs of each case, one line per case and script, and what failed or was skipped."""
-    measured, datasheet = results.get("peak_tflops_measured"), results.get("peak_tflops_datasheet")
-    rows = [
-        "| case | script | status | s / iteration | sampling s | peak memory (GB) | plan (GB) | no-grad forwards: "
-        "TFLOP/s, MFU | training step: TFLOP/s, MFU |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    counts = []
-    for case in cases:
-        c = results.get(case, {})
-        setting = c.get("setting", case)
-        if "forward_tflop" in c:
-            counts.append(
-                f"- {setting}: one row's forward {c['forward_tflop']:.4g} TFLOP counted (expected "
-                f"{c['forward_expected_tflop']:.4g}; without LoRA {c['forward_base_tflop']:.4g}), forward + backward "
-                f"{c['train_tflop']:.4g} TFLOP ({c['train_tflop'] / c['forward_tflop']:.2f}x the forward)"
-            )
-        if c.get("build", {}).get("status", "ok") != "ok":
-            rows.append(f"| {setting} | (build) | {c['build']['status']} | | | | | | |")
-        for script, r in c.get("scripts", {}).items():
-            if "iteration_s" not in r:
-                rows.append(f"| {setting} | {script} | {r['status']} | | | | {gb(r.get('estimate_gb'))} | | |")
-                continue
-            rates = [
-                f"{r[f'{w}_tflops']:.3g}, {pct(r[f'{w}_mfu'])}" if f"{w}_tflops" in r else "n/a"
-                for w in ("rollout", "train")
-            ]
-            rows.append(
-                f"| {setting} | {script} | {r['status']} | {r['iteration_s']:.1f} | {r['sampling_s']:.1f} | "
-                f"{r['peak_gb']:.3g} | {gb(r.get('estimate_gb'))} | {rates[0]} | {rates[1]} |"
-            )
-    peaks = (
-        f"MFU against the measured bf16 matmul peak {measured:.0f} TFLOP/s"
-        + (f" (datasheet {datasheet:.0f}: multiply the MFU by {measured / datasheet:.2f})" if datasheet else "")
-        if measured
-        else "no GPU: no MFU"
-    )
-    phases = ", ".join(f"{k} {v:.0f} s" for k, v in results.get("phases_s", {}).items())
-    failures = [
-        f"- {f['case']}: {f['type']}" + (": " + f["message"].replace("\n", " / ") if f.get("message") else "")
-        for f in results.get("failures", [])
-    ]
-    return (
-        f"{results['device']}, LoRA r{LORA_RANK}, bf16, gradient checkpointing, --offload-frozen; {peaks}\n"
-        f"status: {results['status']}\n"
-        f"time per phase: {phases}\n"
-        + (
-            "FLOPs per row (torch.utils.flop_counter, the LoRA-wrapped denoiser):\n" + "\n".join(counts) + "\n"
-            if counts
-            else ""
-        )
-        + "\n"
-        + "\n".join(rows)
-        + ("\n\nfailures:\n" + "\n".join(failures) if failures else "")
-    )
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "diffusers": diffusers.__version__, "transformers": transformers.__version__,
+           "accelerate": accelerate.__version__, "peft": peft.__version__}  # fmt: skip
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        env |= {"gpu": torch.cuda.get_device_name(), "cudnn": torch.backends.cudnn.version(),
+                "gpu_memory_gb": total / 1e9, "gpu_free_gb": free / 1e9,
+                "capability": ".".join(map(str, torch.cuda.get_device_capability()))}  # fmt: skip
+    return env
 
 
 # ---------------------------------------------------------------------------------------------------
-# The check: every step caught and recorded, the results written from the start
+# The results: every step caught and recorded, written from the start
 # ---------------------------------------------------------------------------------------------------
 class Stopped(BaseException):
-    """A SIGTERM (gpu_check.sh's outer limit) or SIGINT: recorded, then the check ends (not caught as a failure)."""
+    """A SIGTERM (gpu_check.sh's outer limit) or SIGINT: recorded, then the call ends (not caught as a failure)."""
 
 
 class OutOfTime(Exception):
-    """A build still running when the check's time was up (SIGALRM)."""
+    """A step still running when the call's time was up (SIGALRM)."""
 
 
 def on_signal(signum, frame):
@@ -801,21 +973,26 @@ def on_signal(signum, frame):
 
 
 def on_alarm(signum, frame):
-    raise OutOfTime("the check's time limit (--limit-s) was reached during this step")
+    raise OutOfTime("the call's time limit (--limit-s) was reached during this step")
+
+
+def first_lines(text: str, n: int = 6, width: int = 300) -> str:
+    return "\n".join([line[:width] for line in str(text).strip().splitlines() if line.strip()][:n])
 
 
 class Check:
-    """The results of one check (gpu_check.json, gpu_check.md and gpu_check.log, every line printed), written to --out
-    and --results (each written to on its own: one that cannot be written does not stop the other)."""
+    """The results (gpu_check.json, gpu_check.md, gpu_check.log: every line printed), written to --out and --results,
+    each on its own (one that cannot be written does not stop the other)."""
 
-    def __init__(self, out: Path, results_dir: Path | None, cases: list[str], tiny: bool, device_name: str):
-        self.out, self.tiny, self.cases = out, tiny, cases
+    def __init__(self, out: Path, results_dir: Path | None, device: str, calls: list[int]):
+        self.out = out
         same = results_dir is not None and results_dir.resolve() == out.resolve()
         self.dests = [out] + ([results_dir] if results_dir and not same else [])
-        self.results = {"device": device_name, "cases": cases, "status": "running", "phases_s": {}, "failures": []}
+        self.results = {"device": device, "calls": calls, "status": "running", "steps_s": {}, "failures": [],
+                        "cases": {}, "estimates": {}}  # fmt: skip
         self.deadline = float("inf")
         for dest in self.dests:
-            self._write(dest, "gpu_check.log", "", "w")  # this check's lines only
+            self._write(dest, "gpu_check.log", "", "w")
         self.save()
 
     def _write(self, dest: Path, name: str, text: str, mode: str = "w") -> None:
@@ -827,28 +1004,18 @@ class Check:
             print(f"warning: cannot write {dest / name}: {e}", file=sys.stderr, flush=True)
 
     def say(self, line: str, err: bool = False) -> None:
-        """Print a line (stderr with `err`) and add it to gpu_check.log."""
         print(line, file=sys.stderr if err else sys.stdout, flush=True)
         for dest in self.dests:
             self._write(dest, "gpu_check.log", line + "\n", "a")
 
     def save(self) -> None:
-        """gpu_check.json and gpu_check.md in --out and --results, and the scripts' logs in --results."""
-        text, md = json.dumps(self.results, indent=1), table(self.results, self.cases) + "\n"
+        text, md = json.dumps(self.results, indent=1, default=str), table(self.results) + "\n"
         for dest in self.dests:
             self._write(dest, "gpu_check.json", text)
             self._write(dest, "gpu_check.md", md)
-        logs = self.out / "logs"
-        for dest in self.dests[1:]:
-            for f in sorted(logs.glob("*.log")) if logs.is_dir() else []:
-                try:
-                    shutil.copy(f, dest / f.name)
-                except OSError as e:
-                    print(f"warning: cannot copy {f} to {dest}: {e}", file=sys.stderr, flush=True)
 
     def fail(self, step: str, kind: str, message: str, tail: str = "") -> dict:
-        """Record a failure of `step` (its exception's type or the run's status, the first lines of the message)."""
-        record = {"case": step, "type": kind, "message": first_lines(message)}
+        record = {"step": step, "type": kind, "message": first_lines(message)}
         if tail:
             record["tail"] = tail
         self.results["failures"].append(record)
@@ -856,248 +1023,258 @@ class Check:
         self.save()
         return record
 
-    def stop(self, reason: str) -> None:
-        """A failure before the clock: recorded and written, then the check ends."""
-        self.fail("before the clock", "stopped", reason)
-        self.results["status"] = f"stopped: {reason}"
-        self.save()
-        raise SystemExit(f"error: {reason}")
-
     def attempt(self, step: str, fn, *args, limit_s: float | None = None):
-        """(fn(*args), None), or (None, the failure's record) when it raises: recorded with its type, message and the
-        end of its traceback, and the check goes on. `limit_s`: a SIGALRM ends it (OutOfTime) after that long."""
+        """(fn(*args), None), or (None, the failure's record) when it raises (SystemExit too: a script's flags that do
+        not parse); `limit_s`: SIGALRM ends it (OutOfTime) after that long."""
         t = time.perf_counter()
         if limit_s is not None:
             previous = signal.signal(signal.SIGALRM, on_alarm)
             signal.setitimer(signal.ITIMER_REAL, max(limit_s, 0.01))
         try:
             return fn(*args), None
-        except Exception as e:  # every failure is recorded; Stopped (a signal) is not an Exception and ends the check
+        except (Exception, SystemExit) as e:  # Stopped (a signal) is neither and ends the call
             tail = "".join(traceback.format_exception(e)[-8:])[-2000:]
             return None, self.fail(step, type(e).__name__, str(e) or repr(e), tail)
         finally:
             if limit_s is not None:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, previous)
-            self.results["phases_s"][step] = time.perf_counter() - t
-            gc.collect()  # what a failed build left (the traceback's frames are gone)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-
-    def time_for(self, what: str, need_s: float) -> str | None:
-        """None when `need_s` seconds fit in the time left, else the reason to skip `what`."""
-        left = self.deadline - time.perf_counter()
-        return None if left >= need_s else f"skipped: {max(left, 0):.0f} s left, {what} needs {need_s:.0f} s"
+            self.results["steps_s"][step] = time.perf_counter() - t
+            release()
 
     def left_s(self) -> float:
         return self.deadline - time.perf_counter()
 
 
-def main(argv: list[str] | None = None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU: the harness, not the figures")
-    parser.add_argument("--out", default="/tmp/gpu_check", help="folder for the models, the runs and the results")
-    parser.add_argument("--results", help="also write the results (table, JSON, console, logs) here, from the start")
-    parser.add_argument("--limit-s", type=float, default=480, help="the whole check's time limit, after planning")
-    parser.add_argument("--script-limit-s", type=float, default=180, help="time limit of one script's run")
-    parser.add_argument(
-        "--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}; or none (with --models)"
+def fmt(x, spec=".3g", none="n/a") -> str:
+    return none if x is None else format(x, spec)
+
+
+def pct(x) -> str:
+    return f"{x:.0%}" if x is not None else "n/a"
+
+
+def table(results: dict) -> str:
+    """Markdown: one row per case (status, seconds, peak memory against the plan, rates and MFU, FLOPs done, the
+    timing model's estimate), each call's estimate and measured time, and what failed."""
+    measured, datasheet = results.get("peak_tflops_measured"), results.get("peak_tflops_datasheet")
+    rows = [
+        "| call | case | setting | status | rollout s | training s | peak GB | plan GB | rollout TFLOP/s, MFU | "
+        "training TFLOP/s, MFU | PFLOP done (rollout, training) | estimate s | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results.get("cases", {}).values():
+        rates = [f"{r[f'{w}_tflops']:.3g}, {pct(r.get(f'{w}_mfu'))}" if f"{w}_tflops" in r else "" for w in
+                 ("rollout", "train")]  # fmt: skip
+        done = f"{r['rollout_pflop']:.3g}, {r['train_pflop']:.3g}" if "rollout_pflop" in r else ""
+        rows.append(
+            f"| {r['call']} | {r['case']} | {r['setting']} | {r['status']} | {fmt(r.get('rollout_s'), '.2f', '')} | "
+            f"{fmt(r.get('train_s'), '.2f', '')} | {fmt(r.get('peak_gb'), '.3g', '')} | {fmt(r.get('plan_gb'))} | "
+            f"{rates[0]} | {rates[1]} | {done} | {fmt(r.get('estimate_s'), '.0f', '')} | "
+            f"{fmt(r.get('wall_s'), '.0f', '')} |"
+        )
+    peaks = (
+        f"MFU against the measured bf16 matmul peak {measured:.0f} TFLOP/s"
+        + (f" (datasheet {datasheet:.0f})" if datasheet else "")
+        if measured
+        else "no GPU: no MFU (the seconds are the CPU's, the peak memory the process's resident set)"
     )
-    parser.add_argument(
-        "--models", default="", help=f"comma-separated, of: {', '.join(MODELS)}: one case each, after --cases"
+    calls = [
+        f"- call {e['call']}: estimated {e['total_s']:.0f} s on an H100 / H200 (fixed {e['fixed_s']:.0f} s + cases "
+        f"{e['cases_s']:.0f} s; limit {e['limit_s']} s)"
+        + (
+            f"; measured {results['calls_s'][str(e['call'])]:.0f} s"
+            if str(e["call"]) in results.get("calls_s", {})
+            else ""
+        )  # fmt: skip
+        for e in results.get("estimates", {}).values()
+    ]
+    failures = [
+        f"- {f['step']}: {f['type']}" + (": " + f["message"].replace("\n", " / ") if f.get("message") else "")
+        for f in results.get("failures", [])
+    ]
+    return (
+        f"{results['device']}; {peaks}\nstatus: {results['status']}\n"
+        + ("timing model (benchmarks/gpu_check.py TIMING):\n" + "\n".join(calls) + "\n" if calls else "")
+        + "\n"
+        + "\n".join(rows)
+        + ("\n\nfailures:\n" + "\n".join(failures) if failures else "")
     )
-    parser.add_argument("--plan", help="memory plans and FLOP counts made beforehand (--write-plan); default: here")
-    parser.add_argument("--write-plan", help="only write the plans and FLOP counts to this file (--tiny: the tiny's)")
-    a = parser.parse_args(argv)
-    out, tiny = Path(a.out), a.tiny
+
+
+# ---------------------------------------------------------------------------------------------------
+# The calls
+# ---------------------------------------------------------------------------------------------------
+def chosen(calls: str, cases: str) -> tuple[list[int], list[Case]]:
+    """--call (1, 2 or 1,2) and --cases (names of those calls' cases; '' = all): ValueError naming the flag."""
     try:
-        cases = chosen_cases(a.cases, a.models)
-    except ValueError as e:
-        parser.error(str(e))
-    if a.write_plan:  # every case, --models' too: the prepared plan serves any choice
-        every = CASES + MODELS
-        data = plan(every, tiny) | {f"flops/{case}": flops_entry(case, tiny) for case in every}
-        Path(a.write_plan).write_text(json.dumps(data, indent=1))
+        numbers = [int(c) for c in calls.split(",")]
+    except ValueError:
+        numbers = []
+    if not numbers or any(n not in CASES for n in numbers) or len(set(numbers)) != len(numbers):
+        raise ValueError(f"--call {calls!r}: give 1, 2 or 1,2")
+    every = [c for n in numbers for c in CASES[n]]
+    names = cases.split(",") if cases else [c.name for c in every]
+    bad = [n for n in names if n not in {c.name for c in every}] or [n for i, n in enumerate(names) if n in names[:i]]
+    if bad:
+        raise ValueError(f"--cases {cases!r}: {bad[0]} is not a case of --call {calls} (of: "
+                         f"{', '.join(c.name for c in every)}; comma-separated, each once)")  # fmt: skip
+    return numbers, [c for c in every if c.name in names]
+
+
+def run_call(check: Check, a, call: int, cases: list[Case], tiny: bool, plan: dict) -> None:
+    out, results, say = check.out, check.results, check.say
+    device = "cpu" if tiny else "cuda"
+    t_call = time.perf_counter()
+    check.deadline = t_call + (a.limit_s or CALL_LIMIT_S[call] + (10_000 if tiny else 0))
+    if call == 1:
+        env, _ = check.attempt("environment", environment)
+        results["environment"] = env
+        say(f"environment: {json.dumps(env)}")
+        from benchmarks import sdpa_probe
+
+        # rehearsed with the math kernel alone (one process: the others are the probe's own tests' concern)
+        backends = ["math"] if tiny else None
+        limit = min(120.0, check.left_s())  # each of its processes, and the whole probe
+        rows, _ = check.attempt("sdpa probe", sdpa_probe.probe, device, None, tiny, say, backends, 3, limit,
+                                limit_s=check.left_s())  # fmt: skip
+        results["sdpa_probe"] = rows
+        bad = [r for r in rows or [] if r["status"] in ("error", "non-finite")]
+        say(f"sdpa probe: {len(rows or [])} rows, {len(bad)} error or non-finite")
+        check.save()
+    estimates = {}
+    for case in cases:
+        key = f"{call}/{case.name}"
+        setting = describe(case, tiny)
+        entry = plan_for(plan, case, tiny)
+        if entry is None:  # counted now (seconds on the meta device); no memory plan (minutes: --write-plan)
+            entry, _ = check.attempt(f"{key}: FLOP count", plan_case, case, tiny, False)
+        r = {"call": call, "case": case.name, "setting": setting, "status": "running"}
+        results["cases"][key] = r
+        if entry:
+            r["plan_gb"] = entry.get("memory_gb")
+            counted, expected = entry["flops"], entry.get("expected_forward")
+            say(f"{key} {setting}: one row's forward {counted['forward'] / 1e12:.4g} TFLOP counted"
+                + (f" ({expected / 1e12:.4g} expected)" if expected else "")
+                + f", forward + backward {counted['train'] / 1e12:.4g} TFLOP")  # fmt: skip
+        if check.left_s() < 1:
+            r["status"] = "skipped: no time left"
+            check.fail(key, "skipped", f"{max(check.left_s(), 0):.1f} s left of the call's --limit-s")
+            continue
+        out_r, failure = check.attempt(key, run_case, case, tiny, out, a.attention_backend, limit_s=check.left_s())
+        if failure is not None:
+            r["status"] = f"failed: {failure['type']}"
+        else:
+            r |= out_r
+            if r["status"] != "ok":
+                check.fail(key, r["status"], "")
+        if entry:
+            add_rates(r, entry["flops"], results.get("peak_tflops_measured"))
+            gpu_entry = entry if not tiny else plan_for(plan, case, False) or gpu_counts(check, case)
+            if gpu_entry is not None and "nograd_rows" in r:
+                est = estimate_case(case, gpu_entry, rows_of(r, case))
+                r["estimate_s"] = est["total_s"]
+                estimates[case.name] = est
+        say(line(r))
+        check.save()
+    results.setdefault("calls_s", {})[str(call)] = time.perf_counter() - t_call
+    if estimates:
+        results["estimates"][str(call)] = estimate_call(call, estimates) | {"of_cases": sorted(estimates)}
+    check.save()
+
+
+def gpu_counts(check: Check, case: Case) -> dict | None:
+    """A rehearsed case's counts at the GPU's shapes when the plan has none current: counted now (seconds)."""
+    entry, _ = check.attempt(f"{case.call}/{case.name}: FLOP count at the GPU's shapes", plan_case, case, False, False)
+    return entry
+
+
+def line(r: dict) -> str:
+    if "iteration_s" not in r:
+        return f"{r['call']}/{r['case']}: {r['status']}"
+    rates = "".join(
+        f", {w} {r[f'{w}_tflops']:.3g} TFLOP/s ({pct(r.get(f'{w}_mfu'))})" for w in ("rollout", "train")
+        if f"{w}_tflops" in r
+    )  # fmt: skip
+    return (f"{r['call']}/{r['case']}: ok, rollout {r['rollout_s']:.2f} s, training {r['train_s']:.2f} s, peak "
+            f"{r['peak_gb']:.3g} GB (plan {fmt(r.get('plan_gb'))}){rates}, {r['wall_s']:.0f} s in all, model "
+            f"{'released' if r['released'] else 'NOT released'}"
+            + (f", estimated {r['estimate_s']:.0f} s on an H100" if "estimate_s" in r else ""))  # fmt: skip
+
+
+def write_plan(path: Path, tiny: bool, say=print) -> dict:
+    """Every case of both calls planned (memory.py) and counted, at the GPU's shapes (tiny: the rehearsal's); an
+    entry of `path` made for the same parts, size and flags is kept. Written after each case."""
+    old = read_plan(path)
+    plan = {"made": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    for cases in CASES.values():
+        for case in cases:
+            kept = plan_for(old, case, tiny)  # made for the same parts, size and flags: kept
+            plan[f"{case.call}/{case.name}" + ("/tiny" if tiny else "")] = kept or plan_case(case, tiny, say=say)
+            path.write_text(json.dumps(plan, indent=1) + "\n")
+    path.write_text(json.dumps(plan, indent=1) + "\n")
+    return plan
+
+
+def main(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--call", help="1, 2 or 1,2 (default: 1,2 with --rehearse, else required)")
+    p.add_argument("--cases", default="", help="comma-separated cases of the call(s) (default: all): a rerun")
+    p.add_argument("--rehearse", action="store_true", help="tiny widths on the CPU: the kit end to end")
+    p.add_argument("--out", default="/tmp/gpu_check", help="folder of the runs and the results")
+    p.add_argument("--results", help="also write the results here, from the start")
+    p.add_argument("--limit-s", type=float, help="each call's time limit (default: 240 for call 1, 360 for call 2)")
+    p.add_argument("--plan", default=str(PLAN), help="the plan (--write-plan); an entry made for other flags is unused")
+    p.add_argument("--write-plan", help="only plan every case (memory.py, FLOP counts) into this file, then end")
+    p.add_argument("--attention-backend", choices=("auto", "flash", "efficient", "math", "cudnn"),
+                   help="passed to every script (default: the scripts' own)")  # fmt: skip
+    a = p.parse_args(argv)
+    if a.write_plan:
+        write_plan(Path(a.write_plan), a.rehearse)
         return
-    cuda = torch.cuda.is_available()
-    name = "CPU" if tiny else torch.cuda.get_device_name() if cuda else "no CUDA GPU"
-    check = Check(out, Path(a.results) if a.results else None, cases, tiny, name)
+    if a.call is None and not a.rehearse:
+        p.error("--call: give 1 or 2 (the two calls of a lent GPU; --rehearse runs both by default)")
+    try:
+        calls, cases = chosen(a.call or "1,2", a.cases)
+    except ValueError as e:
+        p.error(str(e))
+    if a.limit_s is not None and a.limit_s <= 0:
+        p.error(f"--limit-s {a.limit_s}: must be > 0")
+    tiny, out = a.rehearse, Path(a.out)
+    if not tiny and not torch.cuda.is_available():
+        p.error("--call: no CUDA GPU here; --rehearse runs the kit on the CPU")
+    plan = read_plan(Path(a.plan))
+    check = Check(out, Path(a.results) if a.results else None, "CPU (rehearsal)" if tiny else "", calls)
     handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        run_check(check, a, cases, tiny)
+        check.results["device"] = "CPU (rehearsal)" if tiny else torch.cuda.get_device_name()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+        shutil.rmtree(out / "runs", ignore_errors=True)
+        if tiny:
+            register_tiny_hps(out / "open_clip")
+        else:
+            check.results["peak_tflops_measured"], _ = check.attempt("matmul peak", matmul_peak_tflops)
+            name = check.results["device"]
+            check.results["peak_tflops_datasheet"] = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        for call in calls:
+            run_call(check, a, call, [c for c in cases if c.call == call], tiny, plan)
     except Stopped as e:
         check.fail("the check", "Stopped", str(e))
         check.results["status"] = str(e)
         check.save()
         raise SystemExit(f"error: {e}") from None
-    except Exception as e:  # a failure outside any step (a bug of the harness): recorded before it ends the check
-        check.fail("the check", type(e).__name__, str(e), "".join(traceback.format_exception(e)[-8:])[-2000:])
-        check.results["status"] = f"failed: {type(e).__name__}"
-        check.save()
-        raise
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
-
-
-def chosen_cases(cases: str, models: str) -> list[str]:
-    """The cases to run, in order: --cases (of CASES, or "none"), then --models (of MODELS; "" is none). A bad value
-    raises ValueError naming its flag, before anything runs."""
-    chosen = []
-    for flag, value, allowed in (("--cases", cases, CASES), ("--models", models, MODELS)):
-        names = value.split(",") if value else []
-        if flag == "--cases" and names == ["none"]:
-            continue
-        bad = [n for n in names if n not in allowed] or [n for i, n in enumerate(names) if n in names[:i]]
-        if flag == "--cases" and not names:
-            bad = ["''"]
-        if bad:
-            none = "; or none" if flag == "--cases" else ""
-            raise ValueError(f"{flag} {value!r}: {bad[0]} is not one of {', '.join(allowed)} (comma-separated, each "
-                             f"once{none})")  # fmt: skip
-        chosen += names
-    if not chosen:
-        raise ValueError("--cases none and no --models: nothing to run")
-    return chosen
-
-
-def run_check(check: Check, a, cases: list[str], tiny: bool) -> None:
-    out, results, say = check.out, check.results, check.say
-    device = "cpu" if tiny else "cuda"
-    if not tiny and not torch.cuda.is_available():
-        check.stop("no CUDA GPU here; `--tiny` runs the harness on the CPU")
-
-    # ---- before the clock: the memory plans, the FLOP counts and the disk
-    if a.plan:
-        try:
-            plans = json.loads(Path(a.plan).read_text())
-        except (OSError, ValueError) as e:
-            check.stop(f"--plan {a.plan}: cannot be read ({type(e).__name__}: {e})")
-        for case in cases:
-            for script, own in script_flags(case, tiny).items():
-                p = plans.get(f"{case}/{script}")
-                if p is None or p["flags"] != case_flags(case, tiny, Path("OUT")) + own:
-                    check.stop(f"--plan {a.plan} was made for other flags of {case} {script}; make it anew with "
-                               "`bash benchmarks/gpu_check.sh --prepare`")  # fmt: skip
-    else:
-        plans, _ = check.attempt("memory plans", plan, cases, tiny, say)
-        plans = plans or {}
-    flops = {}
-    for case in cases:
-        entry = plans.get(f"flops/{case}")
-        if entry is None or entry.get("key") != flops_key(case, tiny):
-            entry, _ = check.attempt(f"{case}: FLOP count", flops_entry, case, tiny)
-        flops[case] = entry
-    need_gb = max(DISK_GB[c, tiny] for c in cases) + (0 if tiny else HPS_GB) + 1  # one case's model at a time
-    free_gb = shutil.disk_usage(out).free / 1e9
-    if free_gb < need_gb:
-        check.stop(f"--out {out} has {free_gb:.1f} GB free; the check writes up to {need_gb:.0f} GB there (one model "
-                   "folder at a time and the reward's checkpoint): pass a larger disk")  # fmt: skip
-    for stale in ("runs", "logs"):
-        shutil.rmtree(out / stale, ignore_errors=True)
-
-    # ---- the clock starts
-    t0 = time.perf_counter()
-    check.deadline = t0 + a.limit_s
-    if not tiny:
-        results["peak_tflops_measured"], _ = check.attempt("peak", matmul_peak_tflops)
-        name = results["device"]
-        results["peak_tflops_datasheet"] = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
-    peak = results.get("peak_tflops_measured")
-
-    (out / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
-    no_reward = None  # why the cases cannot run: no reward checkpoint
-    if skip := check.time_for("the reward checkpoint and one script", BUILD_S["reward", tiny] + MIN_SCRIPT_S[tiny]):
-        check.fail("reward checkpoint", "skipped", skip)
-        no_reward = f"no reward checkpoint ({skip})"
-    else:
-        _, failure = check.attempt(
-            "reward checkpoint", build_reward_checkpoint, out, tiny, device, limit_s=check.left_s()
-        )
-        no_reward = failure and f"no reward checkpoint (failed: {failure['type']})"
+    bad = [f["step"] for f in check.results["failures"]]
+    check.results["status"] = "done" if not bad else f"done, not everything ran: {', '.join(bad)}"
     check.save()
-    for case in cases:
-        run_case(check, a, case, tiny, device, plans, flops[case], peak, no_reward)
-
-    results["total_s"] = time.perf_counter() - t0
-    not_ok = [f["case"] for f in results["failures"]]
-    results["status"] = "done" if not not_ok else f"done, not everything ran: {', '.join(not_ok)}"
-    check.save()
-    say(table(results, cases))
-    say(f"total {results['total_s']:.0f} s; results in {out}/gpu_check.md" + (f" and {a.results}" if a.results else ""))
-    failed = [f"{c} {s}" for c in cases for s, r in results[c]["scripts"].items() if r["status"] != "ok"]
-    if failed:
-        raise SystemExit(f"error: not every script ran: {', '.join(failed)}; failed or skipped: {', '.join(not_ok)} "
-                         f"(logs in {out}/logs)")  # fmt: skip
-    if not_ok:
-        raise SystemExit(f"error: every script ran, but not every step: {', '.join(not_ok)}")
-
-
-def run_case(check: Check, a, case: str, tiny: bool, device, plans, flops, peak, no_reward: str | None) -> None:
-    """Build the case's model (if the time left allows it), then run each of its scripts (each if the time left
-    allows it); every failure and every skip recorded. The model's folder is deleted afterwards, whatever happened."""
-    out, results, say = check.out, check.results, check.say
-    size = SIZES[case, tiny]
-    setting = describe(case, size, tiny)
-    c = results[case] = {"setting": setting, "build": {}, "scripts": {}}
-    if flops:
-        counted, expected = flops["counted"], flops["expected"]
-        c |= {
-            "forward_tflop": counted["forward"] / 1e12, "forward_base_tflop": counted["forward_base"] / 1e12,
-            "train_tflop": counted["train"] / 1e12, "forward_expected_tflop": expected["forward"] / 1e12,
-            "forward_base_expected_tflop": expected["forward_base"] / 1e12,
-        }  # fmt: skip
-        say(f"{setting}: one transformer forward of one row: forward_tflop {c['forward_tflop']:.4g} counted (expected "
-            f"{c['forward_expected_tflop']:.4g}; without LoRA {c['forward_base_tflop']:.4g} counted, "
-            f"{c['forward_base_expected_tflop']:.4g} expected); forward + backward {c['train_tflop']:.4g} TFLOP "
-            f"({c['train_tflop'] / c['forward_tflop']:.2f}x the forward)")  # fmt: skip
-    try:
-        need = BUILD_S[case, tiny] + MIN_SCRIPT_S[tiny]
-        skip = f"skipped: {no_reward}" if no_reward else check.time_for(f"the {case} build and one script", need)
-        if skip:
-            c["build"] = {"status": skip}
-            check.fail(f"{case}: build", "skipped", skip)
-        else:
-            _, failure = check.attempt(
-                f"{case}: build", BUILDERS[case], out / FOLDER[case], tiny, device, size, limit_s=check.left_s()
-            )
-            c["build"] = {"status": "ok" if failure is None else f"failed: {failure['type']}"}
-            c["build_s"] = results["phases_s"][f"{case}: build"]
-            if failure is None:
-                say(f"built {setting} with random weights in {c['build_s']:.0f} s")
-        for script, own in script_flags(case, tiny).items():
-            step = f"{case}: {script}"
-            estimate = plans.get(f"{case}/{script}", {}).get("estimate_gb")
-            if c["build"]["status"] != "ok":
-                r = {"status": f"skipped: no model ({case}: build {c['build']['status']})"}
-            elif skip := check.time_for(script, MIN_SCRIPT_S[tiny]):
-                r = {"status": skip}
-                check.fail(step, "skipped", skip)
-            else:
-                limit = min(a.script_limit_s, check.left_s())
-                flags = case_flags(case, tiny, out) + own
-                hps = out / "open_clip" if tiny else None
-                r, failure = check.attempt(step, run_script, script, flags, out, limit, f"{case}_{script[:-3]}", hps)
-                if failure is not None:
-                    r = {"status": f"failed: {failure['type']} in the harness"}
-                elif r["status"] != "ok":
-                    check.fail(step, r["error"]["type"], r["error"]["message"], r["log_tail"][-2000:])
-            r["estimate_gb"] = estimate
-            add_rates(r, flops and flops["counted"], peak)
-            c["scripts"][script] = r
-            check.save()
-            if "iteration_s" in r:
-                say(f"{case} {script}: {r['iteration_s']:.1f} s/it, peak {r['peak_gb']:.3g} GB (plan {gb(estimate)}), "
-                    f"no-grad forwards {r.get('rollout_tflops', 0):.3g} TFLOP/s, training "
-                    f"{r.get('train_tflops', 0):.3g} TFLOP/s ({r['wall_s']:.0f} s)")  # fmt: skip
-            else:
-                say(f"{case} {script}: {r['status']}" + (f"\n{r['log_tail']}" if "log_tail" in r else ""))
-    finally:
-        shutil.rmtree(out / FOLDER[case], ignore_errors=True)  # the next case's model needs the disk (DISK_GB)
+    check.say(table(check.results))
+    if bad:
+        raise SystemExit(f"error: not every step ran: {', '.join(bad)} (results in {out}/gpu_check.md)")
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == [RUN_WITH_TINY_HPS]:
-        run_with_tiny_hps(sys.argv[2], sys.argv[3:])
-    else:
-        main()
+    main()

@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
-# The prepared GPU check (benchmarks/gpu_check.py has what it measures): random weights at full size, bf16, LoRA r128,
-# 2 iterations on one GPU, no internet. FLUX.1-dev at 512 px: dancegrpo.py, branchgrpo.py --pruning depth and
-# vgrpo.py; Wan2.1-T2V-1.3B video at 480x832 x 9 frames: dancegrpo.py and branchgrpo.py --pruning depth.
-#   bash benchmarks/gpu_check.sh --prepare       # here, with the package index: .whl/ (wheels + memory plans), and
-#                                                # it prints the one command to run on an offline GPU node
-#   bash benchmarks/gpu_check.sh [--out DIR] [--results DIR]   # one H100 / H200-class GPU; 8 minutes at most
-#   bash benchmarks/gpu_check.sh --cases wan     # one case (flux or wan), e.g. to rerun within the time left
-#   bash benchmarks/gpu_check.sh --cases none --models qwen-image   # new model kinds (qwen-image, flux2-klein,
-#                                                # wan22-5b): dancegrpo.py each, after --cases (none: only these);
-#                                                # Qwen-Image needs 58 GB free under --out
-#   bash benchmarks/gpu_check.sh --tiny          # tiny models on the CPU: the harness only
-# docs/gpu.md, "The GPU check", has the command, the wheels and the time budget.
+# The prepared GPU check (benchmarks/gpu_check.py has what it measures and how it differs from a user's run): every
+# model kind's training step with random weights built on the GPU, in two calls of one lent GPU, no internet.
+#   bash benchmarks/gpu_check.sh --prepare       # here, with the package index: the wheels in .whl/, the plan
+#                                                # (benchmarks/gpu_plan.json), a rehearsal with the timing model's
+#                                                # estimate of each call, and the two commands for the GPU node
+#   bash benchmarks/gpu_check.sh --call 1 [--results DIR]   # 4 minutes at most: environment, attention probe, one
+#                                                # iteration of each model kind's script
+#   bash benchmarks/gpu_check.sh --call 2 [--results DIR]   # 6 minutes at most: the five scripts on FLUX.1-dev
+#   bash benchmarks/gpu_check.sh --call 1 --cases qwen-image   # a rerun of some cases
+#   bash benchmarks/gpu_check.sh --rehearse      # both calls on the CPU at tiny widths (the tests run it)
+# docs/gpu.md, "The GPU check", has the commands, the plan and what was measured.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PY:-}" ]; then PY=python3; [ -x .venv/bin/python ] && PY=.venv/bin/python; fi
@@ -22,27 +21,35 @@ if [ "${1:-}" = "--prepare" ]; then
         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl -r benchmarks/gpu_wheels.txt
     kib=$(du -sk .whl | cut -f1)
     [ "$kib" -le 16384 ] || { echo "error: the wheels take $((kib / 1024)) MiB, more than 16" >&2; exit 1; }
-    "$PY" benchmarks/gpu_check.py --write-plan .whl/plan.json  # memory.py's plans: CPU work kept off the GPU's clock
-    echo "$(ls .whl/*.whl | wc -l) wheels, $((kib / 1024)).$(((kib % 1024) * 10 / 1024)) MiB, and the memory plans in .whl/"
+    echo "$(ls .whl/*.whl | wc -l) wheels, $((kib / 1024)).$(((kib % 1024) * 10 / 1024)) MiB in .whl/"
+    # memory.py's plans and the FLOP counts of every case (entries still current are kept): CPU work kept off the
+    # GPU's clock; then both calls rehearsed on the CPU, which prints the timing model's estimate of each
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PY" benchmarks/gpu_check.py --write-plan benchmarks/gpu_plan.json
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 "$PY" benchmarks/gpu_check.py --rehearse \
+        --out "${TMPDIR:-/tmp}/gpu_check_rehearsal" | grep -E '^(- call|status)'
     echo "On the GPU node, from the repository's root with .whl/ copied along (RESULTS: where the figures go):"
-    echo '  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PY=python3 bash benchmarks/gpu_check.sh --plan .whl/plan.json --results RESULTS'
-    echo "(plan.json has every case: add --cases none --models qwen-image, or flux2-klein,wan22-5b, for the new kinds)"
+    echo '  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl'
+    echo '  PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PY=python3 bash benchmarks/gpu_check.sh --call 1 --results RESULTS/call1'
+    echo '  PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PY=python3 bash benchmarks/gpu_check.sh --call 2 --results RESULTS/call2'
     exit 0
 fi
-# gpu_check.py keeps its own limit (--limit-s, 480 s after the plans and the disk check), records a script that
-# overruns and writes its results from the start; this outer limit only ends a hang of the harness itself (SIGTERM,
-# which gpu_check.py records, then SIGKILL 30 s later). With --results DIR, everything the check prints (stdout and
-# stderr, each still to its own stream) also goes to DIR/console.txt, so that what gpu_check.py cannot record itself
-# (an import that fails, a crash, a kill) is there too; if it ends without having written DIR/gpu_check.json, a
-# gpu_check.json saying so is written.
+# gpu_check.py keeps each call's own limit (--limit-s: 240 s for call 1, 360 s for call 2) and writes its results
+# from the start; this outer limit only ends a hang of the harness itself (SIGTERM, which gpu_check.py records, then
+# SIGKILL 30 s later): the call's limit and a minute for the start-up. With --results DIR, everything the check prints
+# (stdout and stderr, each still to its own stream) also goes to DIR/console.txt, so that what gpu_check.py cannot
+# record itself (an import that fails, a crash, a kill) is there too; if it ends without having written
+# DIR/gpu_check.json, a gpu_check.json saying so is written.
 results=""
+call=""
 prev=""
 for arg in "$@"; do
-    case "$arg" in --results=*) results=${arg#--results=} ;; esac
+    case "$arg" in --results=*) results=${arg#--results=} ;; --call=*) call=${arg#--call=} ;; esac
     [ "$prev" = "--results" ] && results=$arg
+    [ "$prev" = "--call" ] && call=$arg
     prev=$arg
 done
-limit=(timeout -k 30 "${GPU_CHECK_LIMIT_S:-900}")
+case "$call" in 1) outer=300 ;; 2) outer=420 ;; *) outer=900 ;; esac
+limit=(timeout -k 30 "${GPU_CHECK_LIMIT_S:-$outer}")
 if [ -z "$results" ]; then
     exec "${limit[@]}" "$PY" benchmarks/gpu_check.py "$@"
 fi

@@ -1,20 +1,22 @@
-"""Run a training script with its denoiser's work timed on the GPU, for benchmarks/gpu_check.py.
+"""Time a training script's denoiser work on the GPU: benchmarks/gpu_check.py runs each case under `timing(clock)`
+in its own process; the command line times any run of a script (a real one, loading its weights from --model-id).
 
     python benchmarks/gpu_timing.py TIMINGS.json dancegrpo.py --model-id ... (the script's own flags)
 
-The script runs unchanged (as `python dancegrpo.py ...` would run it); this wrapper only patches, in this process,
-the forward of the diffusers transformer classes and accelerate's Accelerator.backward to record a CUDA event before
-and after each call, and common.runs.Run.end_iteration to count iterations. Events are read once, at the end, so the
-run is not synchronised more than it is without the wrapper. TIMINGS.json gets, per iteration:
-  nograd_rows, nograd_s   transformer forwards without gradients (the rollout; V-GRPO's behaviour values too): rows
-                          (one image or video each; a CFG batch counts both halves) and GPU time
+`timing(clock)` patches, while it is open, the forward of the diffusers denoiser classes and accelerate's
+Accelerator.backward to record a CUDA event before and after each call, and common.runs.Run.end_iteration to count
+iterations; everything is restored when it closes. Events are read once, at the end (Clock.table), so the run is not
+synchronised more than it is without the patches. Per iteration:
+  nograd_rows, nograd_s   denoiser forwards without gradients (the rollout; V-GRPO's behaviour values too): rows (one
+                          image or video each; a CFG batch counts both halves) and GPU time
   grad_rows, grad_s       forwards with gradients (the training step's)
   backward_s              the backward passes (with gradient checkpointing: the recomputed forwards included)
-On a CPU (gpu_check.py --tiny) the same counts are made with wall-clock times.
+On a CPU (gpu_check.py --rehearse) the same counts are made with wall-clock times.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import runpy
@@ -25,6 +27,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# every denoiser class common.models runs (Wan2.2-A14B's two experts are two WanTransformer3DModel)
+DENOISERS = (
+    "FluxTransformer2DModel", "SD3Transformer2DModel", "WanTransformer3DModel", "UNet2DConditionModel",
+    "QwenImageTransformer2DModel", "Flux2Transformer2DModel", "ZImageTransformer2DModel",
+)  # fmt: skip
 
 
 class Clock:
@@ -67,37 +74,48 @@ class Clock:
 
 
 def hidden_rows(a, k) -> int:
-    """Rows of a transformer call: the batch size of hidden_states (its first argument)."""
+    """Rows of a denoiser call: the batch size of its first input (hidden_states; Z-Image's list of latents)."""
     x = k["hidden_states"] if "hidden_states" in k else a[1]  # a[0] is self
-    return int(x.shape[0])
+    return len(x) if isinstance(x, (list, tuple)) else int(x.shape[0])
 
 
-def main():
-    out, script, flags = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    sys.path.insert(0, str(ROOT))
+@contextlib.contextmanager
+def timing(clock: Clock):
+    """While open, every denoiser forward, Accelerator.backward and Run.end_iteration is recorded by `clock`."""
     import diffusers
     from accelerate import Accelerator
 
     from common import runs
 
-    clock = Clock()
     grad_kind = lambda: "grad" if torch.is_grad_enabled() else "nograd"  # noqa: E731
-    denoisers = ("FluxTransformer2DModel", "SD3Transformer2DModel", "WanTransformer3DModel", "UNet2DConditionModel")
-    denoisers += ("QwenImageTransformer2DModel", "Flux2Transformer2DModel")  # --models' (gpu_check.py)
-    for name in denoisers:
-        cls = getattr(diffusers, name)
-        cls.forward = clock.timed(cls.forward, grad_kind, hidden_rows)
-    Accelerator.backward = clock.timed(Accelerator.backward, lambda: "backward", lambda a, k: 0)
+    saved = [(getattr(diffusers, name), "forward") for name in DENOISERS]
+    saved += [(Accelerator, "backward"), (runs.Run, "end_iteration")]
+    originals = [(owner, attr, owner.__dict__[attr]) for owner, attr in saved]
     end_iteration = runs.Run.end_iteration
 
     def counted(self, *a, **k):
         end_iteration(self, *a, **k)
         clock.iteration += 1
 
-    runs.Run.end_iteration = counted
+    try:
+        for owner, attr, fn in originals[:-2]:
+            setattr(owner, attr, clock.timed(fn, grad_kind, hidden_rows))
+        Accelerator.backward = clock.timed(Accelerator.backward, lambda: "backward", lambda a, k: 0)
+        runs.Run.end_iteration = counted
+        yield clock
+    finally:
+        for owner, attr, fn in originals:
+            setattr(owner, attr, fn)
+
+
+def main():
+    out, script, flags = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    sys.path.insert(0, str(ROOT))
+    clock = Clock()
     sys.argv = [script, *flags]
     try:
-        runpy.run_path(str(ROOT / script), run_name="__main__")
+        with timing(clock):
+            runpy.run_path(str(ROOT / script), run_name="__main__")
     finally:
         out.write_text(json.dumps(clock.table(), indent=1))
 
