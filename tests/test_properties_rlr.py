@@ -1,0 +1,69 @@
+"""rlr.py's functions at values where a wrong constant, sign, bound or index shows: each against numbers worked
+out by hand here. Written for the mutants benchmarks/mutation.py generated that the other tests let pass."""
+
+import pytest
+
+import rlr as R
+from common import InputError
+
+# ---------------------------------------------------------------- flags: every bound at its edge, each message naming it
+REFUSED = [
+    (dict(num_steps=1), "--num-steps must be at least 2"),
+    (dict(subchain_len=0), "h = 0: --subchain-len must be in [1, 9]"),
+    (dict(subchain_len=10), "h = 10: --subchain-len must be in [1, 9]"),
+    (dict(subchain_stage="fine", subchain_len=3), "--subchain-stage fine: no window of 3 steps"),
+    (dict(memory_budget_gb=20.0, subchain_len=2), "give --subchain-len or --memory-budget-gb, not both"),
+    (dict(memory_budget_gb=1.0), "h = -1 (h* of --memory-budget-gb 1.0): --subchain-len must be in [1, 9]"),
+    (dict(memory_budget_gb=20.0, zo_step_gb=0.0), "--ho-step-gb > --zo-step-gb > 0"),
+    (dict(memory_budget_gb=20.0, variance_ratio=-0.1), "--ho-step-gb > --zo-step-gb > 0"),
+    (dict(noise_level=0.0), "--noise-level must be > 0"),
+    (dict(group_size=1), "--group-size must be >= 2"),
+    (dict(rollout_batch_size=5), "--samples-per-device must be a multiple of --rollout-batch-size"),
+    (dict(terms="fo+ho+zo", zo_perturbations=3), "--zo-perturbations must divide --samples-per-device"),
+    (dict(terms="fo+ho+zo", zo_perturbations=16), "--zo-perturbations must divide --samples-per-device"),
+    (dict(terms="fo+ho+zo", zo_scale=0.0), "--zo-scale must be > 0"),
+]
+ACCEPTED = [
+    dict(num_steps=2, subchain_len=1),
+    dict(subchain_len=9),
+    dict(subchain_stage="fine", subchain_len=2),
+    dict(terms="fo+zo"),
+    dict(terms="fo+ho+zo", zo_perturbations=8),
+    dict(memory_budget_gb=20.0, variance_ratio=0.0),
+]
+
+
+@pytest.mark.parametrize("flags,message", REFUSED)
+def test_each_refused_flag_is_one_message_that_starts_with_it(flags, message):
+    with pytest.raises(InputError) as e:
+        R.resolve_and_check(R.Args(**flags))
+    assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("flags", ACCEPTED)
+def test_each_bound_itself_is_accepted(flags):
+    R.resolve_and_check(R.Args(**flags))
+
+
+def test_the_defaults_by_hand():
+    """h = min(2, T - 1); one perturbation block per rollout chunk (32 / 4 = 8); flow noise 0.7, dance 0.3; h* of a
+    20 GB budget: min(floor((20 - 0.24 * 9) / (8 - 0.24)) = floor(2.299) = 2, floor(10 / 2 - 1) = 4, 9) = 2."""
+    flow, dance, short = R.Args(), R.Args(sde_type="dance", exp_name="mine"), R.Args(num_steps=2)
+    for a in (flow, dance, short):
+        R.resolve_and_check(a)
+    assert (flow.subchain_len, flow.zo_perturbations, flow.noise_level, flow.exp_name) == (2, 8, 0.7, "rlr")
+    assert (dance.noise_level, dance.exp_name, short.subchain_len) == (0.3, "mine", 1)
+    budget = R.Args(memory_budget_gb=20.0)
+    R.resolve_and_check(budget)
+    assert budget.subchain_len == 2
+
+
+@pytest.mark.xfail(
+    strict=True, reason="h* is computed from --ho-step-gb, --zo-step-gb and --variance-ratio before they are checked"
+)
+@pytest.mark.parametrize("flags", [dict(ho_step_gb=0.24), dict(variance_ratio=1.0)])
+def test_the_h_star_rules_inputs_are_checked_before_it_divides_by_them(flags):
+    """--ho-step-gb equal to --zo-step-gb (0.24) or --variance-ratio 1 makes h*'s denominators 0: one error line
+    naming the flags is expected, not a ZeroDivisionError."""
+    with pytest.raises(InputError, match="--ho-step-gb > --zo-step-gb > 0"):
+        R.resolve_and_check(R.Args(memory_budget_gb=20.0, **flags))
