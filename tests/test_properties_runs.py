@@ -1,0 +1,132 @@
+"""common/runs.py at values where a wrong constant, bound, sign or cadence shows: each against numbers or text worked
+out by hand here. Written for the mutants benchmarks/mutation.py generated that the other tests let pass."""
+
+import types
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from common import InputError
+from common.flags import RunArgs
+from common.logs import read_metrics
+from common.runs import Run, all_finite, weight_spread
+
+
+def run_of(tmp_path, **kw):
+    args = RunArgs(exp_name="t", output_dir=str(tmp_path), **{"lora": False, **kw})
+    return Run(args, Accelerator(cpu=True), "the title")
+
+
+class TwoRanks:
+    """An accelerator of two processes whose other process holds `other` (what gather and reduce see of it)."""
+
+    device, num_processes, distributed_type = torch.device("cpu"), 2, DistributedType.MULTI_CPU
+
+    def __init__(self, other):
+        self.other = other
+
+    def gather(self, x):
+        return torch.cat([x, self.other])
+
+    def reduce(self, x, op):
+        assert op == "sum"
+        return x + self.other
+
+
+def test_the_weight_spread_is_the_largest_difference_of_a_tensors_sums_across_processes():
+    """Sums on this process (3, 0.5), on the other (3.25, -1.5): differences 0.25 and 2, so 2; identical: 0."""
+    params = [torch.tensor([1.0, 2.0]), torch.tensor([[0.5]])]
+    assert weight_spread(params, TwoRanks(torch.tensor([3.25, -1.5], dtype=torch.float64))) == 2.0
+    assert weight_spread(params, TwoRanks(torch.tensor([3.0, 0.5], dtype=torch.float64))) == 0.0
+
+
+def test_a_non_finite_norm_on_another_process_skips_the_step_here_too():
+    assert all_finite(torch.tensor(2.5), TwoRanks(torch.tensor(0.0)))
+    assert not all_finite(torch.tensor(2.5), TwoRanks(torch.tensor(1.0)))  # the other process saw inf or NaN
+    assert not all_finite(torch.tensor(float("inf")), TwoRanks(torch.tensor(0.0)))
+
+
+def test_a_frozen_copy_is_refused_under_fsdp():
+    fsdp = types.SimpleNamespace(
+        distributed_type=DistributedType.FSDP, device=torch.device("cpu"), is_main_process=True
+    )
+    with pytest.raises(InputError) as e:
+        Run(RunArgs(exp_name="t"), fsdp, "t", frozen_copy=True)
+    assert str(e.value).startswith("--kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU")
+
+
+def test_a_run_folder_that_exists_is_refused_naming_both_ways_out(tmp_path, monkeypatch):
+    monkeypatch.setattr("time.time", lambda: 1000.0)
+    (tmp_path / "t__0__1000").mkdir()
+    with pytest.raises(InputError) as e:
+        run_of(tmp_path)
+    folder = tmp_path / "t__0__1000"
+    assert str(e.value) == f"{folder} exists already: pass another --exp-name or --resume-from {folder}"
+
+
+def test_iterations_and_the_spread_every_ten_iterations_and_at_the_last(tmp_path, capsys):
+    """iterations 2..24 of 25; the weights' spread is logged after iterations 9 and 19 (every 10th) and 24 (the last),
+    nowhere else; an iteration whose steps were all skipped logs a NaN norm and says how many it skipped."""
+    run = run_of(tmp_path, iterations=25)
+    its = run.iterations(2)
+    assert next(its) == 2
+    params = [torch.ones(2)]
+    for it in range(2, 25):
+        if it == 5:
+            run.count_step(1e-4, torch.tensor(float("nan")), False)
+            run.count_step(1e-4, torch.tensor(float("inf")), False)
+        else:
+            run.count_step(1e-4, torch.tensor(float(it)), True)
+        run.end_iteration(it, {"rewards/mean": 0.5}, params)
+    assert list(its) == list(range(3, 25))
+    rows = {r["iteration"]: r for r in read_metrics(run.dir)}
+    assert [i for i, r in rows.items() if "charts/rank_weight_spread" in r] == [10, 20, 25]
+    assert rows[10]["charts/rank_weight_spread"] == 0.0
+    assert rows[6]["charts/grad_norm"] != rows[6]["charts/grad_norm"] and rows[6]["charts/skipped_updates"] == 2
+    assert rows[7]["charts/grad_norm"] == 6.0 and rows[25]["charts/optimizer_steps"] == 22
+    assert "iteration 5: skipped 2 update(s) with a non-finite gradient norm" in capsys.readouterr().out
+
+
+def test_checkpoints_every_save_every_iterations_and_at_the_end(tmp_path, capsys):
+    run = run_of(tmp_path, save_every=3, checkpoints_total_limit=5)
+    for it in (1, 2, 3, 4, 5, 6, 7):
+        run.checkpoint(it, final=it == 7)
+    assert sorted(p.name for p in run.ckpt.dir.iterdir()) == ["iter_000003", "iter_000006", "iter_000007"]
+    run.logs.close()
+    resumed = run_of(tmp_path, save_every=3, resume_from="latest")
+    assert resumed.resume() == 7
+    assert f"resumed from {run.ckpt.dir / 'iter_000007'} at iteration 7" in capsys.readouterr().out
+    never = run_of(tmp_path / "never", save_every=0)
+    for it in (1, 2, 3):
+        never.checkpoint(it, final=False)
+    assert not never.ckpt.dir.exists()  # --save-every 0: only at the end
+
+
+def test_the_banner_by_hand(tmp_path, capsys):
+    run = run_of(tmp_path, lora=True, lora_rank=8, gradient_checkpointing=True, offload_frozen=True, iterations=7)
+    model = types.SimpleNamespace(kind="shapes", latent_shape=lambda: (4, 8, 8))
+    run.banner(model, [torch.zeros(2_000_000), torch.zeros(500_000)], ["line one", "line two"])
+    assert capsys.readouterr().out == (
+        "***** the title *****\n"
+        "  model shapesbench (shapes), latent (4, 8, 8), LoRA r=8, 2.50M trainable params, mixed precision no, "
+        f"gradient checkpointing, frozen parts on the CPU between uses, {run.attention}\n"
+        "  line one\n  line two\n"
+        "  reward shapes, lr 0.0003, iterations 7\n  evaluation off (--eval-every 0)\n"
+        f"  run folder {run.dir}\n"
+    )
+    plain = run_of(tmp_path / "plain")
+    plain.banner(model, [torch.zeros(10_000)], [])
+    out = capsys.readouterr().out
+    assert "latent (4, 8, 8), full fine-tuning, 0.01M trainable params, mixed precision no, " in out
+    assert "checkpointing" not in out and "frozen parts" not in out
+
+
+def test_the_last_line_says_where_the_weights_are_or_that_they_were_not_saved(tmp_path, capsys):
+    run = run_of(tmp_path, save=False, iterations=3)
+    run.save_final(None, None, lora=False)
+    out = capsys.readouterr().out
+    assert out.startswith("done: 3 iterations (") and out.endswith(
+        " min here); trained weights not saved (--no-save)\n"
+    )
