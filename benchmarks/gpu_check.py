@@ -752,6 +752,7 @@ def _index_folder(case: Case) -> Path:
 
 
 def read_plan(path: Path | None) -> dict:
+    """The plan in `path` ({} if there is none)."""
     if path is None or not Path(path).is_file():
         return {}
     return json.loads(Path(path).read_text())
@@ -776,11 +777,13 @@ TIMING = {
     "recompute": 1.0,  # gradient checkpointing: one more forward per training forward
     "launch_s_per_block": 4e-4,  # a forward's kernel launches per block: the floor of a small model's forward
     # fixed costs (seconds), set from the one GPU run so far (docs/gpu.md: its scripts' start-up and first iteration)
-    "start_s": 25.0,  # the process: imports (torch, diffusers, transformers), the CUDA context, the matmul peak
+    "start_s": 15.0,  # the process: imports, the CUDA context, the matmul peak (the H200 run: a script's 40 s start
+    # was mostly reading 28 GB of weights and the reward's checkpoint, at about 1 GB/s, which the kit does not do)
     "environment_s": 2.0,
     "probe_s": 60.0,  # benchmarks/sdpa_probe.py, every kind and kernel: one process per kernel ("about a minute")
     "case_s": 3.0,  # a script's set-up around its model: Accelerator, run folder, logs, prompts, the reward's build
-    "first_iteration_s": 6.0,  # a case's first iteration on new shapes: kernel loading, cuBLAS / cuDNN heuristics
+    "first_iteration_s": 6.0,  # a kind's first iteration in a call (new shapes): kernel loading, cuBLAS / cuDNN
+    # heuristics, the offload's first trips; a later case of the same kind and size (call 2) does not pay it
     "first_call_s": 10.0,  # once per process: the first CUDA work (lazy module loading, cuBLAS workspace, allocator)
     "init_gb_s": 100.0,  # building weights on the GPU: bytes initialised per second (random fill, kaiming)
     "modules_s": 2.0,  # building a model's modules on the meta device (Python), per model
@@ -801,10 +804,11 @@ def case_work(entry: dict, rows: dict) -> dict:
     }
 
 
-def estimate_case(case: Case, entry: dict, rows: dict, timing: dict = TIMING) -> dict:
+def estimate_case(case: Case, entry: dict, rows: dict, timing: dict = TIMING, new_shapes: bool = True) -> dict:
     """GPU seconds of one case by the timing model: building its weights, its FLOPs at the assumed MFU (a small model
     at mfu_small, each forward at least its launches), the VAE's decodes, the text encoders, the offload trips, the
-    fixed costs. `rows`: nograd_rows, grad_rows, samples (decoded samples), forwards (denoiser calls)."""
+    fixed costs (`new_shapes`: the first iteration on the kind's shapes in this call). `rows`: nograd_rows,
+    grad_rows, samples (decoded samples), prompts (encoded), forwards (denoiser calls)."""
     t, peak = dict(timing), timing["peak_tflops"] * 1e12
     f, p = entry["flops"], entry["parts"]
     small = f["params"] < 1.5e9 or case.scale == "reduced"
@@ -823,7 +827,7 @@ def estimate_case(case: Case, entry: dict, rows: dict, timing: dict = TIMING) ->
     text = text_flop / (t["mfu_rollout"] * peak)
     frozen_gb = (2 * (p["text"] + p["vae"]) + 4 * 1e9) / 1e9  # bf16 text encoders and VAE, the fp32 HPS
     offload = 2 * frozen_gb / t["pcie_gb_s"] if case.call == 2 else 0.0  # to the GPU and back, once an iteration
-    fixed = t["case_s"] + t["first_iteration_s"] + t["release_s"]
+    fixed = t["case_s"] + t["first_iteration_s"] * new_shapes + t["release_s"]
     parts = {"build": build, "rollout": max(rollout, floor / 3), "train": max(train, floor * 2 / 3),
              "decode": decode, "text": text, "offload": offload, "fixed": fixed}  # fmt: skip
     return {"total_s": sum(parts.values()), **{f"{k}_s": v for k, v in parts.items()}, **work}
@@ -1142,7 +1146,7 @@ def run_call(check: Check, a, call: int, cases: list[Case], tiny: bool, plan: di
         bad = [r for r in rows or [] if r["status"] in ("error", "non-finite")]
         say(f"sdpa probe: {len(rows or [])} rows, {len(bad)} error or non-finite")
         check.save()
-    estimates = {}
+    estimates, kinds_seen = {}, set()
     for case in cases:
         key = f"{call}/{case.name}"
         setting = describe(case, tiny)
@@ -1172,7 +1176,8 @@ def run_call(check: Check, a, call: int, cases: list[Case], tiny: bool, plan: di
             add_rates(r, entry["flops"], results.get("peak_tflops_measured"))
             gpu_entry = entry if not tiny else plan_for(plan, case, False) or gpu_counts(check, case)
             if gpu_entry is not None and "nograd_rows" in r:
-                est = estimate_case(case, gpu_entry, rows_of(r, case))
+                est = estimate_case(case, gpu_entry, rows_of(r, case), new_shapes=case.kind not in kinds_seen)
+                kinds_seen.add(case.kind)
                 r["estimate_s"] = est["total_s"]
                 estimates[case.name] = est
         say(line(r))
@@ -1206,13 +1211,15 @@ def write_plan(path: Path, tiny: bool, say=print) -> dict:
     """Every case of both calls planned (memory.py) and counted, at the GPU's shapes (tiny: the rehearsal's); an
     entry of `path` made for the same parts, size and flags is kept. Written after each case."""
     old = read_plan(path)
-    plan = {"made": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    plan = {"made": old.get("made")}
     for cases in CASES.values():
         for case in cases:
-            kept = plan_for(old, case, tiny)  # made for the same parts, size and flags: kept
-            plan[f"{case.call}/{case.name}" + ("/tiny" if tiny else "")] = kept or plan_case(case, tiny, say=say)
+            entry = plan_for(old, case, tiny)  # made for the same parts, size and flags: kept
+            if entry is None:
+                entry, plan["made"] = plan_case(case, tiny, say=say), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            plan[f"{case.call}/{case.name}" + ("/tiny" if tiny else "")] = entry
             path.write_text(json.dumps(plan, indent=1) + "\n")
-    path.write_text(json.dumps(plan, indent=1) + "\n")
+    say(f"{path}: every case planned (made {plan['made']})")
     return plan
 
 
@@ -1229,6 +1236,15 @@ def main(argv: list[str] | None = None):
     p.add_argument("--attention-backend", choices=("auto", "flash", "efficient", "math", "cudnn"),
                    help="passed to every script (default: the scripts' own)")  # fmt: skip
     a = p.parse_args(argv)
+    for flag, path in (("--plan", a.plan), ("--write-plan", a.write_plan)):
+        try:
+            read_plan(Path(path) if path else None)
+        except (OSError, ValueError) as e:
+            p.error(f"{flag} {path}: not a plan ({type(e).__name__}: {e})")
+    if not Path(a.plan).is_file() and Path(a.plan) != PLAN:
+        p.error(f"--plan {a.plan}: no such file (benchmarks/gpu_check.py --write-plan makes one)")
+    if a.write_plan and not Path(a.write_plan).resolve().parent.is_dir():
+        p.error(f"--write-plan {a.write_plan}: no such folder")
     if a.write_plan:
         write_plan(Path(a.write_plan), a.rehearse)
         return

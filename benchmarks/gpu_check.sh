@@ -25,8 +25,10 @@ if [ "${1:-}" = "--prepare" ]; then
     # memory.py's plans and the FLOP counts of every case (entries still current are kept): CPU work kept off the
     # GPU's clock; then both calls rehearsed on the CPU, which prints the timing model's estimate of each
     OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PY" benchmarks/gpu_check.py --write-plan benchmarks/gpu_plan.json
+    rehearsal=${TMPDIR:-/tmp}/gpu_check_rehearsal
     OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 "$PY" benchmarks/gpu_check.py --rehearse \
-        --out "${TMPDIR:-/tmp}/gpu_check_rehearsal" | grep -E '^(- call|status)'
+        --out "$rehearsal" >"$rehearsal.txt" 2>&1 || { echo "error: the rehearsal failed: $rehearsal.txt" >&2; exit 1; }
+    grep -E '^(status|- call)' "$rehearsal.txt"
     echo "On the GPU node, from the repository's root with .whl/ copied along (RESULTS: where the figures go):"
     echo '  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl'
     echo '  PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PY=python3 bash benchmarks/gpu_check.sh --call 1 --results RESULTS/call1'

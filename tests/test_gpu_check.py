@@ -127,6 +127,10 @@ def test_a_case_that_overruns_the_call_is_ended_and_the_rest_skipped(tmp_path, q
         (["--rehearse", "--call", "1", "--cases", "flux,flux"], "--cases 'flux,flux': flux is not"),
         (["--rehearse", "--limit-s", "0"], "--limit-s 0.0: must be > 0"),
         (["--call", "1"], "--call: no CUDA GPU here"),
+        (["--rehearse", "--plan", "/nonexistent.json"], "--plan /nonexistent.json: no such file"),
+        (["--rehearse", "--plan", __file__], f"--plan {__file__}: not a plan (JSONDecodeError"),
+        (["--write-plan", "/nonexistent/plan.json"], "--write-plan /nonexistent/plan.json: no such folder"),
+        (["--rehearse", "--attention-backend", "fast"], "--attention-backend: invalid choice: 'fast'"),
     ],
 )
 def test_bad_flags_fail_at_start_up(tmp_path, capsys, flags, error, monkeypatch):
