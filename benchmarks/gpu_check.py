@@ -1064,7 +1064,7 @@ def table(results: dict) -> str:
     measured, datasheet = results.get("peak_tflops_measured"), results.get("peak_tflops_datasheet")
     rows = [
         "| call | case | setting | status | rollout s | training s | peak GB | plan GB | rollout TFLOP/s, MFU | "
-        "training TFLOP/s, MFU | PFLOP done (rollout, training) | estimate s | wall s |",
+        "training TFLOP/s, MFU | PFLOP done (rollout, training) | estimate on the GPU, s | wall s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results.get("cases", {}).values():
