@@ -56,8 +56,6 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """AdamW learning rate (constant after --lr-warmup); 2x the shared default, as dancegrpo.py (docs/branchgrpo.md)"""
     num_steps: int = 20
     """sampling steps T of a rollout (shifted sigma schedule), as the paper"""
-    shift: float = 3.0
-    """SD3 time shift k of the sigma schedule: sigma = k u / (1 + (k - 1) u)"""
     sde_type: Literal["dance", "flow"] = "flow"
     """noise schedule g(sigma): 'dance' = constant eta (DanceGRPO, the release), 'flow' = a sqrt(sigma / (1 - sigma))"""
     noise_level: Annotated[Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow")] = None
@@ -464,14 +462,14 @@ def main(args: Args):
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
     device, autocast = accelerator.device, accelerator.autocast
     frozen_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
-    sigmas = sigma_schedule(args.num_steps, args.shift)  # (T + 1,)
-    g = noise_g(sigmas, args.sde_type, args.noise_level)  # (T,)
     splits = split_steps(args.split_schedule, args.num_steps, args.num_splits)
     tree = Tree(splits=tuple(splits), **{f.name: getattr(args, f.name) for f in fields(Tree) if f.name != "splits"})
     sizes, n_leaves = tree.sizes, tree.sizes[-1]  # nodes per depth (T + 1,), leaves per tree M
 
     # ---------------------------------------------------------------- MODELS
     model = load_model(args.model_id, device, frozen_dtype, args.resolution, args.num_frames, args.offload_frozen)
+    sigmas = model.sigmas(args.num_steps) if args.shift == "pipeline" else sigma_schedule(args.num_steps, args.shift)
+    g = noise_g(sigmas, args.sde_type, args.noise_level)  # (T,)
     denoiser = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
     # KL reference policy: with LoRA this module itself (unwrapped) with the adapter off, else a frozen copy of the base
     ref = denoiser if args.lora else frozen_copy(denoiser, frozen_dtype) if args.kl_beta > 0 else None

@@ -57,8 +57,6 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     direction is mostly noise (docs/dancegrpo.md)"""
     num_steps: int = 10
     """sampling steps T of a rollout (shifted sigma schedule)"""
-    shift: float = 3.0
-    """SD3 time shift k of the sigma schedule: s' = k s / (1 + (k - 1) s)"""
     sde_type: Literal["dance", "flow"] = "flow"
     """noise schedule g(sigma): 'dance' = constant eta (DanceGRPO), 'flow' = a sqrt(sigma / (1 - sigma)) (Flow-GRPO)"""
     noise_level: Annotated[Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow")] = None
@@ -251,11 +249,11 @@ def main(args: Args):
     prompts_per_iter = world * args.samples_per_device // args.group_size
     chunks_per_update = args.samples_per_update // args.rollout_batch_size
     updates_per_iter = args.samples_per_device // args.samples_per_update
-    sigmas = sigma_schedule(args.num_steps, args.shift)  # (T + 1,)
-    g = noise_g(sigmas, args.sde_type, args.noise_level)  # (T,)
 
     # ---------------------------------------------------------------- MODELS
     model = load_model(args.model_id, device, frozen_dtype, args.resolution, args.num_frames, args.offload_frozen)
+    sigmas = model.sigmas(args.num_steps) if args.shift == "pipeline" else sigma_schedule(args.num_steps, args.shift)
+    g = noise_g(sigmas, args.sde_type, args.noise_level)  # (T,)
     denoiser = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
     ref = denoiser if args.lora else frozen_copy(denoiser, frozen_dtype) if frozen else None
 

@@ -68,8 +68,6 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     their evaluations would pass ShapesBench's 8 minutes (docs/diffusionnft.md)"""
     num_steps: int = 10
     """sampling steps T of a rollout (shifted sigma schedule); training timesteps come from this grid (official: 10)"""
-    shift: float = 3.0
-    """SD3 time shift k of the sigma schedule: s' = k s / (1 + (k - 1) s) (official: SD3.5-M's 3)"""
     solver: Literal["dpm2", "euler"] = "dpm2"
     """deterministic ODE solver of the rollouts: 'dpm2' = DPM-Solver-2 multistep in x0 (first and last steps first
     order; official), or Euler"""
@@ -122,7 +120,7 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
     check_mode_flags(args, MODE_FLAGS)
     args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
-    need(args.num_steps >= 1 and args.shift > 0, "--num-steps must be >= 1 and --shift > 0")
+    need(args.num_steps >= 1, "--num-steps must be >= 1")
     need(
         0 < args.timestep_fraction <= 1 and n_train_timesteps(args.num_steps, args.timestep_fraction) >= 1,
         f"--timestep-fraction must be in (0, 1] and train at least one of the {args.num_steps} timesteps",
@@ -364,10 +362,10 @@ def main(args: Args):
     micro_per_update = args.samples_per_update // mb
     updates_per_iter = args.samples_per_device // args.samples_per_update
     n_train = n_train_timesteps(args.num_steps, args.timestep_fraction)  # trained timesteps per image
-    sigmas = sigma_schedule(args.num_steps, args.shift)  # (T + 1,)
 
     # ---------------------------------------------------------------- MODELS
     model = load_model(args.model_id, device, frozen_dtype, args.resolution, args.num_frames, args.offload_frozen)
+    sigmas = model.sigmas(args.num_steps) if args.shift == "pipeline" else sigma_schedule(args.num_steps, args.shift)
     denoiser = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
     # the base model for the KL: the adapters switched off (LoRA), or a frozen copy made before any update
     ref = (denoiser if args.lora else frozen_copy(denoiser, frozen_dtype)) if args.kl_beta > 0 else None

@@ -66,8 +66,6 @@ from common.sampling import keyed_randn
 class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/flags.py
     num_steps: int = 10
     """sampling steps T of a rollout (shifted sigma schedule for flow models, DDIM timesteps for SD1.x)"""
-    shift: float = 3.0
-    """SD3 time shift k of the flow sigma schedule: s' = k s / (1 + (k - 1) s)"""
     sde_type: Literal["dance", "flow"] = "flow"
     """flow models' noise schedule g(sigma): 'dance' = constant eta, 'flow' = a sqrt(sigma / (1 - sigma)); unused for SD1.x"""
     noise_level: Annotated[Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow, 1.0 for SD1.x")] = (
@@ -245,7 +243,7 @@ def make_schedule(model, num_steps: int, noise_level: float, shift=3.0, sde_type
         eta = torch.full((num_steps,), noise_level if stochastic else 0.0, device=ac.device)
         eta[-1] = 0
         return {"t": t, "a": ac[t].float(), "a_prev": a_prev.float(), "eta": eta}
-    sigmas = sigma_schedule(num_steps, shift)
+    sigmas = model.sigmas(num_steps) if shift == "pipeline" else sigma_schedule(num_steps, shift)
     g = noise_g(sigmas, sde_type, noise_level) if stochastic else torch.zeros(num_steps, device=sigmas.device)
     g[-1] = 0
     return {"sigmas": sigmas, "g": g}

@@ -107,7 +107,8 @@ GPU_COMMON=("${GPU_MEMORY[@]}" --reward hpsv2.1 "${HPS_CKPT[@]}" "${GPU_PROMPTS[
 
 # DanceGRPO's FLUX setting (https://github.com/XueZeyue/DanceGRPO, scripts/finetune/finetune_flux_grpo*.sh), LoRA
 # variant: 720 px, 16 steps, constant eta 0.3, 12 images per prompt sharing their initial noise, rollout batch 1,
-# clip 1e-4, no KL, embedded guidance 3.5.
+# clip 1e-4, no KL, embedded guidance 3.5. The schedule is the official code's static shift 3 (the default --shift),
+# not FluxPipeline's by-resolution one (--shift pipeline: docs/models.md).
 FLUX_DANCE=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 "${GPU_COMMON[@]}"
   --num-steps 16 --sde-type dance --noise-level 0.3 --guidance-scale 3.5 --group-size 12 --samples-per-device 12
   --rollout-batch-size 1 --samples-per-update 4 --same-noise --clip-range 1e-4 --kl-beta 0 --iterations 300
@@ -117,13 +118,15 @@ FLUX_FULL=(--no-lora --learning-rate 1e-5 --offload-frozen)
 # BranchGRPO's FLUX setting (https://github.com/Fredreic1849/BranchGRPO, scripts/finetune/finetune_flux_branchgrpo_8gpus.sh):
 # 20 steps, dense splits 0,3,6,9, K = 2 (16 leaves), constant eta 0.3, 2 prompts per GPU, no KL, lr 1e-5 (full
 # fine-tuning); clip 1e-4, DanceGRPO's, which the paper's appendix A says all methods share (the release's launcher: 1e-3).
+# The official code's static shift 3, as DanceGRPO's (the default --shift; FluxPipeline's own: --shift pipeline).
 FLUX_BRANCH=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 "${GPU_COMMON[@]}"
   --num-steps 20 --split-schedule dense --num-splits 4 --branch-factor 2 --sde-type dance --noise-level 0.3
   --guidance-scale 3.5 --trees-per-device 2 --trees-per-update 1 --rollout-batch-size 8 --clip-range 1e-4
   --kl-beta 0 --iterations 300 --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10
   --save-every 20 --pruning depth --window 4)
 # V-GRPO's FLUX setting (arXiv 2604.23380, experiments and appendix): 720 px, 16-step DPM-Solver++ ODE, N_MC 4, 12
-# images per prompt (one prompt per GPU), clip 6e-3, no KL, embedded guidance 3.5, 3 optimizer steps per iteration.
+# images per prompt (one prompt per GPU), clip 6e-3, no KL, embedded guidance 3.5, 3 optimizer steps per iteration;
+# the static shift 3 of the DanceGRPO code it builds on (the default --shift; FluxPipeline's own: --shift pipeline).
 FLUX_VGRPO=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 "${GPU_COMMON[@]}"
   --num-steps 16 --solver dpm++2m --n-mc 4 --guidance-scale 3.5 --group-size 12 --samples-per-device 12
   --rollout-batch-size 1 --train-batch-size 1 --samples-per-update 4 --clip-range 6e-3 --kl-beta 0 --iterations 300
@@ -164,8 +167,9 @@ SD35_NFT=("${SD35_NFT_BASE[@]}" --reward hpsv2.1 "${HPS_CKPT[@]}" --prompts "${P
 # (https://github.com/X-GenGroup/Flow-Factory, examples/nft/lora/flux1/default.yaml): 384 px, 8 ODE steps, embedded
 # guidance 3.5 in sampling and training, 16 images per prompt, 48 prompts per iteration (96 images per GPU on 8), 2
 # trained timesteps per image (Flow-Factory: in the noisiest 70%; here: 2 of the 8 grid points, as the official
-# code draws them), NFT beta 1, no KL, old policy (0, 0.001, 0.5) = --old-decay linear, LoRA r64 alpha 128, lr 3e-4.
-FLUX_NFT=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 384 "${GPU_COMMON[@]}"
+# code draws them), NFT beta 1, no KL, old policy (0, 0.001, 0.5) = --old-decay linear, LoRA r64 alpha 128, lr 3e-4;
+# FluxPipeline's own schedule (--shift pipeline: by resolution), as the official code samples on its pipeline's grid.
+FLUX_NFT=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 384 "${GPU_COMMON[@]}" --shift pipeline
   --num-steps 8 --solver dpm2 --guidance-scale 3.5 --group-size 16 --samples-per-device 96 --rollout-batch-size 8
   --train-batch-size 8 --samples-per-update 96 --timestep-fraction 0.25 --beta 1 --kl-beta 0 --old-decay linear
   --lora --lora-rank 64 --lora-alpha 128 --learning-rate 3e-4 --iterations 1000 --eval-every 20
@@ -175,7 +179,8 @@ FLUX_NFT=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 38
 # 4, 16 images per prompt, 48 prompts per iteration (96 images per GPU on 8), 2 optimizer steps per iteration, clip
 # 1e-4, no KL, LoRA r64 alpha 128, lr 3e-4. Flow-Factory's one SDE step drawn from steps 1-3 is not dancegrpo.py's:
 # the SDE is the FLUX recipes' (constant eta 0.3 on every step, shared initial noise, 60% of the steps trained).
-QWEN=(--model-id "${MODEL_ID:-Qwen/Qwen-Image}" --resolution 512 "${GPU_COMMON[@]}" --guidance-scale 4
+# Every Qwen-Image recipe samples on QwenImagePipeline's own schedule (--shift pipeline: by resolution, last sigma 0.02).
+QWEN=(--model-id "${MODEL_ID:-Qwen/Qwen-Image}" --resolution 512 "${GPU_COMMON[@]}" --guidance-scale 4 --shift pipeline
   --lora --lora-rank 64 --lora-alpha 128 --learning-rate 3e-4 --offload-frozen --iterations 300 --eval-every 20
   --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
 QWEN_DANCE=("${QWEN[@]}" --num-steps 10 --sde-type dance --noise-level 0.3 --group-size 16 --samples-per-device 96
@@ -194,7 +199,8 @@ QWEN_VGRPO=("${QWEN[@]}" --num-steps 10 --solver dpm++2m --n-mc 4 --group-size 1
 # iteration (64 images per GPU on 8), one optimizer step per iteration, 10 trained timesteps per image (Flow-Factory:
 # in the noisiest 50%; here: 10 of the 30 grid points), NFT beta 1, no KL, old policy (0, 0.001, 0.5) = --old-decay
 # linear, LoRA r64 alpha 128, lr 2e-4, 40-step evaluation.
-QWEN_NFT=(--model-id "${MODEL_ID:-Qwen/Qwen-Image}" --resolution 512 "${GPU_COMMON[@]}" --num-steps 30 --solver dpm2
+QWEN_NFT=(--model-id "${MODEL_ID:-Qwen/Qwen-Image}" --resolution 512 "${GPU_COMMON[@]}" --shift pipeline
+  --num-steps 30 --solver dpm2
   --guidance-scale 1 --group-size 16 --samples-per-device 64 --rollout-batch-size 8 --train-batch-size 8
   --samples-per-update 64 --timestep-fraction 0.34 --beta 1 --kl-beta 0 --old-decay linear --lora --lora-rank 64
   --lora-alpha 128 --learning-rate 2e-4 --iterations 300 --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 40
@@ -202,8 +208,10 @@ QWEN_NFT=(--model-id "${MODEL_ID:-Qwen/Qwen-Image}" --resolution 512 "${GPU_COMM
 # FLUX.2 [klein] base 4B (the base model: the distilled one takes no guidance), Flow-Factory's GRPO setting
 # (examples/grpo/lora/flux2_klein_base/default.yaml): 384 px, 8 steps, CFG 4, 16 images per prompt, 48 prompts per
 # iteration (96 images per GPU on 8), 2 optimizer steps per iteration, clip 1e-4, no KL, LoRA r64 alpha 128, lr 3e-4;
-# the SDE is the FLUX recipes' (as for Qwen-Image above).
+# the SDE is the FLUX recipes' (as for Qwen-Image above); Flux2KleinPipeline's own schedule (--shift pipeline: mu by
+# resolution and step count).
 FLUX2_DANCE=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.2-klein-base-4B}" --resolution 384 "${GPU_COMMON[@]}"
+  --shift pipeline
   --num-steps 8 --sde-type dance --noise-level 0.3 --guidance-scale 4 --group-size 16 --samples-per-device 96
   --rollout-batch-size 4 --samples-per-update 48 --same-noise --clip-range 1e-4 --kl-beta 0 --lora --lora-rank 64
   --lora-alpha 128 --learning-rate 3e-4 --offload-frozen --iterations 300 --eval-every 20 --eval-samples-per-prompt 1

@@ -67,8 +67,6 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     image (docs/vgrpo.md has the figures)"""
     num_steps: int = 10
     """sampling steps T of a rollout (shifted sigma schedule); the surrogate's timesteps are drawn from this grid"""
-    shift: float = 3.0
-    """SD3 time shift k of the sigma schedule: s' = k s / (1 + (k - 1) s)"""
     solver: Literal["dpm++2m", "euler"] = "dpm++2m"
     """deterministic ODE solver of the rollouts: DPM-Solver++(2M) for flow models (paper), or Euler"""
     group_size: int = 8
@@ -121,7 +119,7 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
     check_mode_flags(args, MODE_FLAGS)
     args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
-    need(args.num_steps >= 1 and args.shift > 0, "--num-steps must be >= 1 and --shift > 0")
+    need(args.num_steps >= 1, "--num-steps must be >= 1")
     need(args.n_mc >= 1, "--n-mc must be >= 1")
     need(
         not args.stratified or args.pair_times == "uniform" or args.n_mc <= args.num_steps,
@@ -335,10 +333,10 @@ def main(args: Args):
     mb = args.train_batch_size
     micro_per_update = args.samples_per_update // mb
     updates_per_iter = args.samples_per_device // args.samples_per_update
-    sigmas = sigma_schedule(args.num_steps, args.shift)  # (T + 1,)
 
     # ---------------------------------------------------------------- MODELS
     model = load_model(args.model_id, device, frozen_dtype, args.resolution, args.num_frames, args.offload_frozen)
+    sigmas = model.sigmas(args.num_steps) if args.shift == "pipeline" else sigma_schedule(args.num_steps, args.shift)
     denoiser = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
     # the KL to the behaviour policy needs no reference model (its outputs are stored); the KL to the base does
     ref = (denoiser if args.lora else frozen_copy(denoiser, frozen_dtype)) if base_kl else None

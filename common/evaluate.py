@@ -25,7 +25,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
 import torch
 import tyro
@@ -33,9 +33,9 @@ from tqdm import tqdm
 
 from common import InputError, RunError
 from common.attention import set_attention_backend
-from common.flags import need
+from common.flags import check_guidance_scale_2, check_shift, need
 from common.prompts import evenly_spaced
-from common.sampling import fixed_noise, ode_sampler, sample_prompts, sigma_schedule
+from common.sampling import fixed_noise, ode_sampler, sample_prompts, schedule
 
 
 @dataclass
@@ -60,8 +60,12 @@ class EvalArgs:
     samples_per_prompt: int = 4
     num_steps: int = 20
     """Euler ODE steps on the shifted schedule"""
-    shift: float = 3.0
+    shift: Union[float, Literal["pipeline"]] = 3.0
+    """the sigma grid, as the training scripts' flag: a number k is the SD3 shift of linspace(1, 0, T + 1), 'pipeline'
+    the grid of the model's own diffusers pipeline at this size and step count (docs/models.md)"""
     guidance_scale: float = 1.0
+    guidance_scale_2: Optional[float] = None
+    """Wan2.2-T2V-A14B only: the low-noise expert's CFG scale, as the training scripts' flag (None: --guidance-scale)"""
     resolution: Optional[int] = None
     num_frames: Optional[int] = None
     """video models only"""
@@ -460,8 +464,9 @@ def score_model(args, model, reward_fn, prompts, accelerator, cache: Path, grid:
     only if it loads and is this batch (load_batch); else the batch is computed again, and a line says so."""
     n, B = len(prompts), args.batch_size
     noise = fixed_noise(args.seed, "eval", model.latent_shape(), 0, n)  # sample j's noise, as the Evaluator's
+    model.guidance_scale_2 = args.guidance_scale_2  # A14B's low-noise expert (refused at start-up on other models)
     sampler = ode_sampler(
-        model, model.transformer, sigma_schedule(args.num_steps, args.shift), args.guidance_scale, accelerator.autocast
+        model, model.transformer, schedule(model, args.num_steps, args.shift), args.guidance_scale, accelerator.autocast
     )
     mine = list(range(0, n, B))[accelerator.process_index :: accelerator.num_processes]
     out = []
@@ -521,7 +526,7 @@ def main(args: EvalArgs) -> None:
     from accelerate import Accelerator
     from accelerate.utils import gather_object
 
-    from common.models import check_model_id, load_model
+    from common.models import check_model_id, has_two_experts, load_model
     from common.rewards import build_reward, check_rewards, parse_rewards
 
     # ---------------------------------------------------------------- inputs, checked before anything loads
@@ -531,6 +536,8 @@ def main(args: EvalArgs) -> None:
     )
     kind = check_model_id(args.model_id)
     need(kind != "sd1", f"--model-id {args.model_id}: SD1.x (DDIM) is not evaluated here; flow models only")
+    check_shift(args.shift, kind)
+    check_guidance_scale_2(args, kind == "wan" and has_two_experts(args.model_id))
     reward_spec = parse_rewards(args.reward, args.reward_ckpt, args.reward_url)  # parsed once
     shapes_only = [c.name for c in reward_spec.components if c.kind.shapesbench]
     shapes_only += ["--prompts " + args.prompts] if args.prompts.startswith("shapes-") else []
@@ -560,6 +567,7 @@ def main(args: EvalArgs) -> None:
                    reward_checkpoints={c.name: c.url or c.path for c in reward_spec.components if c.url or c.path},
                    grid_prompts=args.grid_prompts,
                    prompts_digest=hashlib.sha256(json.dumps([prompt_list, styles]).encode()).hexdigest())  # fmt: skip
+    setting |= {} if args.guidance_scale_2 is None else {"guidance_scale_2": args.guidance_scale_2}  # (older caches)
     # the cache holds the batches of one setting, each model's under its row name: a name may not change its weights
     # (their contents: weights replaced under the same path are other weights)
     sources = {"base": None} | {n: weights_digest(w, f) for w, (n, f) in zip(args.weights, models[1:])}

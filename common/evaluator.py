@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from common import shapesbench
 from common.prompts import evenly_spaced
-from common.sampling import fixed_noise, ode_sampler, sample_prompts, sigma_schedule
+from common.sampling import fixed_noise, ode_sampler, sample_prompts, schedule
 
 
 @contextmanager
@@ -39,9 +39,9 @@ class Evaluator:
     """
 
     def __init__(self, args, model, module, reward_fn, eval_prompts, run, batch_size: int, sampler=None):
-        """`sampler`: None for the Euler ODE of a flow model on sigma_schedule(--eval-steps, --shift)."""
+        """`sampler`: None for the Euler ODE of a flow model on the --shift grid of --eval-steps steps."""
         if sampler is None:
-            sigmas = sigma_schedule(args.eval_steps, args.shift)
+            sigmas = schedule(model, args.eval_steps, args.shift)
             sampler = ode_sampler(model, module, sigmas, args.guidance_scale, run.accelerator.autocast)
         self.args, self.model, self.module, self.sampler, self.reward_fn, self.run = (
             args,

@@ -23,7 +23,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
 import diffusers
 import transformers
@@ -121,6 +121,16 @@ class RunArgs:
     """gradient clipping norm per optimizer step"""
     guidance_scale: float = 1.0
     """CFG scale for ShapesBench / SD3.5 (1 = off), embedded guidance for FLUX.1-dev (3.5 there); same in training"""
+    guidance_scale_2: Annotated[Optional[float], ModeDefault("--guidance-scale's")] = None
+    """Wan2.2-T2V-A14B only: the CFG scale of the low-noise expert (WanPipeline's guidance_scale_2; Wan's own setting
+    is 4 for the high-noise expert, 3 for the low-noise one); needs --guidance-scale > 1, as the pipeline's CFG"""
+    shift: Union[float, Literal["pipeline"]] = 3.0
+    """the sigma schedule of the flow models' rollouts and evaluation: a number k warps linspace(1, 0, T + 1) by the
+    SD3 time shift s' = k s / (1 + (k - 1) s) (3: SD3.5's scheduler, DanceGRPO's and BranchGRPO's FLUX.1 setting);
+    'pipeline' is the grid the model's own diffusers pipeline builds for this size and step count: mu by the image's
+    tokens for FLUX.1 and Qwen-Image (whose last sigma is 0.02), by tokens and steps for FLUX.2, the static shift of
+    Z-Image's, Wan's and SD3's configs (docs/models.md); the Qwen-Image, FLUX.2 and FLUX.1 DiffusionNFT recipes use
+    it; not for ShapesBench or SD1.x"""
     eval_every: int = 50
     """evaluate on --eval-prompts every N iterations (and at the start and the end); 0 = never"""
     eval_samples_per_prompt: int = 4
@@ -254,12 +264,32 @@ def check_run_args(args, video: bool = True, differentiable: bool = False) -> tu
     check_mode_flags(args, [(f, lambda a: is_video, "a video model (Wan2.1)") for f in ("num_frames", "reward_frames")])
     two = is_video and has_two_experts(args.model_id)
     check_mode_flags(args, [("experts", lambda a: two, "a two-expert Wan2.2-T2V-A14B")])
+    check_guidance_scale_2(args, two)
+    check_shift(args.shift, kind)
     need(args.reward_frames >= 1, "--reward-frames must be >= 1")
     if args.num_frames is not None:
         check_num_frames(args.num_frames)
     rewards = parse_rewards(args.reward, args.reward_ckpt, args.reward_url)  # parsed once; every later step reads it
     check_rewards(rewards, is_video, None if kind == "shapes" else args.model_id, args.num_frames, differentiable)
     return load_prompts(args.prompts, "--prompts"), load_prompts(args.eval_prompts, "--eval-prompts"), rewards
+
+
+def check_guidance_scale_2(args, two_experts: bool) -> None:
+    """--guidance-scale-2 only on a two-expert Wan2.2-T2V-A14B, and with --guidance-scale > 1 (WanPipeline's CFG)."""
+    check_mode_flags(args, [("guidance_scale_2", lambda a: two_experts, "a two-expert Wan2.2-T2V-A14B")])
+    need(
+        args.guidance_scale_2 is None or args.guidance_scale > 1,
+        "--guidance-scale-2 needs --guidance-scale > 1: WanPipeline guides (with either scale) only then",
+    )
+
+
+def check_shift(shift, kind: str) -> None:
+    """--shift is a number > 0, or 'pipeline' on a model whose diffusers pipeline gives a flow schedule."""
+    if shift == "pipeline":
+        what = {"shapes": "ShapesBench has no diffusers pipeline of its own", "sd1": "SD1.x samples DDIM timesteps"}
+        need(kind not in what, f"--shift pipeline: {what.get(kind)}; give a number (3, the default)")
+    else:
+        need(shift > 0, f"--shift must be > 0 or 'pipeline' (got {shift})")
 
 
 def check_mode_flags(args, mode_flags) -> None:

@@ -21,6 +21,12 @@ def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:  # same as in 
     return (shift * s / (1 + (shift - 1) * s)).float()
 
 
+def schedule(model, num_steps: int, shift) -> torch.Tensor:
+    """The grid (T + 1,) of --shift: sigma_schedule's for a number, the model's own diffusers pipeline's for
+    'pipeline' (FlowModel.sigmas)."""
+    return model.sigmas(num_steps) if shift == "pipeline" else sigma_schedule(num_steps, shift)
+
+
 def keyed_generator(*keys) -> torch.Generator:
     """A CPU generator seeded by a stable hash of `keys`, e.g. (seed, iteration, "noise", sample_index): the scripts'
     rng(). Keyed draws depend on neither the process count nor the batch size, so resumed and multi-process runs

@@ -170,6 +170,8 @@ def trainable_denoiser(model: FlowModel | DDIMModel, args):
     frozen base stays in its load dtype (bf16 under --mixed-precision bf16), as diffusers' LoRA training examples
     cast only the trainable parameters: FLUX.1-dev's 11.9B base weights take 24 GB in bf16, 48 GB in fp32.
     --gradient-checkpointing: diffusers' activation recomputation in the backward (same values, less memory).
+    Wan2.2-T2V-A14B: --experts picks the trained expert(s), and --guidance-scale-2 goes onto the model (the low-noise
+    expert's CFG scale in every velocity: rollouts, training, evaluation).
     """
     denoiser = model.unet if model.kind == "sd1" else model.transformer
     if args.lora:
@@ -181,6 +183,8 @@ def trainable_denoiser(model: FlowModel | DDIMModel, args):
         denoiser.float()
     if isinstance(denoiser, WanExperts) and args.experts != "both":  # --experts: the other one stays frozen
         getattr(denoiser, "low" if args.experts == "high" else "high").requires_grad_(False)
+    if isinstance(denoiser, WanExperts):
+        model.guidance_scale_2 = args.guidance_scale_2
     if args.gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
     return denoiser.train()

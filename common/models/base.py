@@ -8,12 +8,15 @@ from common.offload import Offloaded
 
 
 def _cfg(forward, x, t, cond, get_uncond, scale):
-    """Classifier-free guidance as diffusers does it: one batched forward on [uncond; cond] when scale > 1."""
-    if scale <= 1.0:
+    """Classifier-free guidance as diffusers does it: one batched forward on [uncond; cond] when scale > 1 (a tensor
+    `scale`, one per row, always guides)."""
+    if not torch.is_tensor(scale) and scale <= 1.0:
         return forward(x, t, cond)
     B, uncond = x.shape[0], get_uncond()
     both = {k: torch.cat([uncond[k].expand(B, *uncond[k].shape[1:]), cond[k]]) for k in cond}
     out_uncond, out_cond = forward(torch.cat([x, x]), torch.cat([t, t]), both).chunk(2)
+    if torch.is_tensor(scale):  # one scale per row (B, 1, ...), in the outputs' dtype as a number would act
+        scale = scale.to(out_cond.dtype)
     return out_uncond + scale * (out_cond - out_uncond)
 
 
@@ -128,8 +131,36 @@ class FlowModel(_Parts):
     def velocity(self, transformer, x, sigma, cond, guidance_scale: float = 1.0) -> torch.Tensor:
         raise NotImplementedError
 
+    @property
+    def scheduler_config(self):
+        """The folder's scheduler config (scheduler/scheduler_config.json), as the pipeline loaded it."""
+        return self.pipe.scheduler.config
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The sigma grid (T + 1,), ending at 0, on which the model's own diffusers pipeline samples at this size in
+        T steps (`--shift pipeline`): a fresh scheduler of the folder's class and config, set_timesteps as the
+        pipeline's __call__ calls it (_pipeline_timesteps: its sigmas and mu), read back; float32 on the CPU."""
+        scheduler = type(self.pipe.scheduler).from_config(self.scheduler_config)
+        scheduler.set_timesteps(**self._pipeline_timesteps(num_steps))
+        return scheduler.sigmas.float().cpu()
+
+    def _pipeline_timesteps(self, num_steps: int) -> dict:
+        """set_timesteps' arguments as the pipeline passes them; this default is WanPipeline's and (on a static
+        config) StableDiffusion3Pipeline's: the step count alone."""
+        return {"num_inference_steps": num_steps}
+
     def _io_dtype(self):
         return self.transformer.dtype  # wrapped copies passed to velocity() share the unwrapped one's dtype
+
+
+def _dynamic_mu(calculate_shift, config, image_seq_len: int, max_shift: float = 1.15) -> float:
+    """mu of a pipeline that shifts by resolution (FLUX.1, Qwen-Image, Z-Image, SD3): its own calculate_shift on the
+    image's token count and the scheduler config, with the pipeline's defaults for keys the config lacks."""
+    c = config
+    return calculate_shift(
+        image_seq_len, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
+        c.get("max_shift", max_shift),
+    )  # fmt: skip
 
 
 def check_num_frames(num_frames: int, temporal_scale: int = 4) -> None:

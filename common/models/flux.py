@@ -1,10 +1,12 @@
 """FLUX.1 (dev, schnell): packed 2x2 latent tokens, CLIP pooled + T5 text, guidance embedded in the transformer."""
 
+import numpy as np
 import torch
 from diffusers import FluxPipeline
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from common import InputError
-from common.models.base import FlowModel, _check_multiple
+from common.models.base import FlowModel, _check_multiple, _dynamic_mu
 
 
 class FluxModel(FlowModel):
@@ -53,6 +55,14 @@ class FluxModel(FlowModel):
             img_ids=self.img_ids.to(x.device, dt),
             return_dict=False,
         )[0].to(x.dtype)
+
+    def _pipeline_timesteps(self, num_steps):
+        """FluxPipeline: sigmas linspace(1, 1/T, T) (none with use_flow_sigmas), mu from the token count (FLUX.1-dev's
+        config shifts dynamically: mu 0.5 at 256 tokens to 1.15 at 4096, exponential)."""
+        config = self.scheduler_config
+        sigmas = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / num_steps, num_steps)
+        mu = _dynamic_mu(calculate_shift, config, self.latent_shape()[0])
+        return dict(num_inference_steps=num_steps if sigmas is None else None, sigmas=sigmas, mu=mu)
 
     def _vae_latents(self, x):
         return FluxPipeline._unpack_latents(x, self.height, self.width, self.vae_scale)  # (B, 16, H/8, W/8)

@@ -2,6 +2,9 @@
 4-axis RoPE ids, stacked text-encoder hidden states (Qwen3 for klein, Mistral-Small-3.1 for dev) padded to 512
 tokens, a VAE whose latents are normalised by its BatchNorm statistics."""
 
+import sys
+
+import numpy as np
 import torch
 from diffusers import Flux2KleinPipeline, Flux2Pipeline
 
@@ -72,6 +75,13 @@ class Flux2Model(FlowModel):
         if embedded:
             return forward(x, sigma, cond).to(x.dtype)
         return _cfg(forward, x, sigma, cond, self.uncond, guidance_scale).to(x.dtype)
+
+    def _pipeline_timesteps(self, num_steps):
+        """Flux2Pipeline and Flux2KleinPipeline: sigmas linspace(1, 1/T, T) (none with use_flow_sigmas), mu from the
+        pipeline module's compute_empirical_mu(tokens, T), which depends on the step count as well as the size."""
+        sigmas = None if self.scheduler_config.get("use_flow_sigmas") else np.linspace(1.0, 1 / num_steps, num_steps)
+        mu = sys.modules[type(self.pipe).__module__].compute_empirical_mu(self.latent_shape()[0], num_steps)
+        return dict(num_inference_steps=num_steps if sigmas is None else None, sigmas=sigmas, mu=mu)
 
     def _vae_latents(self, x):
         """(B, seq, 128) -> the VAE's (B, 32, h, w): tokens back to the (B, 128, h/2, w/2) grid (row-major, as

@@ -1,10 +1,12 @@
 """Qwen-Image (Qwen/Qwen-Image, Qwen/Qwen-Image-2512): packed 2x2 latent tokens (seq, 64), Qwen2.5-VL text with a
 mask, true CFG with a per-token norm rescale, a 16-channel VAE with per-channel latent statistics."""
 
+import numpy as np
 import torch
 from diffusers import QwenImagePipeline
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-from common.models.base import FlowModel, _check_multiple, _unnormalise
+from common.models.base import FlowModel, _check_multiple, _dynamic_mu, _unnormalise
 
 
 def _pad(cond, length):
@@ -25,6 +27,7 @@ class QwenImageModel(FlowModel):
     kind = "qwen"
     pipeline = QwenImagePipeline  # loads the folder; saves and loads a LoRA adapter (save_lora_weights)
     negative_prompt = " "  # the negative prompt of Qwen-Image's own examples; QwenImagePipeline does no CFG without one
+    text_tokens = 512  # QwenImagePipeline.__call__'s max_sequence_length (encode_prompt's own default is 1024)
 
     def __init__(self, pipe: QwenImagePipeline, resolution: int | None):
         self.pipe = pipe
@@ -38,7 +41,7 @@ class QwenImageModel(FlowModel):
         return (self.img_shape[1] * self.img_shape[2], self.transformer.config.in_channels)  # (seq, 4 * 16)
 
     def _encode(self, prompts):
-        embeds, mask = self.pipe.encode_prompt(prompts, device=self.device)
+        embeds, mask = self.pipe.encode_prompt(prompts, device=self.device, max_sequence_length=self.text_tokens)
         if mask is None:  # the pipeline drops an all-ones mask; it is kept here, so the dict can be sliced
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}  # (B, L, 3584), (B, L) 1 = a prompt token
@@ -73,6 +76,12 @@ class QwenImageModel(FlowModel):
         out_uncond, out_cond = forward(torch.cat([x, x]), torch.cat([sigma, sigma]), embeds, mask).chunk(2)
         comb = out_uncond + guidance_scale * (out_cond - out_uncond)
         return (comb * (out_cond.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))).to(x.dtype)
+
+    def _pipeline_timesteps(self, num_steps):
+        """QwenImagePipeline: sigmas linspace(1, 1/T, T), mu from the token count (Qwen-Image's config: 0.5 at 256
+        tokens to 0.9 at 8192, exponential, then stretched so that the last sigma before 0 is 0.02)."""
+        mu = _dynamic_mu(calculate_shift, self.scheduler_config, self.latent_shape()[0])
+        return dict(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
 
     def decode(self, x) -> torch.Tensor:
         """(B, seq, 64) -> (B, 3, H, W) in [0, 1], differentiable: unpacked to the VAE's (B, 16, 1, h, w) (one frame),

@@ -1,8 +1,10 @@
 """SD3 / SD3.5 and ShapesBench (a tiny SD3 pipeline): latents (16, H/8, W/8), CLIP-L + CLIP-G + T5 text, CFG."""
 
 from diffusers import StableDiffusion3Pipeline
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
-from common.models.base import FlowModel, _cfg, _check_multiple
+from common import InputError
+from common.models.base import FlowModel, _cfg, _check_multiple, _dynamic_mu
 from common.shapesbench.builders import T5_TOKENS, RepeatedLastTokenJointAttention
 
 
@@ -49,6 +51,16 @@ class SD3Model(FlowModel):
 
         return _cfg(forward, x, sigma, cond, self.uncond, guidance_scale).to(x.dtype)
 
+    def _pipeline_timesteps(self, num_steps):
+        """StableDiffusion3Pipeline: the step count alone (SD3.5's static config: shift 3 on linspace(1, sigma_min,
+        T), whose last sigma before 0 is small), with mu from the token count where the config shifts dynamically."""
+        if not self.scheduler_config.get("use_dynamic_shifting"):
+            return {"num_inference_steps": num_steps}
+        _, h, w = self.latent_shape()
+        patch = self.transformer.config.patch_size
+        mu = _dynamic_mu(calculate_shift, self.scheduler_config, (h // patch) * (w // patch), max_shift=1.16)
+        return {"num_inference_steps": num_steps, "mu": mu}
+
 
 class ShapesModel(SD3Model):
     """ShapesBench: a tiny StableDiffusion3Pipeline (32x32 images, an 8x8x4 VAE latent, two tiny CLIP encoders, and
@@ -64,3 +76,6 @@ class ShapesModel(SD3Model):
     def __init__(self, pipe: StableDiffusion3Pipeline, resolution: int | None):
         super().__init__(pipe, resolution)
         self.transformer.set_attn_processor(RepeatedLastTokenJointAttention(T5_TOKENS))
+
+    def _pipeline_timesteps(self, num_steps):
+        raise InputError("--shift pipeline: ShapesBench has no diffusers pipeline of its own; give a number (3)")

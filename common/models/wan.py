@@ -79,7 +79,8 @@ class WanModel(FlowModel):
     before an 8x encoder), and the transformer gets one timestep per token, as WanPipeline feeds it (a scalar per
     sample gives the same velocity only to float rounding, 5e-7 on tests/tiny.py's model). Wan2.2-T2V-A14B: Wan2.1's
     latents and two experts, `transformer` for sigma >= boundary_ratio (0.875) and `transformer_2` below (WanExperts);
-    --guidance-scale applies to both (the pipeline's guidance_scale_2 left at its default, guidance_scale)."""
+    --guidance-scale is the high-noise expert's CFG scale and `guidance_scale_2` (--guidance-scale-2) the low-noise
+    one's, WanPipeline's guidance_scale_2 (None: the same, as the pipeline's default)."""
 
     kind = "wan"
     pipeline = WanPipeline  # loads the folder; saves and loads a LoRA adapter (save_lora_weights)
@@ -87,17 +88,18 @@ class WanModel(FlowModel):
     native_size = (480, 832)  # WanPipeline's default height and width (Wan2.1's 480p)
     native_frames = 81  # WanPipeline's default num_frames (5 s at 16 fps)
     native_5b = ((704, 1280), 121)  # Wan2.2-TI2V-5B's own 720p, 121 frames (5 s at 24 fps), as its model card runs it
+    guidance_scale_2 = None  # A14B: the low-noise expert's CFG scale (trainable_denoiser sets --guidance-scale-2)
 
     def __init__(self, pipe: WanPipeline, resolution: int | None, num_frames: int | None):
         self.per_token = bool(pipe.config.expand_timesteps)  # Wan2.2-TI2V-5B
-        denoiser = pipe.transformer
+        denoiser, self.boundary = pipe.transformer, None
         if (pipe.transformer_2 is None) != (pipe.config.boundary_ratio is None):
             raise InputError("--model-id: a Wan2.2 pipeline needs both transformer_2 and boundary_ratio, or neither")
         if pipe.transformer_2 is not None:  # A14B
             if self.per_token:
                 raise InputError("--model-id: two experts with per-token timesteps (expand_timesteps) are not known")
-            boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
-            denoiser = WanExperts(pipe.transformer, pipe.transformer_2, boundary)
+            self.boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
+            denoiser = WanExperts(pipe.transformer, pipe.transformer_2, self.boundary)
         self.pipe = pipe
         self.vae_scale, self.vae_scale_t = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
         if self.per_token:
@@ -138,7 +140,11 @@ class WanModel(FlowModel):
                 return_dict=False,
             )[0]
 
-        return _cfg(forward, x, sigma, cond, self.uncond, guidance_scale).to(x.dtype)
+        scale = guidance_scale
+        if self.guidance_scale_2 is not None and guidance_scale > 1.0:  # A14B: each row at its expert's scale
+            high = sigma * 1000 >= self.boundary  # (B,) WanPipeline's (and WanExperts') rule for `transformer`
+            scale = torch.where(high, guidance_scale, self.guidance_scale_2).view(-1, *[1] * (x.dim() - 1))
+        return _cfg(forward, x, sigma, cond, self.uncond, scale).to(x.dtype)
 
     def decode(self, x) -> torch.Tensor:
         """(B, 16, F', h, w) -> video (B, F, 3, H, W) in [0, 1] (frames first, as WanPipeline's output), differentiable.

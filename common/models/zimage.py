@@ -4,8 +4,9 @@ and an output of the opposite sign."""
 
 import torch
 from diffusers import ZImagePipeline
+from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_default_z_image_sigmas
 
-from common.models.base import FlowModel, _check_multiple
+from common.models.base import FlowModel, _check_multiple, _dynamic_mu
 
 
 class ZImageModel(FlowModel):
@@ -38,6 +39,13 @@ class ZImageModel(FlowModel):
         mask = torch.stack([torch.arange(length, device=self.device) < len(e) for e in embeds]).long()
         padded = torch.stack([torch.cat([e, e.new_zeros(length - len(e), e.shape[1])]) for e in embeds])
         return {"prompt_embeds": padded, "prompt_embeds_mask": mask}  # (B, L, 2560), (B, L) 1 = a prompt token
+
+    def _pipeline_timesteps(self, num_steps):
+        """ZImagePipeline: its default sigmas linspace(1, 1/T, T) (a float32 one), mu from the token count (which the
+        static configs of Z-Image and Z-Image-Turbo, shift 6 and 3, ignore)."""
+        _, h, w = self.latent_shape()
+        mu = _dynamic_mu(calculate_shift, self.scheduler_config, (h // 2) * (w // 2))
+        return dict(sigmas=get_default_z_image_sigmas(num_steps), mu=mu)
 
     def velocity(self, transformer, x, sigma, cond, guidance_scale=1.0):
         dt = self._io_dtype()
