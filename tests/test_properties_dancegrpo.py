@@ -140,3 +140,28 @@ def test_the_modes_defaults_by_hand():
     given = D.Args(noise_level=0.45, timestep_fraction=0.25)
     D.resolve_and_check(given)
     assert (given.noise_level, given.timestep_fraction) == (0.45, 0.25)
+
+
+def test_the_policy_figures_by_hand():
+    """log-ratios (log 1.25, 0, -log 2) against an old log-prob of 0: approx_kl = mean(0.5 d^2) =
+    (0.5 * 0.049793 + 0 + 0.5 * 0.480453) / 3 = 0.088374; with eps = 0.25 the ratio 1.25 sits exactly on the clip
+    edge, which is not clipped (clip(1.25) = 1.25): clipfrac counts only the 0.5, so 1/3."""
+    log_prob = torch.tensor([math.log(1.25), 0.0, -math.log(2.0)], dtype=torch.float64)
+    old = torch.zeros(3, dtype=torch.float64)
+    edge = float(torch.exp(log_prob[0])) - 1  # 0.25 as the ratio computes it
+    _, figures = D.policy_loss(log_prob, old, torch.ones(3), None, None, None, clip_range=edge, kl_beta=0.0)
+    d = [math.log(1.25), 0.0, -math.log(2.0)]
+    assert figures["approx_kl"].item() == pytest.approx(sum(0.5 * x * x for x in d) / 3, rel=1e-12)
+    assert figures["approx_kl"].item() == pytest.approx(0.088374, abs=1e-6)
+    assert figures["clipfrac"].item() == pytest.approx(1 / 3)
+
+
+def test_an_sde_step_in_float64_is_exact_to_float64():
+    """sigma 0.7 -> 0.3 (not float32 numbers), g = 0.3, x = 1, v = 0.2: x0_hat = 0.86, score = -(1 - 0.3 * 0.86) / 0.49,
+    mean = 1 - 0.4 (0.2 - 0.045 score), std = 0.3 sqrt(0.4): computed in float64 throughout, as the inputs are."""
+    x, v = torch.tensor([[1.0]], dtype=torch.float64), torch.tensor([[0.2]], dtype=torch.float64)
+    _, _, mean, std = D.sde_step(x, v, 0.7, 0.3, 0.3, noise=torch.zeros(1, 1, dtype=torch.float64))
+    score = -(1 - 0.3 * 0.86) / 0.49
+    assert mean.dtype == torch.float64
+    assert mean.item() == pytest.approx(1 - 0.4 * (0.2 - 0.045 * score), rel=1e-13)
+    assert std.item() == pytest.approx(0.3 * math.sqrt(0.4), rel=1e-13)
