@@ -142,6 +142,16 @@ def test_the_modes_defaults_by_hand():
     assert (given.noise_level, given.timestep_fraction) == (0.45, 0.25)
 
 
+def clipped_loss(log_prob, old_log_prob, adv, clip_range):
+    """policy_loss's PPO clip without a KL term (the rollout's and the policy's step means equal, where its signature
+    takes them)."""
+    if "old_mean" not in inspect.signature(D.policy_loss).parameters:
+        return D.policy_loss(log_prob, old_log_prob, adv, None, None, None, clip_range=clip_range, kl_beta=0.0)
+    mean, std = torch.zeros(len(adv), 1, dtype=log_prob.dtype), torch.ones(len(adv), 1, dtype=log_prob.dtype)
+    flags = {"objective": "clip", "clip_range": clip_range, "kl_mask_threshold": 1e-5, "kl_beta": 0.0}
+    return D.policy_loss(log_prob, old_log_prob, adv, mean, mean, None, std, 0.1, **flags)
+
+
 def test_the_policy_figures_by_hand():
     """log-ratios (log 1.25, 0, -log 2) against an old log-prob of 0: approx_kl = mean(0.5 d^2) =
     (0.5 * 0.049793 + 0 + 0.5 * 0.480453) / 3 = 0.088374; with eps = 0.25 the ratio 1.25 sits exactly on the clip
@@ -149,7 +159,7 @@ def test_the_policy_figures_by_hand():
     log_prob = torch.tensor([math.log(1.25), 0.0, -math.log(2.0)], dtype=torch.float64)
     old = torch.zeros(3, dtype=torch.float64)
     edge = float(torch.exp(log_prob[0])) - 1  # 0.25 as the ratio computes it
-    _, figures = D.policy_loss(log_prob, old, torch.ones(3), None, None, None, clip_range=edge, kl_beta=0.0)
+    _, figures = clipped_loss(log_prob, old, torch.ones(3), edge)
     d = [math.log(1.25), 0.0, -math.log(2.0)]
     assert figures["approx_kl"].item() == pytest.approx(sum(0.5 * x * x for x in d) / 3, rel=1e-12)
     assert figures["approx_kl"].item() == pytest.approx(0.088374, abs=1e-6)
