@@ -171,10 +171,10 @@ def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:  # same as in 
 
 
 def noise_g(sigmas: torch.Tensor, sde_type: str, level: float) -> torch.Tensor:  # same as in dancegrpo.py
-    """Diffusion coefficient g_i of each step i (T,). DanceGRPO: constant eta. Flow-GRPO: a sqrt(s / (1 - s)),
-    with sigmas[1] standing in for the first sigma in the denominator, as Flow-GRPO does (1 - 1 = 0)."""
+    """Diffusion coefficient g_i of each step i (T,). DanceGRPO: constant eta (CPS: eta, which its step uses). Flow-GRPO:
+    a sqrt(s / (1 - s)), with sigmas[1] standing in for the first sigma in the denominator, as Flow-GRPO does."""
     s = sigmas[:-1]
-    if sde_type == "dance":
+    if sde_type != "flow":
         return torch.full_like(s, level)
     s_den = torch.where(s >= 1, sigmas[1], s)
     return level * torch.sqrt(s / (1 - s_den))
@@ -430,7 +430,7 @@ def edge_gaussians(x, v, segments, masks, sigmas, g, tree: Tree):
     return torch.cat(means), torch.cat(stds)
 
 
-def policy_loss(log_prob, old_log_prob, adv, mean, mean_ref, std, *, clip_range, kl_beta):  # same as in dancegrpo.py
+def policy_loss(log_prob, old_log_prob, adv, mean, mean_ref, std, *, clip_range, kl_beta):  # dancegrpo.py's clip
     """The objective per sample (B,): the PPO-clipped surrogate max(-A r, -A clip(r, 1 - eps, 1 + eps)), r = exp(logp -
     logp_old), plus kl_beta * KL(N(mean, std^2) || N(mean_ref, std^2)) to the base model's step (per dimension, as the
     log-prob) if `mean_ref` is given; log_prob, old_log_prob, adv (B,), mean, mean_ref (B, *L), std (B,) or (B, 1..).

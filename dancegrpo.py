@@ -57,10 +57,13 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     direction is mostly noise (docs/dancegrpo.md)"""
     num_steps: int = 10
     """sampling steps T of a rollout (shifted sigma schedule)"""
-    sde_type: Literal["dance", "flow"] = "flow"
-    """noise schedule g(sigma): 'dance' = constant eta (DanceGRPO), 'flow' = a sqrt(sigma / (1 - sigma)) (Flow-GRPO)"""
-    noise_level: Annotated[Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow")] = None
-    """eta for 'dance', a for 'flow'"""
+    sde_type: Literal["dance", "flow", "cps"] = "flow"
+    """the SDE step: 'dance' = noise g = eta (DanceGRPO), 'flow' = g = a sqrt(sigma / (1 - sigma)) (Flow-GRPO), 'cps' =
+    the coefficient-preserving step, std sigma' sin(eta pi / 2) (arXiv 2509.05952), with its constant-free log-prob"""
+    noise_level: Annotated[Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow, 0.8 with cps")] = (
+        None
+    )
+    """eta for 'dance' and 'cps', a for 'flow'"""
     group_size: int = 8
     """images per prompt (G); a group may span processes"""
     samples_per_device: int = 64
@@ -73,10 +76,18 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """fraction of a trajectory's SDE steps trained (MixGRPO trains its whole window)"""
     samples_per_update: int = 32
     """trajectories (per process) whose gradients are accumulated into one optimizer step"""
-    clip_range: float = 1e-3
-    """PPO clip epsilon on the ratio (log-probs are means over latent dimensions, hence small)"""
-    adv_clip_max: float = 5.0
-    """advantages are clipped to +-this"""
+    objective: Literal["clip", "guard", "dppo"] = "clip"
+    """'clip': the PPO-clipped ratio (DanceGRPO, Flow-GRPO); 'guard': GRPO-Guard's normalised ratio in the clip and
+    1/step-size reweighting (arXiv 2510.22319); 'dppo': Flow-DPPO's unclipped ratio with a KL mask (arXiv 2606.11025)"""
+    clip_range: Annotated[
+        Optional[float], ModeDefault("1e-3; 1e-5 with --sde-type cps, 2e-6 with --objective guard")
+    ] = None
+    """PPO clip epsilon on the ratio (log-probs are means over latent dimensions, hence small; CPS's constant-free
+    log-prob shrinks the ratio's log by 2 std^2, GRPO-Guard's normalisation by std: the official ranges follow)"""
+    adv_clip_max: Annotated[Optional[float], ModeDefault("5; none with --objective dppo")] = None
+    """advantages are clipped to +-this (Flow-DPPO leaves them unclipped)"""
+    kl_mask_threshold: float = 1e-5
+    """--objective dppo: a sample whose step KL to the rollout policy is >= this is dropped where its ratio moves away"""
     advantage_aggregation: Literal["sum", "per-reward"] = "sum"
     """several rewards: 'sum' normalises their weighted sum (DanceGRPO); 'per-reward' normalises each, then sums with the weights (MixGRPO)"""
     kl_beta: float = 0.0
@@ -85,30 +96,68 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """MixGRPO: SDE (and training) only inside a window of W steps, ODE elsewhere; 0 = SDE everywhere"""
     window_shift_every: int = 25
     """MixGRPO: the window moves one step deeper every N iterations"""
+    ode_solver: Literal["euler", "dpm2"] = "euler"
+    """MixGRPO: the ODE after the window; 'dpm2' = DPM-Solver++(2M) on a coarser grid (MixGRPO-Flash)"""
+    post_window_compress: float = 0.4
+    """--ode-solver dpm2: the steps after the window are re-gridded to max(int((T - last) x this), 2) points"""
 
 
 # ---------------------------------------------------------------------------------------------------
 # Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
 # ---------------------------------------------------------------------------------------------------
 MODE_FLAGS = [  # a flag of another mode is an error unless left at its default (no dead flags)
-    ("window_shift_every", lambda a: a.sde_window > 0, "--sde-window W > 0 (MixGRPO)"),
+    *[(f, lambda a: a.sde_window > 0, "--sde-window W > 0 (MixGRPO)") for f in ("window_shift_every", "ode_solver")],
+    ("post_window_compress", lambda a: a.ode_solver == "dpm2", "--ode-solver dpm2 (MixGRPO-Flash)"),
+    ("kl_mask_threshold", lambda a: a.objective == "dppo", "--objective dppo"),
+    *[(f, lambda a: a.objective != "dppo", "--objective clip or guard") for f in ("clip_range", "adv_clip_max")],
 ]
+
+
+def title(args: Args) -> str:
+    """The method the flags make, for the banner."""
+    name = "MixGRPO-Flash" if args.ode_solver == "dpm2" else "MixGRPO" if args.sde_window else "DanceGRPO"
+    return (
+        name
+        + {"clip": "", "guard": " + GRPO-Guard", "dppo": " + Flow-DPPO"}[args.objective]
+        + (" (CPS)" if args.sde_type == "cps" else "")
+    )
 
 
 def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
     one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
     check_mode_flags(args, MODE_FLAGS)
+    need(
+        args.sde_type != "cps" or args.objective == "clip",
+        f"--objective {args.objective} needs a Gaussian log-density: --sde-type cps's log-prob drops its constants "
+        "(the official GRPO-Guard and Flow-DPPO refuse it too); pass --sde-type flow or dance",
+    )
     if args.noise_level is None:
-        args.noise_level = 0.3 if args.sde_type == "dance" else 0.7
+        args.noise_level = {"dance": 0.3, "flow": 0.7, "cps": 0.8}[args.sde_type]
+    if args.clip_range is None:
+        guard, cps = args.objective == "guard", args.sde_type == "cps"
+        args.clip_range = math.inf if args.objective == "dppo" else 2e-6 if guard else 1e-5 if cps else 1e-3
+    if args.adv_clip_max is None:
+        args.adv_clip_max = math.inf if args.objective == "dppo" else 5.0
     if args.timestep_fraction is None:
         args.timestep_fraction = 1.0 if args.sde_window else 0.6
-    args.exp_name = args.exp_name or Path(__file__).stem + ("_mix" if args.sde_window else "")  # a fork: its own name
+    mode = ("_flash" if args.ode_solver == "dpm2" else "_mix" if args.sde_window else "") + (
+        "" if args.objective == "clip" else f"_{args.objective}"
+    )
+    args.exp_name = args.exp_name or Path(__file__).stem + mode + ("_cps" if args.sde_type == "cps" else "")
     T, S, G = args.num_steps, args.samples_per_device, args.group_size
     need(T >= 2, "--num-steps must be at least 2 (the last step is a deterministic Euler step)")
     need(0 <= args.sde_window <= T - 1, f"--sde-window must be in [0, {T - 1}] (= --num-steps - 1)")
     need(0 < args.timestep_fraction <= 1, "--timestep-fraction must be in (0, 1]")
     need(args.noise_level > 0 and args.window_shift_every >= 1, "--noise-level > 0 and --window-shift-every >= 1")
+    need(
+        args.sde_type != "cps" or args.noise_level < 1, "--noise-level must be < 1 with --sde-type cps (sin(eta pi/2))"
+    )
+    need(0 < args.post_window_compress <= 1, "--post-window-compress must be in (0, 1]")
+    need(
+        args.ode_solver != "dpm2" or args.shift != "pipeline",
+        "--ode-solver dpm2 re-grids the steps after the window with a static shift: pass a number as --shift",
+    )
     need(G >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
     need(S % args.rollout_batch_size == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
     need(
@@ -116,8 +165,8 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
         "--samples-per-update must be a multiple of --rollout-batch-size and divide --samples-per-device",
     )
     need(
-        args.kl_beta >= 0 and min(args.clip_range, args.adv_clip_max) > 0,
-        "--kl-beta >= 0, --clip-range, --adv-clip-max > 0",
+        args.kl_beta >= 0 and min(args.clip_range, args.adv_clip_max, args.kl_mask_threshold) > 0,
+        "--kl-beta >= 0, --clip-range, --adv-clip-max, --kl-mask-threshold > 0",
     )
     return check_run_args(args)
 
@@ -132,10 +181,10 @@ def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:
 
 
 def noise_g(sigmas: torch.Tensor, sde_type: str, level: float) -> torch.Tensor:
-    """Diffusion coefficient g_i of each step i (T,). DanceGRPO: constant eta. Flow-GRPO: a sqrt(s / (1 - s)),
-    with sigmas[1] standing in for the first sigma in the denominator, as Flow-GRPO does (1 - 1 = 0)."""
+    """Diffusion coefficient g_i of each step i (T,). DanceGRPO: constant eta (CPS: eta, which its step uses). Flow-GRPO:
+    a sqrt(s / (1 - s)), with sigmas[1] standing in for the first sigma in the denominator, as Flow-GRPO does."""
     s = sigmas[:-1]
-    if sde_type == "dance":
+    if sde_type != "flow":
         return torch.full_like(s, level)
     s_den = torch.where(s >= 1, sigmas[1], s)
     return level * torch.sqrt(s / (1 - s_den))
@@ -164,6 +213,27 @@ def sde_step(x, v, sigma, sigma_next, g, prev_sample=None, noise=None):
     return prev_sample, log_prob.flatten(1).mean(1), mean, std
 
 
+def cps_step(x, v, sigma, sigma_next, eta, prev_sample=None, noise=None):
+    """One coefficient-preserving step (CPS, arXiv 2509.05952 §3), called as sde_step with eta in g's place.
+
+    x0_hat = x - sigma v and x1_hat = x + (1 - sigma) v (the predicted data and noise); std = sigma' sin(eta pi / 2);
+    mean = (1 - sigma') x0_hat + sqrt(sigma'^2 - std^2) x1_hat, so x_next = mean + std eps keeps the signal
+    coefficient 1 - sigma' and a total noise variance (sigma'^2 - std^2) + std^2 = sigma'^2 of the forward process.
+    log_prob = -mean_D (x_next - mean)^2: the official code's, every constant dropped (no 1 / (2 std^2), no log std),
+    so a log-ratio of it is 2 std^2 times the Gaussian one (the clip range is scaled accordingly). Returns (x_next,
+    log_prob (B,), mean, std) as sde_step."""
+    view = (-1,) + (1,) * (x.dim() - 1)
+    sigma, sigma_next, eta = (
+        torch.as_tensor(t, dtype=x.dtype, device=x.device).reshape(view) for t in (sigma, sigma_next, eta)
+    )
+    x0_hat, x1_hat = x - sigma * v, x + (1 - sigma) * v
+    std = sigma_next * torch.sin(eta * math.pi / 2)
+    mean = (1 - sigma_next) * x0_hat + torch.sqrt(sigma_next**2 - std**2) * x1_hat
+    if prev_sample is None:
+        prev_sample = mean + std * noise
+    return prev_sample, -((prev_sample - mean) ** 2).flatten(1).mean(1), mean, std
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """(N,) rewards in global sample order, consecutive blocks of G = one prompt -> (N,) advantages.
 
@@ -181,20 +251,42 @@ def combined_advantages(scores: dict, weights: dict, group_size: int) -> torch.T
     return sum(w * group_advantages(scores[name], group_size) for name, w in weights.items() if w != 0)
 
 
-def policy_loss(log_prob, old_log_prob, adv, mean, mean_ref, std, *, clip_range, kl_beta):
-    """The objective per sample (B,): the PPO-clipped surrogate max(-A r, -A clip(r, 1 - eps, 1 + eps)), r = exp(logp -
-    logp_old), plus kl_beta * KL(N(mean, std^2) || N(mean_ref, std^2)) to the base model's step (per dimension, as the
-    log-prob) if `mean_ref` is given; log_prob, old_log_prob, adv (B,), mean, mean_ref (B, *L), std (B,) or (B, 1..).
+def policy_loss(log_prob, old_log_prob, adv, mean, old_mean, mean_ref, std, dt, *, objective, clip_range,
+                kl_mask_threshold, kl_beta):  # fmt: skip
+    """The objective per sample (B,) of one step; log_prob, old_log_prob, adv (B,), mean, old_mean (the rollout's),
+    mean_ref (B, *L), std (B,) or (B, 1..), dt = sigma - sigma' > 0 the step size. r = exp(logp - logp_old), and
+    kl_old = mean_D (mean - old_mean)^2 / (2 std^2), the step's Gaussian KL to the rollout policy (per dimension).
+      clip   the PPO-clipped surrogate max(-A r, -A clip(r, 1 - eps, 1 + eps)) (DanceGRPO, Flow-GRPO);
+      guard  GRPO-Guard (arXiv 2510.22319 §4): r = exp(std (log r + kl_old)) in the same clip, whose log is
+             mean_D(noise * (mean - old_mean)), zero-mean under the rollout noise (the plain log r is biased below 0
+             by kl_old), then divided by dt so that every step's gradient has one size;
+      dppo   Flow-DPPO (arXiv 2606.11025, Eq. 14, 18): -A r without clip, 0 for a sample with kl_old >= the threshold
+             whose ratio moves away (r > 1 with A > 0, r < 1 with A < 0); corrective updates are kept.
+    Plus kl_beta * KL(N(mean, std^2) || N(mean_ref, std^2)) to the base model's step if `mean_ref` is given.
     Returns it and its figures, logged as losses/<name> (common.logs.summarize). A fork's new term: a keyword argument
     here (main() passes each from the flag of its name), a field of Args, and its figure."""
-    ratio = torch.exp(log_prob - old_log_prob)
-    surrogate = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
+    std = std.flatten()
+    kl_old = ((mean - old_mean) ** 2).flatten(1).mean(1) / (2 * std**2)  # (B,)
+    log_ratio = log_prob - old_log_prob
+    if objective == "guard":  # RatioNorm: the ratio-mean bias kl_old added back, the log scaled by std
+        log_ratio = std * (log_ratio + kl_old)
+    ratio = torch.exp(log_ratio)
+    masked = torch.zeros_like(ratio, dtype=torch.bool)
+    if objective == "dppo":  # no clip; a high-KL sample is dropped only where its ratio moves away
+        masked = (kl_old >= kl_mask_threshold) & (((ratio > 1) & (adv > 0)) | ((ratio < 1) & (adv < 0)))
+        surrogate = torch.where(masked, 0.0, -adv * ratio)
+    else:
+        surrogate = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
+    if objective == "guard":  # gradient reweighting: L / dt
+        surrogate = surrogate / dt
     figures = {
         "policy": surrogate.mean(),
         "ratio_mean": ratio,
         "ratio_max_dev": (ratio - 1).abs().max(),
         "clipfrac": ((ratio - 1).abs() > clip_range).float().mean(),
         "approx_kl": (0.5 * (log_prob - old_log_prob) ** 2).mean(),
+        "kl_old": kl_old.mean(),
+        "masked": masked.float().mean(),
     }
     loss = surrogate
     if mean_ref is not None:
@@ -214,24 +306,62 @@ def sde_steps(num_steps: int, sde_window: int, window_shift_every: int, iteratio
     return list(range(start, start + sde_window))
 
 
-@torch.no_grad()
-def rollout(model, denoiser, cond, x, step_noise, sigmas, g, sde_idx, guidance_scale, autocast):
-    """Sample one chunk. x: (B, *L) initial noise, step_noise: (B, T, *L). SDE at steps in `sde_idx`, Euler elsewhere.
+def post_window_sigmas(sigmas: torch.Tensor, shift: float, last: int, compress: float) -> torch.Tensor:
+    """MixGRPO-Flash's grid (arXiv 2507.21802 §4.3): sigmas up to the window's last step `last`, then the rest, from
+    sigmas[last + 1] to 0, re-gridded with the same shift to n = max(int((T - last) compress), 2) points (the official
+    code's count, at least one step), for DPM-Solver++(2M). Shape (last + 1 + n,)."""
+    T = len(sigmas) - 1
+    n = max(int((T - last) * compress), 2)
+    u = torch.linspace(1 - (last + 1) / T, 0, n, dtype=torch.float64)  # the unshifted times of the tail
+    return torch.cat([sigmas[: last + 2], (shift * u / (1 + (shift - 1) * u)).float()[1:]])  # sigmas[last + 1] kept
 
-    Returns latents (B, T + 1, *L) fp32 (x_0 ... x_T, x_T the image latent) and log_probs (B, T) (0 at ODE steps)."""
+
+def dpm_solver_2m_step(x, x0_hat, x0_prev, sigma_prev, sigma, sigma_next):  # same as in vgrpo.py
+    """One DPM-Solver++(2M) step of a flow model from sigma to sigma_next (Lu et al. 2022, multistep, midpoint).
+
+    x: (B, *L); x0_hat = x - sigma v is the data prediction at sigma, x0_prev the one at sigma_prev (None at the
+    first step). With alpha = 1 - s and lambda(s) = log((1 - s) / s) the update
+    x' = (s'/s) x - alpha' (e^-h - 1) (x0_hat + (x0_hat - x0_prev) / (2 r)),  h = lambda(s') - lambda(s),  r = (lambda(s) - lambda(s_prev)) / h
+    simplifies to x' = (s'/s) x + (1 - s'/s) (x0_hat + (x0_hat - x0_prev) / (2 r)). First order (= DDIM = Euler) at the first
+    step, after sigma_prev = 1 (lambda = -inf, so r = inf) and at the last step (s' = 0), as diffusers does.
+    """
+    ratio = sigma_next / sigma
+    if x0_prev is None or sigma_prev >= 1 or sigma_next <= 0:
+        return ratio * x + (1 - ratio) * x0_hat
+
+    def lam(s):
+        return math.log((1 - s) / s)
+
+    r = (lam(sigma) - lam(sigma_prev)) / (lam(sigma_next) - lam(sigma))
+    return ratio * x + (1 - ratio) * (x0_hat + (x0_hat - x0_prev) / (2 * r))
+
+
+@torch.no_grad()
+def rollout(model, denoiser, cond, x, step_noise, sigmas, g, sde_idx, guidance_scale, autocast, step, dpm_after=None):
+    """Sample one chunk. x: (B, *L) initial noise, step_noise: (B, T, *L). `step` (sde_step or cps_step) at the steps
+    in `sde_idx`, Euler elsewhere; after step `dpm_after` (MixGRPO-Flash: the window's last, on post_window_sigmas)
+    DPM-Solver++(2M), its history taken from every earlier step's x0_hat.
+
+    Returns latents (B, T + 1, *L) fp32 (x_0 ... x_T, x_T the image latent), log_probs (B, T) (0 at ODE steps) and
+    means (B, T, *L): each step's Gaussian mean (an ODE step's: x_{i+1} itself), what a ratio to the rollout needs."""
     latents, log_probs = [x], torch.zeros(len(x), len(sigmas) - 1, device=x.device)
+    means, x0_prev, s_prev = [], None, 1.0
     for i in range(len(sigmas) - 1):
         with autocast():
             v = model.velocity(denoiser, x, sigmas[i].expand(len(x)).to(x.device), cond, guidance_scale)
         v = v.float()
+        s, s_next, x0_hat = float(sigmas[i]), float(sigmas[i + 1]), x - sigmas[i] * v
         if i in sde_idx:
-            x, log_probs[:, i], _, _ = sde_step(
+            x, log_probs[:, i], mean, _ = step(
                 x, v, sigmas[i], sigmas[i + 1], g[i], noise=step_noise[:, i].to(x.device)
             )
+        elif dpm_after is not None and i > dpm_after:
+            x = mean = dpm_solver_2m_step(x, x0_hat, x0_prev, s_prev, s, s_next)
         else:
-            x = x + (sigmas[i + 1] - sigmas[i]) * v
-        latents.append(x)
-    return torch.stack(latents, 1), log_probs
+            x = mean = x + (sigmas[i + 1] - sigmas[i]) * v
+        latents.append(x), means.append(mean)
+        x0_prev, s_prev = x0_hat, s
+    return torch.stack(latents, 1), log_probs, torch.stack(means, 1)
 
 
 def main(args: Args):
@@ -242,13 +372,14 @@ def main(args: Args):
     S, G = args.samples_per_device, args.group_size
     need(S * world % G == 0, f"--samples-per-device {S} x {world} processes must be a multiple of --group-size {G}")
     frozen = args.kl_beta > 0 and not args.lora  # KL reference: a frozen copy of the base (LoRA: adapter off)
-    run = Run(args, accelerator, "MixGRPO" if args.sde_window else "DanceGRPO", frozen_copy=frozen)
+    run = Run(args, accelerator, title(args), frozen_copy=frozen)
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
     device, autocast = accelerator.device, accelerator.autocast
     frozen_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
     prompts_per_iter = world * args.samples_per_device // args.group_size
     chunks_per_update = args.samples_per_update // args.rollout_batch_size
     updates_per_iter = args.samples_per_device // args.samples_per_update
+    step = cps_step if args.sde_type == "cps" else sde_step  # the trained Gaussian step, with its log-prob
 
     # ---------------------------------------------------------------- MODELS
     model = load_model(args.model_id, device, frozen_dtype, args.resolution, args.num_frames, args.offload_frozen)
@@ -276,7 +407,8 @@ def main(args: Args):
         f"{world} processes x {args.samples_per_device} samples = {prompts_per_iter} prompts x group {args.group_size}",
         f"{args.num_steps} steps, {n_sde} SDE ({args.sde_type} noise {args.noise_level}), {n_train} of them trained",
         f"micro-batch {args.rollout_batch_size}, {updates_per_iter} optimizer steps / iteration",
-        f"KL beta {args.kl_beta}, clip {args.clip_range}",
+        f"objective {args.objective}, clip {args.clip_range}, advantages within +-{args.adv_clip_max}, KL beta "
+        f"{args.kl_beta}" + (f", KL mask {args.kl_mask_threshold}" if args.objective == "dppo" else ""),
     ]
     run.banner(model, params, lines)
     evaluate(start, final=start == args.iterations)  # at the start; resumed: what the interrupted run missed
@@ -293,27 +425,23 @@ def main(args: Args):
             [keyed_randn((args.num_steps, *latent_shape), args.seed, it, "sde", k) for k in global_idx]
         )
         sde_idx = sde_steps(args.num_steps, args.sde_window, args.window_shift_every, it)
+        flash = args.ode_solver == "dpm2"  # MixGRPO-Flash: a coarser grid after the window, DPM-Solver++(2M) on it
+        grid = post_window_sigmas(sigmas, args.shift, sde_idx[-1], args.post_window_compress) if flash else sigmas
         cond = model.encode_prompts(my_prompts)
-        chunks = []  # one dict per rollout chunk: cond, latents (B, T + 1, *L), log_probs (B, T)
+        chunks = []  # one dict per rollout chunk: cond, latents (B, T + 1, *L), log_probs (B, T), means (B, T, *L)
         denoiser.eval()
         for c in range(0, args.samples_per_device, args.rollout_batch_size):
             sl = slice(c, c + args.rollout_batch_size)
             cond_c = {k: v[sl] for k, v in cond.items()}
-            latents, log_probs = rollout(
-                model,
-                denoiser,
-                cond_c,
-                init[sl].to(device),
-                step_noise[sl],
-                sigmas,
-                g,
-                sde_idx,
-                args.guidance_scale,
-                autocast,
-            )
+            latents, log_probs, means = rollout(
+                model, denoiser, cond_c, init[sl].to(device), step_noise[sl], grid, g, sde_idx, args.guidance_scale,
+                autocast, step, dpm_after=sde_idx[-1] if flash else None,
+            )  # fmt: skip
             with torch.no_grad():  # the chunk's rewards asked now: a served reward answers while the next one samples
                 scores = reward_fn.request(model.decode(latents[:, -1]).float(), my_prompts[sl])
-            chunks.append({"cond": cond_c, "latents": latents, "log_probs": log_probs, "scores": scores})
+            chunks.append(
+                {"cond": cond_c, "latents": latents, "log_probs": log_probs, "means": means, "scores": scores}
+            )
         t_sample = time.perf_counter() - run.t_iter
 
         # ------------------------------------------------------------ REWARDS & ADVANTAGES
@@ -346,21 +474,20 @@ def main(args: Args):
                     with accelerator.no_sync(denoiser) if not last else nullcontext():
                         with autocast():
                             v = model.velocity(denoiser, x, sig, ch["cond"], args.guidance_scale)
-                        _, log_prob, mean, std = sde_step(
-                            x, v.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=x_next
-                        )
+                        _, log_prob, mean, std = step(x, v.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=x_next)
                         mean_ref = None
                         if args.kl_beta > 0:
                             with autocast():  # the base model: frozen copy, or LoRA adapter off
                                 v_ref = reference_velocity(
                                     model, ref, args.lora, x, sig, ch["cond"], args.guidance_scale
                                 )
-                            _, _, mean_ref, _ = sde_step(
+                            _, _, mean_ref, _ = step(
                                 x, v_ref.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=x_next
                             )
                         loss, figures = policy_loss(
-                            log_prob, ch["log_probs"][:, i], adv[sl], mean, mean_ref, std, **flags_of(policy_loss, args)
-                        )
+                            log_prob, ch["log_probs"][:, i], adv[sl], mean, ch["means"][:, i], mean_ref, std,
+                            sigmas[i] - sigmas[i + 1], **flags_of(policy_loss, args),
+                        )  # fmt: skip
                         accelerator.backward(loss.mean() / (chunks_per_update * len(steps)))
                     for k, v in figures.items():
                         stats[k].append(v)
@@ -380,7 +507,7 @@ def main(args: Args):
             "losses/first_ratio_max_dev": stats["ratio_max_dev"][0].item(),  # 0: the first ratio is exactly 1
             "charts/window_start": sde_idx[0],
             # NFE = number of function evaluations: denoiser forwards per image (rollout + trained steps)
-            "perf/nfe_per_image": args.num_steps + n_train * (2 if args.kl_beta > 0 else 1),
+            "perf/nfe_per_image": len(grid) - 1 + n_train * (2 if args.kl_beta > 0 else 1),
             "perf/trained_steps_per_image": n_train,
             "perf/sampling_s": t_sample,
             "perf/reward_wait_s": reward_fn.wait_s,

@@ -185,10 +185,10 @@ def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:  # same as in 
 
 
 def noise_g(sigmas: torch.Tensor, sde_type: str, level: float) -> torch.Tensor:  # same as in dancegrpo.py
-    """Diffusion coefficient g_i of each step i (T,). DanceGRPO: constant eta. Flow-GRPO: a sqrt(s / (1 - s)),
-    with sigmas[1] standing in for the first sigma in the denominator, as Flow-GRPO does (1 - 1 = 0)."""
+    """Diffusion coefficient g_i of each step i (T,). DanceGRPO: constant eta (CPS: eta, which its step uses). Flow-GRPO:
+    a sqrt(s / (1 - s)), with sigmas[1] standing in for the first sigma in the denominator, as Flow-GRPO does."""
     s = sigmas[:-1]
-    if sde_type == "dance":
+    if sde_type != "flow":
         return torch.full_like(s, level)
     s_den = torch.where(s >= 1, sigmas[1], s)
     return level * torch.sqrt(s / (1 - s_den))

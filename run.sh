@@ -10,6 +10,9 @@
 #   dancegrpo-flux-8gpu    FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 8 GPUs (DDP); 41 GB per GPU
 #   dancegrpo-flux-fsdp8   FLUX.1-dev + HPSv2.1, full fine-tuning, 720 px, 8 GPUs (FSDP); 34 GB per GPU
 #   dancegrpo-sd35-8gpu    SD3.5-Medium + HPSv2.1 (Flow-GRPO's setting), LoRA r32, 512 px, 8 GPUs (DDP); 24 GB per GPU
+#   grpoguard-sd35-8gpu    GRPO-Guard (dancegrpo.py --objective guard), SD3.5-Medium, the official setting, 8 GPUs; 24 GB per GPU
+#   flowdppo-sd35-8gpu     Flow-DPPO (dancegrpo.py --objective dppo), SD3.5-Medium, the official setting, 8 GPUs; 24 GB per GPU
+#   mixgrpo-flash-flux-8gpu  MixGRPO-Flash (--ode-solver dpm2), FLUX.1-dev, LoRA r128, 720 px, 8 GPUs; 42 GB per GPU
 #   dancegrpo-flux-multinode  LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES (MAIN_PORT=29500)
 #   branchgrpo-cpu         BranchGRPO on ShapesBench, 1 CPU process ; add --pruning depth|width|mix (depth: with --iterations 30)
 #   branchgrpo-verifier-cpu  BranchGRPO on ShapesBench rewarded by the programmatic verifier
@@ -138,6 +141,32 @@ SD35_DANCE=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --
   --rollout-batch-size 8 --samples-per-update 24 --timestep-fraction 1.0 --clip-range 1e-4 --kl-beta 0.04
   --lora --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --iterations 300
   --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 40 --sample-every 10 --save-every 20)
+# GRPO-Guard's SD3.5-Medium setting (arXiv 2510.22319; flow_grpo's config/grpo_guard.py, general_ocr_sd3_rationorm):
+# Flow-GRPO's sampling (512 px, 10 steps, a = 0.7, CFG 4.5, 24 images per prompt), its 9 of 10 steps trained (here the
+# 9 trainable SDE steps), the normalised ratio in a 2e-6 clip, lr 1e-4, no KL. Not here: its EMA and fp16.
+SD35_GUARD=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 "${GPU_COMMON[@]}"
+  --num-steps 10 --sde-type flow --noise-level 0.7 --guidance-scale 4.5 --group-size 24 --samples-per-device 24
+  --rollout-batch-size 8 --samples-per-update 24 --timestep-fraction 1.0 --objective guard --kl-beta 0
+  --lora --lora-rank 32 --lora-alpha 64 --learning-rate 1e-4 --iterations 300
+  --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 40 --sample-every 10 --save-every 20)
+# Flow-DPPO's SD3.5 setting (arXiv 2606.11025; UniRL's FlowDPPO/config.yaml): 10 steps, a = 0.7, no CFG, 16 images
+# per prompt, 3 SDE steps in the first half of the trajectory (here a 3-step window that slides from step 0 to 2 over
+# 300 iterations), 2 updates per batch, KL mask 1e-5, lr 3e-4, no KL term. Its advantages use the batch's std, here
+# the group's.
+SD35_DPPO=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 "${GPU_COMMON[@]}"
+  --num-steps 10 --sde-type flow --noise-level 0.7 --guidance-scale 1 --group-size 16 --samples-per-device 16
+  --rollout-batch-size 8 --samples-per-update 8 --sde-window 3 --window-shift-every 100 --objective dppo
+  --kl-mask-threshold 1e-5 --kl-beta 0 --lora --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --iterations 300
+  --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 40 --sample-every 10 --save-every 20)
+# MixGRPO-Flash's FLUX setting (arXiv 2507.21802; https://github.com/Tencent-Hunyuan/MixGRPO,
+# scripts/finetune/finetune_flux_grpo_MixGRPO_Flash.sh): 25 steps at the static shift 3, Flow-GRPO's SDE (a = 0.7)
+# in a 4-step window that moves every 20 iterations, DPM-Solver++(2M) after it on 0.4 of the remaining steps, clip
+# 1e-4, 12 images per prompt, the DanceGRPO FLUX setting otherwise.
+FLUX_FLASH=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 "${GPU_COMMON[@]}"
+  --num-steps 25 --shift 3 --sde-type flow --noise-level 0.7 --sde-window 4 --window-shift-every 20 --ode-solver dpm2
+  --post-window-compress 0.4 --guidance-scale 3.5 --group-size 12 --samples-per-device 12 --rollout-batch-size 1
+  --samples-per-update 4 --same-noise --clip-range 1e-4 --kl-beta 0 --iterations 300 --eval-every 20
+  --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
 # V-GRPO's SD3.5-Medium stage 1 (arXiv 2604.23380, appendix): 512 px, 40-step ODE without CFG, N_MC 4, 24 images per
 # prompt, one optimizer step per iteration, advantage soft clip eta 3, no ratio clip in effect, no KL, LoRA r32 alpha 64,
 # lr 3e-4 (the paper's reward is HPSv2.1 + PickScore + CLIP score; HPSv2.1 alone here).
@@ -301,6 +330,9 @@ case "$recipe" in
   dancegrpo-flux-fsdp8) go "${FSDP8[@]}" dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_FULL[@]}" "$@" ;;
   dancegrpo-flux-multinode) multinode dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
   dancegrpo-sd35-8gpu) go "${DDP8[@]}" dancegrpo.py "${SD35_DANCE[@]}" "$@" ;;
+  grpoguard-sd35-8gpu) go "${DDP8[@]}" dancegrpo.py "${SD35_GUARD[@]}" "$@" ;;
+  flowdppo-sd35-8gpu) go "${DDP8[@]}" dancegrpo.py "${SD35_DPPO[@]}" "$@" ;;
+  mixgrpo-flash-flux-8gpu) go "${DDP8[@]}" dancegrpo.py "${FLUX_FLASH[@]}" "${FLUX_LORA[@]}" "$@" ;;
   branchgrpo-cpu) go "$PY" branchgrpo.py "$@" ;;
   branchgrpo-verifier-cpu) go "$PY" branchgrpo.py --exp-name branchgrpo-verifier --reward verifier "$@" ;;
   branchgrpo-cpu-2proc) go "${CPU2[@]}" branchgrpo.py --trees-per-device 2 "$@" ;;

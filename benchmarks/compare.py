@@ -46,6 +46,14 @@ from common.logs import read_metrics  # noqa: E402
 METHODS = {  # key: (label, script and flags)
     "dancegrpo": ("DanceGRPO", ["dancegrpo.py"]),
     "mixgrpo": ("MixGRPO", ["dancegrpo.py", "--sde-window", "4", "--kl-beta", "0.2"]),
+    # the GRPO-family variants of dancegrpo.py (docs/dancegrpo.md), each at its official defaults
+    "cps": ("DanceGRPO + CPS", ["dancegrpo.py", "--sde-type", "cps"]),
+    "grpo_guard": ("GRPO-Guard", ["dancegrpo.py", "--objective", "guard"]),
+    "flow_dppo": ("Flow-DPPO", ["dancegrpo.py", "--objective", "dppo"]),
+    "mixgrpo_flash": (
+        "MixGRPO-Flash",
+        ["dancegrpo.py", "--sde-window", "4", "--kl-beta", "0.2", "--ode-solver", "dpm2"],
+    ),
     "branchgrpo": ("BranchGRPO", ["branchgrpo.py"]),
     "branchgrpo_width": ("BranchGRPO, width pruning", ["branchgrpo.py", "--pruning", "width"]),
     "branchgrpo_depth": ("BranchGRPO, depth pruning", ["branchgrpo.py", "--pruning", "depth", "--iterations", "30"]),

@@ -41,9 +41,12 @@ def dance_loss(model, tr, cond, lat, lp, adv, sig, g, steps, idx):
     c, total = {k: v[idx] for k, v in cond.items()}, 0
     for i in steps:
         v = model.velocity(tr, lat[idx, i], sig[i].expand(len(idx)), c, 1.0)
-        _, logp, _, _ = D.sde_step(lat[idx, i], v.float(), sig[i], sig[i + 1], g[i], prev_sample=lat[idx, i + 1])
+        _, logp, mean, std = D.sde_step(lat[idx, i], v.float(), sig[i], sig[i + 1], g[i], prev_sample=lat[idx, i + 1])
+        flags = {"objective": "clip", "clip_range": 1e-3, "kl_mask_threshold": 1e-5, "kl_beta": 0}
+        # the clipped objective reads no rollout mean: the step's own stands in for it
         total = (
-            total + D.policy_loss(logp, lp[idx, i], adv[idx], None, None, None, clip_range=1e-3, kl_beta=0)[0].mean()
+            total
+            + D.policy_loss(logp, lp[idx, i], adv[idx], mean, mean, None, std, sig[i] - sig[i + 1], **flags)[0].mean()
         )
     return total
 
@@ -175,7 +178,7 @@ def measure(
         init, noise = torch.randn(images, *L, generator=gen), torch.randn(images, 10, *L, generator=gen)
         with torch.no_grad():
             start = init[::GROUP].repeat_interleave(GROUP, 0) if same_noise else init  # (images, *L)
-            lat, lp = D.rollout(model, tr, cond, start, noise, sig, g, list(range(9)), 1.0, nullcontext)
+            lat, lp, _ = D.rollout(model, tr, cond, start, noise, sig, g, list(range(9)), 1.0, nullcontext, D.sde_step)
             adv = D.group_advantages(reward(model.decode(lat[:, -1]).float(), ps)[0], GROUP)
 
         if "DanceGRPO" in methods:

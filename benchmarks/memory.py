@@ -892,8 +892,9 @@ def workload(script: str, args, shapes: Shapes, cfg: bool, frozen_bytes: int) ->
     cond = sum(_bytes(s, element=frozen_bytes) for s in shapes.cond.values())  # per prompt (CFG's uncond: one more)
     if script == "dancegrpo":
         S, R, T = args.samples_per_device, args.rollout_batch_size, args.num_steps
-        # chunks: latents (S, T + 1, *L) and log-probs (S, T); images (S, 3, H, W); the prompts' conditioning
-        data = _bytes(L, S * (T + 1)) + _bytes((S, T)) + _bytes(img, S) + cond * (S + 1)
+        # chunks: latents (S, T + 1, *L), each step's mean (S, T, *L) and log-probs (S, T); images (S, 3, H, W); the
+        # prompts' conditioning
+        data = _bytes(L, S * (T + 1)) + _bytes(L, S * T) + _bytes((S, T)) + _bytes(img, S) + cond * (S + 1)
         full_ft_kl = args.kl_beta > 0 and not args.lora
         P = distinct_prompts(S, args.group_size)
         return Workload(P, R * mult, R, S, R * mult, args.kl_beta > 0, full_ft_kl, data)

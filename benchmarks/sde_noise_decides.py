@@ -35,7 +35,9 @@ def main():
     noise = torch.randn(len(prompts), 10, *model.latent_shape(), generator=gen)
     for name, start in (("independent", init), ("one per group", init[::8].repeat_interleave(8, 0))):
         with torch.no_grad():
-            lat, _ = D.rollout(model, model.transformer, cond, start, noise, sigmas, g, range(9), 1.0, nullcontext)
+            lat, _, _ = D.rollout(
+                model, model.transformer, cond, start, noise, sigmas, g, range(9), 1.0, nullcontext, D.sde_step
+            )
             ok = verify(model.decode(lat[:, -1]).float(), prompts)["shape"].float().view(-1, 8)  # (48, 8)
         mixed = int(((ok.min(1).values == 0) & (ok.max(1).values == 1)).sum())
         var = ok.var(1, unbiased=False).mean()

@@ -94,16 +94,21 @@ def test_policy_loss_clips_the_ratio_and_adds_the_kl_term():
     logp_old = torch.zeros(4)
     logp = torch.log(torch.tensor([1.0, 1.5, 0.5, 1.5]))
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
-    loss, figures = D.policy_loss(logp, logp_old, adv, None, None, None, clip_range=0.2, kl_beta=0.0)
+    mean, std = torch.zeros(4, 2), torch.tensor([1.0, 1.0, 2.0, 0.5]).view(4, 1)
+    # the rollout's means away from the policy's: squared distance 1, 2, 4, 0 a dim, over 2 std^2 (the behaviour KL)
+    old_mean = torch.tensor([[1.0, 1.0], [0.0, 2.0], [2.0, 2.0], [0.0, 0.0]])
+    flags = {"objective": "clip", "clip_range": 0.2, "kl_mask_threshold": 1e-5}
+    loss, figures = D.policy_loss(logp, logp_old, adv, mean, old_mean, None, std, 0.1, **flags, kl_beta=0.0)
     torch.testing.assert_close(figures["ratio_mean"], torch.tensor([1.0, 1.5, 0.5, 1.5]))
-    # A > 0: the gain is capped at 1 + eps; A < 0: the pessimistic (larger) loss is kept
+    # A > 0: the gain is capped at 1 + eps; A < 0: the pessimistic (larger) loss is kept; the clip objective reads
+    # the plain ratio, not the behaviour KL
     torch.testing.assert_close(loss, torch.tensor([-1.0, -1.2, 0.8, 1.5]))
+    torch.testing.assert_close(figures["kl_old"], torch.tensor((0.5 + 1.0 + 0.5 + 0.0) / 4))
     assert figures["clipfrac"] == 0.75 and "kl" not in figures
     torch.testing.assert_close(figures["ratio_max_dev"], torch.tensor(0.5))
     # the KL of two Gaussian steps with one std: mean over dims of (mean - mean_ref)^2, over 2 std^2
-    mean, std = torch.zeros(4, 2), torch.tensor([1.0, 1.0, 2.0, 0.5]).view(4, 1)
     mean_ref = torch.tensor([[0.0, 0.0], [1.0, 1.0], [2.0, 0.0], [1.0, 3.0]])  # squared distance 0, 1, 2, 5 a dim
-    loss_kl, figures = D.policy_loss(logp, logp_old, adv, mean, mean_ref, std, clip_range=0.2, kl_beta=0.1)
+    loss_kl, figures = D.policy_loss(logp, logp_old, adv, mean, old_mean, mean_ref, std, 0.1, **flags, kl_beta=0.1)
     torch.testing.assert_close(loss_kl, loss + 0.1 * torch.tensor([0.0, 0.5, 0.25, 10.0]))
     assert figures["kl"] == (0.5 + 0.25 + 10.0) / 4
 
@@ -129,14 +134,18 @@ def test_ratio_is_exactly_one_before_the_first_update(tmp_path):
     x, noise = torch.randn(4, *L, generator=gen), torch.randn(4, 6, *L, generator=gen)
     from contextlib import nullcontext
 
-    latents, log_probs = D.rollout(model, model.transformer, cond, x, noise, sigmas, g, range(5), 1.0, nullcontext)
-    assert latents.shape == (4, 7, *L) and torch.all(log_probs[:, -1] == 0)
+    latents, log_probs, means = D.rollout(
+        model, model.transformer, cond, x, noise, sigmas, g, range(5), 1.0, nullcontext, D.sde_step
+    )
+    assert latents.shape == (4, 7, *L) and torch.all(log_probs[:, -1] == 0) and means.shape == (4, 6, *L)
+    assert torch.equal(means[:, -1], latents[:, -1])  # the last, deterministic step's mean is its result
     for i in range(5):  # the training forward (with grad) on the same micro-batch
         v = model.velocity(model.transformer, latents[:, i], sigmas[i].expand(4), cond)
-        _, logp, _, _ = D.sde_step(
+        _, logp, mean, _ = D.sde_step(
             latents[:, i], v.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=latents[:, i + 1]
         )
         assert torch.equal(torch.exp(logp - log_probs[:, i]), torch.ones(4))
+        assert torch.equal(mean, means[:, i])  # so GRPO-Guard's and Flow-DPPO's KL to the rollout starts at 0
 
 
 def test_validation_names_the_flag(tmp_path):

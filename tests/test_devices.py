@@ -50,9 +50,10 @@ def test_dancegrpo_step_advantages_and_loss():
     x_next, log_prob, mean, std = call(D.sde_step, x, v, sigmas[1], sigmas[2], g[1], noise=noise)
     call(D.sde_step, x, v, torch.full((3,), 0.5), torch.full((3,), 0.4), g[1], prev_sample=x_next)
     adv = call(D.group_advantages, torch.randn(6), 3)
-    call(
-        D.policy_loss, log_prob, log_prob.detach() + 0.01, adv[:3], mean, mean + 0.1, std, clip_range=1e-4, kl_beta=0.1
-    )
+    for objective in ("clip", "guard", "dppo"):
+        call(D.policy_loss, log_prob, log_prob.detach() + 0.01, adv[:3], mean, mean.detach() + 0.2, mean + 0.1, std,
+             sigmas[1] - sigmas[2], objective=objective, clip_range=1e-4, kl_mask_threshold=1e-5, kl_beta=0.1)  # fmt: skip
+    call(D.cps_step, x, v, sigmas[1], sigmas[2], 0.8, noise=noise)
 
 
 @pytest.mark.parametrize(

@@ -137,7 +137,7 @@ def test_dancegrpo_update_raises_the_likelihood_of_samples_with_positive_advanta
 def test_dancegrpo_kl_term_pulls_the_policy_toward_the_base_model(monkeypatch, tmp_path, zero_reward):
     flags = [*DANCE, "--reward", "zero", "--kl-beta", "1", "--learning-rate", "1e-5"]  # a small step: first order
     tape, model = run_main(D, monkeypatch, tmp_path, flags, ["sde_step", "policy_loss"], perturb_lora=True)
-    old_kl = torch.cat([gaussian_kl(*c[0][3:6]) for c in tape.calls["policy_loss"]])  # what main() handed it, per row
+    old_kl = torch.cat([gaussian_kl(c[0][3], c[0][5], c[0][6]) for c in tape.calls["policy_loss"]])  # mean, ref, std
     rows = dance_rescore(model, tape)
     new_kl = torch.cat(
         [((r["new_mean"] - r["ref_mean"]) ** 2).flatten(1).mean(1) / (2 * r["std"].flatten() ** 2) for r in rows]

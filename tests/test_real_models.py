@@ -174,17 +174,20 @@ def test_gradient_checkpointing_gives_ratio_one_and_the_same_gradient(kind, tiny
         noise = torch.randn(2, 4, *model.latent_shape(), generator=gen)
         cond = model.encode_prompts(PROMPTS)
         transformer.eval()
-        latents, old_log_probs = D.rollout(model, transformer, cond, x0, noise, sigmas, g, [0, 1, 2], 1.0, nullcontext)
+        latents, old_log_probs, means = D.rollout(
+            model, transformer, cond, x0, noise, sigmas, g, [0, 1, 2], 1.0, nullcontext, D.sde_step
+        )
         transformer.train()
         adv = torch.tensor([1.0, -1.0])
         for i in (0, 2):
             v = model.velocity(transformer, latents[:, i], sigmas[i].expand(2), cond)
-            _, log_prob, _, _ = D.sde_step(
+            _, log_prob, mean, std = D.sde_step(
                 latents[:, i], v, sigmas[i], sigmas[i + 1], g[i], prev_sample=latents[:, i + 1]
             )
             loss, figures = D.policy_loss(
-                log_prob, old_log_probs[:, i], adv, None, None, None, clip_range=1e-3, kl_beta=0
-            )
+                log_prob, old_log_probs[:, i], adv, mean, means[:, i], None, std, sigmas[i] - sigmas[i + 1],
+                objective="clip", clip_range=1e-3, kl_mask_threshold=1e-5, kl_beta=0,
+            )  # fmt: skip
             assert torch.equal(figures["ratio_mean"], torch.ones(2))
             loss.mean().backward()
         grads.append({n: p.grad.clone() for n, p in transformer.named_parameters() if p.requires_grad})
