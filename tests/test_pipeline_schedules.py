@@ -24,6 +24,7 @@ from diffusers import (
 )
 
 import dancegrpo as D
+import rlr
 from common import InputError, evaluate
 from common.flags import check_run_args, cli
 from common.models import load_model, trainable_denoiser
@@ -76,6 +77,7 @@ def test_the_pipeline_grid_is_the_one_the_stock_pipeline_samples_on(case, tmp_pa
         ours = schedule(model, STEPS, "pipeline")
         assert ours.dtype == torch.float32 and ours.shape == (STEPS + 1,) and ours[-1] == 0
         assert torch.equal(ours, pipe.scheduler.sigmas.float()), (ours, pipe.scheduler.sigmas)
+        assert torch.equal(rlr.make_schedule(model, STEPS, 0.7, "pipeline")["sigmas"], ours)  # rlr.py's own choice
         grids.append(ours)
     assert torch.equal(*grids) != dynamic
     if case == "qwen":  # the terminal stretch: the last sigma before 0 is the config's 0.02
@@ -96,8 +98,6 @@ def test_shapesbench_and_sd1_refuse_the_pipeline_schedule_at_start_up(tmp_path, 
         check_run_args(tyro.cli(D.Args, args=["--shift", "0"]))
     with pytest.raises(InputError, match="--shift pipeline: ShapesBench"):
         evaluate.main(tyro.cli(evaluate.EvalArgs, args=["--shift", "pipeline", "--out", str(tmp_path / "e")]))
-    import rlr
-
     tiny.build_sd1(tmp_path / "sd1")
     (tmp_path / "p.txt").write_text("a cat\n")
     argv = ["--model-id", str(tmp_path / "sd1"), "--prompts", str(tmp_path / "p.txt"), "--eval-prompts",
