@@ -2,9 +2,19 @@
 out by hand here. Written for the mutants benchmarks/mutation.py generated that the other tests let pass."""
 
 import pytest
+import torch
 
 import branchgrpo as B
 from common import InputError
+
+
+def test_sigma_schedule_is_the_float64_formula_rounded_once():
+    """s = 1 - i / 10 warped by 3 s / (1 + 2 s), computed in float64 and rounded to float32 once; s = 0.7:
+    2.1 / 2.4 = 0.875."""
+    expected = [3 * (1 - i / 10) / (1 + 2 * (1 - i / 10)) for i in range(11)]
+    assert torch.equal(B.sigma_schedule(10, 3.0), torch.tensor(expected, dtype=torch.float64).float())
+    assert B.sigma_schedule(10, 3.0)[3] == 0.875
+
 
 # ---------------------------------------------------------------- flags: every bound at its edge, each message naming it
 REFUSED = [

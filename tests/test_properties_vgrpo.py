@@ -1,10 +1,52 @@
 """vgrpo.py's functions at values where a wrong constant, sign, bound or index shows: each against numbers worked
 out by hand here. Written for the mutants benchmarks/mutation.py generated that the other tests let pass."""
 
+from contextlib import nullcontext
+
 import pytest
+import torch
 
 import vgrpo as V
 from common import InputError
+
+
+def test_sigma_schedule_is_the_float64_formula_rounded_once():
+    """s = 1 - i / 10 warped by 3 s / (1 + 2 s), computed in float64 and rounded to float32 once; s = 0.7:
+    2.1 / 2.4 = 0.875."""
+    expected = [3 * (1 - i / 10) / (1 + 2 * (1 - i / 10)) for i in range(11)]
+    assert torch.equal(V.sigma_schedule(10, 3.0), torch.tensor(expected, dtype=torch.float64).float())
+    assert V.sigma_schedule(10, 3.0)[3] == 0.875
+
+
+class Linear:
+    """A model whose velocity is v = guidance * cond * x + t: every step of a rollout can be done by hand."""
+
+    def velocity(self, denoiser, x, t, cond, guidance_scale):
+        assert denoiser == "denoiser"
+        return guidance_scale * cond * x + t.view(-1, 1)
+
+
+def test_rollout_by_hand_with_both_solvers():
+    """Image 1: x = 1, cond = 1, guidance 2, so v = 2 x + t.
+    Euler on sigmas (1, 0.6, 0): v = 3, x = 1 - 0.4 * 3 = -0.2; v = -0.4 + 0.6 = 0.2, x = -0.2 - 0.6 * 0.2 = -0.32.
+    DPM-Solver++(2M) on (1, 0.75, 0.5, 0.25, 0): v = 3, x0_hat = -2, x = 0.75 - 0.25 * 2 = 0.25 (first order);
+    v = 1.25, x0_hat = 0.25 - 0.9375 = -0.6875, x = 2/3 * 0.25 - 1/3 * 0.6875 = -0.0625 (first order: s_prev = 1);
+    v = 0.375, x0_hat = -0.25, r = (0 - log 1/3) / (log 3 - 0) = 1, D = -0.25 + 0.4375 / 2 = -0.03125,
+    x = 0.5 * -0.0625 + 0.5 * -0.03125 = -0.046875 (second order);
+    v = 0.15625, x = x0_hat = -0.046875 - 0.0390625 = -0.0859375 (the last step).
+    Image 2: x = -2, cond = 1.5, so v = 3 x + t (below)."""
+    x, cond = torch.tensor([[1.0], [-2.0]]), torch.tensor([[1.0], [1.5]])
+    euler = V.rollout(Linear(), "denoiser", cond, x, torch.tensor([1.0, 0.6, 0.0]), "euler", 2.0, nullcontext)
+    # image 2: v = -6 + 1 = -5, x = -2 - 0.4 * -5 = 0; v = 0 + 0.6, x = 0 - 0.6 * 0.6 = -0.36
+    torch.testing.assert_close(euler, torch.tensor([[-0.32], [-0.36]]))
+    sigmas = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
+    dpm = V.rollout(Linear(), "denoiser", cond, x, sigmas, "dpm++2m", 2.0, nullcontext)
+    # image 2 by the same steps: v = -5, x0_hat = 3, x = -1.5 + 0.75 = -0.75; v = -2.25 + 0.75 = -1.5,
+    # x0_hat = -0.75 + 1.125 = 0.375, x = -0.5 + 0.125 = -0.375; v = -1.125 + 0.5 = -0.625, x0_hat = -0.0625,
+    # D = -0.0625 + (-0.0625 - 0.375) / 2 = -0.28125, x = -0.1875 - 0.140625 = -0.328125;
+    # v = -0.984375 + 0.25 = -0.734375, x = x0_hat = -0.328125 + 0.18359375 = -0.14453125
+    torch.testing.assert_close(dpm, torch.tensor([[-0.0859375], [-0.14453125]]))
+
 
 # ---------------------------------------------------------------- flags: every bound at its edge, each message naming it
 REFUSED = [
