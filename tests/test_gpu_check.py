@@ -248,3 +248,22 @@ def test_the_timing_model_adds_up():
     assert more["train_s"] > e["train_s"] and more["total_s"] > e["total_s"]
     call = G.estimate_call(1, {"a": e})
     assert call["total_s"] == pytest.approx(e["total_s"] + call["fixed_s"]) and call["fixed_s"] > G.TIMING["probe_s"]
+
+
+def test_every_gpu_case_builds_from_its_real_configs():
+    """Every case of both calls built as on the GPU (the real widths, call 1's depths, the real text encoders, VAEs and
+    pipelines), on the meta device: the configs, the pipeline and the model class fit together, and the denoiser has
+    the parameters the plan counted (A14B: two experts)."""
+    from benchmarks import gpu_check as G
+
+    plan = G.read_plan(G.PLAN)
+    for case in G.CASES[1] + G.CASES[2][:1]:
+        size = G.size_of(case, False)
+        side = size.get("resolution") or (size["height"] if size["height"] == size["width"] else None)
+        parts = G.parts_of(case.kind, case.scale)
+        model = G.build_model(case.kind, parts, "meta", torch.bfloat16, side, size.get("frames"), False)
+        denoiser = model.unet if model.kind == "sd1" else model.transformer
+        experts = 2 if case.kind == "wan22-a14b" else 1
+        counted = G.plan_for(plan, case, False)["flops"]["params"]
+        assert sum(p.numel() for p in denoiser.parameters()) == experts * counted, case.name
+        assert max(denoiser.parameters(), key=torch.Tensor.numel).dtype == torch.bfloat16  # Wan keeps its norms fp32
