@@ -7,6 +7,7 @@ hand-written ones.
     python benchmarks/mutation.py                       # every target below, one after another (hours on 2 cores)
     python benchmarks/mutation.py diffusionnft.py       # one file
     python benchmarks/mutation.py dancegrpo.py --functions group_advantages,policy_loss
+    python benchmarks/mutation.py dancegrpo.py --survivors  # the last run's survivors again, after new tests
 
 Each file is mutated in a fresh copy of the commit (`--ref`, default HEAD) under /tmp/mutation/<file>, never in this
 working tree; mutmut forks one test process per mutant (one at a time, niced, one thread) and stops a mutant's tests
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import json
 import os
 import re
@@ -44,22 +46,28 @@ MAIN_TESTS = [
     "tests/test_direction.py",
     "tests/test_schedules.py",
     "tests/test_aggregation.py",
-    "tests/test_inputs.py",
 ]
 
 
 def script(name: str) -> dict:
-    return {"tests": [f"tests/test_{name}.py", f"tests/test_properties_{name}.py", *MAIN_TESTS], "scope": "above_main"}
+    """The algorithm functions (above main(), but its flag checks) against the script's tests and those that run its
+    main(); the flag checks against the tests that give flags (every main() test calls them: a surviving mutant of a
+    check would run all of them)."""
+    own = [f"tests/test_{name}.py", f"tests/test_properties_{name}.py"]
+    return {
+        f"{name}.py": {"tests": [*own, *MAIN_TESTS], "scope": "above_main", "exclude": ["resolve_and_check"]},
+        f"{name}.py:flags": {"tests": [*own, "tests/test_inputs.py"], "scope": ["resolve_and_check"]},
+    }
 
 
 TARGETS = {
-    "diffusionnft.py": script("diffusionnft"),
-    "dancegrpo.py": script("dancegrpo"),
-    "branchgrpo.py": script("branchgrpo"),
-    "vgrpo.py": script("vgrpo"),
-    "rlr.py": script("rlr"),
+    **script("diffusionnft"),
+    **script("dancegrpo"),
+    **script("branchgrpo"),
+    **script("vgrpo"),
+    **script("rlr"),
     "common/runs.py": {
-        "tests": ["tests/test_runs.py", "tests/test_properties_runs.py", "tests/test_schedules.py"],
+        "tests": ["tests/test_runs.py", "tests/test_properties_runs.py"],
         "scope": "all",
     },
     "common/remote.py": {
@@ -99,7 +107,7 @@ def copy_commit(ref: str, dest: Path, worktree: bool) -> None:
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
 
 
-def mutated_names(source: str, scope) -> list[str]:
+def mutated_names(source: str, scope, exclude=()) -> list[str]:
     """mutmut's mangled names (x_fn, xǁClassǁmethod) of the functions to mutate."""
     tree = ast.parse(source)
     main_line = next((n.lineno for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"), float("inf"))
@@ -107,7 +115,11 @@ def mutated_names(source: str, scope) -> list[str]:
     for node in tree.body:
         if scope == "above_main" and node.lineno > main_line:
             continue
-        if isinstance(scope, list) and getattr(node, "name", None) not in scope:
+        if (
+            isinstance(scope, list)
+            and getattr(node, "name", None) not in scope
+            or getattr(node, "name", None) in exclude
+        ):
             continue
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name != "main":
             names.append(f"x_{node.name}")
@@ -178,12 +190,14 @@ def configure(copy: Path, target: str, tests: list[str]) -> None:
         f.write("\n".join(lines) + "\n")
 
 
-def run_target(target: str, args) -> dict:
-    spec = TARGETS[target]
-    copy = WORK / target.replace("/", "_")
+def run_target(key: str, args) -> dict:
+    spec = TARGETS[key]
+    target = key.split(":")[0]  # the file
+    slug = key.replace("/", "_").replace(":", "_")
+    copy = WORK / slug
     copy_commit(args.ref, copy, args.worktree)
     source = (copy / target).read_text()
-    names = mutated_names(source, spec["scope"])
+    names = mutated_names(source, spec["scope"], spec.get("exclude", ()))
     (copy / target).write_text(undecorate(source, names))
     if args.functions:
         wanted = set(args.functions.split(","))
@@ -192,13 +206,22 @@ def run_target(target: str, args) -> dict:
     configure(copy, target, tests)
     module = target.removesuffix(".py").replace("/", ".")
     patterns = [f"{module}.{n}__mutmut_*" for n in names]
+    sha = hashlib.sha256(source.encode()).hexdigest()[:16]
+    earlier = None
+    if args.survivors:  # only the last run's survivors, against today's tests; the file itself must be unchanged
+        earlier = json.loads((OUT / f"{slug}.json").read_text())
+        if earlier["source_sha"] != sha or earlier["functions"] != names:
+            raise SystemExit(f"{key} changed since its last run: run it whole")
+        run_names = [s["mutant"] for s in earlier["survivors"]]
+    else:
+        run_names = patterns
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     mutmut = str(Path(sys.executable).with_name("mutmut"))
-    print(f"{target}: {len(names)} functions, {len(tests)} tests, in {copy}", flush=True)
+    print(f"{key}: {len(names)} functions, {len(tests)} tests, in {copy}", flush=True)
     start = time.time()
     with open(copy / "mutmut.log", "w") as log:
         subprocess.run(
-            ["nice", "-n", "19", mutmut, "run", "--max-children", "1", *patterns],
+            ["nice", "-n", "19", mutmut, "run", "--max-children", "1", *run_names],
             cwd=copy,
             env=env,
             stdout=log,
@@ -207,8 +230,11 @@ def run_target(target: str, args) -> dict:
     seconds = time.time() - start
     meta = json.loads((copy / "mutants" / f"{target}.meta").read_text())
     codes = {k: v for k, v in meta["exit_code_by_key"].items() if any(re.fullmatch(_glob(p), k) for p in patterns)}
+    if earlier:
+        codes = {**earlier["codes"], **{k: codes[k] for k in run_names}}
+        seconds += earlier["seconds"]
     if not codes:
-        raise SystemExit(f"{target}: no mutant ran; see {copy / 'mutmut.log'}")
+        raise SystemExit(f"{key}: no mutant ran; see {copy / 'mutmut.log'}")
     killed_codes = {1, 3, 36, 24, -24, 152, 255}  # a failing test, pytest's internal error, a time limit
     per_function: dict[str, list[int]] = {}
     survivors = []
@@ -225,20 +251,23 @@ def run_target(target: str, args) -> dict:
         s["diff"] = diffs[s["mutant"]]
     killed = sum(k for k, _ in per_function.values())
     result = {
-        "file": target,
+        "file": key,
         "ref": "worktree" if args.worktree else _commit(args.ref),
+        "source_sha": sha,
+        "functions": names,
         "killed": killed,
         "total": len(codes),
         "seconds": round(seconds),
         "tests": tests,
         "per_function": per_function,
         "survivors": survivors,
+        "codes": codes,
+        "survivors_rerun_at": _commit(args.ref) if earlier else None,
     }
     OUT.mkdir(exist_ok=True)
-    slug = target.replace("/", "_")
     (OUT / f"{slug}.json").write_text(json.dumps(result, indent=1, ensure_ascii=False))
     (OUT / f"{slug}.md").write_text(markdown(result))
-    print(f"{target}: {killed}/{len(codes)} killed ({100 * killed / len(codes):.1f}%) in {seconds / 60:.1f} min")
+    print(f"{key}: {killed}/{len(codes)} killed ({100 * killed / len(codes):.1f}%) in {seconds / 60:.1f} min")
     return result
 
 
@@ -305,6 +334,12 @@ def cli() -> None:
     p.add_argument("--functions", help="only these functions (comma-separated names)")
     p.add_argument("--ref", default="HEAD", help="the commit to mutate (a fresh copy of it)")
     p.add_argument("--worktree", action="store_true", help="copy this working tree instead of a commit")
+    p.add_argument(
+        "--survivors",
+        action="store_true",
+        help="run only the last run's survivors (benchmarks/mutation_out/<file>.json) against this commit's tests; "
+        "the file's source must be unchanged; the others keep their verdicts and the times add up",
+    )
     args = p.parse_args()
     unknown = [t for t in args.targets if t not in TARGETS]
     if unknown:
