@@ -1119,14 +1119,19 @@ def chosen(calls: str, cases: str) -> tuple[list[int], list[Case]]:
         raise ValueError(f"--call {calls!r}: give 1, 2 or 1,2")
     every = [c for n in numbers for c in CASES[n]]
     names = cases.split(",") if cases else [c.name for c in every]
-    bad = [n for n in names if n not in {c.name for c in every}] or [n for i, n in enumerate(names) if n in names[:i]]
-    if bad:
-        raise ValueError(f"--cases {cases!r}: {bad[0]} is not a case of --call {calls} (of: "
+    unknown = [n for n in names if n not in {c.name for c in every}]
+    if unknown:
+        raise ValueError(f"--cases {cases!r}: {unknown[0]} is not a case of --call {calls} (of: "
                          f"{', '.join(c.name for c in every)}; comma-separated, each once)")  # fmt: skip
+    twice = [n for i, n in enumerate(names) if n in names[:i]]
+    if twice:
+        raise ValueError(f"--cases {cases!r}: {twice[0]} is given twice")
     return numbers, [c for c in every if c.name in names]
 
 
 def run_call(check: Check, a, call: int, cases: list[Case], tiny: bool, plan: dict) -> None:
+    """One call within its limit: (call 1) the environment and the attention probe, then each case, contained, with
+    its line as it finishes, its rates from the plan's FLOP counts and the timing model's estimate; then the call's."""
     out, results, say = check.out, check.results, check.say
     device = "cpu" if tiny else "cuda"
     t_call = time.perf_counter()

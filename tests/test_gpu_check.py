@@ -124,7 +124,7 @@ def test_a_case_that_overruns_the_call_is_ended_and_the_rest_skipped(tmp_path, q
         (["--call", "3"], "--call '3': give 1, 2 or 1,2"),
         (["--rehearse", "--call", "1", "--cases", "flux,sd3"], "--cases 'flux,sd3': sd3 is not a case of --call 1"),
         (["--rehearse", "--call", "2", "--cases", "flux"], "flux is not a case of --call 2 (of: dancegrpo,"),
-        (["--rehearse", "--call", "1", "--cases", "flux,flux"], "--cases 'flux,flux': flux is not"),
+        (["--rehearse", "--call", "1", "--cases", "flux,flux"], "--cases 'flux,flux': flux is given twice"),
         (["--rehearse", "--limit-s", "0"], "--limit-s 0.0: must be > 0"),
         (["--call", "1"], "--call: no CUDA GPU here"),
         (["--rehearse", "--plan", "/nonexistent.json"], "--plan /nonexistent.json: no such file"),
