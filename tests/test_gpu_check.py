@@ -267,3 +267,17 @@ def test_every_gpu_case_builds_from_its_real_configs():
         counted = G.plan_for(plan, case, False)["flops"]["params"]
         assert sum(p.numel() for p in denoiser.parameters()) == experts * counted, case.name
         assert max(denoiser.parameters(), key=torch.Tensor.numel).dtype == torch.bfloat16  # Wan keeps its norms fp32
+
+
+def test_the_kits_reward_scores_as_hpsv2_1_with_the_same_weights(tmp_path):
+    """random_hps is common.rewards.hpsv2_1 without reading a checkpoint: with the weights the tiny checkpoint holds
+    (the same seed), the same scores."""
+    from benchmarks import gpu_check as G
+    from common.rewards import hpsv2_1
+    from tests.tiny import build_tiny_hps
+
+    checkpoint = build_tiny_hps(tmp_path)  # seed 0, open_clip config 'tiny-hps' registered
+    images, prompts = torch.rand(3, 3, 40, 48), ["a red circle", "a green square", "a cat"]
+    torch.manual_seed(0)
+    kit = G.random_hps("cpu", arch=G.TINY_HPS)
+    assert torch.equal(kit(images, prompts), hpsv2_1("cpu", checkpoint, arch=G.TINY_HPS)(images, prompts))
