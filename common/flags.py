@@ -121,7 +121,7 @@ class RunArgs:
     """gradient clipping norm per optimizer step"""
     guidance_scale: float = 1.0
     """CFG scale for ShapesBench / SD3.5 (1 = off), embedded guidance for FLUX.1-dev (3.5 there); same in training"""
-    guidance_scale_2: Annotated[Optional[float], ModeDefault("--guidance-scale's")] = None
+    guidance_scale_2: Annotated[Optional[float], ModeDefault("the same as --guidance-scale")] = None
     """Wan2.2-T2V-A14B only: the CFG scale of the low-noise expert (WanPipeline's guidance_scale_2; Wan's own setting
     is 4 for the high-noise expert, 3 for the low-noise one); needs --guidance-scale > 1, as the pipeline's CFG"""
     shift: Union[float, Literal["pipeline"]] = 3.0
