@@ -1,5 +1,6 @@
-"""Time a training script's denoiser work on the GPU: benchmarks/gpu_check.py runs each case under `timing(clock)`
-in its own process; the command line times any run of a script (a real one, loading its weights from --model-id).
+"""Time a training script's denoiser work on the GPU: benchmarks/gpu_check.py runs each of its cases, in the kit's
+process, under `timing(clock)`; the command line times any run of a script (a real one, loading its weights from
+--model-id).
 
     python benchmarks/gpu_timing.py TIMINGS.json dancegrpo.py --model-id ... (the script's own flags)
 
