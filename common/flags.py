@@ -265,6 +265,7 @@ def check_run_args(args, video: bool = True, differentiable: bool = False) -> tu
     two = is_video and has_two_experts(args.model_id)
     check_mode_flags(args, [("experts", lambda a: two, "a two-expert Wan2.2-T2V-A14B")])
     check_guidance_scale_2(args, two)
+    check_mode_flags(args, [("shift", lambda a: kind != "sd1", "a flow model (SD1.x samples DDIM timesteps)")])
     check_shift(args.shift, kind)
     need(args.reward_frames >= 1, "--reward-frames must be >= 1")
     if args.num_frames is not None:
@@ -284,10 +285,9 @@ def check_guidance_scale_2(args, two_experts: bool) -> None:
 
 
 def check_shift(shift, kind: str) -> None:
-    """--shift is a number > 0, or 'pipeline' on a model whose diffusers pipeline gives a flow schedule."""
+    """--shift is a number > 0, or 'pipeline' on a model with a diffusers pipeline of its own (not ShapesBench)."""
     if shift == "pipeline":
-        what = {"shapes": "ShapesBench has no diffusers pipeline of its own", "sd1": "SD1.x samples DDIM timesteps"}
-        need(kind not in what, f"--shift pipeline: {what.get(kind)}; give a number (3, the default)")
+        need(kind != "shapes", "--shift pipeline: ShapesBench has no diffusers pipeline of its own; give a number (3)")
     else:
         need(shift > 0, f"--shift must be > 0 or 'pipeline' (got {shift})")
 

@@ -86,7 +86,8 @@ def test_the_pipeline_grid_is_the_one_the_stock_pipeline_samples_on(case, tmp_pa
 
 def test_shapesbench_and_sd1_refuse_the_pipeline_schedule_at_start_up(tmp_path, monkeypatch, capsys):
     """One `error:` line naming the flag, before any model loads (ShapesBench has no pipeline of its own; SD1.x samples
-    DDIM timesteps); a shift <= 0 is refused too, and common.evaluate refuses as the scripts do."""
+    DDIM timesteps, so rlr.py refuses any --shift there); a shift <= 0 is refused too, and common.evaluate refuses as
+    the scripts do."""
     monkeypatch.setattr(sys, "argv", ["dancegrpo.py", "--shift", "pipeline", "--output-dir", str(tmp_path)])
     with pytest.raises(SystemExit) as e:
         cli(D.main, D.Args)
@@ -102,8 +103,9 @@ def test_shapesbench_and_sd1_refuse_the_pipeline_schedule_at_start_up(tmp_path, 
     (tmp_path / "p.txt").write_text("a cat\n")
     argv = ["--model-id", str(tmp_path / "sd1"), "--prompts", str(tmp_path / "p.txt"), "--eval-prompts",
             str(tmp_path / "p.txt"), "--reward", "jpeg", "--shift", "pipeline"]  # fmt: skip
-    with pytest.raises(InputError, match="--shift pipeline: SD1.x samples DDIM timesteps"):
-        rlr.resolve_and_check(tyro.cli(rlr.Args, args=argv))
+    for value in ("pipeline", "2"):  # SD1.x samples DDIM timesteps: no --shift applies
+        with pytest.raises(InputError, match=r"--shift only applies with a flow model \(SD1.x samples DDIM"):
+            rlr.resolve_and_check(tyro.cli(rlr.Args, args=[*argv[:-1], value]))
 
 
 def test_a_script_rolls_out_and_evaluates_on_the_pipeline_grid(tmp_path, monkeypatch):
