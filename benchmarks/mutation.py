@@ -53,7 +53,7 @@ def script(name: str) -> dict:
     """The algorithm functions (above main(), but its flag checks) against the script's tests and those that run its
     main(); the flag checks against the tests that give flags (every main() test calls them: a surviving mutant of a
     check would run all of them)."""
-    own = [f"tests/test_{name}.py", f"tests/test_properties_{name}.py"]
+    own = [f"tests/test_{name}*.py", f"tests/test_properties_{name}.py"]  # its tests, the methods' files too
     return {
         f"{name}.py": {"tests": [*own, *MAIN_TESTS], "scope": "above_main", "exclude": ["resolve_and_check"]},
         f"{name}.py:flags": {"tests": [*own, "tests/test_inputs.py"], "scope": ["resolve_and_check"]},
@@ -160,10 +160,9 @@ def undecorate(source: str, names: list[str]) -> str:
 def in_process_tests(copy: Path, files: list[str]) -> list[str]:
     """pytest node ids: the files' test functions that run in this process."""
     ids = []
-    for f in files:
-        path = copy / f
-        if not path.exists():
-            continue
+    paths = dict.fromkeys(p for f in files for p in sorted(copy.glob(f)))  # patterns expanded, each file once
+    for path in paths:
+        f = str(path.relative_to(copy))
         source = path.read_text()
         for node in ast.parse(source).body:
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
