@@ -51,6 +51,7 @@ set, and its MFU none: it checks the kit, not the figures.
 The plan (benchmarks/gpu_plan.json, written by --write-plan, which --prepare runs) holds, per case, memory.py's
 peak and the FLOP and parameter counts at the GPU's shapes, each under a key of what it depends on: an entry made
 for other configs or flags is not used (FLOPs are then counted at start-up; the memory plan is shown as missing).
+The key does not cover memory.py's own modelling: after a change there, write the plan into a new file.
 """
 
 from __future__ import annotations
