@@ -8,6 +8,7 @@ hand-written ones.
     python benchmarks/mutation.py diffusionnft.py       # one file
     python benchmarks/mutation.py dancegrpo.py --functions group_advantages,policy_loss
     python benchmarks/mutation.py dancegrpo.py --survivors  # the last run's survivors again, after new tests
+    python benchmarks/mutation.py dancegrpo.py --survivors --ref afe9141 --overlay tests/test_properties_dancegrpo.py
 
 Each file is mutated in a fresh copy of the commit (`--ref`, default HEAD) under /tmp/mutation/<file>, never in this
 working tree; mutmut forks one test process per mutant (one at a time, niced, one thread) and stops a mutant's tests
@@ -195,6 +196,9 @@ def run_target(key: str, args) -> dict:
     slug = key.replace("/", "_").replace(":", "_")
     copy = WORK / slug
     copy_commit(args.ref, copy, args.worktree)
+    for path in args.overlay:  # a test file of today's commit over an older commit's tree
+        text = subprocess.run(["git", "show", f"HEAD:{path}"], cwd=ROOT, capture_output=True, check=True).stdout
+        (copy / path).write_bytes(text)
     source = (copy / target).read_text()
     names = mutated_names(source, spec["scope"], spec.get("exclude", ()))
     (copy / target).write_text(undecorate(source, names))
@@ -262,6 +266,7 @@ def run_target(key: str, args) -> dict:
         "survivors": survivors,
         "codes": codes,
         "survivors_rerun_at": _commit(args.ref) if earlier else None,
+        "overlay": {path: _commit("HEAD") for path in args.overlay},
     }
     OUT.mkdir(exist_ok=True)
     (OUT / f"{slug}.json").write_text(json.dumps(result, indent=1, ensure_ascii=False))
@@ -338,6 +343,13 @@ def cli() -> None:
         action="store_true",
         help="run only the last run's survivors (benchmarks/mutation_out/<file>.json) against this commit's tests; "
         "the file's source must be unchanged; the others keep their verdicts and the times add up",
+    )
+    p.add_argument(
+        "--overlay",
+        action="append",
+        default=[],
+        help="a file (e.g. a new test file) taken from HEAD into the copy of --ref: an older commit's survivors "
+        "against a newer test, with --survivors",
     )
     args = p.parse_args()
     unknown = [t for t in args.targets if t not in TARGETS]
