@@ -7,7 +7,7 @@ r = 1/2 + clip(A, -c, c) / (2 c), A = (R - mean_prompt R) / (std_all R + 1e-4), 
 matching on those x0, at timesteps of the sampler's grid with fresh noise: x_t = (1 - t) x0 + t eps, target
 v = eps - x0. Two implicit policies share the trained velocity v_theta and the old one v_old (no gradient):
 v+ = (1 - beta) v_old + beta v_theta and v- = (1 + beta) v_old - beta v_theta; the loss pulls v+ towards v on good
-images and v- on bad ones, loss = 5 (r L(v+) + (1 - r) L(v-)) / beta, L = the x0-space squared error divided by its
+images and v- on bad ones, loss = c (r L(v+) + (1 - r) L(v-)) / beta, L = the x0-space squared error divided by its
 stop-gradient mean absolute error, plus --kl-beta times the velocity MSE to the base model. Its per-sample minimiser
 with equal weights is v_theta* = v_old + (2r - 1)(v - v_old) / beta. The old policy (a second LoRA adapter `old`)
 is soft-updated once per iteration, old <- eta old + (1 - eta) theta, and never optimised; an EMA of the trained
@@ -25,7 +25,8 @@ says why). Deviations from the official code and choices where it is silent (doc
   1. every random draw (initial noise, training timesteps, forward noise) is keyed on (seed, iteration, sample), so
      resumed and multi-process runs draw the same numbers; a group is G consecutive samples of one drawn prompt;
   2. the loss is computed in fp32 (the official weights and errors are float64);
-  3. the official constant factor 5 of the NFT term is kept (it sets the term against --kl-beta and the clip);
+  3. the samples of an iteration are shuffled (keyed on seed, iteration and process) before they are split into
+     optimizer steps, as the official code, so that each step mixes prompts;
   4. the soft update's and the EMA's step s counts the optimizer steps taken, this iteration's included;
   5. evaluation uses the shared Euler sampler (--eval-steps; the official: 40 Euler steps), with the EMA weights;
   6. --no-lora keeps the old policy as a frozen fp32 copy (the official code is LoRA only); FSDP is refused;
@@ -94,7 +95,7 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """weight of the velocity MSE to the base model (LoRA adapters off, or a frozen copy); 0 = off (official: 1e-4,
     its `train.beta`)"""
     adv_clip_max: float = 5.0
-    """advantages are clipped to +-c and r = 1/2 + clip(A) / (2 c) (official: 5)"""
+    """advantages are clipped to +-c and r = 1/2 + clip(A) / (2 c); c also multiplies the NFT term (official: 5)"""
     self_normalize: bool = True
     """divide each squared x0 error by its stop-gradient mean absolute error, clamped at 1e-5 (official adaptive
     weighting); --no-self-normalize: the plain x0 MSE"""
@@ -224,6 +225,13 @@ def train_timesteps(num_steps: int, n_train: int, key: tuple, sample_ids) -> tor
     )
 
 
+def sample_order(n: int, seed: int, iteration: int, rank: int) -> torch.Tensor:
+    """The order (n,) in which a process's samples of an iteration are split into micro-batches and optimizer steps:
+    a permutation keyed on (seed, iteration, process), as the official code shuffles, so a step mixes prompts and a
+    resumed run repeats it."""
+    return torch.randperm(n, generator=rng(seed, iteration, "shuffle", rank), device="cpu")  # cpu: keyed
+
+
 def old_decay(step: int, schedule: str) -> float:
     """eta of the soft update old <- eta old + (1 - eta) theta after `step` optimizer steps: 'linear' min(0.001 s,
     0.5); 'delayed' 0 for s < 75 (the old policy follows theta), then min(0.0075 (s - 75), 0.999)."""
@@ -284,18 +292,28 @@ def old_policy(policy, old, lora: bool):
         policy.set_adapter("default")
 
 
+def swap(params, values) -> None:
+    """Exchange the contents of each parameter and its value tensor in place, one tensor at a time: no copy of all
+    the weights is ever made (at FLUX.1-dev full fine-tuning a copy would be 48 GB), only of the largest one."""
+    with torch.no_grad():
+        for p, v in zip(params, values):
+            held = p.detach().clone()
+            p.copy_(v), v.copy_(held)
+            del held  # freed before the next tensor's is made
+
+
 @contextmanager
 def weights_swapped(params, values, on: bool = True):
-    """Inside the block the parameters hold `values` (the EMA: evaluation and final/), then their own values again."""
+    """Inside the block the parameters hold `values` (the EMA: evaluation and final/) and `values` the parameters'
+    own; after it, both as before, bit for bit."""
     if not on:
         yield
         return
-    saved = [p.detach().clone() for p in params]
-    soft_update(params, values, 0.0)
+    swap(params, values)
     try:
         yield
     finally:
-        soft_update(params, saved, 0.0)
+        swap(params, values)
 
 
 class Carried:
@@ -313,14 +331,12 @@ class Carried:
             soft_update(v, [s.to(t.device) for s, t in zip(state[k], v, strict=True)], 0.0)
 
 
-LOSS_SCALE = 5.0  # the official NFT term's constant factor (deviation 3)
-
-
-def policy_loss(v_theta, v_old, v_ref, x0, x_t, t, r, *, beta, kl_beta, self_normalize):
+def policy_loss(v_theta, v_old, v_ref, x0, x_t, t, r, *, beta, adv_clip_max, kl_beta, self_normalize):
     """The objective per image (B,) at one timestep: v_theta (B, *L) the trained velocity (with graph), v_old the old
     policy's, v_ref the base model's (None without a KL term), all at x_t = (1 - t) x0 + t eps; t, r (B,).
-    LOSS_SCALE (r E(v+) + (1 - r) E(v-)) / beta + kl_beta mean((v_theta - v_ref)^2), E(v) = mean((x0_hat - x0)^2) /
-    sg(max(mean|x0_hat - x0|, 1e-5)) with x0_hat = x_t - t v (without self_normalize: the plain mean). Returns it and
+    c (r E(v+) + (1 - r) E(v-)) / beta + kl_beta mean((v_theta - v_ref)^2), E(v) = mean((x0_hat - x0)^2) /
+    sg(max(mean|x0_hat - x0|, 1e-5)) with x0_hat = x_t - t v (without self_normalize: the plain mean) and c =
+    adv_clip_max, the factor the official code multiplies the term by (5 in every official config). Returns it and
     its figures, logged as losses/<name>. A fork's new term: a keyword argument here, a field of Args, its figure."""
     tv = t.view(-1, *[1] * (x0.dim() - 1))
     v_old = v_old.detach()
@@ -333,7 +349,7 @@ def policy_loss(v_theta, v_old, v_ref, x0, x_t, t, r, *, beta, kl_beta, self_nor
         return sq / err.detach().abs().mean(1).clamp_min(1e-5) if self_normalize else sq
 
     pos, neg = x0_error(v_pos), x0_error(v_neg)
-    loss = LOSS_SCALE * (r * pos + (1 - r) * neg) / beta
+    loss = adv_clip_max * (r * pos + (1 - r) * neg) / beta  # c = the advantage clip, as the official code
     figures = {"policy": loss, "pos": pos, "neg": neg, "old_deviation": (v_theta - v_old).square().flatten(1).mean(1)}
     if v_ref is not None:
         kl = (v_theta - v_ref).square().flatten(1).mean(1)
@@ -445,15 +461,17 @@ def main(args: Args):
         model.park(), reward_fn.park()  # --offload-frozen: the VAE and the reward models leave the GPU
         denoiser.train()
         t_idx = train_timesteps(args.num_steps, n_train, (args.seed, it), global_idx)  # (S, n_train), CPU
+        # the samples in a keyed random order before they are split into optimizer steps (deviation 3)
+        order = sample_order(args.samples_per_device, args.seed, it, rank)
         stats = defaultdict(list)  # each figure policy_loss returns, one tensor per micro-batch and timestep
         for u in range(updates_per_iter):
             for m in range(u * micro_per_update, (u + 1) * micro_per_update):
-                sl = slice(m * mb, (m + 1) * mb)
-                cond_sl, x0 = {k: v[sl] for k, v in cond.items()}, x[sl]
+                sl = order[m * mb : (m + 1) * mb]  # (B,) local sample indices, CPU
+                cond_sl, x0 = {k: v[sl.to(v.device)] for k, v in cond.items()}, x[sl.to(device)]
                 for j in range(n_train):  # one forward and backward per timestep, as the official code
                     last = m == (u + 1) * micro_per_update - 1 and j == n_train - 1
                     t = sigmas[t_idx[sl, j]].to(device)  # (B,) each image its own grid timestep
-                    eps = torch.stack([keyed_randn(latent_shape, args.seed, it, "eps", k, j) for k in global_idx[sl]])
+                    eps = torch.stack([keyed_randn(latent_shape, args.seed, it, "eps", global_idx[k], j) for k in sl])
                     x_t = noised(x0, eps.to(device), t)
                     with torch.no_grad(), autocast():
                         with old_policy(policy, old, args.lora) as pi_old:
@@ -466,7 +484,7 @@ def main(args: Args):
                         with autocast():
                             v_theta = model.velocity(denoiser, x_t, t, cond_sl, args.guidance_scale).float()
                         loss, figures = policy_loss(
-                            v_theta, v_old, v_ref, x0, x_t, t, r[sl], **flags_of(policy_loss, args)
+                            v_theta, v_old, v_ref, x0, x_t, t, r[sl.to(device)], **flags_of(policy_loss, args)
                         )
                         accelerator.backward(loss.mean() / (micro_per_update * n_train))
                     for k, v in figures.items():

@@ -184,9 +184,10 @@ SD15_RLR=(--model-id "${MODEL_ID:-stable-diffusion-v1-5/stable-diffusion-v1-5}" 
 # DiffusionNFT's SD3.5-Medium setting (https://github.com/NVlabs/DiffusionNFT, config/nft.py, sd3_hpsv2): 512 px,
 # 10-step DPM-Solver-2 rollouts without CFG, 24 images per prompt, 48 prompts per iteration (144 images per GPU on 8),
 # one optimizer step per iteration, 9 of the 10 grid timesteps per image, NFT beta 1, KL 1e-4, old policy
-# eta = min(0.001 s, 0.5), EMA 0.9, LoRA r32 alpha 64, lr 3e-4, weight decay 1e-4, 40-step Euler evaluation.
+# eta = min(0.001 s, 0.5), EMA 0.9, LoRA r32 alpha 64, lr 3e-4, weight decay 1e-4, 40-step Euler evaluation; the
+# grid the official pipeline samples on (SD3's scheduler at its shift 3: --shift pipeline), its training times too.
 SD35_NFT_BASE=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 "${GPU_MEMORY[@]}"
-  --num-steps 10 --solver dpm2 --shift 3 --guidance-scale 1 --group-size 24 --samples-per-device 144
+  --num-steps 10 --solver dpm2 --shift pipeline --guidance-scale 1 --group-size 24 --samples-per-device 144
   --rollout-batch-size 9 --train-batch-size 9 --samples-per-update 144 --timestep-fraction 0.99 --beta 1
   --kl-beta 1e-4 --old-decay linear --lora --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --lr-warmup 0
   --weight-decay 1e-4 --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 40 --sample-every 10 --save-every 20)

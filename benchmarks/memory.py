@@ -939,6 +939,7 @@ def workload(script: str, args, shapes: Shapes, cfg: bool, frozen_bytes: int) ->
         S, R, B = args.samples_per_device, args.rollout_batch_size, args.train_batch_size
         # final latents (S, *L) and decoded images, each chunk's sent to the reward as it is decoded; conditioning.
         # The old policy's and the base's no-grad forwards run before the trained one's, so no graph is alive then.
+        # copies=2: the old policy and the EMA; evaluation swaps the EMA in one tensor at a time (no third copy).
         data = _bytes(L, S) + _bytes(img, S) + cond * (S + 1)
         full_ft_kl = args.kl_beta > 0 and not args.lora
         P = distinct_prompts(S, args.group_size)

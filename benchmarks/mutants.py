@@ -136,8 +136,8 @@ MUTANTS = [
     # DiffusionNFT: the implicit policies, r, the statistics, the schedules, the old policy and the EMA
     ("diffusionnft.py", "v_neg = (1 + beta) * v_old - beta * v_theta", "v_neg = (1 - beta) * v_old + beta * v_theta",
      "tests/test_diffusionnft.py -k closed_form", "DiffusionNFT: the negative policy the same as the positive one"),
-    ("diffusionnft.py", "loss = LOSS_SCALE * (r * pos + (1 - r) * neg) / beta",
-     "loss = LOSS_SCALE * ((1 - r) * pos + r * neg) / beta", "tests/test_diffusionnft.py -k update_lowers",
+    ("diffusionnft.py", "loss = adv_clip_max * (r * pos + (1 - r) * neg) / beta",
+     "loss = adv_clip_max * ((1 - r) * pos + r * neg) / beta", "tests/test_diffusionnft.py -k update_lowers",
      "DiffusionNFT: r weighting the negative policy"),
     ("diffusionnft.py", "sq / err.detach().abs().mean(1)", "sq / err.abs().mean(1)",
      "tests/test_diffusionnft.py -k detached", "DiffusionNFT: a gradient through the adaptive weight"),

@@ -33,7 +33,7 @@ LOSS_EDITS = {
     "vgrpo.py": ("policy_loss", "surrogate = torch.maximum(", "surrogate = 2 * torch.maximum(", "charts/grad_norm"),
     "rlr.py": ("term_weights", "w_ho, w_zo = rewards - loo_baseline(", "w_ho, w_zo = 2 * rewards - 2 * loo_baseline(",
                "rlr/ho_adv_abs"),
-    "diffusionnft.py": ("policy_loss", "loss = LOSS_SCALE * (", "loss = 2 * LOSS_SCALE * (", "losses/policy"),
+    "diffusionnft.py": ("policy_loss", "loss = adv_clip_max * (", "loss = 2 * adv_clip_max * (", "losses/policy"),
 }  # fmt: skip
 
 
@@ -107,7 +107,7 @@ def test_a_new_term_with_its_flag_and_figure_is_two_edits(script, tmp_path):
     )  # edit 1: the flag
     start, end = body(source, "policy_loss")
     loss_fn = source[start:end]
-    new_fn = loss_fn.replace("*, clip_range, kl_beta):", "*, clip_range, kl_beta, nll_coef):").replace(
+    new_fn = loss_fn.replace("kl_beta):", "kl_beta, nll_coef):", 1).replace(
         "    return loss, {",
         '    loss, figures["nll"] = loss - nll_coef * log_prob, -log_prob.mean()\n    return loss, {',
     )  # edit 2: the objective
