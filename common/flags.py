@@ -129,8 +129,8 @@ class RunArgs:
     SD3 time shift s' = k s / (1 + (k - 1) s) (3: SD3.5's scheduler, DanceGRPO's and BranchGRPO's FLUX.1 setting);
     'pipeline' is the grid the model's own diffusers pipeline builds for this size and step count: mu by the image's
     tokens for FLUX.1 and Qwen-Image (whose last sigma is 0.02), by tokens and steps for FLUX.2, the static shift of
-    Z-Image's, Wan's and SD3's configs (docs/models.md); the Qwen-Image, FLUX.2 and FLUX.1 DiffusionNFT recipes use
-    it; not for ShapesBench or SD1.x"""
+    Z-Image's, Wan's and SD3's configs (docs/models.md); the Qwen-Image, FLUX.2 and DiffusionNFT recipes use it;
+    not for ShapesBench or SD1.x"""
     eval_every: int = 50
     """evaluate on --eval-prompts every N iterations (and at the start and the end); 0 = never"""
     eval_samples_per_prompt: int = 4

@@ -297,9 +297,10 @@ def test_every_gpu_recipe_parses_and_uses_the_memory_settings():
         for key, model_id in NEW_KINDS.items():  # the recipes of the newer kinds: their published model, LoRA
             if key in name:
                 assert args.model_id == model_id and args.lora and args.offload_frozen, name
-        # the model's own pipeline schedule where that pipeline shifts by resolution (Qwen-Image, FLUX.2, FLUX.1 for
-        # DiffusionNFT); FLUX.1's DanceGRPO, BranchGRPO and V-GRPO keep their official code's static shift 3
-        dynamic = re.search("qwen|flux2|diffusionnft-flux", name)
+        # the model's own pipeline schedule where that pipeline shifts by resolution (Qwen-Image, FLUX.2) and for
+        # DiffusionNFT (its official code samples on the pipeline's grid); FLUX.1's DanceGRPO, BranchGRPO and V-GRPO
+        # keep their official code's static shift 3
+        dynamic = re.search("qwen|flux2|diffusionnft", name)
         assert args.shift == ("pipeline" if dynamic else 5.0 if "wan22" in name else 3.0), name
 
 
