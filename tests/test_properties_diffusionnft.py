@@ -160,3 +160,33 @@ def test_a_video_model_is_refused(tmp_path):
     args = N.Args(model_id=str(tmp_path), prompts=str(tmp_path / "p.txt"), eval_prompts=str(tmp_path / "p.txt"))
     with pytest.raises(InputError, match="is a video model \\(wan\\), and .* trains image models only"):
         N.resolve_and_check(args)
+
+
+# ---------------------------------------------------------------- the EMA's swap and the checkpoint's extra tensors
+def test_weights_swapped_holds_the_values_inside_and_restores_them_bitwise_after():
+    """By default the block sees `values` (the EMA); after it the parameters are their own again, bitwise, even when
+    the block raises; on=False leaves them alone."""
+    params = [torch.tensor([1.0, -2.0]), torch.tensor([0.3])]
+    own = [p.clone() for p in params]
+    ema = [torch.tensor([0.5, 0.25]), torch.tensor([-1.0])]
+    ema_values = [e.clone() for e in ema]
+    with N.weights_swapped(params, ema):
+        assert all(torch.equal(p, e) for p, e in zip(params, ema_values))
+    assert all(torch.equal(p, o) for p, o in zip(params, own))
+    assert all(torch.equal(e, v) for e, v in zip(ema, ema_values))  # the EMA as it was
+    with pytest.raises(RuntimeError), N.weights_swapped(params, ema):
+        raise RuntimeError("an evaluation that fails")
+    assert all(torch.equal(p, o) for p, o in zip(params, own))
+    with N.weights_swapped(params, ema, on=False):
+        assert all(torch.equal(p, o) for p, o in zip(params, own))
+
+
+def test_a_soft_update_or_a_checkpoint_of_another_length_is_refused():
+    """Lists of tensors that do not pair up (a parameter missing from the old policy or the EMA) are an error, never a
+    partial update."""
+    a, b = torch.zeros(2), torch.ones(2)
+    with pytest.raises(ValueError):
+        N.soft_update([a.clone()], [a, b], 0.5)
+    carried = N.Carried(ema=[a.clone(), b.clone()])
+    with pytest.raises(ValueError):
+        carried.load_state_dict({"ema": [a]})
