@@ -91,7 +91,12 @@ def test_a_flag_of_a_mode_not_in_use_is_refused(script, flags, message):
     [
         (
             "dancegrpo",
-            ["(default: 0.3 with --sde-type dance, 0.7 with flow)", "(default: 0.6; 1.0 with --sde-window)"],
+            [
+                "(default: 0.3 with --sde-type dance, 0.7 with flow, 0.8 with cps)",
+                "(default: 0.6; 1.0 with --sde-window)",
+                "(default: 1e-3; 1e-5 with --sde-type cps, 2e-6 with --objective guard)",
+                "(default: 5; none with --objective dppo)",
+            ],
             1,
         ),
         ("branchgrpo", ["(default: the steps after the last split for depth, 4 for mix)"], 1),
@@ -112,10 +117,10 @@ def test_help_shows_the_default_of_a_flag_that_depends_on_the_mode(script, shown
 @pytest.mark.parametrize(
     "argv, named",
     [
-        (["--clip-range", "abc"], "--clip-range FLOAT"),
+        (["--kl-beta", "abc"], "--kl-beta FLOAT"),
         (["--group-size", "2.5"], "--group-size INT"),
         (["--sde-type", "sde"], "--sde-type"),
-        (["--clip-rang", "1"], "perhaps you meant --clip-range FLOAT"),
+        (["--kl-bet", "1"], "perhaps you meant --kl-beta FLOAT"),
     ],
 )
 def test_a_flag_that_does_not_parse_is_one_error_line(argv, named, capsys):
