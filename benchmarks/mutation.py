@@ -12,7 +12,8 @@ hand-written ones.
 
 Each file is mutated in a fresh copy of the commit (`--ref`, default HEAD) under /tmp/mutation/<file>, never in this
 working tree; mutmut forks one test process per mutant (one at a time, niced, one thread) and stops a mutant's tests
-at the first failure or at its time limit (15 x the tests' own time + 5 s of CPU: a hang counts as killed). The scores
+at the first failure or at its time limit (15 x the tests' own time + 5 s of CPU, and --wall-limit
+240 s of wall-clock time for a process that blocks: either counts as killed). The scores
 go to benchmarks/mutation_out/<file>.json and .md, survivors with their diffs. The tool is pinned in
 benchmarks/requirements-mutation.txt (`pip install -r benchmarks/requirements-mutation.txt`).
 
@@ -32,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -223,13 +225,14 @@ def run_target(key: str, args) -> dict:
     print(f"{key}: {len(names)} functions, {len(tests)} tests, in {copy}", flush=True)
     start = time.time()
     with open(copy / "mutmut.log", "w") as log:
-        subprocess.run(
+        proc = subprocess.Popen(
             ["nice", "-n", "19", mutmut, "run", "--max-children", "1", *run_names],
             cwd=copy,
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+        watch(proc, copy / "mutmut.log", args.wall_limit)
     seconds = time.time() - start
     meta = json.loads((copy / "mutants" / f"{target}.meta").read_text())
     codes = {k: v for k, v in meta["exit_code_by_key"].items() if any(re.fullmatch(_glob(p), k) for p in patterns)}
@@ -238,7 +241,7 @@ def run_target(key: str, args) -> dict:
         seconds += earlier["seconds"]
     if not codes:
         raise SystemExit(f"{key}: no mutant ran; see {copy / 'mutmut.log'}")
-    killed_codes = {1, 3, 36, 24, -24, 152, 255}  # a failing test, pytest's internal error, a time limit
+    killed_codes = {1, 3, 36, 24, -24, 152, 255, -9}  # a failing test, pytest's internal error, a time limit
     per_function: dict[str, list[int]] = {}
     survivors = []
     for name, code in sorted(codes.items(), key=lambda kv: _order(kv[0])):
@@ -260,6 +263,7 @@ def run_target(key: str, args) -> dict:
         "functions": names,
         "killed": killed,
         "total": len(codes),
+        "killed_by_wall_limit": sum(code == -9 for code in codes.values()),
         "seconds": round(seconds),
         "tests": tests,
         "per_function": per_function,
@@ -273,6 +277,39 @@ def run_target(key: str, args) -> dict:
     (OUT / f"{slug}.md").write_text(markdown(result))
     print(f"{key}: {killed}/{len(codes)} killed ({100 * killed / len(codes):.1f}%) in {seconds / 60:.1f} min")
     return result
+
+
+def watch(proc: subprocess.Popen, log: Path, limit: float) -> None:
+    """Wait for mutmut; once it tests mutants, kill a mutant's test process still running after `limit` seconds of
+    wall-clock time. mutmut's own limit is on CPU time, which a process blocked on a lock (a fork that inherited one
+    held) never spends: such a mutant is recorded with exit -9 and counted as killed by a time limit."""
+    ticks, testing = os.sysconf("SC_CLK_TCK"), False
+    while proc.poll() is None:
+        time.sleep(5)
+        testing = testing or "Running mutation testing" in log.read_text(errors="replace")
+        if not testing:
+            continue
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        for mutmut_pid in [proc.pid, *_children(proc.pid)]:  # nice -> mutmut -> one forked test process
+            for pid in _children(mutmut_pid):
+                try:
+                    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if uptime - int(stat[19]) / ticks > limit and _children(pid) == [] and mutmut_pid != proc.pid:
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
 
 
 DIFFS = """
@@ -344,6 +381,7 @@ def cli() -> None:
         help="run only the last run's survivors (benchmarks/mutation_out/<file>.json) against this commit's tests; "
         "the file's source must be unchanged; the others keep their verdicts and the times add up",
     )
+    p.add_argument("--wall-limit", type=float, default=240, help="seconds of wall-clock time a mutant's tests may take")
     p.add_argument(
         "--overlay",
         action="append",
