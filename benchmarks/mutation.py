@@ -186,6 +186,9 @@ def configure(copy: Path, target: str, tests: list[str]) -> None:
         "pytest_add_cli_args_test_selection": tests,
         "timeout_multiplier": 15.0,
         "timeout_constant": 5.0,
+        # each mutant's process forked from a server that only imported the tests, not from mutmut's own process,
+        # where the stats run left threads (TensorBoard writers, tqdm) whose locks a fork inherits held
+        "process_isolation": "forkserver",
     }
     lines = ["", "[tool.mutmut]"] + [f"{k} = {json.dumps(v)}" for k, v in config.items()]
     with open(copy / "pyproject.toml", "a") as f:
