@@ -198,11 +198,14 @@ def configure(copy: Path, target: str, tests: list[str]) -> None:
 def run_target(key: str, args) -> dict:
     spec = TARGETS[key]
     target = key.split(":")[0]  # the file
+    ref = _commit(args.ref)  # now: HEAD may move while mutmut runs
     slug = key.replace("/", "_").replace(":", "_")
     copy = WORK / slug
-    copy_commit(args.ref, copy, args.worktree)
+    copy_commit(ref, copy, args.worktree)
+    overlay_commit = _commit("HEAD")
     for path in args.overlay:  # a test file of today's commit over an older commit's tree
-        text = subprocess.run(["git", "show", f"HEAD:{path}"], cwd=ROOT, capture_output=True, check=True).stdout
+        text = subprocess.run(["git", "show", f"{overlay_commit}:{path}"], cwd=ROOT, capture_output=True, check=True)
+        text = text.stdout
         (copy / path).write_bytes(text)
     source = (copy / target).read_text()
     names = mutated_names(source, spec["scope"], spec.get("exclude", ()))
@@ -261,7 +264,7 @@ def run_target(key: str, args) -> dict:
     killed = sum(k for k, _ in per_function.values())
     result = {
         "file": key,
-        "ref": "worktree" if args.worktree else _commit(args.ref),
+        "ref": "worktree" if args.worktree else ref,
         "source_sha": sha,
         "functions": names,
         "killed": killed,
@@ -272,8 +275,8 @@ def run_target(key: str, args) -> dict:
         "per_function": per_function,
         "survivors": survivors,
         "codes": codes,
-        "survivors_rerun_at": _commit(args.ref) if earlier else None,
-        "overlay": {path: _commit("HEAD") for path in args.overlay},
+        "survivors_rerun_at": ref if earlier else None,
+        "overlay": {path: overlay_commit for path in args.overlay},
     }
     OUT.mkdir(exist_ok=True)
     (OUT / f"{slug}.json").write_text(json.dumps(result, indent=1, ensure_ascii=False))
