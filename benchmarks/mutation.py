@@ -224,6 +224,9 @@ def run_target(key: str, args) -> dict:
         if earlier["source_sha"] != sha or earlier["functions"] != names:
             raise SystemExit(f"{key} changed since its last run: run it whole")
         run_names = [s["mutant"] for s in earlier["survivors"]]
+        if args.mutants:  # only these of them (the others judged equivalent: rerunning them runs every test)
+            wanted = set(args.mutants.split(","))
+            run_names = [n for n in run_names if n.split(".")[-1] in wanted]
     else:
         run_names = patterns
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -386,6 +389,9 @@ def cli() -> None:
         action="store_true",
         help="run only the last run's survivors (benchmarks/mutation_out/<file>.json) against this commit's tests; "
         "the file's source must be unchanged; the others keep their verdicts and the times add up",
+    )
+    p.add_argument(
+        "--mutants", help="with --survivors: only these survivors (names as x_fn__mutmut_3, comma-separated)"
     )
     p.add_argument("--wall-limit", type=float, default=240, help="seconds of wall-clock time a mutant's tests may take")
     p.add_argument(
