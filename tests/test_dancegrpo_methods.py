@@ -122,6 +122,7 @@ def test_post_window_grid_and_nfe_of_mixgrpo_flash():
     torch.testing.assert_close(grid[4:], (3 * u / (1 + 2 * u)).float())
     assert len(D.post_window_sigmas(sigmas, 3.0, 3, 0.4)) - 1 == 4 + int(22 * 0.4) - 1  # Flash: 11 forwards
     assert len(D.post_window_sigmas(D.sigma_schedule(4, 3.0), 3.0, 2, 0.1)) - 1 == 3 + 1  # at least one step
+    assert len(D.post_window_sigmas(D.sigma_schedule(10, 3.0), 3.0, 2, 0.5)) - 1 == 3 + int(8 * 0.5) - 1  # T - last
 
 
 def test_rollout_after_the_window_is_dpm_solver_2m():
