@@ -153,14 +153,15 @@ def clipped_loss(log_prob, old_log_prob, adv, clip_range):
 
 
 def test_the_policy_figures_by_hand():
-    """log-ratios (log 1.25, 0, -log 2) against an old log-prob of 0: approx_kl = mean(0.5 d^2) =
-    (0.5 * 0.049793 + 0 + 0.5 * 0.480453) / 3 = 0.088374; with eps = 0.25 the ratio 1.25 sits exactly on the clip
-    edge, which is not clipped (clip(1.25) = 1.25): clipfrac counts only the 0.5, so 1/3."""
-    log_prob = torch.tensor([math.log(1.25), 0.0, -math.log(2.0)], dtype=torch.float64)
-    old = torch.zeros(3, dtype=torch.float64)
-    edge = float(torch.exp(log_prob[0])) - 1  # 0.25 as the ratio computes it
-    _, figures = clipped_loss(log_prob, old, torch.ones(3), edge)
+    """log-ratios d = (log 1.25, 0, -log 2) on old log-probs of -0.7 (not 0: a figure that reads a sum of the two
+    log-probs would agree at 0): approx_kl = mean(0.5 d^2) = (0.5 * 0.049793 + 0 + 0.5 * 0.480453) / 3 = 0.088374;
+    with eps = 0.25 the ratio 1.25 sits exactly on the clip edge, which is not clipped (clip(1.25) = 1.25): clipfrac
+    counts only the 0.5, so 1/3."""
     d = [math.log(1.25), 0.0, -math.log(2.0)]
+    old = torch.full((3,), -0.7, dtype=torch.float64)
+    log_prob = old + torch.tensor(d, dtype=torch.float64)
+    edge = float(torch.exp(log_prob[0] - old[0])) - 1  # 0.25 as the ratio computes it
+    _, figures = clipped_loss(log_prob, old, torch.ones(3), edge)
     assert figures["approx_kl"].item() == pytest.approx(sum(0.5 * x * x for x in d) / 3, rel=1e-12)
     assert figures["approx_kl"].item() == pytest.approx(0.088374, abs=1e-6)
     assert figures["clipfrac"].item() == pytest.approx(1 / 3)
