@@ -6,8 +6,8 @@
 #   dancegrpo-verifier-cpu DanceGRPO on ShapesBench rewarded by the programmatic verifier 
 #   mixgrpo-cpu            MixGRPO (4-step sliding SDE window) on ShapesBench, KL 0.2 to the base (keeps diversity)
 #   dancegrpo-cpu-2proc    the same, 2 CPU processes (gloo): groups span processes
-#   dancegrpo-flux-1gpu    FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 1 GPU; 40 GB per GPU
-#   dancegrpo-flux-8gpu    FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 8 GPUs (DDP); 41 GB per GPU
+#   dancegrpo-flux-1gpu    FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 1 GPU; 41 GB per GPU
+#   dancegrpo-flux-8gpu    FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 8 GPUs (DDP); 42 GB per GPU
 #   dancegrpo-flux-fsdp8   FLUX.1-dev + HPSv2.1, full fine-tuning, 720 px, 8 GPUs (FSDP); 34 GB per GPU
 #   dancegrpo-sd35-8gpu    SD3.5-Medium + HPSv2.1 (Flow-GRPO's setting), LoRA r32, 512 px, 8 GPUs (DDP); 24 GB per GPU
 #   grpoguard-sd35-8gpu    GRPO-Guard (dancegrpo.py --objective guard), SD3.5-Medium, the official setting, 8 GPUs; 24 GB per GPU
@@ -31,17 +31,17 @@
 #   vgrpo-flux-fsdp8       FLUX.1-dev + HPSv2.1, full fine-tuning, 720 px, 8 GPUs (FSDP); 34 GB per GPU
 #   vgrpo-sd35-8gpu        SD3.5-Medium + HPSv2.1 (the paper's stage 1), LoRA r32, 512 px, 8 GPUs (DDP); 24 GB per GPU
 #   vgrpo-flux-multinode   LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
-#   dancegrpo-wan-1gpu     Wan2.1-T2V-1.3B video + HPSv2.1 on 4 frames + temporal, LoRA r128, 480x832, 33 frames, 1 GPU; 34 GB per GPU
-#   dancegrpo-wan-8gpu     the same on 8 GPUs (DDP); 34 GB per GPU
+#   dancegrpo-wan-1gpu     Wan2.1-T2V-1.3B video + HPSv2.1 on 4 frames + temporal, LoRA r128, 480x832, 33 frames, 1 GPU; 35 GB per GPU
+#   dancegrpo-wan-8gpu     the same on 8 GPUs (DDP); 35 GB per GPU
 #   branchgrpo-wan-1gpu    Wan2.1-T2V-1.3B video, 16-leaf trees, depth pruning, LoRA r128, 480x832, 33 frames, 1 GPU; 58 GB per GPU
 #   branchgrpo-wan-8gpu    the same on 8 GPUs (DDP); 59 GB per GPU
 #   vgrpo-wan-8gpu         Wan2.1-T2V-1.3B video, V-GRPO, LoRA r128, 480x832, 33 frames, 8 GPUs (DDP); 33 GB per GPU
-#   dancegrpo-qwen-8gpu    Qwen-Image + HPSv2.1, Flow-Factory's GRPO setting: LoRA r64, 512 px, CFG 4, offload, 8 GPUs (DDP); 66 GB per GPU
+#   dancegrpo-qwen-8gpu    Qwen-Image + HPSv2.1, Flow-Factory's GRPO setting: LoRA r64, 512 px, CFG 4, offload, 8 GPUs (DDP); 67 GB per GPU
 #   branchgrpo-qwen-8gpu   Qwen-Image, 16-leaf trees, depth pruning, LoRA r64, 512 px, CFG 4, offload, 8 GPUs (DDP); 66 GB per GPU
 #   vgrpo-qwen-8gpu        Qwen-Image, V-GRPO, LoRA r64, 512 px, CFG 4, offload, 8 GPUs (DDP); 66 GB per GPU
 #   diffusionnft-qwen-8gpu Qwen-Image, Flow-Factory's NFT setting: LoRA r64, 512 px, 30 steps, offload, 8 GPUs (DDP); 67 GB per GPU
 #   dancegrpo-flux2-8gpu   FLUX.2 [klein] base 4B, Flow-Factory's GRPO setting: LoRA r64, 384 px, CFG 4, 8 GPUs (DDP); 24 GB per GPU
-#   dancegrpo-wan22-8gpu   Wan2.2-TI2V-5B video, verl-omni's DanceGRPO size: LoRA r128, 704x1280, 9 frames, 8 GPUs (DDP); 53 GB per GPU
+#   dancegrpo-wan22-8gpu   Wan2.2-TI2V-5B video, verl-omni's DanceGRPO size: LoRA r128, 704x1280, 9 frames, 8 GPUs (DDP); 55 GB per GPU
 #   diffusionnft-cpu       DiffusionNFT on ShapesBench, 1 CPU process
 #   diffusionnft-cpu-2proc the same, 2 CPU processes (gloo): groups span processes
 #   diffusionnft-sd35-8gpu SD3.5-Medium + HPSv2.1, the official sd3_hpsv2 config: LoRA r32, 512 px, 8 GPUs (DDP); 25 GB per GPU
