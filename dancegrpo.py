@@ -312,7 +312,7 @@ def post_window_sigmas(sigmas: torch.Tensor, shift: float, last: int, compress: 
     code's count, at least one step), for DPM-Solver++(2M). Shape (last + 1 + n,)."""
     T = len(sigmas) - 1
     n = max(int((T - last) * compress), 2)
-    u = torch.linspace(1 - (last + 1) / T, 0, n, dtype=torch.float64)  # the unshifted times of the tail
+    u = torch.linspace(1 - (last + 1) / T, 0, n, dtype=torch.float64)  # cpu: the unshifted times, as sigmas
     return torch.cat([sigmas[: last + 2], (shift * u / (1 + (shift - 1) * u)).float()[1:]])  # sigmas[last + 1] kept
 
 

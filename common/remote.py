@@ -413,7 +413,7 @@ def decode_images(items: list, max_pixels: int | None = None) -> torch.Tensor:
     if len({size for _, size in found}) != 1:
         raise ValueError("images of different sizes in one request" if found else "no images")
     h, w = found[0][1]
-    out = torch.empty(len(found), 3, h, w)
+    out = torch.empty(len(found), 3, h, w)  # cpu: decoded here; the caller moves them to the reward's device
     for k, (source, _) in enumerate(found):
         if isinstance(source, bytes):
             pixels = np.frombuffer(source, np.uint8).reshape(h, w, 3).copy()

@@ -13,6 +13,14 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# Property tests draw the same examples on every run (CI's verdict does not depend on luck); a new property or a
+# larger max_examples still explores, and `--hypothesis-seed` or HYPOTHESIS_PROFILE=explore draws afresh.
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("repeatable", derandomize=True, database=None)
+settings.register_profile("explore")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
+
 
 # ---------------------------------------------------------------- ImageReward's own code, for test_imagereward.py and
 # the end-to-end run with every kind of reward (test_remote.py)

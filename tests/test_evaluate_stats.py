@@ -193,7 +193,7 @@ def test_score_model_gives_each_sample_its_own_noise_whatever_the_batch_size(tmp
     prompts = [p for p in PROMPTS[:4] for _ in range(2)]
     scores = {}
     for bs in (3, 8):
-        args = SimpleNamespace(seed=5, num_steps=4, shift=3.0, guidance_scale=1.0, batch_size=bs)
+        args = SimpleNamespace(seed=5, num_steps=4, shift=3.0, guidance_scale=1.0, guidance_scale_2=None, batch_size=bs)
         recs = E.score_model(args, model, reward_fn, prompts, accelerator, tmp_path / f"cache{bs}", [0], False, "k")
         assert [r["start"] for r in recs] == list(range(0, 8, bs))
         scores[bs] = torch.cat([r["scores"]["total"] for r in recs])

@@ -490,9 +490,11 @@ def test_diffusionnft_main_applies_the_sampling_and_training_flags(monkeypatch, 
     r = [0.5 + max(-0.5, min(0.5, a)) for a in adv]  # 1/2 + clip(A, -c, c) / (2 c), c = 0.5
     losses = tape.calls["policy_loss"]
     assert len(losses) == 4 * 2  # 4 micro-batches of 2 x 2 trained timesteps
+    order = N.sample_order(8, 0, 0, 0).tolist()  # the samples in the order they are trained (seed 0, iteration 0)
     for k, (a, kw, _) in enumerate(losses):
-        assert kw == {"beta": 0.5, "kl_beta": 0.1, "self_normalize": False} and a[2] is not None
-        assert len(a[0]) == 2 and a[6].tolist() == pytest.approx(r[2 * (k // 2) : 2 * (k // 2) + 2], abs=1e-6)
+        assert kw == {"beta": 0.5, "adv_clip_max": 0.5, "kl_beta": 0.1, "self_normalize": False} and a[2] is not None
+        mine = order[2 * (k // 2) : 2 * (k // 2) + 2]  # micro-batch k // 2
+        assert len(a[0]) == 2 and a[6].tolist() == pytest.approx([r[i] for i in mine], abs=1e-6)
         assert all(any(abs(t - s) < 1e-6 for s in SHIFT2_4[:4]) for t in a[5].tolist())  # the shift-2 grid
     assert [n for _, n, grad in record["velocity"] if grad] == [2] * 8
     steps = record["steps"]

@@ -3,6 +3,8 @@ without a server: answers with one, two or no score lines, out-of-range scores, 
 above its boundary (including a fraction whose product with the batch size rounds below the limit), and hypothesis
 properties over arbitrary text around the score line."""
 
+from fractions import Fraction
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -98,7 +100,7 @@ def test_property_any_answer_parses_to_none_or_a_score_in_one_to_five(answer):
 def test_property_the_judge_stops_exactly_when_the_unparsed_share_passes_the_limit(n, data):
     n_unparsed = data.draw(st.integers(0, n))
     max_unparsed = data.draw(st.sampled_from([0.0, 0.1, 0.25, 0.3, 0.5, 0.7, 1.0]))
-    over = n_unparsed * 10 > round(max_unparsed * 10) * n  # in integers: n_unparsed / n > max_unparsed
+    over = Fraction(n_unparsed, n) > Fraction(str(max_unparsed))  # exactly (round(2.5) = 2 would misjudge 0.25)
     if over:
         with pytest.raises(RunError, match=f"{n_unparsed} of {n} answers"):
             judge_batch(n, n_unparsed, max_unparsed)

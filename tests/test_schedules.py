@@ -216,7 +216,11 @@ def check_gaussian_kl_calls(calls, clip_range, stds):
     (2 std^2) averaged over rows, the loss surrogate + BETA * KL per row; returns the KL figures (by hand)."""
     figures = []
     for a, kw, (loss, figs) in calls:
-        log_prob, old_log_prob, adv, mean, mean_ref, std = a
+        if len(a) == 8:  # dancegrpo.py's: the rollout's mean and the step size too, and its --objective
+            log_prob, old_log_prob, adv, mean, _, mean_ref, std, _ = a
+            kw = {k: v for k, v in kw.items() if k not in ("objective", "kl_mask_threshold")}
+        else:
+            log_prob, old_log_prob, adv, mean, mean_ref, std = a
         assert kw == {"clip_range": clip_range, "kl_beta": BETA}
         assert mean_ref is not None
         s = std.detach().double().flatten()
