@@ -130,3 +130,38 @@ def test_the_last_line_says_where_the_weights_are_or_that_they_were_not_saved(tm
     assert out.startswith("done: 3 iterations (") and out.endswith(
         " min here); trained weights not saved (--no-save)\n"
     )
+
+
+def test_a_frozen_copy_is_accepted_without_fsdp(tmp_path):
+    Run(RunArgs(exp_name="t", output_dir=str(tmp_path), lora=False), Accelerator(cpu=True), "t", frozen_copy=True)
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_sigterm_stops_the_run_at_the_checkpoint_with_status_143_and_says_how_to_go_on(tmp_path, capsys, save):
+    """SIGTERM (15) noted during iteration 3 of --save-every 10: the checkpoint after it is written anyway (with
+    --save), the run exits with 128 + 15 = 143 and names the signal, the iteration and the way to resume."""
+    import signal
+
+    run = run_of(tmp_path, save_every=10, save=save)
+    run.stop.pending = lambda: signal.SIGTERM
+    with pytest.raises(SystemExit) as e:
+        run.checkpoint(3, final=False)
+    assert e.value.code == 143
+    out = capsys.readouterr().out
+    if save:
+        assert [p.name for p in run.ckpt.dir.iterdir()] == ["iter_000003"]
+        expected = f"checkpoint in {run.ckpt.dir}; to go on, run the same command with --resume-from {run.dir}"
+    else:
+        assert not run.ckpt.dir.exists()
+        expected = "no checkpoint (--no-save)"
+    assert out == f"SIGTERM: stopped after iteration 3, {expected}\n"
+
+
+def test_the_iterations_timings_are_durations(tmp_path):
+    run = run_of(tmp_path, iterations=2)
+    its = run.iterations(0)
+    next(its)
+    run.end_iteration(0, {"rewards/mean": 0.5}, [torch.ones(1)])
+    (row,) = read_metrics(run.dir)
+    assert 0 <= row["perf/iteration_s"] <= row["perf/wall_s"] < 600
+    assert row["perf/peak_mem_gb"] >= 0
