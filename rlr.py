@@ -131,7 +131,11 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
     one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
     check_mode_flags(args, MODE_FLAGS)
-    if args.memory_budget_gb is not None:
+    need(
+        args.ho_step_gb > args.zo_step_gb > 0 and 0 <= args.variance_ratio < 1,
+        "--ho-step-gb > --zo-step-gb > 0 and --variance-ratio in [0, 1) are needed by the h* rule",
+    )
+    if args.memory_budget_gb is not None:  # h* from the flags just checked
         need(args.subchain_len is None, "give --subchain-len or --memory-budget-gb, not both")
         args.subchain_len = optimal_subchain_len(
             args.memory_budget_gb, args.num_steps, args.ho_step_gb, args.zo_step_gb, args.variance_ratio
@@ -155,10 +159,6 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
             f"--subchain-stage {args.subchain_stage}: no window of {h} steps (--subchain-len) starts in that third of "
             f"--num-steps {T} and ends before the last step",
         )
-    need(
-        args.ho_step_gb > args.zo_step_gb > 0 and 0 <= args.variance_ratio < 1,
-        "--ho-step-gb > --zo-step-gb > 0 and --variance-ratio in [0, 1) are needed by the h* rule",
-    )
     need(args.noise_level is None or args.noise_level > 0, "--noise-level must be > 0 (the HO term needs noise)")
     need(args.group_size >= 2, "--group-size must be >= 2 (the baseline is the mean of the other samples of a prompt)")
     need(S % B == 0, "--samples-per-device must be a multiple of --rollout-batch-size")

@@ -68,9 +68,6 @@ def test_the_defaults_by_hand():
     assert budget.subchain_len == 2
 
 
-@pytest.mark.xfail(
-    strict=True, reason="h* is computed from --ho-step-gb, --zo-step-gb and --variance-ratio before they are checked"
-)
 @pytest.mark.parametrize("flags", [dict(ho_step_gb=0.24), dict(variance_ratio=1.0)])
 def test_the_h_star_rules_inputs_are_checked_before_it_divides_by_them(flags):
     """--ho-step-gb equal to --zo-step-gb (0.24) or --variance-ratio 1 makes h*'s denominators 0: one error line
