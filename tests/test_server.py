@@ -121,9 +121,18 @@ def read_answer(sock: socket.socket) -> tuple[int | None, dict | None]:
 
 
 def ask(url: str, raw: bytes, wait: float = 5.0) -> tuple[int | None, dict | None]:
-    with socket.create_connection(("127.0.0.1", port(url)), timeout=wait) as sock:
-        sock.sendall(raw)
-        return read_answer(sock)
+    """(status, JSON body) of `raw` sent on a new connection. A 429 is asked again for up to 5 s, as the real
+    client does (remote.RETRIED): the server counts a connection open until its thread has seen the close, which
+    on a loaded machine lags the client's close by a scheduling slice, so a quick run of requests can meet the
+    limit for a moment. The test of the 429 itself reads its answer without this."""
+    for _ in range(100):
+        with socket.create_connection(("127.0.0.1", port(url)), timeout=wait) as sock:
+            sock.sendall(raw)
+            status, answer = read_answer(sock)
+        if status != 429:
+            return status, answer
+        time.sleep(0.05)
+    return status, answer
 
 
 def scores_of(url: str, images: list[bytes], **kwargs) -> list[float]:
@@ -315,11 +324,7 @@ def test_a_connection_over_the_limit_gets_a_429_at_once_and_the_server_serves_ag
     assert time.monotonic() - started < 1.0
     for sock in held:
         sock.close()
-    for _ in range(50):  # their threads see the close and end
-        status, _ = ask(server, request(body([png()])))
-        if status == 200:
-            break
-        time.sleep(0.05)
+    status, _ = ask(server, request(body([png()])))  # asked again while their threads see the close and end
     assert status == 200
 
 
