@@ -31,7 +31,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from functools import partial
 from itertools import groupby
-from operator import itemgetter
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
@@ -150,19 +149,17 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     need(args.trees_per_device % args.trees_per_update == 0, "--trees-per-update must divide --trees-per-device")
     need(min(args.trees_per_device, args.rollout_batch_size) >= 1, "--trees-per-device, --rollout-batch-size >= 1")
     if args.pruning == "depth" and after < args.window:
-        print(
-            f"warning: --pruning depth: {after} trainable step(s) follow the last split {max(splits)}, so the "
-            f"{args.window}-step window shrinks to {after} and cannot slide; raise --num-steps or split earlier",
-            file=sys.stderr,
-        )
+        print(f"warning: --pruning depth: {after} trainable step(s) follow the last split {max(splits)}, so the "
+              f"{args.window}-step window shrinks to {after} and cannot slide; raise --num-steps or split earlier",
+              file=sys.stderr)  # fmt: skip
     return check_run_args(args)
 
 
 # ---------------------------------------------------------------------------------------------------
-# ALGO LOGIC, in the order main() meets it: schedule and SDE step (copies of dancegrpo.py's), the tree and its noise,
-# the rollout, leaf rewards -> node values -> advantages, pruning, training micro-batches. Notation (docs/math.md):
-# T steps, step i takes depth i to i + 1, K children per split, M = K ** m leaves, P trees, n_i nodes at depth i, *L
-# the latent shape. Per-step lists (log-probs, advantages, trained-edge masks) hold step i's edges into depth i + 1.
+# ALGO LOGIC, in main()'s order: schedule and SDE step, the tree and its noise, the rollout, leaf rewards -> node values
+# -> advantages, pruning, training micro-batches. Notation (docs/math.md): T steps, step i takes depth i to i + 1, K
+# children per split, M = K ** m leaves, P trees, n_i nodes at depth i, *L the latent shape; per-step lists (log-probs,
+# advantages, trained-edge masks) hold step i's edges into depth i + 1.
 # ---------------------------------------------------------------------------------------------------
 def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:  # same as in dancegrpo.py
     """linspace(1, 0, T + 1) warped by s' = k s / (1 + (k - 1) s) (SD3 shift); shape (T + 1,)."""
@@ -297,8 +294,7 @@ def tree_rollout(model, denoiser, cond, roots, noise_fn, tree, sigmas, g, sde_id
     states, log_probs = [roots], []
     tree_of = torch.arange(len(roots), device=roots.device)  # (nodes,) tree index of each node
     for i in range(len(sigmas) - 1):
-        x = states[-1]
-        v = []
+        x, v = states[-1], []  # the nodes of depth i (P * n_i, *L), their velocities
         for c in range(0, len(x), batch_size):
             idx = tree_of[c : c + batch_size]
             sig, cond_c = sigmas[i].expand(len(idx)).to(x.device), {key: val[idx] for key, val in cond.items()}
@@ -353,12 +349,13 @@ def depth_advantages(values: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def tree_advantages(leaf_scores: dict, weights: dict, log_probs, sizes, fusion, gamma, temperature) -> list:
-    """Per depth (P, n_i): sum_k w_k depth_advantages(node_values(leaf_scores[k] (P, M))) over the weighted reward sum
-    (weight 1; --advantage-aggregation sum) or each reward's scores (per-reward, MixGRPO, arXiv 2507.21802)."""
-    fuse = partial(node_values, log_probs=log_probs, sizes=sizes, fusion=fusion, gamma=gamma, temperature=temperature)
+def tree_advantages(leaf_scores, weights, log_probs, sizes, *, fusion, fusion_gamma, fusion_temperature, adv_clip_max):
+    """Per step i, its children's advantages (P, n_{i+1}) within +-adv_clip_max: sum_k w_k depth_advantages(node_values(
+    leaf_scores[k] (P, M))) over the weighted reward sum (weight 1) or each reward (per-reward, arXiv 2507.21802)."""
+    fuse = partial(node_values, log_probs=log_probs, sizes=sizes, fusion=fusion, gamma=fusion_gamma,
+                   temperature=fusion_temperature)  # fmt: skip
     terms = [[w * a for a in depth_advantages(fuse(leaf_scores[k]))] for k, w in weights.items() if w != 0]
-    return [sum(depth) for depth in zip(*terms)]
+    return [sum(depth).clamp(-adv_clip_max, adv_clip_max) for depth in list(zip(*terms))[1:]]
 
 
 def trained_edges(tree: Tree, sde_idx, adv, iteration: int) -> list[torch.Tensor]:
@@ -394,7 +391,7 @@ def pack_micro_batches(keep, tree: Tree, batch_size: int, device) -> list[list[t
         rows += [(i, p) for p in torch.nonzero(has_child).flatten().tolist()]
     batches = [rows[c : c + batch_size] for c in range(0, len(rows), batch_size)]
     return [
-        [(i, torch.tensor([p for _, p in seg], device=device)) for i, seg in groupby(batch, itemgetter(0))]
+        [(i, torch.tensor([p for _, p in seg], device=device)) for i, seg in groupby(batch, lambda row: row[0])]
         for batch in batches
     ]
 
@@ -515,10 +512,8 @@ def main(args: Args):
             gens = [rng(args.seed, it, "root", t) for t in ids]
             roots = torch.stack([torch.randn(latent_shape, generator=gen, device="cpu") for gen in gens]).to(device)
             noise_fn = partial(tree_noise, tree, args.seed, it, ids, latent_shape)
-            states, log_probs = tree_rollout(
-                model, denoiser, cond, roots, noise_fn, tree, sigmas, g, sde_idx, args.rollout_batch_size,
-                args.guidance_scale, autocast,
-            )  # fmt: skip
+            states, log_probs = tree_rollout(model, denoiser, cond, roots, noise_fn, tree, sigmas, g, sde_idx,
+                                             args.rollout_batch_size, args.guidance_scale, autocast)  # fmt: skip
             with torch.no_grad():  # the leaves' rewards asked now: a served reward answers while the next group samples
                 leaf_prompts = [drawn[t] for t in ids for _ in range(n_leaves)]
                 scores = reward_fn.request(model.decode(states[-1]).float(), leaf_prompts)
@@ -531,10 +526,8 @@ def main(args: Args):
         scores, weights = (parts, reward_fn.weights) if per_reward else ({"sum": rewards}, {"sum": 1.0})
         for u, grp in enumerate(groups):
             leaf = {k: scores[k].to(device).view(n_groups, -1, n_leaves)[u] for k in weights}  # (P_u, M) per score
-            fusion = (args.fusion, args.fusion_gamma, args.fusion_temperature)
-            depth_adv = tree_advantages(leaf, weights, grp["log_probs"], sizes, *fusion)  # per depth, (P_u, n_i)
-            # per step i, the advantages of its children (depth i + 1), clipped; then which edges are trained
-            grp["adv"] = [a.clamp(-args.adv_clip_max, args.adv_clip_max) for a in depth_adv[1:]]
+            # per step i, the advantages of its children (P_u, n_{i+1}), clipped; then which edges are trained
+            grp["adv"] = tree_advantages(leaf, weights, grp["log_probs"], sizes, **flags_of(tree_advantages, args))
             grp["keep"] = trained_edges(tree, sde_idx, grp["adv"], it)  # bool (P_u, n_{i+1}) per step
         all_rewards = accelerator.gather(rewards.float().to(device))
         parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}

@@ -243,12 +243,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-8)).flatten().float()
 
 
-def combined_advantages(scores: dict, weights: dict, group_size: int) -> torch.Tensor:
-    """sum_k w_k * group_advantages(scores[k]), scores: name -> (N,) in global order. Given the weighted sum of the
-    rewards as one score of weight 1 (--advantage-aggregation sum), the advantage of the weighted reward; given each
-    reward's raw scores and weights (per-reward, MixGRPO's advantage_aggr, arXiv 2507.21802), each reward counts by
-    its weight whatever the spread of its scores. A zero weight never enters (its reward is still logged)."""
-    return sum(w * group_advantages(scores[name], group_size) for name, w in weights.items() if w != 0)
+def combined_advantages(scores: dict, weights: dict, *, group_size, adv_clip_max) -> torch.Tensor:
+    """sum_k w_k * group_advantages(scores[k]) clipped to +-adv_clip_max, scores: name -> (N,) in global order. Given
+    the weighted sum of the rewards as one score of weight 1 (--advantage-aggregation sum), the advantage of the
+    weighted reward; given each reward's raw scores and weights (per-reward, MixGRPO's advantage_aggr, arXiv
+    2507.21802), each reward counts by its weight whatever the spread of its scores. A zero weight never enters (its
+    reward is still logged). A fork's advantage flag: a keyword argument here and a field of Args (as policy_loss)."""
+    adv = sum(w * group_advantages(scores[name], group_size) for name, w in weights.items() if w != 0)
+    return adv.clamp(-adv_clip_max, adv_clip_max)
 
 
 def policy_loss(log_prob, old_log_prob, adv, mean, old_mean, mean_ref, std, dt, *, objective, clip_range,
@@ -450,10 +452,8 @@ def main(args: Args):
         parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
         per_reward = args.advantage_aggregation == "per-reward"
         scores, weights = (parts, reward_fn.weights) if per_reward else ({"sum": all_rewards}, {"sum": 1.0})
-        all_adv = combined_advantages(scores, weights, args.group_size)
-        adv = all_adv[rank * args.samples_per_device : (rank + 1) * args.samples_per_device].clamp(
-            -args.adv_clip_max, args.adv_clip_max
-        )
+        all_adv = combined_advantages(scores, weights, **flags_of(combined_advantages, args))  # (world * S,)
+        adv = all_adv[rank * args.samples_per_device : (rank + 1) * args.samples_per_device]
 
         # ------------------------------------------------------------ TRAINING
         model.park(), reward_fn.park()  # --offload-frozen: the VAE and the reward models leave the GPU

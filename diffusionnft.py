@@ -188,7 +188,7 @@ def rollout(model, denoiser, cond, x, sigmas, solver, guidance_scale, autocast):
     return x
 
 
-def nft_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+def nft_advantages(rewards: torch.Tensor, *, group_size) -> torch.Tensor:
     """(N,) rewards in global sample order, consecutive blocks of G = one prompt -> (N,) advantages
     A = (R - mean of the prompt's R) / (std of ALL N rewards + 1e-4): the population std over every process's
     samples (the official global_std), not the group's."""
@@ -453,7 +453,7 @@ def main(args: Args):
         rewards, parts = reward_fn.collect(requests)  # (S,) the weighted sum of the components, each component's (S,)
         all_rewards = accelerator.gather(rewards.float().to(device))  # (world * S,) in global sample order
         parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
-        all_adv = nft_advantages(all_rewards, args.group_size)
+        all_adv = nft_advantages(all_rewards, **flags_of(nft_advantages, args))  # (world * S,)
         all_r = optimality(all_adv, args.adv_clip_max)  # (world * S,)
         r = all_r[rank * args.samples_per_device : (rank + 1) * args.samples_per_device]
 

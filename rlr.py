@@ -52,7 +52,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
 from common.evaluator import Evaluator
-from common.flags import ModeDefault, RunArgs, check_mode_flags, check_run_args, cli, need
+from common.flags import ModeDefault, RunArgs, check_mode_flags, check_run_args, cli, flags_of, need
 from common.logs import reward_stats, summarize
 from common.models import check_model_id, load_model, trainable_denoiser
 from common.prompts import draw_prompts, load_dcot
@@ -356,7 +356,7 @@ def zo_baseline(rewards, group_size: int, block):
     return out.to(rewards.dtype)
 
 
-def term_weights(rewards, group_size: int, block, zo_mask, n_blocks: int):
+def term_weights(rewards, block, zo_mask, n_blocks: int, *, group_size):
     """The weights that combine the terms (eq. 6), with baselines that keep each unbiased, for all N samples in global
     order: HO, R - b per sample (loo_baseline; the loss averages it over the samples); ZO, coef[q, i] = the sum over
     the samples of block q whose step i was a ZO step of (R - b') / N (zo_baseline), the weight of zeta_qi / sigma^2.
@@ -445,9 +445,7 @@ def main(args: Args):
     chunks_per_block = S // n_blocks // B  # chunks sharing one parameter perturbation
 
     # ---------------------------------------------------------------- MODELS
-    model = load_model(
-        args.model_id, device=device, dtype=frozen_dtype, resolution=args.resolution, offload=args.offload_frozen
-    )
+    model = load_model(args.model_id, device, frozen_dtype, args.resolution, offload=args.offload_frozen)
     denoiser = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
@@ -507,12 +505,9 @@ def main(args: Args):
         for c in range(n_chunks):
             gc, sl = rank * n_chunks + c, slice(c * B, (c + 1) * B)
             conds_c = [{k: v[sl] for k, v in cd.items()} for cd in conds]
-
-            mean_std = partial(
-                staged_transition, model, denoiser, sched, conds_c, T, args.guidance_scale, autocast
-            )  # (i, x)
-            perturb = partial(zo_perturbed, params, (args.seed, it, "zo", int(block_of[gc])), args.zo_scale)  # (i)
-
+            # (i, x) -> the mean and std of step i; (i) -> a context with this block's ZO perturbation of step i
+            mean_std = partial(staged_transition, model, denoiser, sched, conds_c, T, args.guidance_scale, autocast)
+            perturb = partial(zo_perturbed, params, (args.seed, it, "zo", int(block_of[gc])), args.zo_scale)
             noise_c = step_noise[sl].to(device)
             latents = rollout(
                 mean_std, init[sl].to(device), noise_c, zo_steps_of(T, j_of[gc], h) if use_zo else (), perturb
@@ -539,7 +534,9 @@ def main(args: Args):
             for gc, j in enumerate(j_of):
                 zo_mask[gc * B : (gc + 1) * B, zo_steps_of(T, j, h)] = True
         # R - b and R - b' (N,), and the ZO coefficient of every (block, step) (blocks, T)
-        w_ho, _, coef, figures = term_weights(all_rewards, G, sample_block, zo_mask, world * n_blocks)
+        w_ho, _, coef, figures = term_weights(
+            all_rewards, sample_block, zo_mask, world * n_blocks, **flags_of(term_weights, args)
+        )
         adv_ho = w_ho[rank * S : (rank + 1) * S]  # this process's samples
 
         # ------------------------------------------------------------ TRAINING

@@ -273,15 +273,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:  #
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-8)).flatten().float()
 
 
-def combined_advantages(parts: dict, weights: dict, group_size: int, clip_max: float, soft_clip: float) -> torch.Tensor:
-    """A = sum_k w_k A_k over group advantages A_k of parts: name -> (N,) scores in global order, clipped to +-clip_max,
-    then A -> eta tanh(A / eta) when soft_clip = eta > 0. Each reward's raw scores and weights: per-reward (MixGRPO's
-    advantage_aggr, arXiv 2507.21802); the weighted sum of the rewards as one part of weight 1: --advantage-aggregation
-    sum."""
-    adv = sum(w * group_advantages(parts[name], group_size) for name, w in weights.items() if w != 0).clamp(
-        -clip_max, clip_max
-    )
-    return soft_clip * torch.tanh(adv / soft_clip) if soft_clip > 0 else adv
+def combined_advantages(parts: dict, weights: dict, *, group_size, adv_clip_max, adv_soft_clip) -> torch.Tensor:
+    """A = sum_k w_k A_k over group advantages A_k of parts: name -> (N,) scores in global order, clipped to
+    +-adv_clip_max, then A -> eta tanh(A / eta) when adv_soft_clip = eta > 0. Each reward's raw scores and weights:
+    per-reward (MixGRPO's advantage_aggr, arXiv 2507.21802); the weighted sum of the rewards as one part of weight 1:
+    --advantage-aggregation sum. A fork's advantage flag: a keyword argument here and a field of Args."""
+    adv = sum(w * group_advantages(parts[name], group_size) for name, w in weights.items() if w != 0)
+    adv = adv.clamp(-adv_clip_max, adv_clip_max)
+    return adv_soft_clip * torch.tanh(adv / adv_soft_clip) if adv_soft_clip > 0 else adv
 
 
 def policy_loss(values, old_values, adv, x0_hat, ref_x0, *, clip_range, kl_beta):
@@ -430,7 +429,7 @@ def main(args: Args):
         parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
         per_reward = args.advantage_aggregation == "per-reward"
         scores, weights = (parts, reward_fn.weights) if per_reward else ({"sum": all_rewards}, {"sum": 1.0})
-        all_adv = combined_advantages(scores, weights, args.group_size, args.adv_clip_max, args.adv_soft_clip)
+        all_adv = combined_advantages(scores, weights, **flags_of(combined_advantages, args))  # (world * S,)
         adv = all_adv[rank * args.samples_per_device : (rank + 1) * args.samples_per_device]
         all_old = accelerator.gather(old_values.mean(1))  # (world * S,) per-image behaviour surrogates, for logging
 

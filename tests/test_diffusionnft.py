@@ -183,8 +183,8 @@ def test_advantages_use_the_prompt_mean_and_the_global_population_std():
     mean = rewards.mean()
     std = math.sqrt(((rewards - mean) ** 2).mean().item())
     expected = torch.tensor([-2.0, -1.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0]) / (std + 1e-4)
-    torch.testing.assert_close(N.nft_advantages(rewards, 4), expected)
-    assert torch.all(N.nft_advantages(torch.ones(8), 4) == 0)  # all equal: every r is 1/2
+    torch.testing.assert_close(N.nft_advantages(rewards, group_size=4), expected)
+    assert torch.all(N.nft_advantages(torch.ones(8), group_size=4) == 0)  # all equal: every r is 1/2
 
 
 def test_old_policy_schedules_by_hand():

@@ -81,9 +81,9 @@ def test_vgrpo_kl_beta_adds_d_simple():
 def test_vgrpo_adv_clip_max_and_soft_clip():
     r = torch.tensor([1.0, 2.0, 3.0, 6.0])  # mean 3, unbiased std sqrt(14 / 3)
     a = [(x - 3) / math.sqrt(14 / 3) for x in (1.0, 2.0, 3.0, 6.0)]  # -0.926, -0.463, 0, 1.389
-    clipped = V.combined_advantages({"r": r}, {"r": 1.0}, 4, 0.5, 0.0)
+    clipped = V.combined_advantages({"r": r}, {"r": 1.0}, group_size=4, adv_clip_max=0.5, adv_soft_clip=0.0)
     torch.testing.assert_close(clipped, torch.tensor([-0.5, a[1], 0.0, 0.5]))
-    soft = V.combined_advantages({"r": r}, {"r": 1.0}, 4, 5.0, 2.0)  # eta tanh(A / eta), eta = 2
+    soft = V.combined_advantages({"r": r}, {"r": 1.0}, group_size=4, adv_clip_max=5.0, adv_soft_clip=2.0)  # eta = 2
     torch.testing.assert_close(soft, torch.tensor([2 * math.tanh(x / 2) for x in a]))
 
 
@@ -127,7 +127,9 @@ def test_width_keep_ratio_keeps_that_share_of_the_chains():
 def test_rlr_group_size_two_makes_each_baseline_the_partner():
     r = torch.tensor([1.0, 4.0, 2.0, 7.0])
     torch.testing.assert_close(R.loo_baseline(r, 2), torch.tensor([4.0, 1.0, 7.0, 2.0]))
-    w_ho, _, _, _ = R.term_weights(r, 2, torch.zeros(4, dtype=torch.long), torch.zeros(4, 3, dtype=torch.bool), 1)
+    w_ho, _, _, _ = R.term_weights(
+        r, torch.zeros(4, dtype=torch.long), torch.zeros(4, 3, dtype=torch.bool), 1, group_size=2
+    )
     torch.testing.assert_close(w_ho, torch.tensor([-3.0, 3.0, -5.0, 5.0]))
 
 
@@ -277,7 +279,9 @@ def test_dancegrpo_main_applies_the_sampling_and_training_flags(monkeypatch, tmp
     (row,) = train_rows(record)
     assert row["perf/trained_steps_per_image"] == 2  # int(5 SDE steps x 0.5)
     assert len(tape.calls["policy_loss"]) == 4 * 2  # 4 chunks x 2 trained steps
-    all_adv = tape.calls["combined_advantages"][0][2]
+    (scores, weights), flags, _ = tape.calls["combined_advantages"][0]
+    assert flags == {"group_size": 4, "adv_clip_max": 0.5}
+    all_adv = D.combined_advantages(scores, weights, group_size=4, adv_clip_max=math.inf)  # unclipped
     assert all_adv.abs().max() > 0.5  # the clip acts
     for k, (a, _, _) in enumerate(tape.calls["policy_loss"]):
         chunk = all_adv[2 * (k // 2) : 2 * (k // 2) + 2].tolist()
@@ -356,10 +360,15 @@ def test_branchgrpo_main_applies_the_tree_and_batch_flags(monkeypatch, tmp_path)
     assert len(record["steps"]) == 2  # 2 trees, 1 per optimizer step
     in_training = tape.calls["trained_edges"][1:]  # the first: the banner's count, on dummy advantages
     assert len(in_training) == len(tape.calls["tree_advantages"]) == 2
-    for (_, _, depth_adv), (targs, _, _) in zip(tape.calls["tree_advantages"], in_training):
-        for a, clipped in zip(depth_adv[1:], targs[2]):
-            assert clipped.flatten().tolist() == pytest.approx([max(-0.3, min(0.3, x)) for x in a.flatten().tolist()])
-    assert any(a.abs().max() > 0.3 for _, _, out in tape.calls["tree_advantages"] for a in out)  # the clip acts
+    free = []  # each group's advantages without the clip
+    for (a, kw, out), (targs, _, _) in zip(tape.calls["tree_advantages"], in_training):
+        assert kw["adv_clip_max"] == 0.3 and out is targs[2]  # what trained_edges (and the loss) get
+        free.append(B.tree_advantages(*a, **(kw | {"adv_clip_max": math.inf})))
+        for unclipped, clipped in zip(free[-1], out):
+            assert clipped.flatten().tolist() == pytest.approx(
+                [max(-0.3, min(0.3, x)) for x in unclipped.flatten().tolist()]
+            )
+    assert any(a.abs().max() > 0.3 for adv in free for a in adv)  # the clip acts
     assert tape.calls["draw_prompts"][0][0][0] == SHAPES[:2]
 
 
@@ -376,8 +385,9 @@ def test_vgrpo_main_applies_the_batch_and_advantage_flags(monkeypatch, tmp_path)
     shapes = [(tuple(c[0][4].shape), c[2][0].requires_grad) for c in tape.calls["surrogate"]]
     assert shapes == [((2, 2), False)] * 4 + [((2, 2), True)] * 4  # 2 images x 2 pairs, behaviour then training
     assert len(record["steps"]) == 2
-    ((scores, weights, group, clip_max, soft), _, _) = tape.calls["combined_advantages"][0]
-    assert weights == {"sum": 1.0} and list(scores) == ["sum"] and (group, clip_max, soft) == (4, 0.5, 2.0)
+    ((scores, weights), flags, _) = tape.calls["combined_advantages"][0]
+    assert weights == {"sum": 1.0} and list(scores) == ["sum"]
+    assert flags == {"group_size": 4, "adv_clip_max": 0.5, "adv_soft_clip": 2.0}
     assert all(kw == {"clip_range": 0.01, "kl_beta": 0.1} for _, kw, _ in tape.calls["policy_loss"])
     (row,) = train_rows(record)
     assert row["perf/trained_pairs_per_image"] == 2 and row["perf/nfe_per_image"] == 4 + 2 * 2
@@ -396,8 +406,8 @@ def test_rlr_main_applies_the_estimator_flags(monkeypatch, tmp_path):
             "--sde-type", "dance", "--noise-level", "0.5", *QUIET]  # fmt: skip
     names = ["term_weights", "zo_noise", "add_zo_grad", "subchain_log_prob", "make_schedule"]
     tape, record = run_flags(R, monkeypatch, tmp_path / "out", argv, names)
-    ((r, group, block, zo_mask, n_blocks), _, (w_ho, _, _, _)) = tape.calls["term_weights"][0]
-    assert group == 2 and n_blocks == 1 and block.tolist() == [0, 0, 0, 0]
+    ((r, block, zo_mask, n_blocks), flags, (w_ho, _, _, _)) = tape.calls["term_weights"][0]
+    assert flags == {"group_size": 2} and n_blocks == 1 and block.tolist() == [0, 0, 0, 0]
     torch.testing.assert_close(w_ho, torch.stack([r[0] - r[1], r[1] - r[0], r[2] - r[3], r[3] - r[2]]))
     assert tape.calls["zo_noise"] and all(c[0][2] == 0.01 for c in tape.calls["zo_noise"])
     assert tape.calls["add_zo_grad"] and all(c[0][3] == 0.01 for c in tape.calls["add_zo_grad"])
@@ -480,8 +490,8 @@ def test_diffusionnft_main_applies_the_sampling_and_training_flags(monkeypatch, 
     assert all(torch.equal(c[0][4], torch.tensor(SHIFT2_4)) for c in rollouts)
     prompts = record["encode"][0]
     assert len(prompts) == 8 and all(prompts[k] == prompts[4 * (k // 4)] for k in range(8))  # groups of 4
-    ((rewards_in, group), _, _) = tape.calls["nft_advantages"][0]
-    assert group == 4
+    ((rewards_in,), flags, _) = tape.calls["nft_advantages"][0]
+    assert flags == {"group_size": 4}
     rw = rewards_in.double().tolist()
     mean, means = sum(rw) / 8, [sum(rw[:4]) / 4, sum(rw[4:]) / 4]
     std = math.sqrt(sum((x - mean) ** 2 for x in rw) / 8)

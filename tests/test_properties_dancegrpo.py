@@ -73,7 +73,9 @@ def test_combined_advantages_weigh_each_reward_and_leave_zero_weights_out():
     }
     r = 1 / math.sqrt(2)
     expected = 2 * torch.tensor([-r, r, r, -r]) + 0.5 * torch.tensor([r, -r, -r, r])
-    torch.testing.assert_close(D.combined_advantages(scores, {"a": 2.0, "b": 0.5, "c": 0.0}, 2), expected)
+    torch.testing.assert_close(
+        D.combined_advantages(scores, {"a": 2.0, "b": 0.5, "c": 0.0}, group_size=2, adv_clip_max=math.inf), expected
+    )
 
 
 def test_sde_step_at_a_mid_sigma_by_hand():

@@ -120,7 +120,9 @@ def rlr_estimates(j, h, n, seed, terms=("fo", "ho", "zo")):
     assert deviation == 0
     mask = torch.zeros(n, T, dtype=torch.bool)
     mask[:, zo] = True
-    w_ho, _, coef, _ = R.term_weights(r.detach(), GROUP, torch.arange(n), mask, n)  # coef (n chains = blocks, T), / n
+    w_ho, _, coef, _ = R.term_weights(
+        r.detach(), torch.arange(n), mask, n, group_size=GROUP
+    )  # coef (n chains = blocks, T), / n
     loss = -r.sum() if "fo" in terms else torch.zeros(())
     if "ho" in terms:
         loss = loss - (w_ho * log_prob).sum()
@@ -242,7 +244,9 @@ def test_baselines_by_hand():
     assert torch.all(R.zo_baseline(r, 4, torch.zeros(8, dtype=torch.long)) == 0)
     # term_weights: R - b, R - b', and the ZO coefficients: per block and step, the sum of (R - b') / N over the
     # block's samples whose step was a ZO step
-    w_ho, w_zo, coef, _ = R.term_weights(r, 4, block, torch.tensor([[True, False]] * 4 + [[False, True]] * 4), 4)
+    w_ho, w_zo, coef, _ = R.term_weights(
+        r, block, torch.tensor([[True, False]] * 4 + [[False, True]] * 4), 4, group_size=4
+    )
     torch.testing.assert_close(w_ho, r - R.loo_baseline(r, 4))
     torch.testing.assert_close(w_zo, r - torch.tensor([4.5, 4.5, 1.5, 1.5, 7.0, 7.0, 5.0, 5.0]))
     torch.testing.assert_close(coef * 8, torch.tensor([[-6.0, 0], [6.0, 0], [0, -4.0], [0, 4.0]]))

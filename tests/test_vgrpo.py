@@ -285,12 +285,23 @@ def test_combined_advantages_per_reward_then_weights_then_clips():
     ga, gb = V.group_advantages(a, 4), V.group_advantages(b, 4)
     assert torch.all(ga[4:] == 0)
     torch.testing.assert_close(
-        V.combined_advantages({"a": a, "b": b}, {"a": 1.0, "b": 0.5}, 4, 5.0, 0.0), ga + 0.5 * gb
+        V.combined_advantages(
+            {"a": a, "b": b}, {"a": 1.0, "b": 0.5}, group_size=4, adv_clip_max=5.0, adv_soft_clip=0.0
+        ),
+        ga + 0.5 * gb,
     )
     # a zero weight is logged elsewhere but never enters the advantage
-    torch.testing.assert_close(V.combined_advantages({"a": a, "b": b}, {"a": 2.0, "b": 0.0}, 4, 5.0, 0.0), 2 * ga)
-    torch.testing.assert_close(V.combined_advantages({"a": a}, {"a": 10.0}, 4, 5.0, 0.0), (10 * ga).clamp(-5, 5))
-    soft = V.combined_advantages({"a": a}, {"a": 1.0}, 4, 5.0, 1.0)
+    torch.testing.assert_close(
+        V.combined_advantages(
+            {"a": a, "b": b}, {"a": 2.0, "b": 0.0}, group_size=4, adv_clip_max=5.0, adv_soft_clip=0.0
+        ),
+        2 * ga,
+    )
+    torch.testing.assert_close(
+        V.combined_advantages({"a": a}, {"a": 10.0}, group_size=4, adv_clip_max=5.0, adv_soft_clip=0.0),
+        (10 * ga).clamp(-5, 5),
+    )
+    soft = V.combined_advantages({"a": a}, {"a": 1.0}, group_size=4, adv_clip_max=5.0, adv_soft_clip=1.0)
     torch.testing.assert_close(soft, torch.tanh(ga))
     assert soft.abs().max() < 1
 
