@@ -111,9 +111,106 @@ def check_inventory(flags: set[tuple[str, str]], rows: list[tuple[str, str, str]
     return problems
 
 
+def passed_by_name(source: str) -> dict[str, str]:
+    """{keyword-only parameter: its function} for each function the script `source` calls as
+    `fn(..., **flags_of(fn, args))`: main() passes those flags by name, so each is a field of Args of the same name."""
+    tree = ast.parse(source)
+    defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    out = {}
+    for node in ast.walk(tree):
+        for kw in getattr(node, "keywords", []) if isinstance(node, ast.Call) else []:
+            value = kw.value
+            if kw.arg is None and isinstance(value, ast.Call) and getattr(value.func, "id", None) == "flags_of":
+                fn = value.args[0].id
+                out |= {a.arg: fn for a in defs[fn].args.kwonlyargs}
+    return out
+
+
+def keywords_tested(test_sources: dict[str, str]) -> dict[tuple[str, str, str], list[tuple]]:
+    """{(module, function, keyword): [(value, test file, test), ...]} for every call `M.function(..., keyword=CONSTANT)`
+    (M a module the file imports, under its name or an alias) or `function(..., keyword=CONSTANT)` (imported from
+    its module) inside a test function of `test_sources` (path -> text), the value read with ast.literal_eval: where a
+    test calls a script's function with the flag's keyword at a value it chose."""
+    out = {}
+    for path, text in sorted(test_sources.items()):
+        tree, names = ast.parse(text), {}  # local name -> (module, None) or (module, function)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names |= {a.asname or a.name: (a.name, None) for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names |= {a.asname or a.name: (node.module, a.name) for a in node.names}
+        for test in tree.body:
+            if not (isinstance(test, ast.FunctionDef) and test.name.startswith("test_")):
+                continue
+            for node in ast.walk(test):
+                if not isinstance(node, ast.Call):
+                    continue
+                f = node.func
+                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in names:
+                    where = (names[f.value.id][0], f.attr)
+                elif isinstance(f, ast.Name) and names.get(f.id, (None, None))[1]:
+                    where = names[f.id]
+                else:
+                    continue
+                for kw in node.keywords:
+                    try:
+                        value = ast.literal_eval(kw.value)
+                    except ValueError:
+                        continue
+                    out.setdefault((*where, kw.arg), []).append((value, path, test.name))
+    return out
+
+
+def derived_rows(scripts: dict[str, str], defaults: dict[str, dict], test_sources: dict[str, str]) -> list:
+    """The rows the inventory derives instead of a hand-written one: a flag main() passes by name to a function
+    (passed_by_name) that a test calls with that keyword at a value other than the flag's default (keywords_tested).
+    scripts: module name -> source; defaults: module name -> {field: default}."""
+    tested, rows = keywords_tested(test_sources), []
+    for script, source in scripts.items():
+        for name, fn in passed_by_name(source).items():
+            calls = tested.get((script, fn, name), [])
+            chosen = [(path, test) for value, path, test in calls if value != defaults[script][name]]
+            if chosen:
+                rows.append((script, flag(name), f"`{chosen[0][0]}::{chosen[0][1]}` (derived: {fn}({name}=...))"))
+    return rows
+
+
+def repository_rows() -> list[tuple[str, str, str]]:
+    """The table's rows, and a derived row for each flag without one."""
+    import importlib
+
+    rows = read_table(DOC.read_text())
+    listed = {(s, f) for s, f, _ in rows}
+    scripts = {s: (ROOT / f"{s}.py").read_text() for s in SCRIPTS}
+    defaults = {s: {f.name: f.default for f in dataclasses.fields(importlib.import_module(s).Args)} for s in SCRIPTS}
+    tests = {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "tests").glob("test_*.py"))}
+    return rows + [r for r in derived_rows(scripts, defaults, tests) if r[:2] not in listed]
+
+
 def test_every_flag_has_a_row_and_every_row_a_flag_and_existing_tests():
-    problems = check_inventory(all_flags(), read_table(DOC.read_text()))
+    problems = check_inventory(all_flags(), repository_rows())
     assert not problems, "\n".join(problems)
+
+
+def test_a_flag_passed_by_name_and_called_at_a_chosen_value_in_a_test_needs_no_row():
+    """A fork's new advantage flag: a field of Args and a keyword of the function (main() passes it with flags_of);
+    the test that calls the function with it at a value other than its default is its row."""
+    script = (
+        "def combined_advantages(scores, weights, *, group_size, adv_scale):\n    return scores\n\n"
+        "def main(args):\n    combined_advantages(1, 2, **flags_of(combined_advantages, args))\n"
+    )
+    test = "import fork as D\n\ndef test_scale():\n    assert D.combined_advantages(1, 2, group_size=16, adv_scale=-2.0) == 1\n"
+    defaults = {"fork": {"group_size": 16, "adv_scale": 1.0}}
+    assert passed_by_name(script) == {"group_size": "combined_advantages", "adv_scale": "combined_advantages"}
+    me = "tests/test_flag_inventory.py"
+    rows = derived_rows({"fork": script}, defaults, {me: test})
+    assert rows == [("fork", "--adv-scale", f"`{me}::test_scale` (derived: combined_advantages(adv_scale=...))")]
+    assert derived_rows({"fork": script}, defaults, {me: test.replace("-2.0", "1.0")}) == []  # its default: no row
+    assert derived_rows({"fork": script}, defaults, {me: test.replace("def test_", "def helper_")}) == []
+    assert derived_rows({"fork": script}, defaults, {me: test.replace("fork as D", "other as D")}) == []  # its own
+    flags = {("fork", "--group-size"), ("fork", "--adv-scale")}
+    assert check_inventory(flags, rows) == [f"fork --group-size: no row in docs/testing.md's {SECTION}",
+                                            f"fork --adv-scale: {me} defines no test_scale"]  # fmt: skip
 
 
 def test_the_inventory_reads_the_serve_options_and_the_shared_flags_once():

@@ -120,3 +120,49 @@ def test_a_new_term_with_its_flag_and_figure_is_two_edits(script, tmp_path):
     assert "losses/nll" not in original[0] and forked["losses/nll"] != 0  # the new figure, logged
     assert forked["rewards/mean"] == original[0]["rewards/mean"]  # the same rollout,
     assert forked["charts/grad_norm"] != original[0]["charts/grad_norm"]  # another objective: the flag reached it
+
+
+def test_a_new_advantage_flag_is_two_edits(tmp_path):
+    """Edit 1: a field of Args. Edit 2: the advantage function takes it as a keyword argument and uses it (main()
+    passes each of its keyword arguments from the flag of the same name). Advantages scaled by 2 (below the clip of 5:
+    a group of 4 has |A| <= 1.5) double the first update's gradient, whose ratio is 1."""
+    source = (ROOT / "dancegrpo.py").read_text()
+    source = source.replace(
+        "class Args(RunArgs):", 'class Args(RunArgs):\n    adv_scale: float = 1.0\n    """advantages times this"""\n', 1
+    )  # edit 1: the flag
+    source = edit(source, "combined_advantages", "group_size, adv_clip_max)", "group_size, adv_clip_max, adv_scale)")
+    source = edit(source, "combined_advantages", "return adv.clamp(", "return (adv_scale * adv).clamp(")  # edit 2
+    fork = tmp_path / "fork" / "scaled_dancegrpo.py"
+    fork.parent.mkdir()
+    fork.write_text(source)
+    original = run(ROOT / "dancegrpo.py", FLAGS["dancegrpo.py"], tmp_path / "runs", "original")
+    (forked,) = run(fork, [*FLAGS["dancegrpo.py"], "--adv-scale", "2"], tmp_path / "runs", "fork")
+    assert forked["rewards/mean"] == original[0]["rewards/mean"]  # the same rollout
+    assert forked["charts/grad_norm"] == pytest.approx(2 * original[0]["charts/grad_norm"], rel=1e-5)
+
+
+def test_a_new_sampler_step_is_three_edits(tmp_path):
+    """Edit 1: the choice in Args.sde_type's Literal. Edit 2: the step function, with sde_step's arguments and outputs
+    (x_next, log_prob, mean, std). Edit 3: the line that picks the step, used by the rollout and by training alike.
+    The fork's rollout differs from DanceGRPO's at the same noise level, and its first ratio is exactly 1."""
+    source = (ROOT / "dancegrpo.py").read_text()
+    old = 'sde_type: Literal["dance", "flow", "cps"]'
+    assert source.count(old) == 1
+    source = source.replace(old, 'sde_type: Literal["dance", "flow", "cps", "half"]')  # edit 1
+    step = """
+
+def half_step(x, v, sigma, sigma_next, g, prev_sample=None, noise=None):
+    return sde_step(x, v, sigma, sigma_next, g / 2, prev_sample, noise)  # DanceGRPO's step at half its noise
+"""
+    source = source.replace("\n\ndef group_advantages(", step + "\n\ndef group_advantages(", 1)  # edit 2
+    old = 'step = cps_step if args.sde_type == "cps" else sde_step'
+    new = 'step = cps_step if args.sde_type == "cps" else half_step if args.sde_type == "half" else sde_step'
+    assert source.count(old) == 1
+    source = source.replace(old, new)  # edit 3
+    fork = tmp_path / "fork" / "half_dancegrpo.py"
+    fork.parent.mkdir()
+    fork.write_text(source)
+    flags = [*FLAGS["dancegrpo.py"], "--noise-level", "0.5"]
+    (original,) = run(ROOT / "dancegrpo.py", [*flags, "--sde-type", "dance"], tmp_path / "runs", "original")
+    (forked,) = run(fork, [*flags, "--sde-type", "half"], tmp_path / "runs", "fork")
+    assert forked["rewards/mean"] != original["rewards/mean"] and forked["losses/first_ratio_max_dev"] == 0
