@@ -30,11 +30,14 @@ import torch
 from accelerate.utils import DistributedType, broadcast_object_list
 from tqdm import tqdm
 
+from common import RunError
 from common.attention import set_attention_backend
 from common.checkpoints import Checkpoints, resolve_resume
 from common.flags import need
 from common.logs import Logs, peak_memory_gb
 from common.signals import StopSignals
+
+STALLED = 3  # iterations in a row with every update skipped (non-finite gradient norms) that stop a run
 
 
 def all_finite(value: torch.Tensor, accelerator) -> bool:
@@ -78,6 +81,7 @@ class Run:
         self.logs = Logs(args, self.dir, self.is_main)
         self.stop = StopSignals(accelerator)
         self.grad_norms, self.skipped, self.lr = [], 0, args.learning_rate  # this iteration's optimizer steps
+        self.idle = 0  # iterations in a row in which every update was skipped (STALLED of them stop the run)
         self.eval_line = "evaluation off (--eval-every 0)"  # set by the Evaluator
         self.t_start = self.t_iter = time.perf_counter()
 
@@ -160,7 +164,14 @@ class Run:
             self.accelerator.print(f"iteration {it}: skipped {self.skipped} update(s) with a non-finite gradient norm")
         self.logs.log(scalars, it + 1)
         self.bar.set_postfix(reward=f"{scalars['rewards/mean']:.4f}", s_it=f"{scalars['perf/iteration_s']:.1f}")
+        self.idle = self.idle + 1 if self.skipped and not self.grad_norms else 0
         self.grad_norms, self.skipped = [], 0
+        if self.idle == STALLED:  # the same answer on every process: all_finite agreed on every skip
+            raise RunError(
+                f"every update of iterations {it + 1 - STALLED}-{it} had a non-finite gradient norm (a NaN or inf "
+                "loss: look at losses/* in metrics.jsonl), so nothing has trained since; lower --learning-rate or "
+                "--max-grad-norm, or check the reward; the run stops here, its last checkpoint intact"
+            )
 
     def checkpoint(self, iteration: int, final: bool) -> None:
         """A checkpoint every --save-every iterations, at the end, and after SIGTERM or Ctrl-C, which then ends the

@@ -166,3 +166,38 @@ def half_step(x, v, sigma, sigma_next, g, prev_sample=None, noise=None):
     (original,) = run(ROOT / "dancegrpo.py", [*flags, "--sde-type", "dance"], tmp_path / "runs", "original")
     (forked,) = run(fork, [*flags, "--sde-type", "half"], tmp_path / "runs", "fork")
     assert forked["rewards/mean"] != original["rewards/mean"] and forked["losses/first_ratio_max_dev"] == 0
+
+
+def test_a_fork_whose_loss_is_nan_stops_after_three_iterations_with_its_checkpoints_intact(tmp_path):
+    """A bug that makes every loss NaN (here: the objective times NaN) skips every update; the third iteration in a
+    row without a step stops the run with one `error:` line, exit 1, no final/, the checkpoints before it intact."""
+    source = edit(
+        (ROOT / "dancegrpo.py").read_text(),
+        "policy_loss",
+        "    loss = surrogate\n",
+        "    loss = surrogate * float('nan')\n",
+    )
+    fork = tmp_path / "fork" / "nan_dancegrpo.py"
+    fork.parent.mkdir()
+    fork.write_text(source)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    flags = [
+        *FLAGS["dancegrpo.py"],
+        "--iterations",
+        "5",
+        "--eval-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--save-every",
+        "1",
+    ]
+    cmd = [sys.executable, str(fork), *flags, "--output-dir", str(tmp_path / "runs"), "--exp-name", "nan"]
+    done = subprocess.run(cmd, cwd=fork.parent, capture_output=True, text=True, env=env)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 1 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert errors[0].startswith("error: every update of iterations 0-2 had a non-finite gradient norm")
+    run = find_run(tmp_path / "runs" / "nan")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001", "iter_000002"]
+    assert not (run / "final").exists()
+    assert [r["charts/skipped_updates"] for r in metrics(run)] == [1, 1, 1]

@@ -187,6 +187,33 @@ def test_skipped_steps_are_counted_logged_and_not_optimizer_steps(make_run):
     assert run.skipped == 0 and run.grad_norms == []  # the next iteration counts afresh
 
 
+def test_three_iterations_in_a_row_without_a_step_stop_the_run_after_logging_them(make_run):
+    """A NaN loss every time (every update skipped) trains nothing: the run stops with one RunError after the third such
+    iteration in a row, its records written. An iteration with one step taken among skipped ones resets the count."""
+    import torch
+
+    from common import RunError
+    from common.runs import STALLED
+
+    assert STALLED == 3
+    run = make_run(iterations=8)
+    iterations = run.iterations(0)
+    pattern = [[False], [False], [False, True], [False], [False]]  # per iteration, whether each update was taken
+    for it, steps in enumerate(pattern):
+        next(iterations)
+        for stepped in steps:
+            run.count_step(1e-4, torch.tensor(1.0 if stepped else float("nan")), stepped)
+        run.end_iteration(it, {"rewards/mean": 0.5}, [])
+    assert run.idle == 2  # iterations 3 and 4; iteration 2 took a step
+    next(iterations)
+    run.count_step(1e-4, torch.tensor(float("inf")), False)
+    with pytest.raises(
+        RunError, match=r"every update of iterations 3-5 had a non-finite gradient norm .* --learning-rate"
+    ):
+        run.end_iteration(5, {"rewards/mean": 0.5}, [])
+    assert [r["charts/skipped_updates"] for r in read_metrics(run.dir)] == [1, 1, 1, 1, 1, 1]  # all six on record
+
+
 # each script's tiny run with one optimizer step per iteration (the flags of its tests/test_<script>.py)
 ONE_STEP = {
     "dancegrpo": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4",
