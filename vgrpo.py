@@ -472,7 +472,7 @@ def main(args: Args):
             "surrogate/group_cv": group_cv,
             "surrogate/t_mean": t_pairs.float().mean().item(),
             **summarize(stats, "losses/"),  # every figure of policy_loss
-            "losses/first_log_ratio_max_abs": stats["log_ratio_max_abs"][0].item(),  # 0: the first ratio is exactly 1
+            "losses/first_ratio_max_dev": stats["ratio_max_dev"][0].item(),  # 0: the first ratio is exactly 1
             "charts/pairs_checksum": checksums[0].item(),
             "charts/rank_pairs_spread": (checksums.max() - checksums.min()).item(),
             "perf/nfe_per_image": nfe,

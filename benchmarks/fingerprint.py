@@ -7,7 +7,9 @@ code can be shown to change nothing, bitwise.
     python benchmarks/fingerprint.py --compare /tmp/before.json /tmp/after.json
 
 Each command runs --iterations iterations (default 4) with an evaluation every 2 (and at the start), on one thread;
-all else is the command's default. About 8 minutes for the 8 commands on one thread.
+all else is the command's default. About a minute a command on one thread (benchmarks/compare.py's METHODS: one per
+method and mode). A figure renamed on purpose is compared under its new name:
+`--compare BEFORE AFTER --renamed losses/old_name=losses/new_name`.
 """
 
 from __future__ import annotations
@@ -51,12 +53,14 @@ def fingerprint(key: str, argv: list[str], iterations: int, tmp: Path) -> dict:
     }
 
 
-def compare(a: dict, b: dict) -> bool:
+def compare(a: dict, b: dict, renamed: dict | None = None) -> bool:
     """Same: the same trained weights and every figure BEFORE logged, equal in AFTER (a figure AFTER adds, say a new
-    one that the objective returns, is listed but moves nothing)."""
-    same = True
+    one that the objective returns, is listed but moves nothing); `renamed`: {old name: new name} of figures whose
+    name changed, compared under the new one."""
+    same, renamed = True, renamed or {}
     for key in a:
-        old, new = a[key]["records"], b.get(key, {}).get("records", [])
+        old = [{renamed.get(k, k): v for k, v in r.items()} for r in a[key]["records"]]
+        new = b.get(key, {}).get("records", [])
         added = sorted({k for r in new for k in r} - {k for r in old for k in r})
         kept = [{k: v for k, v in r.items() if k not in added} for r in new]
         ok = key in b and a[key]["weights_sha256"] == b[key]["weights_sha256"] and old == kept
@@ -74,10 +78,11 @@ def main():
     p.add_argument("--iterations", type=int, default=4)
     p.add_argument("--only", nargs="*", default=list(METHODS), help=f"a subset of {list(METHODS)}")
     p.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    p.add_argument("--renamed", nargs="*", default=[], metavar="OLD=NEW", help="figures renamed between the two")
     a = p.parse_args()
     if a.compare:
         before, after = (json.loads(f.read_text()) for f in a.compare)
-        sys.exit(0 if compare(before, after) else 1)
+        sys.exit(0 if compare(before, after, dict(r.split("=", 1) for r in a.renamed)) else 1)
     if a.out is None:
         p.error("pass --out FILE or --compare BEFORE AFTER")
     results = {}

@@ -347,7 +347,7 @@ def test_end_to_end_shapesbench(tmp_path):
     rows = metrics(run)
     train = [r for r in rows if "losses/policy" in r]
     assert [r["iteration"] for r in train] == [1, 2]
-    assert all(r["losses/first_log_ratio_max_abs"] == 0 for r in train)  # log ratio exactly 0 at the first update
+    assert all(r["losses/first_ratio_max_dev"] == 0 for r in train)  # log ratio exactly 0 at the first update
     assert any(r["losses/ratio_max_dev"] > 0 for r in train)  # and the second optimizer step sees a moved policy
     # 4 rollout steps + 3 pairs x (behaviour, base for the KL, policy)
     assert all(r["perf/nfe_per_image"] == 4 + 3 * 3 for r in train)
@@ -404,7 +404,7 @@ def test_two_processes_keep_identical_weights_and_pairs(tmp_path):
     )
     train = [r for r in metrics(tmp_path / "ddp") if "losses/policy" in r]
     assert len(train) == 2 and all(r["charts/rank_pairs_spread"] == 0 for r in train)  # same (t, eps) on both ranks
-    assert all(r["losses/first_log_ratio_max_abs"] == 0 for r in train)
+    assert all(r["losses/first_ratio_max_dev"] == 0 for r in train)
     last = [r for r in train if "charts/rank_weight_spread" in r][-1]
     assert last["iteration"] == 2 and last["charts/rank_weight_spread"] == 0
     # a LoRA checkpoint (the adapter alone) read back under DDP; then SIGTERM to rank 1 alone, in iteration 4: both
@@ -462,7 +462,7 @@ def test_end_to_end_tiny_flux_with_tiny_hps(tmp_path, monkeypatch):
     ]
     V.main(tyro.cli(V.Args, args=argv))
     train = [r for r in metrics(tmp_path / "flux") if "losses/policy" in r]
-    assert len(train) == 2 and all(r["losses/first_log_ratio_max_abs"] == 0 for r in train)
+    assert len(train) == 2 and all(r["losses/first_ratio_max_dev"] == 0 for r in train)
     assert_final_loads(find_run(tmp_path / "flux"), str(tmp_path / "flux"))
 
 
