@@ -379,7 +379,7 @@ def main(args: Args):
     device, autocast = accelerator.device, accelerator.autocast
     frozen_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
     prompts_per_iter = world * args.samples_per_device // args.group_size
-    chunks_per_update = args.samples_per_update // args.rollout_batch_size
+    micro_per_update = args.samples_per_update // args.rollout_batch_size  # rollout chunks, each a micro-batch
     updates_per_iter = args.samples_per_device // args.samples_per_update
     step = cps_step if args.sde_type == "cps" else sde_step  # the trained Gaussian step, with its log-prob
 
@@ -461,14 +461,14 @@ def main(args: Args):
         n_train = max(1, int(len(sde_idx) * args.timestep_fraction))
         stats = defaultdict(list)  # each figure policy_loss returns, one tensor per trained step and chunk
         for u in range(updates_per_iter):
-            for ci in range(u * chunks_per_update, (u + 1) * chunks_per_update):
+            for ci in range(u * micro_per_update, (u + 1) * micro_per_update):
                 ch, sl = chunks[ci], slice(ci * args.rollout_batch_size, (ci + 1) * args.rollout_batch_size)
                 # trained steps of this chunk: a random subset of its SDE steps (DanceGRPO: per sample, here per chunk)
                 first_k = ci * args.rollout_batch_size + rank * args.samples_per_device
                 order = torch.randperm(len(sde_idx), generator=rng(args.seed, it, "steps", first_k), device="cpu")
                 steps = [sde_idx[j] for j in order[:n_train]]  # indices into the list sde_idx
                 for j, i in enumerate(steps):
-                    last = ci == (u + 1) * chunks_per_update - 1 and j == len(steps) - 1
+                    last = ci == (u + 1) * micro_per_update - 1 and j == len(steps) - 1
                     x, x_next = ch["latents"][:, i], ch["latents"][:, i + 1]
                     sig = sigmas[i].expand(len(x)).to(device)
                     with accelerator.no_sync(denoiser) if not last else nullcontext():
@@ -488,7 +488,7 @@ def main(args: Args):
                             log_prob, ch["log_probs"][:, i], adv[sl], mean, ch["means"][:, i], mean_ref, std,
                             sigmas[i] - sigmas[i + 1], **flags_of(policy_loss, args),
                         )  # fmt: skip
-                        accelerator.backward(loss.mean() / (chunks_per_update * len(steps)))
+                        accelerator.backward(loss.mean() / (micro_per_update * len(steps)))
                     for k, v in figures.items():
                         stats[k].append(v)
             lr = args.learning_rate * min(1.0, (run.optimizer_steps + 1) / max(1, args.lr_warmup))  # linear warmup
