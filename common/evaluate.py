@@ -29,13 +29,23 @@ from typing import Annotated, Literal, Optional, Union
 
 import torch
 import tyro
+from accelerate import Accelerator, init_empty_weights
+from accelerate.utils import gather_object
+from peft import LoraConfig
+from safetensors import safe_open
+from safetensors.torch import load_file
 from tqdm import tqdm
 
-from common import InputError, RunError
+from common import InputError, RunError, shapesbench
 from common.attention import set_attention_backend
 from common.flags import check_guidance_scale_2, check_shift, need
-from common.prompts import evenly_spaced
+from common.models import check_model_id, has_two_experts
+from common.models.wan import LOW_NOISE_LORA, WanExperts
+from common.prompts import HPDV2_STYLES, evenly_spaced, hpdv2_prompts, load_prompts
+from common.remote import RESUME, STOPS
+from common.rewards import build_reward, check_rewards, parse_rewards
 from common.sampling import fixed_noise, ode_sampler, sample_prompts, schedule
+from common.viz import save_grid
 
 
 @dataclass
@@ -86,8 +96,6 @@ class EvalArgs:
 # ---------------------------------------------------------------------------------------------------
 def load_prompt_set(source: str, max_prompts: int) -> tuple[list[str], list[str]]:
     """(prompts, style of each: HPDv2's or '' elsewhere), the evenly spaced subset of max_prompts when > 0."""
-    from common.prompts import HPDV2_STYLES, hpdv2_prompts, load_prompts
-
     if source == "hpdv2" or source.startswith("hpdv2="):
         try:
             prompts = hpdv2_prompts(source.partition("=")[2] or None)
@@ -146,8 +154,6 @@ def weights_folder(spec: str) -> tuple[str, Path]:
 
 def _header(spec: str, path: Path) -> dict[str, tuple[int, ...]]:
     """{tensor name: shape} of a safetensors file, from its header alone (which safetensors checks covers the file)."""
-    from safetensors import safe_open
-
     try:
         with safe_open(path, framework="pt") as f:
             return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -182,8 +188,6 @@ def check_weights(model, spec: str, folder: Path) -> None:
     """Check that `folder` (weights_folder's) loads into model.transformer before anything is sampled: its configs
     and the headers of its safetensors files (names and shapes), never its tensors; model is left as it was. An
     InputError naming --weights and the folder otherwise."""
-    from common.models.wan import LOW_NOISE_LORA, WanExperts
-
     transformer = model.transformer
     cls = type(transformer).__name__
     own = {k: tuple(v.shape) for k, v in transformer.state_dict().items()}
@@ -249,9 +253,6 @@ def check_weights(model, spec: str, folder: Path) -> None:
 def _with_adapter(spec: str, transformer, config_path: Path) -> dict[str, tuple[int, ...]]:
     """{name: shape} of `transformer`'s state dict with the LoRA adapter of `config_path` added, computed on an empty
     (meta) copy, so that the model itself is not touched."""
-    from accelerate import init_empty_weights
-    from peft import LoraConfig
-
     try:
         config = LoraConfig(**_read_json(spec, config_path))
         with init_empty_weights():
@@ -292,9 +293,6 @@ def load_weights(model, folder: Path) -> None:
     processors)."""
     kind = weights_kind(folder)
     if kind == "checkpoint":
-        from peft import LoraConfig
-        from safetensors.torch import load_file
-
         state = {k.removeprefix("module."): v for k, v in load_file(folder / "model.safetensors").items()}  # DDP's
         if any(".lora_" in k for k in state):
             model.transformer.add_adapter(LoraConfig(**json.loads((folder / "adapter_config.json").read_text())))
@@ -320,8 +318,6 @@ def weights_files(folder: Path) -> list[Path]:
     if kind == "checkpoint":
         names = ["model.safetensors", "adapter_config.json"]
     elif kind == "lora":
-        from common.models.wan import LOW_NOISE_LORA
-
         names = [LORA_FILE, LOW_NOISE_LORA]
     else:
         source = folder / "transformer" if (folder / "transformer").is_dir() else folder
@@ -514,8 +510,6 @@ AGAIN = "the evaluation stops here, the batches scored so far cached under --out
 def stops_as_an_evaluation():
     """A RunError of the rewards (a served reward that fails, a non-finite score) told as this command's: it takes no
     --resume-from, and its cache keeps every batch already scored."""
-    from common.remote import RESUME, STOPS
-
     try:
         yield
     except RunError as e:
@@ -523,11 +517,7 @@ def stops_as_an_evaluation():
 
 
 def main(args: EvalArgs) -> None:
-    from accelerate import Accelerator
-    from accelerate.utils import gather_object
-
-    from common.models import check_model_id, has_two_experts, load_model
-    from common.rewards import build_reward, check_rewards, parse_rewards
+    from common.models import load_model  # here, not at the top: tests patch common.models.load_model
 
     # ---------------------------------------------------------------- inputs, checked before anything loads
     need(
@@ -637,8 +627,6 @@ def report(args, setting, records, prompt_list, styles, prompts, grid, out: Path
         for m, s in scores.items()
     }
     if records["base"][0]["images"].numel():  # ShapesBench: the verifier's accuracies and diversity, as at training
-        from common import shapesbench
-
         shapes_reward = shapesbench.load_reward_model(shapes_ckpt)
         for m, rs in records.items():
             images = torch.cat([r["images"] for r in rs])
@@ -678,16 +666,12 @@ def report(args, setting, records, prompt_list, styles, prompts, grid, out: Path
         lines += [f"| {m} | {k} | " + " | ".join(f"{deltas[m][f'{k}/{s}'][0]:+.4f} +- {deltas[m][f'{k}/{s}'][1]:.4f}" for s in styled) + " |"
                   for m in names[1:] for k in rewards]  # fmt: skip
     (out / "results.md").write_text("\n".join(lines) + "\n")
-    from common.viz import save_grid
-
     images = torch.cat([torch.cat([r["grid"] for r in records[m]]) for m in names])  # a row per model
     images = images[:, images.shape[1] // 2] if images.ndim == 5 else images  # videos: the middle frame
     captions = [f"{m}\n{prompts[j]}" for m in names for j in grid]
     title = "first sample of evenly spaced prompts, the same noise in a column; a row per model"
     ok = None
     if records["base"][0]["images"].numel():  # ShapesBench: the verifier's verdict under each image
-        from common import shapesbench
-
         ok = shapesbench.verify(images, [prompts[j] for _ in names for j in grid])["all"].tolist()
         title += "; badge: the verifier's verdict"
     save_grid(out / "grid.png", images, captions, ok, ncol=len(grid), title=title)

@@ -182,7 +182,7 @@ class Logs:
         path = save_grid(self.dir / "samples" / f"samples_{step:06d}.png", images, captions, ok, ncol=8, title=title)
         tb.add_image("samples", np.asarray(Image.open(path)), step, dataformats="HWC")
         if self.wandb is not None:
-            import wandb
+            import wandb  # optional: --track only
 
             self.wandb.log({"samples": wandb.Image(str(path))}, step=step)
 
@@ -195,7 +195,7 @@ class Logs:
         image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=path.read_bytes())
         self._writers()._get_file_writer().add_summary(Summary(value=[Summary.Value(tag="samples", image=image)]), step)
         if self.wandb is not None:
-            import wandb
+            import wandb  # optional: --track only
 
             self.wandb.log({"samples": wandb.Video(str(path), format="gif")}, step=step)
 

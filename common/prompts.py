@@ -14,9 +14,11 @@ import sys
 from pathlib import Path
 
 import torch
+from huggingface_hub import hf_hub_download
 
 from common import InputError
 from common.sampling import keyed_generator
+from common.shapesbench import split_prompts
 
 SOURCES = {"shapes-train": "train", "shapes-eval": "eval"}
 HPDV2_REPO, HPDV2_STYLES = "zhwang/HPDv2", ("anime", "concept-art", "paintings", "photo")
@@ -32,8 +34,6 @@ def load_prompts(source: str, flag: str = "--prompts") -> list[str]:
     Blank lines and lines starting with '#' are skipped. `flag` names the CLI option in error messages.
     """
     if source in SOURCES:
-        from common.shapesbench import split_prompts
-
         return split_prompts(SOURCES[source])
     path = Path(source).expanduser()
     if not path.is_file():
@@ -85,8 +85,6 @@ def hpdv2_prompts(folder: str | None = None) -> list[str]:
         if folder is not None:
             path = Path(folder) / "benchmark" / f"{style}.json"
         else:
-            from huggingface_hub import hf_hub_download
-
             path = hf_hub_download(HPDV2_REPO, f"{style}.json", subfolder="benchmark", repo_type="dataset")
         prompts += [" ".join(p.split()) for p in json.loads(Path(path).read_text(encoding="utf-8"))]
     return prompts

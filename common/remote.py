@@ -32,8 +32,10 @@ from typing import Callable
 
 import numpy as np
 import torch
+from PIL import Image
 
 from common import InputError, RunError
+from common.offload import Offloaded
 
 RETRIED = (429, 500, 502, 503, 504)
 MAX_ANSWER = 64 * 2**20  # bytes of an answer, at most (a reward server's scores or a judge's completion: far less)
@@ -161,8 +163,6 @@ def _stopped(url: str, what: str) -> RunError:
 
 def png_base64(image: torch.Tensor) -> str:
     """(3, H, W) float in [0, 1] -> a base64 PNG of its uint8 rounding."""
-    from PIL import Image
-
     pixels = (image.detach().float().clamp(0, 1) * 255).round().byte().permute(1, 2, 0).cpu().numpy()
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
@@ -241,8 +241,6 @@ class Judge:
         timeout: float = 120.0,
         max_unparsed: float = 0.1,
     ):
-        from common.offload import Offloaded
-
         self.name, self.base, self.token = name, url.rstrip("/"), token
         self.template, self.parse = JUDGES[name]
         self.concurrency, self.timeout, self.max_unparsed = concurrency, timeout, max_unparsed
@@ -304,8 +302,6 @@ class Served:
     differentiable, video = False, False
 
     def __init__(self, name: str, url: str, token: str | None = None, timeout: float = 300.0):
-        from common.offload import Offloaded
-
         self.name, self.url, self.token, self.timeout = name, url.rstrip("/"), token, timeout
         self.parts = Offloaded([], "cpu", False)
         answer = request_json(f"{self.url}/health", token=token, timeout=10, tries=2)
@@ -361,8 +357,6 @@ def _base64(item: dict, key: str, k: int) -> bytes:
 def _open_png(data: bytes, k: int):
     """The PIL image of a PNG file, its chunks read up to the pixels and none of them decoded: its size is the one
     the decoder will decode (the last IHDR chunk, should a file hold two)."""
-    from PIL import Image
-
     if not data.startswith(_PNG_MAGIC):
         found = "a JPEG" if data.startswith(b"\xff\xd8\xff") else f"bytes starting {data[:8].hex(' ') or 'nowhere'}"
         raise ValueError(f"images[{k}]: 'png' holds {found}, not a PNG")

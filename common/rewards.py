@@ -16,6 +16,8 @@ evenly spaced frames of each video (the first and the last among them) and takes
 reward (`video = True`, e.g. 'temporal') sees the whole video. docs/video.md says why and what each one rewards.
 """
 
+import argparse
+import ctypes
 import io
 import json
 import math
@@ -26,8 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
+import huggingface_hub
 import torch
 import torch.nn.functional as F
+from PIL import Image
+from transformers import AutoTokenizer, BlipTextConfig, BlipVisionConfig, BlipVisionModel, CLIPModel, CLIPProcessor
+from transformers.models.blip.modeling_blip_text import BlipTextModel
 
 from common import InputError, RunError, hub_reachable
 from common.attention import ATTENTION_BACKENDS, set_attention_backend
@@ -113,8 +119,6 @@ HUB_WEIGHTS = {
 def _hub_file(name: str, download: bool = True) -> str | None:
     """Path of reward `name`'s hub file: from the local cache, else downloaded if the hub is reachable (download=False:
     None instead); InputError when neither works."""
-    import huggingface_hub
-
     repo, filename, example, how = HUB_WEIGHTS[name]
     try:
         return huggingface_hub.hf_hub_download(repo, filename, local_files_only=True)
@@ -133,7 +137,7 @@ def _no_ckpt(name: str, checkpoint: str | None):
 # ---------------------------------------------------------------- ShapesBench (the offline world)
 def shapes_reward(device, checkpoint=None) -> Reward:
     """Learned, differentiable image-text reward of ShapesBench (`checkpoint` None = the one shipped in the repo)."""
-    from common.shapesbench import load_reward_model
+    from common.shapesbench import load_reward_model  # here, not at the top: tests substitute common.shapesbench
 
     return ScoreFn(load_reward_model(path=checkpoint, device=device), differentiable=True)
 
@@ -141,7 +145,7 @@ def shapes_reward(device, checkpoint=None) -> Reward:
 def verifier(device, checkpoint=None) -> Reward:
     """Programmatic ShapesBench verifier (colours, shape, clean background); the held-out metric."""
     _no_ckpt("verifier", checkpoint)
-    from common.shapesbench import verifier_reward
+    from common.shapesbench import verifier_reward  # here, not at the top: tests substitute common.shapesbench
 
     return ScoreFn(verifier_reward, differentiable=False)
 
@@ -150,7 +154,6 @@ def verifier(device, checkpoint=None) -> Reward:
 def jpeg(device, checkpoint=None) -> Reward:
     """Negative JPEG size in kB at quality 95, per image, as DDPO: smoother images score higher."""
     _no_ckpt("jpeg", checkpoint)
-    from PIL import Image
 
     def score(images, prompts):
         pixels = (images.detach() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
@@ -171,7 +174,7 @@ def hps_pixels(images: torch.Tensor, size: int = 224) -> torch.Tensor:
     HPS applies ToTensor before its resize, so it resizes float tensors (bicubic, antialiased, unclamped)
     exactly as here; pad offsets are (size - side) // 2 on the left/top. (B,3,H,W) -> (B,3,size,size).
     """
-    from open_clip import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+    from open_clip import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD  # deferred: slow, only the HPSv2.1 reward uses it
 
     h, w = images.shape[-2:]
     scale = size / max(h, w)
@@ -191,7 +194,7 @@ def hpsv2_1(device, checkpoint=None, arch="ViT-H-14") -> Reward:
     Runs in fp32 (HPS's own scorer uses CUDA autocast); wrap calls in torch.autocast to save memory.
     `arch` exists for tests (a tiny registered open_clip config).
     """
-    import open_clip
+    import open_clip  # deferred: slow, only the HPSv2.1 reward uses it
 
     if checkpoint is None:
         checkpoint = _hub_file("hpsv2.1")
@@ -247,8 +250,6 @@ def clip_pixels(images: torch.Tensor, processor) -> torch.Tensor:
 
 
 def _load_clip(name, device, checkpoint, model_id, processor_id):
-    from transformers import CLIPModel, CLIPProcessor
-
     if checkpoint is None:
         _hub_file(name, download=False)  # fails at once, with how to get the weights, when offline and not cached
     try:  # a --reward-ckpt folder holds model, tokenizer and preprocessor config together
@@ -385,16 +386,11 @@ def imagereward(device, checkpoint=None) -> Reward:
     preprocessing (shortest side to 224, bicubic, centre crop, CLIP normalisation) on tensors, so it is
     differentiable. `checkpoint`: a folder with ImageReward.pt and med_config.json (and optionally the BERT
     tokenizer's files); None = the hub (THUDM/ImageReward, tokenizer bert-base-uncased)."""
-    from transformers import AutoTokenizer, BlipTextConfig, BlipVisionConfig, BlipVisionModel
-    from transformers.models.blip.modeling_blip_text import BlipTextModel
-
     if checkpoint is not None and not os.path.isdir(checkpoint):
         raise InputError(
             f"--reward-ckpt imagereward={checkpoint}: not a folder (expected ImageReward.pt, med_config.json)"
         )
     if checkpoint is None:
-        import huggingface_hub
-
         weights = Path(_hub_file("imagereward"))
         config_file = huggingface_hub.hf_hub_download(HUB_WEIGHTS["imagereward"][0], "med_config.json")
     else:
@@ -829,8 +825,6 @@ def _give_back_freed_buffers() -> None:
     own and given back to the system when freed. By default glibc raises that threshold after the first such free
     and each connection's thread keeps its own arena's peak: 8 connections at the caps then hold 332 MB where the
     same requests need 167 MB (tests/test_server.py measures the bound of docs/models.md)."""
-    import ctypes
-
     try:
         ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: fixed at 1 MB
     except (OSError, AttributeError):  # not glibc
@@ -840,7 +834,6 @@ def _give_back_freed_buffers() -> None:
 def serve_main(argv: list[str] | None = None) -> None:
     """`python -m common.rewards serve --reward hpsv2.1,aesthetic --port 8100`: host registered rewards for training
     runs elsewhere (`--reward-url hpsv2.1=http://HOST:8100`); docs/models.md gives the schema."""
-    import argparse
 
     class Parser(argparse.ArgumentParser):
         def error(self, message):  # one line, as the training scripts' (common.flags.parse_flags)
@@ -882,7 +875,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     for flag in ("max_batch", "max_mb", "max_pixels", "max_prompt_chars", "max_connections", "request_deadline"):
         if not getattr(a, flag) > 0:  # NaN too
             parser.error(f"--{flag.replace('_', '-')} must be positive, not {getattr(a, flag)}")
-    from common.remote import serve
+    from common.remote import serve  # here, not at the top: tests patch common.remote.serve
 
     try:
         print(set_attention_backend(a.attention_backend, a.device))

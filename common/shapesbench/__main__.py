@@ -21,18 +21,19 @@ import time
 from pathlib import Path
 
 import torch
+from diffusers import SD3Transformer2DModel
 
+from common.models import load_model
 from common.sampling import fixed_noise, ode_sampler, sample_prompts, sigma_schedule
 from common.shapesbench import reward as shapes_reward
 from common.shapesbench import verifier, world
+from common.viz import save_grid
 
 
 def load_trained(model, trained: str) -> None:
     """Put a run's final/ weights (transformer/ for full fine-tuning, or SD3-format LoRA weights) into `model`."""
     path = Path(trained)
     if (path / "transformer").is_dir():  # into the loaded transformer, which keeps ShapesModel's attention processor
-        from diffusers import SD3Transformer2DModel
-
         model.transformer.load_state_dict(SD3Transformer2DModel.from_pretrained(path / "transformer").state_dict())
     elif (path / "pytorch_lora_weights.safetensors").is_file():
         model.transformer.load_lora_adapter(str(path), prefix="transformer", use_safetensors=True)
@@ -53,8 +54,6 @@ def sample(model, prompts: list[str], seed: int, steps: int, guidance_scale: flo
 
 
 def main(args) -> None:
-    from common.models import load_model
-
     torch.set_num_threads(args.threads or torch.get_num_threads())
     model = load_model(args.model_id)
     name = str(args.model_id)
@@ -93,8 +92,6 @@ def main(args) -> None:
     }
     print(json.dumps(result, indent=1))
     if args.grid:  # the first sample of every prompt, so that all three shapes appear
-        from common.viz import save_grid
-
         pick = list(range(0, len(prompts), args.samples_per_prompt))[: args.grid_n]
         save_grid(
             args.grid,

@@ -11,6 +11,18 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
+from transformers import (
+    CLIPConfig,
+    CLIPModel,
+    CLIPTextConfig,
+    CLIPTextModelWithProjection,
+    CLIPVisionConfig,
+    PreTrainedTokenizerFast,
+    T5Config,
+    T5EncoderModel,
+)
 
 from common.shapesbench.world import COLOUR_NAMES, SHAPES, SIZE
 
@@ -68,17 +80,12 @@ class RepeatedLastTokenJointAttention:
 
 def make_pipeline(vae, parts: dict):
     """A StableDiffusion3Pipeline of the VAE, build_latent_components' parts and SD3's scheduler (shift 3)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
-
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SHIFT)
     return StableDiffusion3Pipeline(vae=vae, scheduler=scheduler, **parts)
 
 
 def build_tokenizer():
     """A word-level tokenizer over the ShapesBench vocabulary, built offline in memory (no merges to clash)."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
     words = ["a", "an", "on", "background", *SHAPES, *COLOUR_NAMES]
     vocab = {t: i for i, t in enumerate([BOS, EOS, UNK, *words])}
     tk = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
@@ -91,8 +98,6 @@ def build_tokenizer():
 
 
 def _text_config(vocab_size: int, hidden: int):
-    from transformers import CLIPTextConfig
-
     # eos_token_id != 2 makes CLIP pool at the first EOS (pad == EOS, so that is the real end of the prompt)
     return CLIPTextConfig(
         vocab_size=vocab_size,
@@ -110,8 +115,6 @@ def _text_config(vocab_size: int, hidden: int):
 
 def build_reward_components(seed: int = 0):
     """Randomly initialised (tokenizer, CLIPModel) for the learned reward: ViT patch 4 on 32x32, width 64."""
-    from transformers import CLIPConfig, CLIPModel, CLIPVisionConfig
-
     torch.manual_seed(seed)
     tok = build_tokenizer()
     text = _text_config(len(tok), 64)
@@ -140,9 +143,6 @@ def build_latent_components(vae_channels: int = 4, seed: int = 0, heads: int = 3
     many as the pixel model's patch-4 tokens; sample_size 8 is in latent pixels (the pipeline multiplies by the
     VAE's factor 4 for its default 32x32 output).
     """
-    from diffusers import SD3Transformer2DModel
-    from transformers import CLIPTextModelWithProjection
-
     torch.manual_seed(seed)
     parts = {"tokenizer": build_tokenizer(), "tokenizer_2": build_tokenizer(), "tokenizer_3": build_null_tokenizer()}
     parts["text_encoder"] = CLIPTextModelWithProjection(_text_config(len(parts["tokenizer"]), 64))
@@ -168,9 +168,6 @@ def build_latent_components(vae_channels: int = 4, seed: int = 0, heads: int = 3
 def build_null_tokenizer():
     """The T5 slot's tokenizer: every text becomes no tokens, so the pipeline's T5 input is max_sequence_length
     paddings whatever the prompt (the null T5 ignores it anyway), and encode_prompt never warns that it truncated."""
-    from tokenizers import Regex, Tokenizer, models, normalizers
-    from transformers import PreTrainedTokenizerFast
-
     tk = Tokenizer(models.WordLevel({UNK: 0, "<pad>": 1}, unk_token=UNK))
     tk.normalizer = normalizers.Replace(Regex(r"[\s\S]+"), "")
     return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token=UNK, model_max_length=T5_TOKENS)
@@ -184,8 +181,6 @@ def build_null_t5(vocab_size: int, width: int):
     tokenizer_3=None` passed explicitly; with this one `StableDiffusion3Pipeline.from_pretrained(dir)` loads as is
     and conditions exactly as without a T5. Its parameters must stay frozen (an optimizer would move the norm).
     """
-    from transformers import T5Config, T5EncoderModel
-
     config = T5Config(
         vocab_size=vocab_size,
         d_model=width,

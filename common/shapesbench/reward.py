@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer, CLIPModel
 
 from common import InputError
 from common.shapesbench import world
@@ -42,8 +43,6 @@ class ShapesReward:
 
 
 def load_reward_model(path: str | Path | None = None, device="cpu") -> ShapesReward:
-    from transformers import AutoTokenizer, CLIPModel
-
     path = Path(path or REWARD_PATH)
     if not (path / "model" / "config.json").exists():
         raise InputError(

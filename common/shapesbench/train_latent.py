@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from diffusers import AutoencoderKL, StableDiffusion3Pipeline
 
 from common.shapesbench import builders, verifier, world
 from common.shapesbench.builders import T5_TOKENS, RepeatedLastTokenJointAttention, make_pipeline
@@ -149,8 +150,6 @@ def evaluate_pipeline(
 ) -> dict:
     """Sample the pipeline folder at `path` with StableDiffusion3Pipeline on a split's prompts (default settings:
     256 zero T5 tokens, its scheduler) and return the verifier's metrics plus the sampling time."""
-    from diffusers import StableDiffusion3Pipeline
-
     pipe = StableDiffusion3Pipeline.from_pretrained(path)
     pipe.set_progress_bar_config(disable=True)
     prompts = [p for p in world.split_prompts(split) for _ in range(samples_per_prompt)]
@@ -226,8 +225,6 @@ def main():
         m = evaluate_pipeline(args.eval_only, steps=args.eval_steps, samples_per_prompt=args.eval_samples_per_prompt)
         print(json.dumps({**m, "target": meets_target(m)}, indent=1))
         return
-
-    from diffusers import AutoencoderKL
 
     vae = AutoencoderKL.from_pretrained(args.vae).eval().requires_grad_(False)
     parts = builders.build_latent_components(vae.config.latent_channels, args.seed, args.heads, args.layers)

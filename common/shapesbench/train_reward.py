@@ -32,9 +32,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from common.models import load_model
 from common.sampling import ode_sampler, sample_prompts, sigma_schedule
 from common.shapesbench import builders, world
 from common.shapesbench.reward import REWARD_PATH, ShapesReward
+from common.shapesbench.verifier import verify
 
 
 @torch.no_grad()
@@ -57,9 +59,6 @@ def labelled_model_samples(n: int, seed: int) -> tuple[torch.Tensor, list[str]]:
     (requested colours); the well-formed ones only. Returns (images (m, 3, 32, 32) in [0, 1], captions)."""
     if n == 0:
         return torch.zeros(0, 3, world.SIZE, world.SIZE), []
-    from common.models import load_model
-    from common.shapesbench.verifier import verify
-
     g = torch.Generator().manual_seed(seed)
     prompts = [world.all_prompts()[i] for i in torch.randint(168, (n,), generator=g).tolist()]
     model = load_model("shapesbench")

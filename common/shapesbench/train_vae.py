@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from diffusers import AutoencoderKL
 
 from common.shapesbench import builders, verifier, world
 from common.shapesbench.train_latent import EMA, lr_lambda, update
@@ -33,8 +34,6 @@ from common.shapesbench.train_latent import EMA, lr_lambda, update
 
 def build_vae(widths=(32, 64, 64), latent_channels: int = 4, groups: int = 16, seed: int = 0):
     """A randomly initialised AutoencoderKL for 32x32x3 images: len(widths) blocks, all but the last downsample."""
-    from diffusers import AutoencoderKL
-
     torch.manual_seed(seed)
     n = len(widths)
     return AutoencoderKL(
