@@ -37,12 +37,10 @@ says why). Deviations from the official code and choices where it is silent (doc
 
 from __future__ import annotations
 
-import copy
 import math
 import time
-import warnings
 from collections import defaultdict
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -51,10 +49,20 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
+from common.checkpoints import Carried
 from common.evaluator import Evaluator
 from common.flags import RunArgs, check_mode_flags, check_run_args, cli, flags_of, need
 from common.logs import reward_stats, summarize
-from common.models import base_weights, frozen_copy, load_model, trainable_denoiser
+from common.models import (
+    add_old_policy,
+    base_weights,
+    frozen_copy,
+    load_model,
+    old_policy,
+    old_weights,
+    trainable_denoiser,
+    weights_swapped,
+)
 from common.prompts import draw_prompts
 from common.rewards import RewardSpec, build_reward
 from common.runs import Run, all_finite
@@ -250,85 +258,6 @@ def soft_update(targets, sources, decay: float) -> None:
     """targets <- decay targets + (1 - decay) sources, in place (lerp: decay 0 copies the sources bitwise)."""
     for t, s in zip(targets, sources, strict=True):
         t.lerp_(s.detach(), 1 - decay)
-
-
-def add_old_policy(policy, lora: bool):
-    """The old policy, a copy of the trained weights the optimiser never sees: with --lora a second adapter `old` of
-    `policy` (returns None; old_policy() switches to it), else a frozen fp32 copy (returned)."""
-    if not lora:
-        return frozen_copy(policy, torch.float32)
-    with warnings.catch_warnings():  # peft warns that the model has an adapter already: that is the point
-        warnings.filterwarnings("ignore", "Already found a `peft_config`")
-        policy.add_adapter(copy.deepcopy(policy.peft_config["default"]), adapter_name="old")
-    policy.set_adapter("default")  # peft's set_adapter: `default` trainable, `old` frozen
-    for o, p in zip(old_weights(policy, None, True), trained_weights(policy), strict=True):
-        o.data = p.detach().clone()  # fp32, as the trained adapter
-    return None
-
-
-def trained_weights(policy) -> list:
-    return [p for p in policy.parameters() if p.requires_grad]
-
-
-def old_weights(policy, old, lora: bool) -> list:
-    """The old policy's tensor of each trained parameter of `policy`, in the order of trained_weights(policy)."""
-    named = dict((policy if lora else old).named_parameters())
-    return [
-        named[n.replace(".default.", ".old.") if lora else n] for n, p in policy.named_parameters() if p.requires_grad
-    ]
-
-
-@contextmanager
-def old_policy(policy, old, lora: bool):
-    """Inside the block the old policy's module: `policy` (unwrapped) with its `old` adapter active (--lora; peft then
-    freezes `default` until the block ends), or the frozen copy `old`."""
-    if not lora:
-        yield old
-        return
-    policy.set_adapter("old")
-    try:
-        yield policy
-    finally:
-        policy.set_adapter("default")
-
-
-def swap(params, values) -> None:
-    """Exchange the contents of each parameter and its value tensor in place, one tensor at a time: no copy of all
-    the weights is ever made (at FLUX.1-dev full fine-tuning a copy would be 48 GB), only of the largest one."""
-    with torch.no_grad():
-        for p, v in zip(params, values):
-            held = p.detach().clone()
-            p.copy_(v), v.copy_(held)
-            del held  # freed before the next tensor's is made
-
-
-@contextmanager
-def weights_swapped(params, values, on: bool = True):
-    """Inside the block the parameters hold `values` (the EMA: evaluation and final/) and `values` the parameters'
-    own; after it, both as before, bit for bit."""
-    if not on:
-        yield
-        return
-    swap(params, values)
-    try:
-        yield
-    finally:
-        swap(params, values)
-
-
-class Carried:
-    """Tensors a checkpoint carries besides the trained weights (accelerate register_for_checkpointing): the old
-    policy, which is frozen, so --lora's checkpoint hook (the trained parameters alone) would drop it, and the EMA."""
-
-    def __init__(self, **tensors):
-        self.tensors = tensors  # name -> list of tensors, restored in place
-
-    def state_dict(self):
-        return {k: [t.detach().to("cpu", copy=True) for t in v] for k, v in self.tensors.items()}  # a snapshot
-
-    def load_state_dict(self, state):
-        for k, v in self.tensors.items():
-            soft_update(v, [s.to(t.device) for s, t in zip(state[k], v, strict=True)], 0.0)
 
 
 def policy_loss(v_theta, v_old, v_ref, x0, x_t, t, r, *, beta, adv_clip_max, kl_beta, self_normalize):

@@ -15,6 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
 from accelerate import PartialState
 from accelerate.utils import DistributedType
 from safetensors.torch import load_file
@@ -35,6 +36,24 @@ class TrainState:
 
     def load_state_dict(self, d):
         self.iteration, self.optimizer_steps = d["iteration"], d.get("optimizer_steps", 0)
+
+
+class Carried:
+    """Tensors a checkpoint carries besides the trained weights (accelerate register_for_checkpointing), such as
+    DiffusionNFT's old policy, which is frozen, so --lora's checkpoint hook (the trained parameters alone) would drop
+    it, and an EMA of the weights; restored in place, bit for bit."""
+
+    def __init__(self, **tensors):
+        self.tensors = tensors  # name -> list of tensors, restored in place
+
+    def state_dict(self):
+        return {k: [t.detach().to("cpu", copy=True) for t in v] for k, v in self.tensors.items()}  # a snapshot
+
+    def load_state_dict(self, state):
+        for k, v in self.tensors.items():
+            with torch.no_grad():
+                for t, saved in zip(v, state[k], strict=True):
+                    t.copy_(saved.to(t.device))
 
 
 def _save_trained_only(models, weights, output_dir) -> None:

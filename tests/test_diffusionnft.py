@@ -12,6 +12,8 @@ from safetensors.torch import load_file
 
 import diffusionnft as N
 from common import InputError
+from common import models as M  # the old policy and the weight swap (model plumbing)
+from common.checkpoints import Carried
 from common.models import base_weights, load_model, trainable_denoiser
 from tests.helpers import LORA_WEIGHTS, assert_final_loads, assert_survives_kills, find_run, metrics, replace_flags
 from tests.helpers import run_script as run
@@ -309,9 +311,9 @@ def test_old_adapter_is_never_optimised_only_soft_updated_and_checkpointed(tmp_p
     model = load_model("shapesbench")
     args = N.Args(lora_rank=4)
     policy = trainable_denoiser(model, args)
-    assert N.add_old_policy(policy, True) is None
-    params = N.trained_weights(policy)
-    old = N.old_weights(policy, None, True)
+    assert M.add_old_policy(policy, True) is None
+    params = M.trained_weights(policy)
+    old = M.old_weights(policy, None, True)
     assert len(old) == len(params) and all(not o.requires_grad for o in old)
     assert all(torch.equal(o, p) and o.data_ptr() != p.data_ptr() for o, p in zip(old, params))
     optimizer = torch.optim.AdamW(params, lr=1e-2)
@@ -321,7 +323,7 @@ def test_old_adapter_is_never_optimised_only_soft_updated_and_checkpointed(tmp_p
     cond = model.encode_prompts(PROMPTS)
     old_before = [o.clone() for o in old]
     for _ in range(2):  # two optimizer steps with the old policy's velocity in the loss
-        with N.old_policy(policy, None, True) as pi_old:
+        with M.old_policy(policy, None, True) as pi_old:
             v_old = velocities(model, pi_old, x, t, cond)
         assert all(p.requires_grad for p in params) and not any(o.requires_grad for o in old)  # restored
         v_theta = model.velocity(policy, x, t, cond)
@@ -343,7 +345,7 @@ def test_old_adapter_is_never_optimised_only_soft_updated_and_checkpointed(tmp_p
         optimizer.zero_grad()
     assert all(torch.equal(o, b) for o, b in zip(old, old_before))  # bitwise untouched by the optimiser
     assert any(not torch.equal(p, b) for p, b in zip(params, old_before))  # while the trained adapter moved
-    with N.old_policy(policy, None, True) as pi_old:  # the old adapter still gives the start's velocity: the base's
+    with M.old_policy(policy, None, True) as pi_old:  # the old adapter still gives the start's velocity: the base's
         v_old = velocities(model, pi_old, x, t, cond)
     with base_weights(policy, True) as base:
         torch.testing.assert_close(v_old, velocities(model, base, x, t, cond), atol=0, rtol=0)
@@ -352,7 +354,7 @@ def test_old_adapter_is_never_optimised_only_soft_updated_and_checkpointed(tmp_p
     for o, b, p in zip(old, old_before, params):
         torch.testing.assert_close(o, 0.3 * b + 0.7 * p)
     # a checkpoint carries it: saved, scrambled, loaded back bitwise
-    carried = N.Carried(old=old, ema=[p.detach().clone() for p in params])
+    carried = Carried(old=old, ema=[p.detach().clone() for p in params])
     state = carried.state_dict()
     saved = [o.clone() for o in old]
     N.soft_update(old, params, 0.0)
@@ -407,7 +409,7 @@ def test_end_to_end_shapesbench(tmp_path):
     assert len(carried["old"]) == len(carried["ema"]) == len(trained)
     final = load_file(run / "final" / LORA_WEIGHTS)
     policy = trainable_denoiser(load_model("shapesbench"), N.Args())
-    N.add_old_policy(policy, True)
+    M.add_old_policy(policy, True)
     names = [n for n, p in policy.named_parameters() if p.requires_grad]  # the order of Carried's lists
     assert sorted(names) == sorted(trained)
     ema = dict(zip(names, carried["ema"]))
@@ -603,11 +605,11 @@ def test_the_evaluation_swap_copies_one_tensor_at_a_time_and_restores_every_bit(
     inside = {}
 
     def swapped():
-        with N.weights_swapped(params, ema):
+        with M.weights_swapped(params, ema):
             inside["params"] = [p.detach().clone() for p in params]
 
-    peak = memory.measure(lambda: N.swap(params, ema), *params, *ema)
-    N.swap(params, ema)  # back
+    peak = memory.measure(lambda: M.swap(params, ema), *params, *ema)
+    M.swap(params, ema)  # back
     assert peak == 50_000 * 4  # the largest tensor, in fp32 (a copy of all three: 284,000 bytes)
     swapped()
     assert all(torch.equal(a, b) for a, b in zip(inside["params"], before[1]))

@@ -9,6 +9,8 @@ import torch
 
 import diffusionnft as N
 from common import InputError
+from common import models as M  # the old policy and the weight swap (model plumbing)
+from common.checkpoints import Carried
 from common.models import load_model, trainable_denoiser
 from common.sampling import keyed_generator
 
@@ -95,12 +97,12 @@ def test_fractional_timestep_count_and_forward_process():
 # ---------------------------------------------------------------- the old policy
 def test_the_old_policy_of_full_fine_tuning_is_a_frozen_copy_and_its_weights_are_its_own():
     policy = torch.nn.Linear(3, 2)
-    old = N.add_old_policy(policy, lora=False)
+    old = M.add_old_policy(policy, lora=False)
     assert old is not policy and all(not p.requires_grad for p in old.parameters())
     assert all(torch.equal(o, p) for o, p in zip(old.parameters(), policy.parameters()))
-    pairs = zip(N.old_weights(policy, old, lora=False), old.parameters())
+    pairs = zip(M.old_weights(policy, old, lora=False), old.parameters())
     assert all(w is o for w, o in pairs)  # the copy's tensors, not the trained ones
-    with N.old_policy(policy, old, lora=False) as module:
+    with M.old_policy(policy, old, lora=False) as module:
         assert module is old
 
 
@@ -108,7 +110,7 @@ def test_the_old_adapter_is_added_without_a_warning_and_with_its_own_config():
     policy = trainable_denoiser(load_model("shapesbench"), N.Args(lora_rank=4))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # peft's "Already found a `peft_config`" is expected and silenced
-        assert N.add_old_policy(policy, lora=True) is None
+        assert M.add_old_policy(policy, lora=True) is None
     assert policy.peft_config["old"] is not policy.peft_config["default"]
 
 
@@ -170,14 +172,14 @@ def test_weights_swapped_holds_the_values_inside_and_restores_them_bitwise_after
     own = [p.clone() for p in params]
     ema = [torch.tensor([0.5, 0.25]), torch.tensor([-1.0])]
     ema_values = [e.clone() for e in ema]
-    with N.weights_swapped(params, ema):
+    with M.weights_swapped(params, ema):
         assert all(torch.equal(p, e) for p, e in zip(params, ema_values))
     assert all(torch.equal(p, o) for p, o in zip(params, own))
     assert all(torch.equal(e, v) for e, v in zip(ema, ema_values))  # the EMA as it was
-    with pytest.raises(RuntimeError), N.weights_swapped(params, ema):
+    with pytest.raises(RuntimeError), M.weights_swapped(params, ema):
         raise RuntimeError("an evaluation that fails")
     assert all(torch.equal(p, o) for p, o in zip(params, own))
-    with N.weights_swapped(params, ema, on=False):
+    with M.weights_swapped(params, ema, on=False):
         assert all(torch.equal(p, o) for p, o in zip(params, own))
 
 
@@ -187,6 +189,6 @@ def test_a_soft_update_or_a_checkpoint_of_another_length_is_refused():
     a, b = torch.zeros(2), torch.ones(2)
     with pytest.raises(ValueError):
         N.soft_update([a.clone()], [a, b], 0.5)
-    carried = N.Carried(ema=[a.clone(), b.clone()])
+    carried = Carried(ema=[a.clone(), b.clone()])
     with pytest.raises(ValueError):
         carried.load_state_dict({"ema": [a]})

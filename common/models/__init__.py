@@ -18,6 +18,7 @@ can hand in a LoRA'd, DDP/FSDP-wrapped or reference copy of it. Everything else 
 import contextlib
 import copy
 import json
+import warnings
 from pathlib import Path
 
 import diffusers
@@ -194,6 +195,73 @@ def frozen_copy(module, dtype):
     """A frozen copy of `module` (the KL reference policy of full fine-tuning), in bf16 if `dtype` is bf16."""
     ref = copy.deepcopy(module).requires_grad_(False).eval()
     return ref.bfloat16() if dtype == torch.bfloat16 else ref  # (not .to(dtype): diffusers warns on it)
+
+
+# A second policy beside the trained one (DiffusionNFT's old policy; any method's frozen snapshot of the trained
+# weights), and the in-place swap of weights that evaluates an EMA: model plumbing, shared by the scripts.
+def add_old_policy(policy, lora: bool):
+    """The old policy, a copy of the trained weights the optimiser never sees: with --lora a second adapter `old` of
+    `policy` (returns None; old_policy() switches to it), else a frozen fp32 copy (returned)."""
+    if not lora:
+        return frozen_copy(policy, torch.float32)
+    with warnings.catch_warnings():  # peft warns that the model has an adapter already: that is the point
+        warnings.filterwarnings("ignore", "Already found a `peft_config`")
+        policy.add_adapter(copy.deepcopy(policy.peft_config["default"]), adapter_name="old")
+    policy.set_adapter("default")  # peft's set_adapter: `default` trainable, `old` frozen
+    for o, p in zip(old_weights(policy, None, True), trained_weights(policy), strict=True):
+        o.data = p.detach().clone()  # fp32, as the trained adapter
+    return None
+
+
+def trained_weights(policy) -> list:
+    """The parameters of `policy` the optimiser trains, in its order."""
+    return [p for p in policy.parameters() if p.requires_grad]
+
+
+def old_weights(policy, old, lora: bool) -> list:
+    """The old policy's tensor of each trained parameter of `policy`, in the order of trained_weights(policy)."""
+    named = dict((policy if lora else old).named_parameters())
+    return [
+        named[n.replace(".default.", ".old.") if lora else n] for n, p in policy.named_parameters() if p.requires_grad
+    ]
+
+
+@contextlib.contextmanager
+def old_policy(policy, old, lora: bool):
+    """Inside the block the old policy's module: `policy` (unwrapped) with its `old` adapter active (--lora; peft then
+    freezes `default` until the block ends), or the frozen copy `old`."""
+    if not lora:
+        yield old
+        return
+    policy.set_adapter("old")
+    try:
+        yield policy
+    finally:
+        policy.set_adapter("default")
+
+
+def swap(params, values) -> None:
+    """Exchange the contents of each parameter and its value tensor in place, one tensor at a time: no copy of all
+    the weights is ever made (at FLUX.1-dev full fine-tuning a copy would be 48 GB), only of the largest one."""
+    with torch.no_grad():
+        for p, v in zip(params, values):
+            held = p.detach().clone()
+            p.copy_(v), v.copy_(held)
+            del held  # freed before the next tensor's is made
+
+
+@contextlib.contextmanager
+def weights_swapped(params, values, on: bool = True):
+    """Inside the block the parameters hold `values` (the EMA: evaluation and final/) and `values` the parameters'
+    own; after it, both as before, bit for bit."""
+    if not on:
+        yield
+        return
+    swap(params, values)
+    try:
+        yield
+    finally:
+        swap(params, values)
 
 
 @contextlib.contextmanager
