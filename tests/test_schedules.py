@@ -173,8 +173,8 @@ def test_rlr_subchain_windows_in_the_medium_third_and_the_half_order_weights(mon
 
     # HO weights: R - the mean of the OTHER two samples of the group (groups of 3 consecutive samples), by hand
     assert len(calls["term_weights"]) == 2
-    for (a, _, (w_ho, _, _, _)), record in zip(calls["term_weights"], records):
-        rewards, group_size = a[0].double().tolist(), a[1]
+    for (a, kw, (w_ho, _, _, _)), record in zip(calls["term_weights"], records):
+        rewards, group_size = a[0].double().tolist(), kw["group_size"]
         assert group_size == 3 and len(rewards) == 6
         expected = []
         for i, r in enumerate(rewards):
