@@ -201,20 +201,26 @@ def run_target(key: str, args) -> dict:
     ref = _commit(args.ref)  # now: HEAD may move while mutmut runs
     slug = key.replace("/", "_").replace(":", "_")
     copy = WORK / slug
-    copy_commit(ref, copy, args.worktree)
     overlay_commit = _commit("HEAD")
-    for path in args.overlay:  # a test file of today's commit over an older commit's tree
-        text = subprocess.run(["git", "show", f"{overlay_commit}:{path}"], cwd=ROOT, capture_output=True, check=True)
-        text = text.stdout
-        (copy / path).write_bytes(text)
-    source = (copy / target).read_text()
+    if args.harvest:  # the copy of an interrupted run, as it was left: its file as committed at --ref
+        source = subprocess.run(["git", "show", f"{ref}:{target}"], cwd=ROOT, capture_output=True, text=True).stdout
+    else:
+        copy_commit(ref, copy, args.worktree)
+        for path in args.overlay:  # a test file of today's commit over an older commit's tree
+            text = subprocess.run(
+                ["git", "show", f"{overlay_commit}:{path}"], cwd=ROOT, capture_output=True, check=True
+            )
+            (copy / path).write_bytes(text.stdout)
+        source = (copy / target).read_text()
     names = mutated_names(source, spec["scope"], spec.get("exclude", ()))
-    (copy / target).write_text(undecorate(source, names))
+    if not args.harvest:
+        (copy / target).write_text(undecorate(source, names))
     if args.functions:
         wanted = set(args.functions.split(","))
         names = [n for n in names if n.split("ǁ")[-1].removeprefix("x_") in wanted]
     tests = in_process_tests(copy, spec["tests"])
-    configure(copy, target, tests)
+    if not args.harvest:
+        configure(copy, target, tests)
     module = target.removesuffix(".py").replace("/", ".")
     patterns = [f"{module}.{n}__mutmut_*" for n in names]
     sha = hashlib.sha256(source.encode()).hexdigest()[:16]
@@ -233,18 +239,23 @@ def run_target(key: str, args) -> dict:
     mutmut = str(Path(sys.executable).with_name("mutmut"))
     print(f"{key}: {len(names)} functions, {len(tests)} tests, in {copy}", flush=True)
     start = time.time()
-    with open(copy / "mutmut.log", "w") as log:
-        proc = subprocess.Popen(
-            ["nice", "-n", "19", mutmut, "run", "--max-children", "1", *run_names],
-            cwd=copy,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        watch(proc, copy / "mutmut.log", args.wall_limit)
-    seconds = time.time() - start
+    if args.harvest:  # from the copy's configuration to mutmut's last word
+        seconds = (copy / "mutmut.log").stat().st_mtime - (copy / "pyproject.toml").stat().st_mtime
+    else:
+        with open(copy / "mutmut.log", "w") as log:
+            proc = subprocess.Popen(
+                ["nice", "-n", "19", mutmut, "run", "--max-children", "1", *run_names],
+                cwd=copy,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            watch(proc, copy / "mutmut.log", args.wall_limit)
+        seconds = time.time() - start
     meta = json.loads((copy / "mutants" / f"{target}.meta").read_text())
     codes = {k: v for k, v in meta["exit_code_by_key"].items() if any(re.fullmatch(_glob(p), k) for p in patterns)}
+    untested = sum(v is None for v in codes.values())  # an interrupted run's mutants not reached (--harvest)
+    codes = {k: v for k, v in codes.items() if v is not None}
     if earlier:
         codes = {**earlier["codes"], **{k: codes[k] for k in run_names}}
         seconds += earlier["seconds"]
@@ -273,6 +284,7 @@ def run_target(key: str, args) -> dict:
         "killed": killed,
         "total": len(codes),
         "killed_by_wall_limit": sum(code == -9 for code in codes.values()),
+        "untested": untested,
         "seconds": round(seconds),
         "tests": tests,
         "per_function": per_function,
@@ -284,7 +296,8 @@ def run_target(key: str, args) -> dict:
     OUT.mkdir(exist_ok=True)
     (OUT / f"{slug}.json").write_text(json.dumps(result, indent=1, ensure_ascii=False))
     (OUT / f"{slug}.md").write_text(markdown(result))
-    print(f"{key}: {killed}/{len(codes)} killed ({100 * killed / len(codes):.1f}%) in {seconds / 60:.1f} min")
+    left = f", {untested} mutants not reached (an interrupted run)" if untested else ""
+    print(f"{key}: {killed}/{len(codes)} killed ({100 * killed / len(codes):.1f}%) in {seconds / 60:.1f} min{left}")
     return result
 
 
@@ -349,7 +362,8 @@ def mutant_diffs(copy: Path, target: str, names: list[str], env: dict) -> dict[s
 
 def markdown(r: dict) -> str:
     lines = [
-        f"# {r['file']} at {r['ref']}: {r['killed']}/{r['total']} killed in {r['seconds'] / 60:.1f} min",
+        f"# {r['file']} at {r['ref']}: {r['killed']}/{r['total']} killed in {r['seconds'] / 60:.1f} min"
+        + (f" ({r['untested']} mutants not reached: an interrupted run)" if r.get("untested") else ""),
         "",
         "| function | killed / total |",
         "|---|---|",
@@ -394,6 +408,12 @@ def cli() -> None:
         "--mutants", help="with --survivors: only these survivors (names as x_fn__mutmut_3, comma-separated)"
     )
     p.add_argument("--wall-limit", type=float, default=240, help="seconds of wall-clock time a mutant's tests may take")
+    p.add_argument(
+        "--harvest",
+        action="store_true",
+        help="score what an interrupted run (stopped with Ctrl-C or a kill) tested, from its copy under /tmp/mutation "
+        "(give the --ref it ran at); the mutants it did not reach are counted apart",
+    )
     p.add_argument(
         "--overlay",
         action="append",

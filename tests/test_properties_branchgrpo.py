@@ -80,3 +80,40 @@ def test_the_modes_defaults_by_hand(capsys):
     assert "warning" not in capsys.readouterr().err  # a window of exactly what follows the last split
     B.resolve_and_check(B.Args(pruning="depth", window=10))
     assert "9 trainable step(s) follow the last split 9, so the 10-step window shrinks to 9" in capsys.readouterr().err
+
+
+def test_edge_gaussians_at_a_split_with_scaled_noise_by_hand():
+    """The release's 'scaled' branch noise multiplies a split step's std by s = 3 (not the other steps'); the means are
+    each parent's SDE mean repeated for its trained children. Step 0 (no split) and step 1 (a split into 2), one parent
+    each, every child trained; sigmas 1, 0.75, 0.5; g = 0.4, 0.6: std_0 = 0.4 sqrt(0.25), std_1 = 3 x 0.6 sqrt(0.25)."""
+    tree = B.Tree(num_steps=3, splits=(1,), branch_factor=2, branch_noise="scaled", branch_s=3.0)
+    sigmas, g = torch.tensor([1.0, 0.75, 0.5, 0.0]), torch.tensor([0.4, 0.6, 0.0])
+    x, v = torch.tensor([[[1.0]], [[2.0]]]), torch.tensor([[[0.5]], [[-1.0]]])  # rows: step 0's parent, step 1's
+    segments = [(0, torch.tensor([0])), (1, torch.tensor([0]))]
+    masks = [torch.tensor([True]), torch.tensor([True, True])]
+    means, stds = B.edge_gaussians(x, v, segments, masks, sigmas, g, tree)
+    assert stds.tolist() == pytest.approx([0.4 * 0.5, 3 * 0.6 * 0.5, 3 * 0.6 * 0.5])  # one edge, then two
+    m0, _ = B.step_mean_std(x[:1], v[:1], sigmas[0], sigmas[1], g[0])
+    m1, _ = B.step_mean_std(x[1:], v[1:], sigmas[1], sigmas[2], g[1])
+    torch.testing.assert_close(means, torch.cat([m0, m1, m1]))
+
+
+def test_micro_batch_picks_each_parents_own_children_at_a_split():
+    """Steps 0 and 1 split each node into 2: parents 0 and 1 at depth 1 have children 0, 1 and 2, 3 at depth 2. With
+    child 1 untrained, the micro-batch holds children 0, 2, 3: their states, old log-probs and advantages, and masks."""
+    tree = B.Tree(num_steps=3, splits=(0, 1), branch_factor=2)
+    states = [torch.zeros(1, 1), torch.tensor([[10.0], [11.0]]), torch.tensor([[20.0], [21.0], [22.0], [23.0]])]
+    states.append(states[-1].clone())
+    grp = {
+        "states": states,
+        "keep": [torch.ones(1, 2, dtype=torch.bool), torch.tensor([[True, False, True, True]]), None],
+        "adv": [torch.zeros(1, 2), torch.tensor([[0.5, -0.5, 1.5, -1.5]]), None],
+        "log_probs": [torch.zeros(2), torch.tensor([-1.0, -2.0, -3.0, -4.0]), None],
+        "cond": {"emb": torch.tensor([[7.0]])},
+    }
+    sigmas = torch.tensor([1.0, 0.75, 0.5, 0.0])
+    x, sigma, cond, masks, x_child, old_lp, adv = B.micro_batch(grp, [(1, torch.tensor([0, 1]))], sigmas, tree)
+    assert x.flatten().tolist() == [10.0, 11.0] and sigma.tolist() == [0.75, 0.75]
+    assert masks[0].tolist() == [True, False, True, True] and cond["emb"].flatten().tolist() == [7.0, 7.0]
+    assert x_child.flatten().tolist() == [20.0, 22.0, 23.0]
+    assert old_lp.tolist() == [-1.0, -3.0, -4.0] and adv.tolist() == [0.5, 1.5, -1.5]
