@@ -50,6 +50,7 @@ def test_dancegrpo_step_advantages_and_loss():
     x_next, log_prob, mean, std = call(D.sde_step, x, v, sigmas[1], sigmas[2], g[1], noise=noise)
     call(D.sde_step, x, v, torch.full((3,), 0.5), torch.full((3,), 0.4), g[1], prev_sample=x_next)
     adv = call(D.group_advantages, torch.randn(6), 3)
+    call(D.combined_advantages, {"r": torch.randn(6)}, {"r": 1.0}, group_size=3, adv_clip_max=5.0)
     for objective in ("clip", "guard", "dppo"):
         call(D.policy_loss, log_prob, log_prob.detach() + 0.01, adv[:3], mean, mean.detach() + 0.2, mean + 0.1, std,
              sigmas[1] - sigmas[2], objective=objective, clip_range=1e-4, kl_mask_threshold=1e-5, kl_beta=0.1)  # fmt: skip
@@ -70,6 +71,8 @@ def test_branchgrpo_tree_pruning_packing_and_edges(pruning, kw):
     log_probs = [torch.randn(n_trees * n) for n in sizes[1:]]
     values = call(B.node_values, torch.randn(n_trees, leaves), log_probs, sizes, "path", 1.0, 1.0)
     adv = call(B.depth_advantages, values)[1:]  # per step i, its children's (depth i + 1), as main takes them
+    flags = dict(fusion="path", fusion_gamma=1.0, fusion_temperature=1.0, adv_clip_max=5.0)
+    call(B.tree_advantages, {"r": torch.randn(n_trees, leaves)}, {"r": 1.0}, log_probs, sizes, **flags)
     sde_idx = call(B.sde_steps, tree, 0)
     keep = call(B.trained_edges, tree, sde_idx, adv, 0)
     batches = call(B.pack_micro_batches, keep, tree, 4, "cpu")
@@ -100,7 +103,7 @@ def test_vgrpo_solver_pairs_advantages_and_loss():
     values, _ = call(V.pair_values, torch.randn(12, *L), torch.randn(12, *L), torch.randn(12, *L), eps.flatten(0, 1),
                      t.flatten())  # fmt: skip
     parts = {"a": torch.randn(6), "b": torch.randn(6)}
-    adv = call(V.combined_advantages, parts, {"a": 1.0, "b": 0.5}, 3, 5.0, 3.0)
+    adv = call(V.combined_advantages, parts, {"a": 1.0, "b": 0.5}, group_size=3, adv_clip_max=5.0, adv_soft_clip=3.0)
     x0, x0_ref = torch.randn(3, 4, *L), torch.randn(3, 4, *L)
     call(V.policy_loss, values.view(3, 4), values.view(3, 4).detach() - 0.01, adv[:3], x0, x0_ref, clip_range=6e-3,
          kl_beta=0.5)  # fmt: skip
@@ -124,7 +127,7 @@ def test_rlr_steps_window_baselines_and_zo_pieces():
     call(R.zo_baseline, rewards, 4, block)
     mask = torch.zeros(8, T, dtype=torch.bool)
     mask[:, :2] = True
-    _, _, coef, _ = call(R.term_weights, rewards, 4, block, mask, 2)
+    _, _, coef, _ = call(R.term_weights, rewards, block, mask, 2, group_size=4)
     params = [torch.zeros(3, requires_grad=True)]
     zeta = call(R.zo_noise, params, 7, 1e-3)
     with torch.device("meta"), R.perturbed(params, zeta):
