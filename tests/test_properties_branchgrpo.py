@@ -117,3 +117,70 @@ def test_micro_batch_picks_each_parents_own_children_at_a_split():
     assert masks[0].tolist() == [True, False, True, True] and cond["emb"].flatten().tolist() == [7.0, 7.0]
     assert x_child.flatten().tolist() == [20.0, 22.0, 23.0]
     assert old_lp.tolist() == [-1.0, -3.0, -4.0] and adv.tolist() == [0.5, 1.5, -1.5]
+
+
+def test_the_policy_figures_by_hand():
+    """Ratios 1.25, 1, 0.5 on old log-probs of -0.7, clip 0.25: the logged figures by name. ratio_mean holds the
+    ratios (summarize takes their mean), ratio_max_dev = max |r - 1| = 0.5, clipfrac counts |r - 1| > 0.25 strictly
+    (1.25 sits on the edge: 1/3), approx_kl = mean(0.5 d^2) over d = log r = (0.223144, 0, -0.693147): 0.088374."""
+    import math
+
+    d = [math.log(1.25), 0.0, -math.log(2.0)]
+    old = torch.full((3,), -0.7, dtype=torch.float64)
+    log_prob = old + torch.tensor(d, dtype=torch.float64)
+    edge = float(torch.exp(log_prob[0] - old[0])) - 1  # 0.25 as the ratio computes it
+    mean = torch.zeros(3, 1, dtype=torch.float64)
+    _, figures = B.policy_loss(log_prob, old, torch.ones(3), mean, None, torch.ones(3), clip_range=edge, kl_beta=0.0)
+    assert set(figures) == {"policy", "ratio_mean", "ratio_max_dev", "clipfrac", "approx_kl"}
+    assert figures["ratio_mean"].tolist() == pytest.approx([1.25, 1.0, 0.5])
+    assert figures["ratio_max_dev"].item() == pytest.approx(0.5)
+    assert figures["clipfrac"].item() == pytest.approx(1 / 3)
+    assert figures["approx_kl"].item() == pytest.approx(0.088374, abs=1e-6)
+
+
+def test_a_near_tie_is_scaled_by_the_floor_of_the_std():
+    """Depth values 0 and 2e-6 (unbiased std sqrt(2) 1e-6, above the 1e-6 below which a depth gets 0): the advantages
+    are +-1e-6 / (sqrt(2) 1e-6 + 1e-8) = +-0.702137, the 1e-8 floor added (subtracted: +-0.712121)."""
+    (_, adv) = B.depth_advantages(
+        [torch.zeros(1, 1, dtype=torch.float64), torch.tensor([[0.0, 2e-6]], dtype=torch.float64)]
+    )
+    expected = 1e-6 / (2**0.5 * 1e-6 + 1e-8)
+    assert adv.flatten().tolist() == pytest.approx([-expected, expected], rel=1e-6)
+
+
+def test_tree_advantages_with_path_fusion_by_hand():
+    """One tree, K = 3 children at steps 0 and 1 (9 leaves); path fusion with gamma 2, temperature 0.5: a depth-1
+    node's value is sum_l w_l r_l over its 3 leaves, w = softmax(2 lp_l / 0.5), lp_l the leaf's step-1 log-prob; its
+    advantage the z-score over the 3 nodes; the leaves' the z-score of the rewards; each clipped to +-1.2."""
+    import math
+
+    rewards = [0.1, 0.9, 0.4, 0.3, 0.8, 0.2, 0.7, 0.5, 0.6]
+    lp1 = [-0.2, 0.1, -0.5, 0.3, -0.1, 0.0, 0.2, -0.3, 0.4]  # step 1's edge log-prob of each leaf
+    log_probs = [torch.tensor([0.05, -0.05, 0.1]), torch.tensor(lp1)]
+    flags = dict(fusion="path", fusion_gamma=2.0, fusion_temperature=0.5, adv_clip_max=1.2)
+    adv = B.tree_advantages({"r": torch.tensor([rewards], dtype=torch.float64)}, {"r": 1.0}, log_probs, [1, 3, 9],
+                            **flags)  # fmt: skip
+
+    def zscore(v):
+        m = sum(v) / len(v)
+        s = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1))
+        return [max(-1.2, min(1.2, (x - m) / (s + 1e-8))) for x in v]
+
+    values = []
+    for node in range(3):
+        w = [math.exp(2.0 * lp1[3 * node + k] / 0.5) for k in range(3)]
+        values.append(sum(wk * rewards[3 * node + k] for k, wk in enumerate(w)) / sum(w))
+    assert len(adv) == 2 and adv[0].flatten().tolist() == pytest.approx(zscore(values), rel=1e-5)
+    assert adv[1].flatten().tolist() == pytest.approx(zscore(rewards), rel=1e-5)
+    assert max(abs(x) for x in zscore(rewards)) == 1.2  # the clip acts on the leaves
+
+
+def test_tree_noise_is_the_keyed_stream_of_each_tree_and_step():
+    """At a step without a split every node's noise is its tree's own draw from keyed_generator(seed, iteration,
+    'tree', tree, step): trees 0 and 2 at step 1 of iteration 5 under seed 3."""
+    from common.sampling import keyed_generator
+
+    tree = B.Tree(num_steps=4, splits=(0,), branch_factor=2)
+    noise = B.tree_noise(tree, 3, 5, [0, 2], (2, 2), 1, 2)
+    expected = [torch.randn((2, 2, 2), generator=keyed_generator(3, 5, "tree", t, 1)) for t in (0, 2)]
+    assert torch.equal(noise, torch.cat(expected))
