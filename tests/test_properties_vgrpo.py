@@ -86,3 +86,31 @@ def test_each_bound_itself_is_accepted(flags):
     named = V.Args(exp_name="mine", **flags)
     V.resolve_and_check(named)
     assert named.exp_name == "mine"
+
+
+def test_surrogate_noises_each_pair_by_the_forward_process_and_passes_its_settings():
+    """Two images, two pairs each: the model sees z = (1 - t) x + t eps at each pair's t (x 1 and 2, eps 0.5 and -1,
+    t 0.25 / 0.75 and 0.5 / 0.1: z = 0.875, 0.625, 0.5, 1.7), the pair's t, the image's conditioning repeated and
+    the guidance scale 3; the values are pair_values' of that velocity, with its defaults (x prediction, self-normalised)."""
+    seen = {}
+
+    class Model:
+        def velocity(self, denoiser, z, t, cond, guidance_scale):
+            seen.update(z=z.flatten().tolist(), t=t.tolist(), cond=cond["c"].flatten().tolist(), scale=guidance_scale)
+            return 0.5 * z  # any velocity that depends on z
+
+    x = torch.tensor([[1.0], [2.0]])
+    t = torch.tensor([[0.25, 0.75], [0.5, 0.1]])
+    eps = torch.tensor([[[0.5], [0.5]], [[-1.0], [-1.0]]])
+    values, x0_hat = V.surrogate(Model(), None, x, {"c": torch.tensor([[7.0], [8.0]])}, t, eps, 3.0, nullcontext)
+    assert seen["z"] == pytest.approx([0.875, 0.625, 0.5, 1.7]) and seen["t"] == pytest.approx([0.25, 0.75, 0.5, 0.1])
+    assert seen["cond"] == [7.0, 7.0, 8.0, 8.0] and seen["scale"] == 3.0
+    z, rows, eps_rows = (
+        torch.tensor([[0.875], [0.625], [0.5], [1.7]]),
+        torch.tensor([[1.0], [1.0], [2.0], [2.0]]),
+        eps.reshape(4, 1),
+    )
+    expected, expected_x0 = V.pair_values(0.5 * z, rows, z, eps_rows, t.reshape(4), "x", True)
+    torch.testing.assert_close(values, expected.view(2, 2))
+    torch.testing.assert_close(x0_hat, expected_x0.view(2, 2, 1))
+    assert not torch.allclose(expected, V.pair_values(0.5 * z, rows, z, eps_rows, t.reshape(4), "x", False)[0])
