@@ -203,7 +203,10 @@ def run_target(key: str, args) -> dict:
     copy = WORK / slug
     overlay_commit = _commit("HEAD")
     if args.harvest:  # the copy of an interrupted run, as it was left: its file as committed at --ref
-        source = subprocess.run(["git", "show", f"{ref}:{target}"], cwd=ROOT, capture_output=True, text=True).stdout
+        shown = subprocess.run(["git", "show", f"{ref}:{target}"], cwd=ROOT, capture_output=True, text=True)
+        if shown.returncode or not (copy / "mutants" / f"{target}.meta").is_file():
+            raise SystemExit(f"--harvest: no run of {target} at --ref {args.ref} in {copy}")
+        source = shown.stdout
     else:
         copy_commit(ref, copy, args.worktree)
         for path in args.overlay:  # a test file of today's commit over an older commit's tree
@@ -389,7 +392,12 @@ def _status(code) -> str:
 
 
 def _commit(ref: str) -> str:
-    return subprocess.run(["git", "rev-parse", "--short", ref], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    out = subprocess.run(
+        ["git", "rev-parse", "--short", "--verify", f"{ref}^{{commit}}"], cwd=ROOT, capture_output=True, text=True
+    )
+    if out.returncode:
+        raise SystemExit(f"--ref {ref}: not a commit here")
+    return out.stdout.strip()
 
 
 def cli() -> None:
