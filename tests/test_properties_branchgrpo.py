@@ -1,6 +1,8 @@
 """branchgrpo.py's functions at values where a wrong constant, sign, bound or index shows: each against numbers worked
 out by hand here. Written for the mutants benchmarks/mutation.py generated that the other tests let pass."""
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -184,3 +186,113 @@ def test_tree_noise_is_the_keyed_stream_of_each_tree_and_step():
     noise = B.tree_noise(tree, 3, 5, [0, 2], (2, 2), 1, 2)
     expected = [torch.randn((2, 2, 2), generator=keyed_generator(3, 5, "tree", t, 1)) for t in (0, 2)]
     assert torch.equal(noise, torch.cat(expected))
+
+
+class Linear:
+    """A model whose velocity is v = guidance * c * x + t: every step of a rollout can be done by hand."""
+
+    def velocity(self, denoiser, x, t, cond, guidance_scale=1.0):
+        assert denoiser == "denoiser"
+        return guidance_scale * cond["c"] * x + t.view(-1, 1)
+
+
+def test_tree_rollout_by_hand_an_sde_split_then_two_euler_steps():
+    """Two trees (x 1 and -2, c 1 and 1.5), guidance 3, so v = 3 c x + t; sigmas 1, 0.75, 0.5, 0, g_0 = 0.4; step 0
+    an SDE split into 2, steps 1 (an ODE step, as --pruning mix's) and 2 (the last) Euler; 3 nodes per forward.
+    Step 0: d = -0.25, std = 0.4 sqrt(0.25) = 0.2; at sigma 1 the score is -x, so mean = x + d (v + 0.08 x):
+    tree 0: v = 4, mean = 1 - 0.25 x 4.08 = -0.02; tree 1: v = -8, mean = -2 + 0.25 x 8.16 = 0.04; the children
+    mean + 0.2 z with z = 0.5, -2 | 1.5, 0.25: 0.08, -0.42 | 0.34, 0.09.
+    Step 1: x - 0.25 (3 c x + 0.75): -0.1675, -0.2925 | -0.23, -0.19875.
+    Step 2: x - 0.5 (3 c x + 0.5): -0.16625, -0.10375 | 0.0375, -0.0015625."""
+    import math
+
+    tree = B.Tree(num_steps=3, splits=(0,), branch_factor=2, branch_s=3.0)
+    sigmas, g = torch.tensor([1.0, 0.75, 0.5, 0.0]), torch.tensor([0.4, 0.6, 0.0])
+    z = torch.tensor([[0.5], [-2.0], [1.5], [0.25]])
+    calls = []
+
+    def noise_fn(i, n_parents):
+        calls.append((i, n_parents))
+        return z
+
+    roots, cond = torch.tensor([[1.0], [-2.0]]), {"c": torch.tensor([[1.0], [1.5]])}
+    states, log_probs = B.tree_rollout(Linear(), "denoiser", cond, roots, noise_fn, tree, sigmas, g, [0], 3, 3.0,
+                                       nullcontext)  # fmt: skip
+    assert calls == [(0, 1)]  # one parent per tree at step 0
+    expected = [[1.0, -2.0], [0.08, -0.42, 0.34, 0.09], [-0.1675, -0.2925, -0.23, -0.19875]]
+    expected.append([-0.16625, -0.10375, 0.0375, -0.0015625])
+    for state, e in zip(states, expected, strict=True):
+        assert state.flatten().tolist() == pytest.approx(e, abs=1e-6)
+    # N(mean, 0.2^2) at mean + 0.2 z: -z^2 / 2 - log 0.2 - log(2 pi) / 2; the Euler steps' edges carry 0
+    lp = [-(v**2) / 2 - math.log(0.2) - 0.5 * math.log(2 * math.pi) for v in (0.5, -2.0, 1.5, 0.25)]
+    assert log_probs[0].tolist() == pytest.approx(lp, abs=1e-5)
+    assert log_probs[1].tolist() == [0.0] * 4 and log_probs[2].tolist() == [0.0] * 4
+
+
+def test_branch_noise_is_the_shared_part_plus_each_childs_own():
+    """rho 0.25: z_c = 0.5 xi_parent + sqrt(0.75) xi_c, xi_parent drawn first (one per parent), then xi_c (one per
+    child), both from the one generator; two parents, three children each."""
+    from common.sampling import keyed_generator
+
+    z = B.branch_noise(keyed_generator(7, "b"), 2, 3, (2,), 0.25)
+    gen = keyed_generator(7, "b")
+    shared, own = torch.randn((2, 1, 2), generator=gen), torch.randn((2, 3, 2), generator=gen)
+    torch.testing.assert_close(z, (0.5 * shared + 0.75**0.5 * own).reshape(6, 2))
+
+
+def test_sde_steps_are_every_step_but_the_last_without_mix():
+    for pruning in ("none", "width", "depth"):
+        tree = B.Tree(num_steps=5, splits=(0, 1), pruning=pruning, window=1)
+        assert B.sde_steps(tree, 0) == B.sde_steps(tree, 100) == [0, 1, 2, 3], pruning
+
+
+def test_trained_edges_leave_ode_steps_and_the_last_step_out_under_width_pruning():
+    """Width pruning (parent-top1) of two trees, K = 3 at the one split (step 0), 5 steps, SDE steps 0, 1, 3, 4: step 2
+    an ODE step, and the last step listed (sde_steps never lists it; the mask leaves it out all the same). Each tree
+    keeps its best child's chain (children 1 and 0: not the last child, so the one-hot has K columns only if told so)
+    on the SDE steps after the split; the split's edges are all trained; step 2 (ODE) and step 4 (the last) none."""
+    tree = B.Tree(num_steps=5, splits=(0,), branch_factor=3, pruning="width")
+    adv = [torch.tensor([[0.5, 0.9, -1.0], [0.2, -0.3, 0.1]])] + [torch.zeros(2, 3)] * 4
+    keep = B.trained_edges(tree, [0, 1, 3, 4], adv, 0)
+    chain = [[False, True, False], [True, False, False]]
+    none = [[False] * 3] * 2
+    assert [k.tolist() for k in keep] == [[[True] * 3] * 2, chain, none, chain, none]
+
+
+def test_width_extreme_keeps_at_least_two_chains_the_best_and_the_worst():
+    """--width-keep-ratio 0.25 of 4 chains is 1, raised to the floor of 2: each tree's lowest and highest advantage
+    (tree 0: children 1 and 2; tree 1: children 0 and 3)."""
+    tree = B.Tree(num_steps=4, splits=(0,), branch_factor=4, pruning="width", width_mode="extreme",
+                  width_keep_ratio=0.25)  # fmt: skip
+    adv = [torch.tensor([[0.3, -1.2, 0.8, 0.1], [-0.5, 0.4, 0.2, 0.9]])] + [torch.zeros(2, 4)] * 3
+    keep = B.trained_edges(tree, B.sde_steps(tree, 0), adv, 0)
+    chain = [[False, True, True, False], [True, False, False, True]]
+    assert [k.tolist() for k in keep] == [[[True] * 4] * 2, chain, chain, [[False] * 4] * 2]
+
+
+def test_path_fusion_of_two_trees_weighs_each_trees_own_leaves():
+    """Two trees of splits 0, 1 (K = 2, 4 leaves), gamma 0.5, temperature 2 (a softmax of 0.25 lp): tree 0 as in
+    test_branchgrpo.py's path fusion test, tree 1 with other rewards and log-probs; below the root a softmax over the
+    tree's own 4 leaves, below a depth-1 node over its 2."""
+    r = torch.tensor([[1.0, 2.0, 3.0, 5.0], [4.0, 0.0, -2.0, 6.0]])
+    lps = [
+        torch.tensor([0.4, 0.0, -0.2, 0.6]),  # step 0: tree 0's 2 edges, then tree 1's
+        torch.tensor([0.0, 1.0, 0.0, 0.0, 0.3, -0.4, 0.8, 0.0]),
+        torch.tensor([0.5, 0.0, 0.0, -1.0, 0.0, 0.2, -0.6, 1.0]),
+    ]
+    values = B.node_values(r, lps, [1, 2, 4, 4], "path", 0.5, 2.0)
+    # each leaf's path sums steps 0-2 below the root, steps 1-2 below depth 1
+    below_root = [[0.9, 1.4, 0.0, -1.0], [0.1, -0.4, 0.8, 1.6]]
+    below_one = [[0.5, 1.0, 0.0, -1.0], [0.3, -0.2, 0.2, 1.0]]
+
+    def fused(paths, rewards):
+        w = torch.softmax(0.25 * torch.tensor(paths, dtype=torch.float64), 0)
+        return float((w * torch.tensor(rewards, dtype=torch.float64)).sum())
+
+    root = [fused(below_root[t], r[t].tolist()) for t in range(2)]
+    one = [
+        [fused(below_one[t][2 * n : 2 * n + 2], r[t, 2 * n : 2 * n + 2].tolist()) for n in range(2)] for t in range(2)
+    ]
+    assert values[0].flatten().tolist() == pytest.approx(root, rel=1e-6)
+    assert values[1].flatten().tolist() == pytest.approx(one[0] + one[1], rel=1e-6)
+    torch.testing.assert_close(values[2], r.double())
