@@ -39,7 +39,7 @@ from tqdm import tqdm
 from common import InputError, RunError, shapesbench
 from common.attention import set_attention_backend
 from common.flags import check_guidance_scale_2, check_shift, need
-from common.models import check_model_id, has_two_experts
+from common.models import check_model_id, has_two_experts, is_video
 from common.models.wan import LOW_NOISE_LORA, WanExperts
 from common.prompts import HPDV2_STYLES, evenly_spaced, hpdv2_prompts, load_prompts
 from common.remote import RESUME, STOPS
@@ -527,7 +527,7 @@ def main(args: EvalArgs) -> None:
     kind = check_model_id(args.model_id)
     need(kind != "sd1", f"--model-id {args.model_id}: SD1.x (DDIM) is not evaluated here; flow models only")
     check_shift(args.shift, kind)
-    check_guidance_scale_2(args, kind == "wan" and has_two_experts(args.model_id))
+    check_guidance_scale_2(args, is_video(kind) and has_two_experts(args.model_id))
     reward_spec = parse_rewards(args.reward, args.reward_ckpt, args.reward_url)  # parsed once
     shapes_only = [c.name for c in reward_spec.components if c.kind.shapesbench]
     shapes_only += ["--prompts " + args.prompts] if args.prompts.startswith("shapes-") else []
@@ -540,7 +540,7 @@ def main(args: EvalArgs) -> None:
     models = [("base", None)] + [weights_folder(w) for w in args.weights]
     need(len({m for m, _ in models}) == len(models), "--weights: two rows with one name; give NAME=PATH")
     with stops_as_an_evaluation():
-        check_rewards(reward_spec, video=kind == "wan")
+        check_rewards(reward_spec, video=is_video(kind))
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     accelerator.print(set_attention_backend(args.attention_backend, accelerator.device))
     device, out = accelerator.device, Path(args.out)

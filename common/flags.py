@@ -30,7 +30,7 @@ import transformers
 import tyro
 
 from common import InputError, RunError
-from common.models import VIDEO_KINDS, check_model_id, check_num_frames, has_two_experts
+from common.models import check_model_id, check_num_frames, has_two_experts, is_video
 from common.prompts import HPDV2_HOWTO, SOURCES, load_prompts
 from common.rewards import RewardSpec, check_rewards, parse_rewards
 
@@ -255,14 +255,14 @@ def check_run_args(args, video: bool = True, differentiable: bool = False) -> tu
     kind = check_model_id(args.model_id)
     if kind != "shapes":
         check_not_shapesbench(args)
-    is_video = kind in VIDEO_KINDS
+    moving = is_video(kind)
     need(
-        video or not is_video,
+        video or not moving,
         f"--model-id {args.model_id} is a video model ({kind}), and {Path(sys.argv[0]).name} trains image models only "
         "(as its paper); train video with dancegrpo.py, branchgrpo.py or vgrpo.py",
     )
-    check_mode_flags(args, [(f, lambda a: is_video, "a video model (Wan2.1)") for f in ("num_frames", "reward_frames")])
-    two = is_video and has_two_experts(args.model_id)
+    check_mode_flags(args, [(f, lambda a: moving, "a video model (Wan2.1)") for f in ("num_frames", "reward_frames")])
+    two = moving and has_two_experts(args.model_id)
     check_mode_flags(args, [("experts", lambda a: two, "a two-expert Wan2.2-T2V-A14B")])
     check_guidance_scale_2(args, two)
     check_mode_flags(args, [("shift", lambda a: kind != "sd1", "a flow model (SD1.x samples DDIM timesteps)")])
@@ -271,7 +271,7 @@ def check_run_args(args, video: bool = True, differentiable: bool = False) -> tu
     if args.num_frames is not None:
         check_num_frames(args.num_frames)
     rewards = parse_rewards(args.reward, args.reward_ckpt, args.reward_url)  # parsed once; every later step reads it
-    check_rewards(rewards, is_video, None if kind == "shapes" else args.model_id, args.num_frames, differentiable)
+    check_rewards(rewards, moving, None if kind == "shapes" else args.model_id, args.num_frames, differentiable)
     return load_prompts(args.prompts, "--prompts"), load_prompts(args.eval_prompts, "--eval-prompts"), rewards
 
 

@@ -5,13 +5,15 @@ the first update the ratio is 1 and a group's surrogate averages to 0; RLR: the 
 loss itself). A DanceGRPO fork also changes its advantage and registers a
 reward from its own file, as docs/forking.md shows."""
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+from safetensors.torch import load_file
 
-from tests.helpers import ROOT, find_run, metrics
+from tests.helpers import ROOT, find_run, metrics, run_in_process
 
 QUICK = ["--iterations", "1", "--eval-every", "0", "--sample-every", "0", "--no-save"]
 FLAGS = {  # one optimizer step per iteration, so every logged figure comes from the same, unchanged weights
@@ -201,3 +203,54 @@ def test_a_fork_whose_loss_is_nan_stops_after_three_iterations_with_its_checkpoi
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001", "iter_000002"]
     assert not (run / "final").exists()
     assert [r["charts/skipped_updates"] for r in metrics(run)] == [1, 1, 1]
+
+
+NEW_KIND = '''"""A FLUX.1 fine-tune shipped with a pipeline class of its own, whose adapter goes on the queries and values only."""
+
+from diffusers import FluxPipeline
+
+from common.models.flux import FluxModel
+
+
+class MyFluxPipeline(FluxPipeline):
+    pass
+
+
+class MyFluxModel(FluxModel):
+    kind = "myflux"
+    pipeline = MyFluxPipeline  # loads the folder, saves final/
+    lora_targets = ["to_q", "to_v"]
+'''
+
+
+def test_a_new_model_kind_is_its_module_and_one_registry_entry(tmp_path, monkeypatch):
+    """Edit 1: the kind's module (its wrapper class: name, pipeline class, LoRA targets). Edit 2: its entry in
+    common.models.REGISTRY. Nothing else: a folder whose model_index.json names the new pipeline class loads as the
+    new kind, dancegrpo.py trains an iteration on it with the module's LoRA targets, and the pipeline class reads
+    final/."""
+    from common import models
+    from tests.tiny import RES, build_flux
+
+    (tmp_path / "myflux.py").write_text(NEW_KIND)  # edit 1
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import myflux
+
+    entry = models.Kind(myflux.MyFluxModel, ("MyFluxPipeline",))
+    monkeypatch.setattr(models, "REGISTRY", [*models.REGISTRY, entry])  # edit 2
+    folder = tmp_path / "model"
+    build_flux(folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "MyFluxPipeline"}))
+    (tmp_path / "prompts.txt").write_text("a red circle\na green square\n")
+    assert models.check_model_id(str(folder)) == "myflux"
+    flags = [*FLAGS["dancegrpo.py"], "--model-id", str(folder), "--resolution", str(RES), "--prompts",
+             str(tmp_path / "prompts.txt"), "--eval-prompts", str(tmp_path / "prompts.txt"), "--reward", "jpeg",
+             "--lora-rank", "4", "--iterations", "1", "--eval-every", "0", "--sample-every", "0", "--exp-name", "new"]  # fmt: skip
+    run_in_process("dancegrpo.py", flags, tmp_path / "runs")
+    run = find_run(tmp_path / "runs" / "new")
+    assert len([r for r in metrics(run) if "rewards/jpeg" in r]) == 1
+    layers = load_file(run / "final" / "pytorch_lora_weights.safetensors")
+    assert {k.split(".lora_")[0].rsplit(".", 1)[1] for k in layers} == {"to_q", "to_v"}  # the module's targets
+    pipe = myflux.MyFluxPipeline.from_pretrained(folder)
+    pipe.load_lora_weights(str(run / "final"))
+    assert pipe.transformer.peft_config

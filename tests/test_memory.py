@@ -331,3 +331,12 @@ def test_flux2_dev_plan_has_its_published_sizes_and_embeds_guidance():
     with memory.fake_world():
         module = memory.build_denoiser("flux2_dev", small, torch.bfloat16)
         assert memory.denoise(shapes, module, torch.zeros(1, *shapes.latent)).shape == (1, *shapes.latent)
+
+
+def test_every_registered_model_kind_has_a_memory_plan():
+    """A new model kind (an entry of common.models.REGISTRY) is asked for its plan here: its published sizes in
+    MODELS, and its latents, forward and decode in Shapes.of, denoise and vae_decode."""
+    from common.models import REGISTRY
+
+    assert {k.cls.kind for k in REGISTRY} - {"shapes"} <= set(memory.MODELS)  # ShapesBench is CPU-sized
+    assert {k.cls.kind for k in REGISTRY if k.video} <= set(memory.VIDEO_KINDS)

@@ -8,8 +8,10 @@ decode gives (B, F, 3, H, W) where an image model's gives (B, 3, H, W); the rewa
 SD1.x/2.x (for RLR) is a DDPM-style eps model, so it gets its own `DDIMModel`.
 
 One file per model family, as diffusers does: base.py (the interface), sd3.py (SD3.5 and ShapesBench), flux.py
-(FLUX.1), flux2.py (FLUX.2 [dev] and [klein]), qwenimage.py (Qwen-Image), zimage.py (Z-Image), wan.py (Wan2.1), sd1.py (SD1.x). This
-file loads a `--model-id` as the right kind and prepares what RL trains (LoRA or all weights) and saves.
+(FLUX.1), flux2.py (FLUX.2 [dev] and [klein]), qwenimage.py (Qwen-Image), zimage.py (Z-Image), wan.py (Wan2.1 and
+Wan2.2), sd1.py (SD1.x). This file registers them (REGISTRY: one entry per kind, which pipeline classes load as it
+and whether it makes videos), loads a `--model-id` as the right kind and prepares what RL trains (LoRA or all
+weights) and saves. A new kind is its module and one REGISTRY entry (docs/forking.md).
 
 The trainable denoiser is passed *into* `velocity`/`eps` rather than read from the object, so scripts
 can hand in a LoRA'd, DDP/FSDP-wrapped or reference copy of it. Everything else is frozen.
@@ -19,9 +21,9 @@ import contextlib
 import copy
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
-import diffusers
 import torch
 from huggingface_hub import hf_hub_download
 from peft import LoraConfig, get_peft_model_state_dict
@@ -38,24 +40,49 @@ from common.models.zimage import ZImageModel
 from common.shapesbench.builders import LATENT_PATH, SHAPESBENCH_KEY
 
 __all__ = [  # the interface the scripts, common/ and the tests use
-    "FlowModel", "SD3Model", "ShapesModel", "FluxModel", "Flux2Model", "QwenImageModel", "ZImageModel", "WanModel", "DDIMModel", "KINDS",
-    "VIDEO_KINDS",
+    "FlowModel", "SD3Model", "ShapesModel", "FluxModel", "Flux2Model", "QwenImageModel", "ZImageModel", "WanModel", "DDIMModel",
+    "Kind", "REGISTRY", "KINDS", "VIDEO_KINDS", "registered", "is_video",
     "check_model_id", "has_two_experts", "check_num_frames", "load_model", "LORA_TARGETS", "trainable_denoiser", "frozen_copy",
     "base_weights", "reference_velocity", "add_lora", "save_trained_weights", "_cfg", "_Parts",
 ]  # fmt: skip
 SHAPESBENCH_DIR = LATENT_PATH  # what --model-id shapesbench loads
-# model_index.json `_class_name` -> kind; a StableDiffusion3Pipeline folder with the key "_shapesbench" is "shapes"
-KINDS = {
-    "FluxPipeline": "flux",
-    "QwenImagePipeline": "qwen",
-    "Flux2Pipeline": "flux2",
-    "Flux2KleinPipeline": "flux2",
-    "ZImagePipeline": "zimage",
-    "StableDiffusion3Pipeline": "sd3",
-    "StableDiffusionPipeline": "sd1",
-    "WanPipeline": "wan",
-}
-VIDEO_KINDS = ("wan",)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A model kind: its wrapper class in common/models/<family>.py (`cls.kind` names it; `cls.pipeline` and
+    `cls.from_folder` load a folder; `cls.lora_targets`, if set, is what --lora adapts instead of LORA_TARGETS) and the
+    model_index.json `_class_name`s that load as it. A new kind is its module and one entry of REGISTRY."""
+
+    cls: type
+    pipelines: tuple[str, ...]
+    video: bool = False  # decodes (B, F, 3, H, W): takes --num-frames and the rewards of videos
+
+
+REGISTRY = [  # read at each call (not copied at import), so an entry added at run time counts
+    Kind(FluxModel, ("FluxPipeline",)),
+    Kind(QwenImageModel, ("QwenImagePipeline",)),
+    Kind(Flux2Model, ("Flux2Pipeline", "Flux2KleinPipeline")),
+    Kind(ZImageModel, ("ZImagePipeline",)),
+    Kind(SD3Model, ("StableDiffusion3Pipeline",)),  # ShapesModel: such a folder with the key "_shapesbench" (_kind)
+    Kind(ShapesModel, ()),
+    Kind(DDIMModel, ("StableDiffusionPipeline",)),
+    Kind(WanModel, ("WanPipeline",), video=True),
+]
+
+
+def registered(kind: str) -> Kind:
+    """The REGISTRY entry of the kind named `kind` ('flux', 'wan', ...)."""
+    return next(k for k in REGISTRY if k.cls.kind == kind)
+
+
+def is_video(kind: str) -> bool:
+    return registered(kind).video
+
+
+# model_index.json `_class_name` -> kind, and the video kinds, as REGISTRY has them at import
+KINDS = {name: k.cls.kind for k in REGISTRY for name in k.pipelines}
+VIDEO_KINDS = tuple(k.cls.kind for k in REGISTRY if k.video)
 HOW_TO_GET_WEIGHTS = (
     "To run without hub access: on a machine with internet run `hf download <hub-id> --local-dir /path` "
     "(e.g. black-forest-labs/FLUX.1-dev; gated models need their licence accepted and `hf auth login`), copy /path "
@@ -113,9 +140,10 @@ def has_two_experts(model_id: str) -> bool:
 
 def _kind(index: dict, model_id: str) -> str:
     name = index.get("_class_name")
-    if name not in KINDS:
-        raise InputError(f"--model-id {model_id}: unsupported model class {name!r}; supported: {', '.join(KINDS)}")
-    return "shapes" if index.get(SHAPESBENCH_KEY) and name == "StableDiffusion3Pipeline" else KINDS[name]
+    names = {p: k.cls.kind for k in REGISTRY for p in k.pipelines}
+    if name not in names:
+        raise InputError(f"--model-id {model_id}: unsupported model class {name!r}; supported: {', '.join(names)}")
+    return "shapes" if index.get(SHAPESBENCH_KEY) and name == "StableDiffusion3Pipeline" else names[name]
 
 
 def load_model(
@@ -136,23 +164,10 @@ def load_model(
     """
     index, where = _model_index(model_id)
     kind = _kind(index, model_id)
-    if num_frames is not None and kind not in VIDEO_KINDS:
+    if num_frames is not None and not is_video(kind):
         raise InputError(f"--num-frames only applies to a video model (Wan2.1); --model-id {model_id} is {kind}")
     try:
-        if kind == "sd1":
-            pipe = DDIMModel.pipeline.from_pretrained(
-                where, dtype=dtype, safety_checker=None, requires_safety_checker=False
-            )
-            model = DDIMModel(pipe, resolution)
-        elif kind == "flux2":  # [dev] or [klein]: the folder's own pipeline class
-            model = Flux2Model(getattr(diffusers, index["_class_name"]).from_pretrained(where, dtype=dtype), resolution)
-        elif kind == "wan":
-            model = WanModel(WanModel.pipeline.from_pretrained(where, dtype=dtype), resolution, num_frames)
-        else:
-            model_cls = {"flux": FluxModel, "sd3": SD3Model, "shapes": ShapesModel, "qwen": QwenImageModel}
-            model_cls |= {"zimage": ZImageModel}
-            model_cls = model_cls[kind]
-            model = model_cls(model_cls.pipeline.from_pretrained(where, dtype=dtype), resolution)
+        model = registered(kind).cls.from_folder(where, index, dtype, resolution, num_frames)
     except OSError as e:  # model_index.json found but weights not (partial download / cache)
         raise InputError(f"--model-id {model_id}: could not load the weights ({e}). {HOW_TO_GET_WEIGHTS}") from None
     return model.to(device, offload=offload)

@@ -86,6 +86,13 @@ class _Parts:
         idx = torch.tensor([row[p] for p in prompts], device=self.device)  # (B,) into the distinct prompts' rows
         return {k: v[idx] for k, v in cond.items()}
 
+    @classmethod
+    def from_folder(cls, where: str, index: dict, dtype, resolution: int | None, num_frames: int | None = None):
+        """The wrapper of a pipeline folder or hub id `where` (its model_index.json is `index`), all parts in `dtype`:
+        the kind's diffusers pipeline loads it. A kind whose pipeline takes more (its own class per folder, a frame
+        count) overrides this."""
+        return cls(cls.pipeline.from_pretrained(where, dtype=dtype), resolution)
+
     def _encode(self, prompts):
         raise NotImplementedError
 

@@ -41,6 +41,11 @@ class Flux2Model(FlowModel):
         self.img_ids = pipe._prepare_latent_ids(shape_only)[0]  # (seq, 4): t, h, w, l on the CPU; to x's in velocity
         self.distilled = isinstance(pipe, Flux2KleinPipeline) and pipe.config.is_distilled
 
+    @classmethod
+    def from_folder(cls, where, index, dtype, resolution, num_frames=None):
+        pipeline = {"Flux2Pipeline": Flux2Pipeline, "Flux2KleinPipeline": Flux2KleinPipeline}[index["_class_name"]]
+        return cls(pipeline.from_pretrained(where, dtype=dtype), resolution)  # [dev] or [klein]: the folder's own
+
     def latent_shape(self):
         return (self.grid[0] * self.grid[1], self.transformer.config.in_channels)  # (seq, 4 * 32)
 

@@ -28,6 +28,11 @@ class DDIMModel(_Parts):
         if self.prediction_type not in ("epsilon", "v_prediction"):
             raise InputError(f"unsupported prediction_type {self.prediction_type!r} in --model-id's scheduler config")
 
+    @classmethod
+    def from_folder(cls, where, index, dtype, resolution, num_frames=None):
+        pipe = cls.pipeline.from_pretrained(where, dtype=dtype, safety_checker=None, requires_safety_checker=False)
+        return cls(pipe, resolution)
+
     def latent_shape(self):
         return (self.pipe.vae.config.latent_channels, self.height // self.vae_scale, self.width // self.vae_scale)
 

@@ -90,6 +90,10 @@ class WanModel(FlowModel):
     native_5b = ((704, 1280), 121)  # Wan2.2-TI2V-5B's own 720p, 121 frames (5 s at 24 fps), as its model card runs it
     guidance_scale_2 = None  # A14B: the low-noise expert's CFG scale (trainable_denoiser sets --guidance-scale-2)
 
+    @classmethod
+    def from_folder(cls, where, index, dtype, resolution, num_frames=None):
+        return cls(cls.pipeline.from_pretrained(where, dtype=dtype), resolution, num_frames)
+
     def __init__(self, pipe: WanPipeline, resolution: int | None, num_frames: int | None):
         self.per_token = bool(pipe.config.expand_timesteps)  # Wan2.2-TI2V-5B
         denoiser, self.boundary = pipe.transformer, None
