@@ -114,3 +114,67 @@ def test_surrogate_noises_each_pair_by_the_forward_process_and_passes_its_settin
     torch.testing.assert_close(values, expected.view(2, 2))
     torch.testing.assert_close(x0_hat, expected_x0.view(2, 2, 1))
     assert not torch.allclose(expected, V.pair_values(0.5 * z, rows, z, eps_rows, t.reshape(4), "x", False)[0])
+
+
+def test_draw_pairs_are_keyed_draws_of_t_and_eps_shared_or_per_image():
+    """Timesteps from keyed_generator(*key, 'pairs_t', *k), noise from keyed_generator(*key, 'pairs_eps', *k), k empty
+    when shared, the image's index otherwise. On a grid of 10 timesteps, stratified: one index in each of the chunks
+    0-3, 4-6, 7-9 (tensor_split), else 3 uniform indices; without a grid, u ~ U(0, 1)^3, stratified (i + u_i) / 3."""
+    from common.sampling import keyed_generator as rng
+
+    grid, key = torch.linspace(0.95, 0.05, 10), (3, 5)
+
+    def eps(*k):
+        return torch.randn((3, 2), generator=rng(*key, "pairs_eps", *k))
+
+    def strata(*k):
+        g = rng(*key, "pairs_t", *k)
+        return [lo + int(torch.randint(n, (1,), generator=g)[0]) for lo, n in ((0, 4), (4, 3), (7, 3))]
+
+    t, e = V.draw_pairs(grid, 3, (2,), key, [4, 7])  # stratified and shared: one draw for both images
+    assert t.tolist() == [grid[strata()].tolist()] * 2 and torch.equal(e, torch.stack([eps(), eps()]))
+    t, e = V.draw_pairs(grid, 3, (2,), key, [4, 7], stratified=False, shared=False)
+    idx = [torch.randint(10, (3,), generator=rng(*key, "pairs_t", k)) for k in (4, 7)]
+    assert t.tolist() == [grid[i].tolist() for i in idx] and torch.equal(e, torch.stack([eps(4), eps(7)]))
+    u = [torch.rand(3, generator=rng(*key, "pairs_t", k)) for k in (4, 7)]
+    t, e = V.draw_pairs(None, 3, (2,), key, [4, 7], shared=False)
+    torch.testing.assert_close(t, torch.stack([(torch.arange(3) + v) / 3 for v in u]))
+    assert torch.equal(e, torch.stack([eps(4), eps(7)]))  # the same noise whatever the timesteps' draw
+    t, _ = V.draw_pairs(None, 3, (2,), key, [4, 7], stratified=False, shared=False)
+    assert torch.equal(t, torch.stack(u))
+
+
+def test_stratified_indices_draw_one_index_per_chunk_in_turn():
+    """grid 10, 3 chunks (0-3, 4-6, 7-9): one randint(len(chunk), (1,)) per chunk from the one generator, in order."""
+    from common.sampling import keyed_generator as rng
+
+    g = rng(1, "strata")
+    expected = [lo + int(torch.randint(n, (1,), generator=g)[0]) for lo, n in ((0, 4), (4, 3), (7, 3))]
+    assert V.stratified_indices(10, 3, rng(1, "strata")).tolist() == expected
+
+
+def test_group_advantages_by_hand_each_group_by_its_own_std_and_its_floor():
+    """Groups (0, 2e-6) and (1, 4): unbiased stds sqrt(2) 1e-6 and 3 / sqrt(2); A = +-1e-6 / (sqrt(2) 1e-6 + 1e-8) =
+    +-0.702137 (the 1e-8 floor added, not subtracted: +-0.712121) and +-1.5 / (3 / sqrt(2) + 1e-8) = +-0.707107."""
+    adv = V.group_advantages(torch.tensor([0.0, 2e-6, 1.0, 4.0], dtype=torch.float64), 2)
+    near = 1e-6 / (2**0.5 * 1e-6 + 1e-8)
+    assert adv.tolist() == pytest.approx([-near, near, -(0.5**0.5), 0.5**0.5], rel=1e-6)
+
+
+def test_the_policy_figures_by_hand():
+    """Two pairs per image whose values move by d +- 0.1 (mean d = log 1.25, 0, -log 2), so the ratios are 1.25, 1,
+    0.5 and the clip 0.25: ratio_max_dev = 0.5, log_ratio_max_abs = log 2, clipfrac counts |r - 1| > 0.25 strictly
+    (1.25 sits on the edge: 1/3), approx_kl = 0.5 d^2 per image: 0.024897, 0, 0.240227."""
+    import math
+
+    d = torch.tensor([math.log(1.25), 0.0, -math.log(2.0)], dtype=torch.float64)
+    old = torch.tensor([[-0.7, -0.5]] * 3, dtype=torch.float64)
+    values = old + d[:, None] + torch.tensor([0.1, -0.1], dtype=torch.float64)
+    edge = float(torch.exp(values[0].mean() - old[0].mean())) - 1  # 0.25 as the ratio computes it
+    _, figures = V.policy_loss(values, old, torch.ones(3), None, None, clip_range=edge, kl_beta=0.0)
+    assert set(figures) == {"policy", "ratio_mean", "ratio_max_dev", "log_ratio_max_abs", "clipfrac", "approx_kl"}
+    assert figures["ratio_mean"].tolist() == pytest.approx([1.25, 1.0, 0.5])
+    assert figures["ratio_max_dev"].item() == pytest.approx(0.5)
+    assert figures["log_ratio_max_abs"].item() == pytest.approx(math.log(2.0))
+    assert figures["clipfrac"].item() == pytest.approx(1 / 3)
+    assert figures["approx_kl"].tolist() == pytest.approx([0.024897, 0.0, 0.240227], abs=1e-6)
