@@ -165,3 +165,45 @@ def test_the_iterations_timings_are_durations(tmp_path):
     (row,) = read_metrics(run.dir)
     assert 0 <= row["perf/iteration_s"] <= row["perf/wall_s"] < 600
     assert row["perf/peak_mem_gb"] >= 0
+
+
+class FsdpOnCpu(Accelerator):
+    """A CPU accelerator that says it runs under FSDP: what Run checks of it."""
+
+    distributed_type = DistributedType.FSDP
+
+
+def test_a_run_without_a_frozen_copy_is_accepted_under_fsdp(tmp_path):
+    """rlr.py builds its Run without frozen_copy: under FSDP that run is accepted; one with a frozen copy is not."""
+    Run(RunArgs(exp_name="t", output_dir=str(tmp_path), lora=False), FsdpOnCpu(cpu=True), "t")
+    with pytest.raises(InputError):
+        Run(
+            RunArgs(exp_name="t", output_dir=str(tmp_path / "b"), lora=False),
+            FsdpOnCpu(cpu=True),
+            "t",
+            frozen_copy=True,
+        )
+
+
+def test_a_lora_runs_checkpoint_holds_only_the_trained_tensors(tmp_path):
+    """With --lora a checkpoint holds the trained parameters only (the adapter), not the frozen base: a model of a
+    frozen layer 0 and a trained layer 1 saves 1.weight and 1.bias."""
+    from safetensors.torch import load_file
+
+    run = run_of(tmp_path, lora=True)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    model[0].requires_grad_(False)
+    run.accelerator.prepare(model)
+    run.checkpoint(1, final=True)
+    assert sorted(load_file(run.ckpt.dir / "iter_000001" / "model.safetensors")) == ["1.bias", "1.weight"]
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_resume_flag_as_given(tmp_path):
+    """--resume-from a run folder whose newest checkpoint is empty: one error naming the flag's value and the folder."""
+    folder = tmp_path / "t__0__5"
+    (folder / "checkpoints" / "iter_000002").mkdir(parents=True)
+    run = run_of(tmp_path, resume_from=str(folder))
+    with pytest.raises(InputError) as e:
+        run.resume()
+    ckpt = folder / "checkpoints" / "iter_000002"
+    assert str(e.value).startswith(f"--resume-from {folder}: {ckpt} is not a checkpoint of this script and settings (")
