@@ -47,12 +47,13 @@ from typing import Literal
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 
+from common.checkpoints import Carried
 from common.evaluator import Evaluator
 from common.flags import RunArgs, check_mode_flags, check_run_args, cli, flags_of, need
 from common.logs import reward_stats, summarize
-from common.models import base_weights, frozen_copy, load_model, trainable_denoiser
+from common.models import base_weights, frozen_copy, load_model, trainable_denoiser, weights_swapped
 from common.prompts import draw_prompts
 from common.rewards import RewardSpec, build_reward
 from common.runs import Run, all_finite
@@ -104,6 +105,11 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     kl_ref: Literal["behaviour", "base"] = "base"
     """KL reference: 'behaviour' = the policy that sampled this iteration (paper); 'base' = the model before training
     (frozen copy, or LoRA adapter off; N_MC more forwards per image), so drift cannot accumulate over iterations"""
+    ema: bool = False
+    """evaluate and save (final/) an EMA of the trained weights, as diffusionnft.py does, so that the two compare on
+    the same kind of weights; off by default (the paper evaluates the trained weights)"""
+    ema_max_decay: float = 0.9
+    """EMA decay after s optimizer steps: min((1 + s) / (10 + s), this) (diffusionnft.py's default)"""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -111,6 +117,7 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
 # ---------------------------------------------------------------------------------------------------
 MODE_FLAGS = [  # a flag of another mode is an error unless left at its default (no dead flags)
     ("kl_ref", lambda a: a.kl_beta > 0, "--kl-beta > 0"),
+    ("ema_max_decay", lambda a: a.ema, "--ema"),
 ]
 
 
@@ -139,6 +146,7 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
         args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0 and args.adv_soft_clip >= 0,
         "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0, --adv-soft-clip >= 0",
     )
+    need(0 <= args.ema_max_decay < 1, "--ema-max-decay must be in [0, 1)")
     return check_run_args(args)
 
 
@@ -307,6 +315,18 @@ def policy_loss(values, old_values, adv, x0_hat, ref_x0, *, clip_range, kl_beta)
     return loss, {k: v.detach() for k, v in figures.items()}
 
 
+def ema_decay(step: int, max_decay: float) -> float:  # same as in diffusionnft.py
+    """Decay of the evaluation EMA after `step` optimizer steps: min((1 + s) / (10 + s), max_decay)."""
+    return min((1 + step) / (10 + step), max_decay)
+
+
+@torch.no_grad()
+def soft_update(targets, sources, decay: float) -> None:  # same as in diffusionnft.py
+    """targets <- decay targets + (1 - decay) sources, in place (lerp: decay 0 copies the sources bitwise)."""
+    for t, s in zip(targets, sources, strict=True):
+        t.lerp_(s.detach(), 1 - decay)
+
+
 def coefficient_of_variation(s: torch.Tensor, group_size: int) -> tuple[float, float]:
     """(overall, within-group) coefficient of variation std / |mean| of per-image surrogates (N,) in global order;
     the within-group one is averaged over groups."""
@@ -322,6 +342,11 @@ def main(args: Args):
     inputs = resolve_and_check(args)  # flags checked, prompts read, --reward parsed, before any model loads
     S, G = args.samples_per_device, args.group_size
     need(S * world % G == 0, f"--samples-per-device {S} x {world} processes must be a multiple of --group-size {G}")
+    need(
+        not args.ema or accelerator.distributed_type != DistributedType.FSDP,
+        "--ema keeps an EMA beside the trained weights, which FSDP would shard: use DDP (accelerate launch "
+        "--multi_gpu) with --lora, or leave --ema off",
+    )
     base_kl = args.kl_beta > 0 and args.kl_ref == "base"
     run = Run(args, accelerator, "V-GRPO", frozen_copy=base_kl and not args.lora)
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
@@ -348,6 +373,9 @@ def main(args: Args):
     params = [p for p in denoiser.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     denoiser, optimizer = accelerator.prepare(denoiser, optimizer)
+    ema = [p.detach().clone() for p in params] if args.ema else []  # the evaluation EMA (--ema)
+    if args.ema:  # registered only with --ema: the default run's checkpoints stay as they were
+        accelerator.register_for_checkpointing(Carried(ema=ema))  # before resume() loads it
 
     # ---------------------------------------------------------------- RESUME, EVALUATOR, BANNER
     start = run.resume()  # 0, or the iteration of the --resume-from checkpoint (weights, optimizer, RNG, counters)
@@ -367,10 +395,12 @@ def main(args: Args):
         f"prediction, variance reduction {'off: ' + off if off else 'all on'}; micro-batch {mb} images x {args.n_mc}",
         f"optimizer steps / iteration {updates_per_iter} ({args.samples_per_update} images per process each), "
         f"denoiser forwards per image {nfe}; clip {args.clip_range}, KL beta {args.kl_beta} to the {args.kl_ref} "
-        f"policy, adv soft clip {args.adv_soft_clip or 'off'}",
+        f"policy, adv soft clip {args.adv_soft_clip or 'off'}; EMA for evaluation "
+        + (f"(max decay {args.ema_max_decay})" if args.ema else "off"),
     ]
     run.banner(model, params, lines)
-    evaluate(start, final=start == args.iterations)  # at the start; resumed: what the interrupted run missed
+    with weights_swapped(params, ema, args.ema):  # evaluation sees the EMA weights, as in diffusionnft.py
+        evaluate(start, final=start == args.iterations)  # at the start; resumed: what the interrupted run missed
     for it in run.iterations(start):
         # ------------------------------------------------------------ SAMPLING
         # The same prompt draw on every process; process r owns global samples [r S, (r + 1) S).
@@ -457,6 +487,8 @@ def main(args: Args):
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             run.count_step(lr, norm, stepped)  # logged at the iteration's end; the warmup and resume count it
+            if stepped and args.ema:  # as in diffusionnft.py: a skipped step moves neither the weights nor the EMA
+                soft_update(ema, params, ema_decay(run.optimizer_steps, args.ema_max_decay))
 
         # ------------------------------------------------------------ LOGGING
         cv, group_cv = coefficient_of_variation(all_old, args.group_size)
@@ -480,6 +512,7 @@ def main(args: Args):
             "perf/sampling_s": t_sample,
             "perf/reward_wait_s": reward_fn.wait_s,
             "perf/behaviour_s": t_old,
+            **({"charts/ema_decay": ema_decay(run.optimizer_steps, args.ema_max_decay)} if args.ema else {}),
         }
         run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
@@ -487,10 +520,12 @@ def main(args: Args):
         run.checkpoint(it + 1, final=it + 1 == args.iterations)  # + on SIGTERM / Ctrl-C, then exits
 
         # ------------------------------------------------------------ EVAL
-        evaluate(it + 1, final=it + 1 == args.iterations)
+        with weights_swapped(params, ema, args.ema):  # as in diffusionnft.py
+            evaluate(it + 1, final=it + 1 == args.iterations)
 
     # ---------------------------------------------------------------- FINAL SAVE
-    run.save_final(model, denoiser, args.lora)
+    with weights_swapped(params, ema, args.ema):  # final/ holds the EMA weights, as in diffusionnft.py
+        run.save_final(model, denoiser, args.lora)
 
 
 if __name__ == "__main__":
