@@ -1,13 +1,137 @@
-"""vgrpo.py --ema by hand at a non-neutral decay, and the default run (no EMA) unchanged."""
+"""benchmarks/nft_vs_vgrpo.py: steps to a threshold, censoring, the median's interval and the ratios on hand-made
+curves worked out by hand; each setting's flags (the papers' numbers) as the scripts parse them; the child process's
+evaluation flags and stretched old-policy schedule; vgrpo.py --ema by hand at a non-neutral decay, and the default
+run (no EMA) unchanged."""
+
+import importlib.util
+import sys
 
 import pytest
 import torch
 from accelerate import Accelerator
 
+import diffusionnft as N
 import vgrpo as V
 from common.checkpoints import Carried
+from common.flags import parse_flags
 from common.runs import Run
+from tests.helpers import ROOT
 from tests.test_flags_applied import QUIET, run_flags, train_rows
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("nft_vs_vgrpo", ROOT / "benchmarks" / "nft_vs_vgrpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+B = load()
+
+
+def curve(steps, rewards, train_time=0.0):
+    """compare.curves' shape: evaluations (optimizer steps, learned reward) and the training time."""
+    return {"evals": [{"steps": s, "reward_mean": r} for s, r in zip(steps, rewards)], "train_time": train_time}
+
+
+# ---------------------------------------------------------------- statistics by hand
+def test_steps_to_a_threshold_counts_an_exact_hit_and_censors_a_miss():
+    c = curve([0, 2, 4, 6], [0.5, 0.5625, 0.625, 0.5625])  # binary fractions: the sums below are exact
+    assert B.steps_to(c["evals"], 0.5 + 0.125) == (4, False)  # reached at exactly the threshold
+    assert B.steps_to(c["evals"], 0.5 + 0.0625) == (2, False)  # the first evaluation that reaches it, not the last
+    assert B.steps_to(c["evals"], 0.5 + 0.25) == (6, True)  # never: censored at the run's last steps (> 6)
+    assert B.steps_to(c["evals"], 0.5) == (0, False)  # the start itself reaches a zero gain
+
+
+def test_median_interval_and_ratio_with_censored_runs():
+    s = B.summary([(4, False), (6, True), (2, False)])
+    assert (s["median"], s["low"], s["high"], s["reached"], s["n"]) == ((4, False), (2, False), (6, True), 2, 3)
+    assert s["coverage"] == 0.75  # P(min < median < max) = 1 - 2 x (1/2)^3
+    assert B.cell(s) == "4 [2, >6] (2/3)"
+    assert B.summary([(2, False)] * 5)["coverage"] == 1 - 2 / 32
+    even = B.summary([(6, True), (2, False)])  # (2 + x) / 2 with x > 6: > 4
+    assert even["median"] == (4, True) and B.cell(even) == ">4 [2, >6] (1/2)"
+    none = B.summary([(6, True)] * 3)
+    assert B.cell(none) == ">6 [>6, >6] (0/3)"
+    reached = B.summary([(4, False)] * 3)
+    assert B.step_ratio(B.summary([(8, False)] * 3), reached) == "2.00"
+    assert B.step_ratio(B.summary([(12, True)] * 3), reached) == ">3.00"  # DiffusionNFT never got there: a bound
+    assert B.step_ratio(reached, B.summary([(8, True)] * 3)) == "<0.50"
+    assert B.step_ratio(none, none) == "n/a"
+
+
+def results_by_hand():
+    """Every run kind, seeds 0 and 1 (starting at 0.5 and 0.25); V-GRPO reaches +0.125 at steps 2 and 4, DiffusionNFT
+    at 4 in seed 0 and never in seed 1 (6 steps); training at 1 and 2 s per step (seed 1: 1 and 4)."""
+    v = [curve([0, 2, 4, 6], [0.5, 0.625, 0.75, 0.75], 6.0), curve([0, 2, 4, 6], [0.25, 0.25, 0.375, 0.5], 6.0)]
+    n = [curve([0, 2, 4, 6], [0.5, 0.5, 0.625, 0.75], 12.0), curve([0, 2, 4, 6], [0.25, 0.25, 0.25, 0.25], 24.0)]
+    return {k: (v if m == "vgrpo" else n) for k, (m, _, _) in B.configs().items()}
+
+
+def test_thresholds_are_each_seeds_start_plus_the_gain_and_a_miss_is_counted():
+    rows = B.threshold_rows(results_by_hand(), [0, 1], [0.125, 0.25])
+    assert len(rows) == 2 * 2 * 2  # settings x weights x gains
+    r = rows[0]
+    assert (r["setting"], r["weights"], r["gain"]) == ("default", "live", 0.125)
+    assert r["target"] == 0.375 + 0.125  # the mean threshold over the seeds (0.625 and 0.375)
+    # V-GRPO: seed 0 reaches 0.625 at step 2, seed 1 0.375 at step 4; median of 2 = their mean
+    assert B.cell(r["vgrpo"]) == "3 [2, 4] (2/2)"
+    # DiffusionNFT: seed 0 at step 4, seed 1 never (> 6): median (4 + x) / 2 > 5
+    assert B.cell(r["diffusionnft"]) == ">5 [4, >6] (1/2)" and r["ratio"] == ">1.67"
+    r = rows[1]  # +0.25: V-GRPO seed 0 at 4 (0.75), seed 1 at 6 (0.5); DiffusionNFT seed 0 at 6, seed 1 never
+    assert B.cell(r["vgrpo"]) == "5 [4, 6] (2/2)" and B.cell(r["diffusionnft"]) == ">6 [6, >6] (1/2)"
+
+
+def test_wall_time_per_step_ratio_of_the_means_with_the_seeds_range():
+    (r, *_) = B.time_rows(results_by_hand())
+    assert (r["vgrpo"], r["diffusionnft"]) == (1.0, 3.0)  # 6 / 6 per seed; (12 / 6 + 24 / 6) / 2
+    assert r["ratio"] == 3.0 and (r["low"], r["high"]) == (2.0, 4.0)
+
+
+# ---------------------------------------------------------------- each setting's flags
+def parsed(module, key):
+    return parse_flags(module.Args, B.flags_of(*B.configs()[key]))
+
+
+def test_the_defaults_are_the_scripts_own_and_the_weights_flags_differ_only_in_the_ema():
+    assert B.flags_of("vgrpo", "default", "live") == [] and B.flags_of("diffusionnft", "default", "ema") == []
+    assert parsed(V, "vgrpo_default_live") == parse_flags(V.Args, [])
+    assert parsed(V, "vgrpo_default_ema").ema and not parsed(V, "vgrpo_default_live").ema
+    assert parsed(N, "diffusionnft_default_ema").ema and not parsed(N, "diffusionnft_default_live").ema
+    assert len(B.configs()) == 8
+
+
+def test_the_papers_settings_as_the_scripts_read_them():
+    v = parsed(V, "vgrpo_paper_live")  # arXiv 2604.23380, SD3.5-M stage 1
+    assert v.samples_per_device // v.samples_per_update == 1  # one optimizer step per iteration
+    assert (v.n_mc, v.adv_soft_clip, v.kl_beta, v.pair_times) == (4, 3.0, 0.0, "grid")
+    n = parsed(N, "diffusionnft_paper_live")  # arXiv 2509.16117, the multi-reward config
+    assert n.samples_per_device // n.samples_per_update == 1
+    assert N.n_train_timesteps(n.num_steps, n.timestep_fraction) == 9  # 9 of 10 grid timesteps
+    assert (n.beta, n.old_decay, n.kl_beta, n.ema) == (0.1, "linear", 1e-4, False)
+    # the schedule stretched to the run: 1700 paper steps over 30 here, so eta's cap 0.5 comes after 500 / 56.7 steps
+    k = B.old_decay_scale("diffusionnft", "paper", 30)
+    assert k == pytest.approx(1700 / 30)
+    assert N.old_decay(8 * k, "linear") == pytest.approx(0.001 * 8 * 1700 / 30) and N.old_decay(9 * k, "linear") == 0.5
+    assert B.old_decay_scale("diffusionnft", "default", 30) == B.old_decay_scale("vgrpo", "paper", 30) == 1
+
+
+def test_the_child_evaluates_every_iteration_and_stretches_only_diffusionnfts_schedule(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(sys, "argv", sys.argv)  # the child sets it; given back after the test
+    monkeypatch.setattr(N, "old_decay", N.old_decay)  # given back after the test
+    monkeypatch.setattr(N, "main", lambda args: seen.update(args=args, eta=N.old_decay(1, "linear")))
+    argv = B.child_argv("diffusionnft_paper_ema", 10, 2, 16)
+    assert argv[:3] == ["benchmarks/nft_vs_vgrpo.py", "--train", "diffusionnft.py"]
+    # what run_one appends after the argv: its own evaluation schedule, which the child's overrides
+    B.train([*argv[2:], "--seed", "1", "--eval-every", "5", "--eval-samples-per-prompt", "4"])
+    a = seen["args"]
+    assert (a.eval_every, a.eval_samples_per_prompt, a.eval_max_prompts, a.seed, a.iterations) == (1, 2, 16, 1, 10)
+    assert a.beta == 0.1 and a.ema
+    assert seen["eta"] == pytest.approx(0.001 * 170)  # old_decay(1 x 1700 / 10)
+    with pytest.raises(SystemExit):  # V-GRPO has no old policy to stretch
+        B.train(["vgrpo.py", "--old-decay-scale", "2", "--"])
+
 
 # ---------------------------------------------------------------- vgrpo.py --ema
 TINY = ["--iterations", "1", "--samples-per-device", "8", "--group-size", "4", "--rollout-batch-size", "4",
@@ -60,3 +184,15 @@ def test_vgrpo_default_saves_the_live_weights_and_carries_nothing_more(monkeypat
     assert all(torch.equal(f, p) for f, p in zip(final, record["steps"][-1]["after"], strict=True))
     assert registered == [] and "charts/ema_decay" not in train_rows(record)[0]
     assert not V.Args().ema
+
+
+def test_the_report_lists_every_run_and_the_censored_cells():
+    results = results_by_hand()
+    shown = {k: B.describe(k, 30) for k in results}
+    text = B.report(results, [0, 1], [0.125], shown, "python benchmarks/nft_vs_vgrpo.py", 1, 1)
+    assert "| `diffusionnft_paper_live` | `diffusionnft.py --samples-per-update 64" in text
+    assert "(old-policy schedule stretched x56.7)" in text and text.count("schedule stretched") == 2
+    assert (
+        "| ShapesBench defaults | live weights | +0.125 (0.500) | 3 [2, 4] (2/2) | >5 [4, >6] (1/2) | >1.67 |" in text
+    )
+    assert "a 50% distribution-free confidence interval for the median with 2 seeds" in text
