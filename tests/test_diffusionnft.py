@@ -196,6 +196,9 @@ def test_old_policy_schedules_by_hand():
         assert N.old_decay(s, "linear") == pytest.approx(eta)
     for s, eta in delayed.items():
         assert N.old_decay(s, "delayed") == pytest.approx(eta)
+    # --old-decay-speed k reads the schedule at k s: 40 steps at 12.5 are the official run's 500 (linear's cap)
+    assert N.old_decay(20, "linear", 12.5) == pytest.approx(0.25) and N.old_decay(40, "linear", 12.5) == 0.5
+    assert N.old_decay(3, "delayed", 25) == 0 and N.old_decay(4, "delayed", 25) == pytest.approx(0.1875)
 
 
 def test_ema_decay_and_soft_update():

@@ -481,8 +481,8 @@ def test_diffusionnft_main_applies_the_sampling_and_training_flags(monkeypatch, 
     argv = ["--iterations", "1", "--samples-per-device", "8", "--group-size", "4", "--rollout-batch-size", "2",
             "--train-batch-size", "2", "--samples-per-update", "4", "--num-steps", "4", "--timestep-fraction", "0.5",
             "--shift", "2", "--solver", "euler", "--beta", "0.5", "--kl-beta", "0.1", "--adv-clip-max", "0.5",
-            "--no-self-normalize", "--old-decay", "delayed", "--ema-max-decay", "0.2", "--learning-rate", "1e-2",
-            *QUIET]  # fmt: skip
+            "--no-self-normalize", "--old-decay", "delayed", "--old-decay-speed", "40", "--ema-max-decay", "0.2",
+            "--learning-rate", "1e-2", *QUIET]  # fmt: skip
     tape, record = run_flags(N, monkeypatch, tmp_path, argv, ["rollout", "nft_advantages", "policy_loss"])
     rollouts = tape.calls["rollout"]
     assert [len(c[0][3]) for c in rollouts] == [2, 2, 2, 2]  # --rollout-batch-size 2 of --samples-per-device 8
@@ -511,7 +511,9 @@ def test_diffusionnft_main_applies_the_sampling_and_training_flags(monkeypatch, 
     assert len(steps) == 2  # --samples-per-update 4 of 8
     (row,) = train_rows(record)
     assert row["perf/trained_timesteps_per_image"] == 2 and row["perf/nfe_per_image"] == 4 + 2 * 3
-    assert row["nft/old_eta"] == 0 and row["nft/old_distance"] == 0  # delayed: eta 0 (linear: 0.002)
+    # delayed at 40 x the step count: eta 0 after step 1 (s = 40 < 75: the old policy becomes theta), then 0.0075 x
+    # (80 - 75) after step 2, so the old policy stays 0.0375 of the way back (at speed 1: eta 0, distance 0)
+    assert row["nft/old_eta"] == pytest.approx(0.0375) and row["nft/old_distance"] > 0
     assert row["nft/ema_decay"] == pytest.approx(0.2)  # min(3 / 12, 0.2)
     # the EMA by hand: decay min(2 / 11, 0.2) = 2/11 after the first step, min(3 / 12, 0.2) = 0.2 after the second
     (final,) = finals
