@@ -31,13 +31,11 @@ Settings (SETTINGS; the batch stays ShapesBench's, 8 prompts x 8 images per iter
       --beta 0.1               the NFT beta of the multi-reward (and OCR) config (default 1);
       --old-decay linear       that config's old-policy schedule eta = min(0.001 s, 0.5) after s steps;
       --kl-beta 1e-4           its KL to the base model (the default too).
-      The schedule is stretched to the run's length: the paper's eta reaches its cap of 0.5 after 500 of about
-      1700 steps (29% of training, counting the steps through the curriculum), but a 30-step run on it would end
-      at eta 0.03, on-policy all along. Each run uses eta(s) = schedule(s x 1700 / steps of the run) instead (the
-      cap reached after 29% of the run here too):
-      diffusionnft.py has no flag for the schedule's length, so the child process of the run (--train below)
-      replaces diffusionnft.old_decay by the stretched one before main() runs, and the stretched eta is what the
-      run logs as nft/old_eta. Only the paper setting is stretched.
+      --old-decay-speed 1700/N the schedule at the paper's pace relative to the run's length: its eta reaches the
+                               cap of 0.5 after 500 of about 1700 steps (29% of training, counting the steps
+                               through the curriculum), but an N-step run at speed 1 would end at eta 0.001 N (0.03
+                               at 30 steps), on-policy all along; read at 1700 / N x the step count, the cap comes
+                               after 29% of the run here too (the run logs eta as nft/old_eta).
   Shared by both: LoRA r32 alpha 64, lr 3e-4 with 10 warmup steps, 10-step deterministic rollouts, groups of 8 (the
   papers: 24; CPU budget), 30 iterations (--iterations), so 60 optimizer steps at the defaults and 30 at the papers'.
 
@@ -64,8 +62,7 @@ over seeds with the range of the ratios seed by seed.
 Runs keep their folders under <out>/runs/ and their logs under <out>/logs/ (benchmarks/compare.py's run_one):
 rerunning the command skips finished runs and resumes interrupted ones from their last checkpoint (every 5
 iterations). --jobs 2 runs two at a time. Each run is a child process of this file (--train SCRIPT ... -- FLAGS),
-which adds the evaluation flags last (so that they override run_one's) and, for the paper setting of DiffusionNFT,
-the stretched schedule.
+which adds the evaluation flags last, so that they override run_one's.
 """
 
 from __future__ import annotations
@@ -114,65 +111,45 @@ def configs() -> dict:
     return {f"{m}_{s}_{w}": (m, s, w) for s in SETTINGS for w in WEIGHTS for m in LABELS}
 
 
-def old_decay_scale(method: str, setting: str, iterations: int) -> float:
-    """The factor by which the paper setting of DiffusionNFT stretches its old-policy schedule: the paper's steps over
-    this run's, so the schedule reaches its cap at the same fraction of training; 1 (the script's own schedule) for
-    everything else."""
-    if method != "diffusionnft" or setting != "paper":
-        return 1.0
-    return PAPER_NFT_STEPS / (iterations * PAPER_STEPS_PER_ITERATION)
-
-
-def flags_of(method: str, setting: str, weights: str) -> list[str]:
-    """The script's flags of one run kind (seed, length and evaluation apart)."""
-    return [*SETTINGS[setting][1][method], *WEIGHTS[weights][1][method]]
+def flags_of(method: str, setting: str, weights: str, iterations: int) -> list[str]:
+    """The script's flags of one run kind (seed and evaluation apart): with DiffusionNFT's paper setting, its
+    old-policy schedule at the paper's pace relative to the run's length (the paper's steps over this run's)."""
+    speed = PAPER_NFT_STEPS / (iterations * PAPER_STEPS_PER_ITERATION)
+    pace = ["--old-decay-speed", f"{speed:.6g}"] if (method, setting) == ("diffusionnft", "paper") else []
+    return [*SETTINGS[setting][1][method], *pace, *WEIGHTS[weights][1][method]]
 
 
 def describe(key: str, iterations: int) -> str:
-    """The command of one run kind as the report shows it: the script, its flags and the schedule's stretch."""
+    """The command of one run kind as the report shows it: the script and its flags."""
     method, setting, weights = configs()[key]
-    scale = old_decay_scale(method, setting, iterations)
-    stretch = f" (old-policy schedule stretched x{scale:.3g})" if scale != 1 else ""
-    return " ".join([f"{method}.py", *flags_of(method, setting, weights)]) + stretch
+    return " ".join([f"{method}.py", *flags_of(method, setting, weights, iterations)])
 
 
 def child_argv(key: str, iterations: int, eval_samples: int, eval_prompts: int) -> list[str]:
     """run_one's argv of one run kind: this file as the child (--train) and the script's flags after `--`."""
     method, setting, weights = configs()[key]
-    scale = old_decay_scale(method, setting, iterations)
     return [
-        *("benchmarks/nft_vs_vgrpo.py", "--train", f"{method}.py", "--old-decay-scale", f"{scale:.6g}"),
+        *("benchmarks/nft_vs_vgrpo.py", "--train", f"{method}.py"),
         *("--eval-samples", str(eval_samples), "--eval-prompts", str(eval_prompts), "--"),
-        *flags_of(method, setting, weights),
+        *flags_of(method, setting, weights, iterations),
         *("--iterations", str(iterations)),
     ]
 
 
 def train(argv: list[str]) -> None:
-    """The child process of one run: `--train SCRIPT [--old-decay-scale K] [--eval-samples N] [--eval-prompts P] --
-    FLAGS`. Runs SCRIPT's main() on FLAGS with the evaluation every iteration (N samples of P held-out prompts) added
-    last, so that they override what run_one passes; with K != 1 (DiffusionNFT only) the old-policy schedule is
-    stretched: eta(s) = old_decay(K s)."""
+    """The child process of one run: `--train SCRIPT [--eval-samples N] [--eval-prompts P] -- FLAGS`. Runs SCRIPT's
+    main() on FLAGS with the evaluation every iteration (N samples of P held-out prompts) added last, so that they
+    override what run_one passes."""
     parser = argparse.ArgumentParser(prog="nft_vs_vgrpo.py --train", allow_abbrev=False)
     parser.add_argument("script", choices=["vgrpo.py", "diffusionnft.py"])
-    parser.add_argument("--old-decay-scale", type=float, default=1.0)
     parser.add_argument("--eval-samples", type=int, default=4)
     parser.add_argument("--eval-prompts", type=int, default=48)
     if "--" not in argv:
         parser.error("the script's flags come after `--`")
     a = parser.parse_args(argv[: argv.index("--")])
-    if a.old_decay_scale <= 0 or (a.old_decay_scale != 1 and a.script != "diffusionnft.py"):
-        parser.error("--old-decay-scale must be > 0, and is diffusionnft.py's only")
     if a.eval_samples < 1 or a.eval_prompts < 1:
         parser.error("--eval-samples and --eval-prompts must be >= 1")
     module = importlib.import_module(Path(a.script).stem)
-    if a.old_decay_scale != 1:
-        unstretched = module.old_decay
-
-        def stretched(step, schedule):  # main() calls old_decay through the module's globals
-            return unstretched(step * a.old_decay_scale, schedule)
-
-        module.old_decay = stretched
     tail = ["--eval-every", "1", "--eval-samples-per-prompt", str(a.eval_samples)]
     sys.argv = [a.script, *argv[argv.index("--") + 1 :], *tail, "--eval-max-prompts", str(a.eval_prompts)]
     from common.flags import cli

@@ -1,6 +1,6 @@
 """benchmarks/nft_vs_vgrpo.py: steps to a threshold, censoring, the median's interval and the ratios on hand-made
 curves worked out by hand; each setting's flags (the papers' numbers) as the scripts parse them; the child process's
-evaluation flags and stretched old-policy schedule; vgrpo.py --ema by hand at a non-neutral decay, and the default
+evaluation flags and the paper's old-policy pace; vgrpo.py --ema by hand at a non-neutral decay, and the default
 run (no EMA) unchanged."""
 
 import importlib.util
@@ -90,11 +90,11 @@ def test_wall_time_per_step_ratio_of_the_means_with_the_seeds_range():
 
 # ---------------------------------------------------------------- each setting's flags
 def parsed(module, key):
-    return parse_flags(module.Args, B.flags_of(*B.configs()[key]))
+    return parse_flags(module.Args, B.flags_of(*B.configs()[key], 30))
 
 
 def test_the_defaults_are_the_scripts_own_and_the_weights_flags_differ_only_in_the_ema():
-    assert B.flags_of("vgrpo", "default", "live") == [] and B.flags_of("diffusionnft", "default", "ema") == []
+    assert B.flags_of("vgrpo", "default", "live", 30) == [] and B.flags_of("diffusionnft", "default", "ema", 30) == []
     assert parsed(V, "vgrpo_default_live") == parse_flags(V.Args, [])
     assert parsed(V, "vgrpo_default_ema").ema and not parsed(V, "vgrpo_default_live").ema
     assert parsed(N, "diffusionnft_default_ema").ema and not parsed(N, "diffusionnft_default_live").ema
@@ -109,28 +109,26 @@ def test_the_papers_settings_as_the_scripts_read_them():
     assert n.samples_per_device // n.samples_per_update == 1
     assert N.n_train_timesteps(n.num_steps, n.timestep_fraction) == 9  # 9 of 10 grid timesteps
     assert (n.beta, n.old_decay, n.kl_beta, n.ema) == (0.1, "linear", 1e-4, False)
-    # the schedule stretched to the run: 1700 paper steps over 30 here, so eta's cap 0.5 comes after 500 / 56.7 steps
-    k = B.old_decay_scale("diffusionnft", "paper", 30)
-    assert k == pytest.approx(1700 / 30)
-    assert N.old_decay(8 * k, "linear") == pytest.approx(0.001 * 8 * 1700 / 30) and N.old_decay(9 * k, "linear") == 0.5
-    assert B.old_decay_scale("diffusionnft", "default", 30) == B.old_decay_scale("vgrpo", "paper", 30) == 1
+    # the schedule at the paper's pace: 1700 paper steps over 30 here, so eta's cap 0.5 comes after 500 / 56.7 steps
+    k = n.old_decay_speed
+    assert k == pytest.approx(1700 / 30, rel=1e-6)
+    assert N.old_decay(8, "linear", k) == pytest.approx(0.001 * 8 * 1700 / 30) and N.old_decay(9, "linear", k) == 0.5
+    assert parsed(N, "diffusionnft_default_live").old_decay_speed == 1  # the script's own pace elsewhere
 
 
-def test_the_child_evaluates_every_iteration_and_stretches_only_diffusionnfts_schedule(monkeypatch):
+def test_the_child_evaluates_every_iteration_and_passes_the_papers_pace(monkeypatch):
     seen = {}
     monkeypatch.setattr(sys, "argv", sys.argv)  # the child sets it; given back after the test
-    monkeypatch.setattr(N, "old_decay", N.old_decay)  # given back after the test
-    monkeypatch.setattr(N, "main", lambda args: seen.update(args=args, eta=N.old_decay(1, "linear")))
+    monkeypatch.setattr(N, "main", lambda args: seen.update(args=args))
     argv = B.child_argv("diffusionnft_paper_ema", 10, 2, 16)
     assert argv[:3] == ["benchmarks/nft_vs_vgrpo.py", "--train", "diffusionnft.py"]
     # what run_one appends after the argv: its own evaluation schedule, which the child's overrides
     B.train([*argv[2:], "--seed", "1", "--eval-every", "5", "--eval-samples-per-prompt", "4"])
     a = seen["args"]
     assert (a.eval_every, a.eval_samples_per_prompt, a.eval_max_prompts, a.seed, a.iterations) == (1, 2, 16, 1, 10)
-    assert a.beta == 0.1 and a.ema
-    assert seen["eta"] == pytest.approx(0.001 * 170)  # old_decay(1 x 1700 / 10)
-    with pytest.raises(SystemExit):  # V-GRPO has no old policy to stretch
-        B.train(["vgrpo.py", "--old-decay-scale", "2", "--"])
+    assert a.beta == 0.1 and a.ema and a.old_decay_speed == 170  # 1700 paper steps over 10 here
+    with pytest.raises(SystemExit):
+        B.train(["vgrpo.py", "--eval-samples", "0", "--"])
 
 
 # ---------------------------------------------------------------- vgrpo.py --ema
@@ -191,7 +189,7 @@ def test_the_report_lists_every_run_and_the_censored_cells():
     shown = {k: B.describe(k, 30) for k in results}
     text = B.report(results, [0, 1], [0.125], shown, "python benchmarks/nft_vs_vgrpo.py", 1, 1)
     assert "| `diffusionnft_paper_live` | `diffusionnft.py --samples-per-update 64" in text
-    assert "(old-policy schedule stretched x56.7)" in text and text.count("schedule stretched") == 2
+    assert "--old-decay-speed 56.6667" in text and text.count("--old-decay-speed") == 2
     assert (
         "| ShapesBench defaults | live weights | +0.125 (0.500) | 3 [2, 4] (2/2) | >5 [4, >6] (1/2) | >1.67 |" in text
     )
