@@ -113,6 +113,14 @@ HUB_WEIGHTS = {
         "\"from transformers import AutoTokenizer; AutoTokenizer.from_pretrained('bert-base-uncased')"
         ".save_pretrained('imagereward')\"`",
     ),
+    "hpsv3": (  # the whole model; the config and processor come from Qwen/Qwen2-VL-7B-Instruct (common/hpsv3.py)
+        "MizzenAI/HPSv3",
+        "HPSv3.safetensors",
+        "/path/to/folder",
+        "`hf download MizzenAI/HPSv3 HPSv3.safetensors --local-dir hpsv3 && hf download Qwen/Qwen2-VL-7B-Instruct "
+        "config.json tokenizer.json tokenizer_config.json vocab.json merges.txt preprocessor_config.json "
+        "chat_template.json --local-dir hpsv3`",
+    ),
 }
 
 
@@ -454,6 +462,16 @@ def imagereward(device, checkpoint=None) -> Reward:
     return ScoreFn(score, differentiable=True, parts=Offloaded([vision, text, head], device, False))
 
 
+# ---------------------------------------------------------------- HPSv3: Qwen2-VL-7B + a head (common/hpsv3.py)
+def hpsv3(device, checkpoint=None, **kwargs) -> Reward:
+    """HPSv3 (arXiv 2508.03789): Qwen2-VL-7B-Instruct reads the image and the prompt, a head at its added reward token
+    gives the score (mu). `checkpoint`: a folder with HPSv3.safetensors and Qwen2-VL-7B-Instruct's config and
+    processor files; None = the hub. Our code, in common/hpsv3.py (imported here: it loads Qwen2-VL's modules)."""
+    from common.hpsv3 import hpsv3_reward
+
+    return hpsv3_reward(device, checkpoint, **kwargs)
+
+
 # ---------------------------------------------------------------- video: motion without flicker
 def temporal(device, checkpoint=None) -> Reward:
     """Smooth motion of a video, differentiable: mean |x_{f+1} - x_f| - mean |x_{f+1} - 2 x_f + x_{f-1}| over
@@ -539,6 +557,7 @@ for _name, _factory, _differentiable, _flags in (
     ("clip", clip_score, True, {}),
     ("aesthetic", aesthetic, True, {}),
     ("imagereward", imagereward, True, {}),
+    ("hpsv3", hpsv3, True, {}),
     ("temporal", temporal, True, {"video": True}),
     ("unifiedreward", _judge("unifiedreward"), False, {"judge": True}),
     ("ocr", _judge("ocr"), False, {"judge": True}),

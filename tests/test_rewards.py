@@ -74,8 +74,8 @@ def test_parse_rewards_malformed(spec):
 
 def test_unknown_reward_lists_valid_names():
     with pytest.raises(ValueError, match="--reward") as e:
-        parse_rewards("shapes:1,hpsv3:1")
-    assert "hpsv3" in str(e.value) and all(name in str(e.value) for name in REWARDS)
+        parse_rewards("shapes:1,hpsv9:1")
+    assert "hpsv9" in str(e.value) and all(name in str(e.value) for name in REWARDS)
 
 
 def test_checkpoint_for_unused_reward_is_rejected():
@@ -83,8 +83,8 @@ def test_checkpoint_for_unused_reward_is_rejected():
         build("jpeg", ["hps=/x.pt"])
     with pytest.raises(ValueError, match="--reward-ckpt"):
         build("jpeg", ["jpeg=/x.pt"])  # jpeg takes none
-    with pytest.raises(ValueError, match="--reward-ckpt: unknown reward 'hpsv3'"):
-        build("jpeg", ["hpsv3=/x.pt"])
+    with pytest.raises(ValueError, match="--reward-ckpt: unknown reward 'hpsv9'"):
+        build("jpeg", ["hpsv9=/x.pt"])
     with pytest.raises(ValueError, match="give one --reward-ckpt or --reward-url, not two"):
         parse_rewards("hps", ["hps=/x.pt"], ["hpsv2.1=http://h:8"])
 

@@ -4,6 +4,7 @@ models and a tiny HPS reward, built from configs, offline."""
 import dataclasses
 import functools
 import json
+from pathlib import Path
 
 import torch
 from diffusers import (
@@ -377,3 +378,65 @@ def use_tiny_hps(monkeypatch) -> None:
     kind = rewards.REWARDS["hpsv2.1"]
     tiny = dataclasses.replace(kind, factory=functools.partial(kind.factory, arch="tiny-hps"))
     monkeypatch.setitem(rewards.REWARDS, "hpsv2.1", tiny)
+
+
+# ---------------------------------------------------------------- HPSv3: a tiny Qwen2-VL and its processor
+# Qwen2-VL-7B-Instruct's chat template, reduced to what HPSv3 formats: a default system turn, user turns of images and
+# text, the generation prompt
+QWEN2VL_CHAT = (
+    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<|im_start|>system\nYou are a helpful "
+    "assistant.<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_qwen2vl(path, seed=0):
+    """A Qwen2-VL-7B-Instruct folder shrunk, as HPSv3 starts from: the byte-level tokenizer of qwen_tokenizer() with
+    Qwen2-VL's vision markers, the chat template above, Qwen2-VL's image processor (its defaults: patch 14, merge 2,
+    temporal patch 2, OpenAI CLIP statistics), a config of a 2-layer text model of width 32 (mrope sections 2+3+3 =
+    half the head width 16) and a 1-block vision tower of width 16 merged to 32, and its random weights
+    (model.safetensors, which the official HPSv3 code starts from). Returns the folder."""
+    from transformers import (
+        AutoConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    torch.manual_seed(seed)
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    chars = [chr(b) for b in printable] + [chr(256 + k) for k in range(len(others))]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                "<|video_pad|>"]  # fmt: skip
+    tok = Qwen2Tokenizer(vocab={t: i for i, t in enumerate(specials + chars)}, merges=[], model_max_length=32768,
+                         additional_special_tokens=specials[1:], padding_side="right")  # fmt: skip
+    tok.chat_template = QWEN2VL_CHAT
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(), tokenizer=tok, video_processor=Qwen2VLVideoProcessor(),
+        chat_template=QWEN2VL_CHAT,
+    )  # fmt: skip
+    # config.json as the hub's Qwen2-VL-7B-Instruct has it (transformers 4.41's flat layout: the decoder's fields at
+    # the top, rope_scaling type "mrope"), shrunk; transformers 5 reads it into text_config
+    flat = dict(architectures=["Qwen2VLForConditionalGeneration"], model_type="qwen2_vl", attention_dropout=0.0,
+                bos_token_id=tok.pad_token_id, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), hidden_act="silu",
+                hidden_size=32, initializer_range=0.02, intermediate_size=64, max_position_embeddings=32768,
+                max_window_layers=2, num_attention_heads=2, num_hidden_layers=2, num_key_value_heads=1,
+                rms_norm_eps=1e-6, rope_theta=1e6, sliding_window=32768, tie_word_embeddings=False,
+                torch_dtype="bfloat16", use_cache=True, use_sliding_window=False, vocab_size=len(tok),
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                vision_config=dict(depth=1, embed_dim=16, mlp_ratio=2, num_heads=2, in_chans=3, hidden_size=32,
+                                   patch_size=14, spatial_merge_size=2, spatial_patch_size=14, temporal_patch_size=2),
+                **{k: tok.convert_tokens_to_ids(t) for k, t in [("vision_start_token_id", "<|vision_start|>"),
+                   ("vision_end_token_id", "<|vision_end|>"), ("image_token_id", "<|image_pad|>"),
+                   ("video_token_id", "<|video_pad|>")]})  # fmt: skip
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(flat, indent=2))
+    Qwen2VLForConditionalGeneration(AutoConfig.from_pretrained(path)).save_pretrained(path)  # its weights
+    (path / "config.json").write_text(json.dumps(flat, indent=2))  # the hub's layout again
+    processor.save_pretrained(path)
+    return path
