@@ -12,6 +12,8 @@ modules; what it computes follows the official code (the MizzenAI/HPSv3 reposito
 The official forward calls the decoder with no position ids, so every token, image tokens too, gets the plain 1-D
 position on all three M-RoPE axes (not Qwen2-VL's 3-D image positions): the checkpoint was trained so, and we do the
 same. The image preprocessing runs on tensors (differentiable); tests/test_hpsv3.py scores against the official code.
+`--reward hpsv3` (common/rewards.py) builds it from a folder or the hub and scores with hpsv3_pixels, hpsv3_tokens
+and HPSv3.
 
 Weights: `HPSv3.safetensors` (MizzenAI/HPSv3) holds the whole model in the key layout of the transformers it was
 trained with (`model.*` the decoder, `visual.*` the vision tower, `rm_head.*`, `lm_head.*`); load_weights maps it
@@ -20,7 +22,6 @@ template, image statistics) are Qwen/Qwen2-VL-7B-Instruct's; its weights are not
 """
 
 import math
-from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -28,10 +29,6 @@ from torch import nn
 from transformers import AutoConfig, AutoProcessor, Qwen2VLModel
 
 from common import InputError
-from common.offload import Offloaded
-from common.rewards import HUB_WEIGHTS, ScoreFn, _hub_file, _missing_ckpt
-
-HOW = HUB_WEIGHTS["hpsv3"][3]  # how to fetch the folder of --reward-ckpt hpsv3 on a connected machine
 
 QWEN = "Qwen/Qwen2-VL-7B-Instruct"  # HPSv3's base model: its config and processor
 REWARD_TOKEN = "<|Reward|>"
@@ -237,9 +234,7 @@ def load_hpsv3(weights: str, qwen: str, device, dtype: torch.dtype = torch.bfloa
         config = AutoConfig.from_pretrained(qwen, attn_implementation="sdpa")
     except (OSError, ValueError) as e:
         raise InputError(
-            missing
-            or f"{qwen}: not the config and processor files of {QWEN} ({type(e).__name__}: {str(e)[:200]}); "
-            f"to get them: {HOW}"
+            missing or f"{qwen}: not the config and processor files of {QWEN} ({type(e).__name__}: {str(e)[:200]})"
         ) from None
     if getattr(config, "model_type", None) != "qwen2_vl":
         raise InputError(f"{qwen}: its config.json is a {getattr(config, 'model_type', None)!r} model, not qwen2_vl")
@@ -250,32 +245,3 @@ def load_hpsv3(weights: str, qwen: str, device, dtype: torch.dtype = torch.bfloa
         model = HPSv3(config, reward_id, dtype)
     load_weights(model, weights, str(qwen))
     return model.eval().requires_grad_(False), processor
-
-
-def hpsv3_reward(device, checkpoint=None, dtype: torch.dtype = torch.bfloat16):
-    """`--reward hpsv3`: mu of HPSv3 (scores about 0-15 on real images; higher = preferred). `checkpoint`: a folder
-    with HPSv3.safetensors and Qwen2-VL-7B-Instruct's config and processor files; None = the hub (MizzenAI/HPSv3 and
-    Qwen/Qwen2-VL-7B-Instruct). `dtype`: the body's (bf16, as the official; tests use fp32)."""
-    if checkpoint is None:
-        weights, qwen = _hub_file("hpsv3"), QWEN
-    else:
-        folder = Path(checkpoint)
-        if not folder.is_dir():
-            raise InputError(
-                f"--reward-ckpt hpsv3={checkpoint}: not a folder (expected HPSv3.safetensors and {QWEN}'s config and "
-                f"processor files; to get them: {HOW})"
-            )
-        weights, qwen = folder / "HPSv3.safetensors", str(folder)
-        if not weights.is_file():
-            raise InputError(f"--reward-ckpt hpsv3={checkpoint}: no HPSv3.safetensors in it; to get it: {HOW}")
-    missing = _missing_ckpt("hpsv3", *HUB_WEIGHTS["hpsv3"][2:]) if checkpoint is None else None
-    model, processor = load_hpsv3(str(weights), qwen, device, dtype, missing)
-    merge = processor.image_processor.merge_size
-
-    def score(images, prompts):
-        pixels, grid = hpsv3_pixels(images.to(device, torch.float32), processor.image_processor)
-        tokens = hpsv3_tokens(processor, prompts, int(grid[0].prod()) // merge**2)
-        out = model(tokens["input_ids"].to(device), tokens["attention_mask"].to(device), pixels, grid)  # (B,2)
-        return out[:, 0]  # mu; out[:, 1] is log sigma, the model's uncertainty
-
-    return ScoreFn(score, differentiable=True, parts=Offloaded([model], device, False))

@@ -463,13 +463,37 @@ def imagereward(device, checkpoint=None) -> Reward:
 
 
 # ---------------------------------------------------------------- HPSv3: Qwen2-VL-7B + a head (common/hpsv3.py)
-def hpsv3(device, checkpoint=None, **kwargs) -> Reward:
-    """HPSv3 (arXiv 2508.03789): Qwen2-VL-7B-Instruct reads the image and the prompt, a head at its added reward token
-    gives the score (mu). `checkpoint`: a folder with HPSv3.safetensors and Qwen2-VL-7B-Instruct's config and
-    processor files; None = the hub. Our code, in common/hpsv3.py (imported here: it loads Qwen2-VL's modules)."""
-    from common.hpsv3 import hpsv3_reward
+def hpsv3(device, checkpoint=None, dtype=torch.bfloat16) -> Reward:
+    """HPSv3 (arXiv 2508.03789): Qwen2-VL-7B-Instruct reads the image and the prompt, an MLP at its added reward token
+    gives [mu, log sigma]; the score is mu (higher = preferred). The model, its input and its weights' loading are
+    common/hpsv3.py (our code, imported here: it loads Qwen2-VL's modules). `checkpoint`: a folder with
+    HPSv3.safetensors and Qwen2-VL-7B-Instruct's config and processor files; None = the hub (MizzenAI/HPSv3,
+    Qwen/Qwen2-VL-7B-Instruct). `dtype`: the Qwen2-VL body's (bf16, as the official; the head is fp32; tests use
+    fp32)."""
+    from common.hpsv3 import QWEN, hpsv3_pixels, hpsv3_tokens, load_hpsv3
 
-    return hpsv3_reward(device, checkpoint, **kwargs)
+    how = HUB_WEIGHTS["hpsv3"][3]
+    if checkpoint is None:
+        weights, qwen, missing = _hub_file("hpsv3"), QWEN, _missing_ckpt("hpsv3", *HUB_WEIGHTS["hpsv3"][2:])
+    else:
+        weights, qwen, missing = Path(checkpoint) / "HPSv3.safetensors", checkpoint, None
+        if not os.path.isdir(checkpoint):
+            raise InputError(
+                f"--reward-ckpt hpsv3={checkpoint}: not a folder (expected HPSv3.safetensors and {QWEN}'s config and "
+                f"processor files; to get them: {how})"
+            )
+        if not weights.is_file():
+            raise InputError(f"--reward-ckpt hpsv3={checkpoint}: no HPSv3.safetensors in it; to get it: {how}")
+    model, processor = load_hpsv3(str(weights), qwen, device, dtype, missing)
+    merge = processor.image_processor.merge_size
+
+    def score(images, prompts):
+        pixels, grid = hpsv3_pixels(images.to(device, torch.float32), processor.image_processor)  # (N,1176), (B,3)
+        tokens = hpsv3_tokens(processor, prompts, int(grid[0].prod()) // merge**2)  # (B,L), right-padded
+        out = model(tokens["input_ids"].to(device), tokens["attention_mask"].to(device), pixels, grid)  # (B,2)
+        return out[:, 0]  # mu; out[:, 1] is log sigma, the model's uncertainty
+
+    return ScoreFn(score, differentiable=True, parts=Offloaded([model], device, False))
 
 
 # ---------------------------------------------------------------- video: motion without flicker

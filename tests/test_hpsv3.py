@@ -240,9 +240,9 @@ def test_the_score_matches_the_official(official, ours):
     assert (theirs[0, 0] - theirs[1, 0]).abs() > 5e-3  # the two score apart, 500 tolerances: an error would show
     print("max |ours - official|: model", (mine - theirs).abs().max().item())
     torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
-    from common.hpsv3 import hpsv3_reward
+    from common.rewards import hpsv3
 
-    scores = hpsv3_reward("cpu", str(official.folder), dtype=torch.float32)(as_tensor(arrays), PROMPTS)
+    scores = hpsv3("cpu", str(official.folder), dtype=torch.float32)(as_tensor(arrays), PROMPTS)
     print("max |ours - official|: end to end", (scores - reward).abs().max().item())
     torch.testing.assert_close(scores, reward, atol=1e-5, rtol=0)
 
