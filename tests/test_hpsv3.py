@@ -139,7 +139,13 @@ def official(tmp_path_factory):
                 key = before + key.removeprefix(new)
         old[key] = value.contiguous()
     save_file(old, folder / "HPSv3.safetensors")
-    return SimpleNamespace(folder=folder, inferencer=inferencer, vision=vision, state=model.state_dict())
+
+    def create(dtype: str, bf16: bool):  # the official model as create_model_and_processor makes it
+        config = SimpleNamespace(**{**vars(model_config), "torch_dtype": dtype})
+        return train_ns["create_model_and_processor"](config, SimpleNamespace(lora_enable=False), SimpleNamespace(
+            disable_flash_attn2=True, bf16=bf16, fp16=False))[0]  # fmt: skip
+
+    return SimpleNamespace(folder=folder, inferencer=inferencer, vision=vision, state=model.state_dict(), create=create)
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +253,27 @@ def test_the_score_matches_the_official(official, ours):
     torch.testing.assert_close(scores, reward, atol=1e-5, rtol=0)
 
 
+def test_bf16_as_the_official(official):
+    """HPSv3_7B.yaml's bf16: the official casts the whole model (model.to(torch.bfloat16)), the rotary inverse
+    frequencies included, then the head back to fp32; ours holds the same dtypes, tensor by tensor."""
+    theirs = official.create("bfloat16", True)
+    ours, _ = load_hpsv3(str(official.folder / "HPSv3.safetensors"), str(official.folder), "cpu")
+    rename = {"model.": "body.", "rm_head.": "head."}
+
+    def dtypes(module, prefixes):
+        tensors = [*module.named_parameters(), *module.named_buffers()]
+        out = {}
+        for name, tensor in tensors:
+            for old, new in prefixes.items():
+                if name.startswith(old):
+                    out[new + name.removeprefix(old)] = tensor.dtype
+        return out
+
+    mine = dtypes(ours, {"body.": "body.", "head.": "head."})
+    assert mine == dtypes(theirs, rename)  # lm_head (which we skip) aside, the same tensors in the same dtypes
+    assert mine["body.language_model.rotary_emb.inv_freq"] == torch.bfloat16 and mine["head.0.weight"] == torch.float32
+
+
 def test_transformers_5s_key_layout_loads_too(official, ours, tmp_path):
     """A checkpoint re-saved by transformers 5 (model.language_model.*, model.visual.*) gives the same model."""
     (tmp_path / "w").mkdir()
@@ -322,11 +349,15 @@ def test_missing_weights_fail_at_start_up_with_one_error_line(tmp_path, monkeypa
             start()
 
 
-def test_dancegrpo_trains_one_iteration_with_reward_hpsv3(official, tmp_path):
+def test_dancegrpo_trains_and_the_evaluator_scores_with_reward_hpsv3(official, tmp_path):
     """dancegrpo.py on a tiny FLUX.1 with `--reward hpsv3` (the tiny HPSv3, bf16): one iteration trains, its reward
-    logged and finite."""
+    logged and finite; then `python -m common.evaluate --reward jpeg:1,hpsv3:0.5` scores its weights and the base."""
+    import json
     import math
 
+    import tyro
+
+    from common import evaluate as E
     from tests.helpers import find_run, metrics, run_in_process
     from tests.tiny import build_flux
 
@@ -341,3 +372,10 @@ def test_dancegrpo_trains_one_iteration_with_reward_hpsv3(official, tmp_path):
     train = [r for r in metrics(find_run(tmp_path / "flux")) if "losses/policy" in r]
     assert len(train) == 1 and math.isfinite(train[0]["rewards/hpsv3"]), train
     assert train[0]["rewards/hpsv3"] != 0
+    argv = ["--model-id", str(tmp_path / "flux"), "--resolution", "32", "--weights", str(find_run(tmp_path / "flux") /
+            "final"), "--prompts", str(tmp_path / "p.txt"), "--reward", "jpeg:1,hpsv3:0.5", "--reward-ckpt",
+            f"hpsv3={official.folder}", "--samples-per-prompt", "2", "--num-steps", "2", "--guidance-scale", "3.5",
+            "--batch-size", "4", "--out", str(tmp_path / "eval")]  # fmt: skip
+    E.main(tyro.cli(E.EvalArgs, args=argv))  # `python -m common.evaluate`: the trained weights against the base
+    figures = json.loads((tmp_path / "eval" / "results.json").read_text())["figures"]
+    assert len(figures) == 2 and all(math.isfinite(f["reward_hpsv3"]) for f in figures.values()), figures
