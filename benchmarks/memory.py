@@ -276,100 +276,6 @@ TINY_QWEN = {
     "reward": TINY_FLUX["reward"],
 }  # fmt: skip
 
-# Per model kind: the denoiser, its text encoders (family, config, tokens per prompt as the pipeline pads them), the
-# VAE, the reward model, the native resolution (side, or (height, width)), the native frame count of a video model,
-# and the FSDP units when no accelerate config names them.
-MODELS = {
-    "flux": dict(
-        denoiser=FLUX_DEV, text=[("clip", CLIP_L, 77), ("t5", T5_XXL, 512)], vae=VAE_16CH, reward=HPS,
-        resolution=1024, fsdp_units=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
-    ),  # FluxPipeline pads prompts to 512 T5 tokens
-    "sd3": dict(
-        denoiser=SD35_MEDIUM, text=[("clip", CLIP_L, 77), ("clip", CLIP_G, 77), ("t5", T5_XXL, 256)], vae=VAE_16CH,
-        reward=HPS, resolution=1024, fsdp_units=("JointTransformerBlock",),
-    ),  # StableDiffusion3Pipeline: 256 T5 tokens
-    "sd1": dict(
-        denoiser=SD15_UNET, text=[("clip", CLIP_L, 77)], vae=VAE_4CH, reward=HPS, resolution=512,
-        fsdp_units=("BasicTransformerBlock", "ResnetBlock2D"),
-    ),
-    "flux2": dict(
-        denoiser=FLUX2_KLEIN_4B, text=[("qwen3", QWEN3_4B, 512)], vae=VAE_FLUX2, reward=HPS, resolution=1024,
-        fsdp_units=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"),
-    ),  # Flux2KleinPipeline: prompts padded to 512 tokens, 1024 px; the base model's CFG with ""
-    "flux2_dev": dict(
-        denoiser=FLUX2_DEV, text=[("mistral3", MISTRAL_SMALL_31, 512)], vae=VAE_FLUX2, reward=HPS, resolution=1024,
-        fsdp_units=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"),
-    ),  # Flux2Pipeline: prompts padded to 512 tokens, guidance embedded (no CFG)
-    "qwen": dict(
-        denoiser=QWEN_IMAGE, text=[("qwen25vl", QWEN25_VL_7B, 34 + 256)], vae=VAE_QWEN, reward=HPS, resolution=1328,
-        fsdp_units=("QwenImageTransformerBlock",),
-    ),  # QwenImagePipeline: the template's 34 tokens + the prompt's (the longest in the batch; 256 here), 1328 px
-    "wan": dict(
-        denoiser=WAN_T2V_1_3B, text=[("umt5", UMT5_XXL, 512)], vae=VAE_WAN, reward=HPS, resolution=(480, 832),
-        frames=81, fsdp_units=("WanTransformerBlock",),
-    ),  # WanPipeline: 512 UMT5 tokens, 480 x 832, 81 frames by default
-    "wan22": dict(
-        denoiser=WAN22_TI2V_5B, text=[("umt5", UMT5_XXL, 512)], vae=VAE_WAN22, reward=HPS, resolution=(704, 1280),
-        frames=121, fsdp_units=("WanTransformerBlock",),
-    ),  # Wan2.2-TI2V-5B's own 720p: 704 x 1280, 121 frames (5 s at 24 fps); one timestep per token
-    "zimage": dict(
-        denoiser=Z_IMAGE, text=[("qwen3", QWEN3_4B, 256)], vae=VAE_16CH, reward=HPS, resolution=1024,
-        fsdp_units=("ZImageTransformerBlock",),
-    ),  # ZImagePipeline: captions as long as the batch's longest prompt after the chat template (256 here), 1024 px
-    "wan22_a14b": dict(
-        denoiser=WAN22_A14B_EXPERT, text=[("umt5", UMT5_XXL, 512)], vae=VAE_WAN, reward=HPS, resolution=(480, 832),
-        frames=81, fsdp_units=("WanTransformerBlock",), experts=2,
-    ),  # two experts, one of them in each forward (common.models.wan.WanExperts): weights, adapter, gradients and
-        # AdamW state twice, activations once
-}  # fmt: skip
-VIDEO_KINDS = ("wan", "wan22", "wan22_a14b")
-FLUX2_KINDS = ("flux2", "flux2_dev")
-
-
-def model_kind(model_id: str) -> str:
-    """--model-id -> 'flux' / 'sd3' / 'sd1' / 'wan': a local folder's model_index.json says, else the name (nothing
-    is read from the hub)."""
-    index = Path(model_id) / "model_index.json"
-    if index.is_file():
-        from common.models import KINDS
-
-        config = json.loads(index.read_text())
-        kind = KINDS.get(config.get("_class_name"))
-        if kind == "wan" and config.get("expand_timesteps"):
-            return "wan22"
-        if kind == "wan" and (config.get("transformer_2") or [None])[0] is not None:
-            return "wan22_a14b"
-        if kind == "flux2" and config.get("_class_name") != "Flux2KleinPipeline":
-            return "flux2_dev"
-        if kind in MODELS:
-            return kind
-    low = model_id.lower()
-    if "flux.2-klein" in low and "9b" not in low:
-        return "flux2"
-    if "flux.2-dev" in low:
-        return "flux2_dev"
-    if "flux" in low and "flux.2" not in low:
-        return "flux"
-    if "stable-diffusion-3.5" in low and "large" not in low:
-        return "sd3"
-    if "stable-diffusion-v1" in low:
-        return "sd1"
-    if "wan2.2-ti2v-5b" in low:
-        return "wan22"
-    if "wan2.2-t2v-a14b" in low:
-        return "wan22_a14b"
-    if "z-image" in low:
-        return "zimage"
-    if "wan" in low and not any(k in low for k in ("14b", "wan2.2", "i2v")):
-        return "wan"
-    if "qwen-image" in low and not any(k in low for k in ("edit", "2.1", "layered")):
-        return "qwen"
-    raise ValueError(
-        f"--model-id {model_id}: not FLUX.1, FLUX.2 [klein] 4B, SD3.5-Medium, SD1.5, Qwen-Image, Wan2.1-T2V-1.3B, "
-        "Wan2.2-TI2V-5B, Wan2.2-T2V-A14B or Z-Image, whose "
-        "published configs are here"
-    )
-
 
 # ---------------------------------------------------------------------------------------------------
 # Recipes: run.sh is the source of truth
@@ -556,27 +462,6 @@ def nbytes(*tensors_or_modules) -> int:
 # ---------------------------------------------------------------------------------------------------
 # Building the parts (inside fake_world)
 # ---------------------------------------------------------------------------------------------------
-def build_denoiser(kind: str, config: dict, dtype):
-    from diffusers import (
-        FluxTransformer2DModel,
-        QwenImageTransformer2DModel,
-        SD3Transformer2DModel,
-        UNet2DConditionModel,
-        WanTransformer3DModel,
-        ZImageTransformer2DModel,
-    )
-
-    classes = {"flux": FluxTransformer2DModel, "sd3": SD3Transformer2DModel, "sd1": UNet2DConditionModel}
-    classes |= {"wan": WanTransformer3DModel, "wan22": WanTransformer3DModel, "qwen": QwenImageTransformer2DModel}
-    classes |= {"wan22_a14b": WanTransformer3DModel}  # one expert (MODELS' experts: how many)
-    classes |= {"zimage": ZImageTransformer2DModel}
-    if kind in FLUX2_KINDS:
-        from diffusers import Flux2Transformer2DModel
-
-        classes[kind] = Flux2Transformer2DModel
-    return classes[kind](**config).to(dtype)
-
-
 def build_text_encoder(family: str, config: dict, dtype, with_projection: bool):
     from transformers import (
         CLIPTextConfig,
@@ -608,21 +493,6 @@ def build_text_encoder(family: str, config: dict, dtype, with_projection: bool):
     return cls(CLIPTextConfig(**config)).to(dtype).eval()
 
 
-def build_vae(kind: str, config: dict, dtype):
-    """The VAE in the dtype the scripts decode in: the frozen dtype, fp32 for Wan2.1 (common.models.WanModel.to)."""
-    from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan
-
-    if kind in VIDEO_KINDS:
-        return AutoencoderKLWan(**config).float().eval()
-    if kind == "qwen":
-        return AutoencoderKLQwenImage(**config).to(dtype).eval()
-    if kind in FLUX2_KINDS:
-        from diffusers import AutoencoderKLFlux2
-
-        return AutoencoderKLFlux2(**config).to(dtype).eval()
-    return AutoencoderKL(**config).to(dtype).eval()
-
-
 def build_reward(config: dict | None):
     """HPSv2.1's CLIP in fp32 (common/rewards.py's hpsv2_1 never casts it)."""
     import logging
@@ -639,25 +509,26 @@ def build_reward(config: dict | None):
         root.setLevel(level)
 
 
-def trained_module(kind: str, config: dict, args, frozen_dtype, checkpointing: bool):
-    """The denoiser exactly as the scripts prepare it: loaded in the frozen dtype, then common.models'
-    trainable_denoiser (LoRA adapter and which weights are fp32, gradient checkpointing)."""
-    from common.models import trainable_denoiser
-
-    module = build_denoiser(kind, config, frozen_dtype)
-    from common.models import Flux2Model
-
-    holder = types.SimpleNamespace(kind=kind, unet=module, transformer=module)
-    if kind in FLUX2_KINDS:  # its adapter also covers the single blocks' fused Linears
-        holder.lora_targets = Flux2Model.lora_targets
-    module = trainable_denoiser(holder, args)
-    if checkpointing or module.is_gradient_checkpointing:  # FSDP's config can ask for it too
-        module.enable_gradient_checkpointing(checkpoint_under_policy)
-    return module
+def encode_text(encoders, batch: int):
+    """The pipelines' prompt encoding: every text encoder on `batch` prompts padded to its token count."""
+    with torch.no_grad():
+        for family, module, tokens in encoders:
+            ids = torch.zeros(batch, tokens, dtype=torch.long)
+            if family == "umt5":  # WanPipeline passes the attention mask, then zeroes the embeddings past each prompt
+                out = module(ids, torch.ones_like(ids)).last_hidden_state
+                torch.stack([torch.cat([u[:1], u.new_zeros(tokens - 1, u.shape[1])]) for u in out])
+                continue
+            if family in ("qwen3", "mistral3"):  # every hidden state (the pipeline stacks three), with the mask
+                module(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True, use_cache=False)
+                continue
+            if family == "qwen25vl":  # the last hidden layer of the language model, with the mask
+                module(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
+                continue
+            module(ids, output_hidden_states=family == "clip")  # SD3 reads CLIP's penultimate hidden states
 
 
 # ---------------------------------------------------------------------------------------------------
-# Forwards as common/models/ calls the parts
+# Model kinds: one Plan each (its published parts, and how common/models/ builds and calls them)
 # ---------------------------------------------------------------------------------------------------
 @dataclass
 class Shapes:
@@ -679,126 +550,170 @@ class Shapes:
     def of(kind: str, parts: dict, resolution, frames: int | None = None) -> "Shapes":
         """`resolution`: the side of a square image, or (height, width); `frames`: a video model's frame count."""
         height, width = (resolution, resolution) if isinstance(resolution, int) else resolution
-        den, vae = parts["denoiser"], parts["vae"]
-        if kind in VIDEO_KINDS:  # WanPipeline: vae_scale_factor_spatial / _temporal from the VAE's config
-            scale = vae.get("scale_factor_spatial", 2 ** len(vae["temperal_downsample"]))
-            t_scale = 2 ** sum(vae["temperal_downsample"])
-            latent = (vae["z_dim"], (frames - 1) // t_scale + 1, height // scale, width // scale)
-            cond = {"prompt_embeds": (parts["text"][0][2], den["text_dim"])}  # UMT5 tokens, padded with zeros
-            return Shapes(kind, latent, latent, (3, height, width), cond, frames)
-        if kind in FLUX2_KINDS:  # 8x, 2x2 patchified into tokens of 4 x 32; text: 3 stacked hidden states, 512 tokens
-            h, w = height // 8, width // 8
-            text = parts["text"][0]
-            hidden = text[1].get("text_config", text[1])["hidden_size"]  # [dev]: Mistral3's language model
-            cond = {"prompt_embeds": (text[2], 3 * hidden)}
-            return Shapes(kind, ((h // 2) * (w // 2), den["in_channels"]), (32, h, w), (3, height, width), cond)
-        if kind == "qwen":  # 8x (3 downsamplings), 2x2 patches packed into tokens of 4 x 16; the 3D VAE's one frame
-            h, w = height // 2 ** len(vae["temperal_downsample"]), width // 2 ** len(vae["temperal_downsample"])
-            tokens = parts["text"][0][2] - 34  # the template's system part is dropped
-            cond = {"prompt_embeds": (tokens, den["joint_attention_dim"]), "prompt_embeds_mask": (tokens,)}
-            return Shapes(
-                kind, ((h // 2) * (w // 2), den["in_channels"]), (vae["z_dim"], 1, h, w), (3, height, width), cond
-            )
-        scale = 2 ** (len(vae["block_out_channels"]) - 1)
-        side = height // scale
-        vae_latent = (vae["latent_channels"], side, side)
-        if kind == "flux":
-            latent = ((side // 2) ** 2, den["in_channels"])  # 2x2 patches packed into tokens
-            t5_tokens = [n for fam, _, n in parts["text"] if fam == "t5"][0]
-            cond = {"prompt_embeds": (t5_tokens, den["joint_attention_dim"]), "pooled": (den["pooled_projection_dim"],)}
-        elif kind == "zimage":  # ZImageModel: the VAE latent itself (the transformer patchifies it); padded captions
-            latent = vae_latent
-            tokens = parts["text"][0][2]
-            cond = {"prompt_embeds": (tokens, den["cap_feat_dim"]), "prompt_embeds_mask": (tokens,)}
-        elif kind == "sd3":
-            latent = vae_latent
-            tokens = 77 + [n for fam, _, n in parts["text"] if fam == "t5"][0]  # CLIP-L+G and T5 tokens, concatenated
-            cond = {"prompt_embeds": (tokens, den["joint_attention_dim"]), "pooled": (den["pooled_projection_dim"],)}
-        else:
-            latent = vae_latent
-            cond = {"prompt_embeds": (77, den.get("cross_attention_dim", 1280))}
+        return PLANS[kind].shapes(kind, parts, height, width, frames)
+
+
+def _full(rows: int, value: float, dtype=None):
+    return torch.full((rows,), value, dtype=dtype)
+
+
+class Plan:
+    """A published checkpoint of one common.models kind (`model`): its parts at their published sizes (`parts`: the
+    denoiser, its text encoders as (family, config, tokens per prompt as the pipeline pads them), the VAE, the reward
+    model, the native resolution (side, or (height, width)), a video model's native frame count, the FSDP units when
+    no accelerate config names them) and how common/models/ builds and calls them. A new kind is one subclass here,
+    in PLANS, beside its module and REGISTRY entry in common/models/."""
+
+    model: str  # its common.models kind: model_kind reads a folder's model_index.json through it
+    name: str  # in the tables
+    denoiser: str  # the diffusers class of its denoiser
+    video = False  # (B, F, 3, H, W) samples; Wan's fp32 VAE
+    cfg = True  # --guidance-scale > 1 doubles the rows (FLUX.1-dev and FLUX.2 [dev] embed it instead)
+    clip_projection = False  # its CLIP text encoders have a projection (SD3's)
+    lora_targets = None  # what --lora adapts, where the model's wrapper says other than LORA_TARGETS
+
+    def __init__(self, **parts):
+        self.parts = parts
+
+    def folder(self, index: dict) -> bool:
+        """Whether a folder of `model`'s pipeline class (its model_index.json `index`) is this checkpoint."""
+        return True
+
+    def hub(self, name: str) -> bool:
+        """Whether a hub id (lower case) is this checkpoint."""
+        raise NotImplementedError
+
+    def vae(self, config: dict, dtype):
+        """The VAE in the dtype the scripts decode in (the frozen dtype)."""
+        from diffusers import AutoencoderKL
+
+        return AutoencoderKL(**config).to(dtype).eval()
+
+    def shapes(self, kind: str, parts: dict, height: int, width: int, frames: int | None) -> Shapes:
+        raise NotImplementedError
+
+    def forward(self, shapes: Shapes, module, x, cond: dict, dt):
+        """One denoiser forward as the kind's velocity / eps calls it; `cond` in the module's dtype `dt`."""
+        raise NotImplementedError
+
+    def unpack(self, shapes: Shapes, latents):
+        """The scripts' latents (B, *shapes.latent) as the VAE takes them (B, *shapes.vae_latent)."""
+        return latents
+
+    def decode(self, vae, shapes: Shapes, latents):
+        """common.models.base._vae_decode: (B, *vae latent) -> images (B, 3, H, W) fp32 in [0, 1]."""
+        img = vae.decode(latents.to(next(vae.parameters()).dtype)).sample
+        return ((img + 1) / 2).clamp(0, 1).float()
+
+
+def _square_vae(parts: dict, height: int) -> tuple[int, tuple]:
+    """The side of an AutoencoderKL latent and its shape (channels, side, side)."""
+    vae = parts["vae"]
+    side = height // 2 ** (len(vae["block_out_channels"]) - 1)
+    return side, (vae["latent_channels"], side, side)
+
+
+class FluxPlan(Plan):
+    model, name, denoiser, cfg = "flux", "FLUX.1-dev", "FluxTransformer2DModel", False  # guidance embedded
+
+    def hub(self, name):
+        return "flux" in name and "flux.2" not in name
+
+    def shapes(self, kind, parts, height, width, frames):
+        den, (side, vae_latent) = parts["denoiser"], _square_vae(parts, height)
+        latent = ((side // 2) ** 2, den["in_channels"])  # 2x2 patches packed into tokens
+        t5_tokens = [n for fam, _, n in parts["text"] if fam == "t5"][0]
+        cond = {"prompt_embeds": (t5_tokens, den["joint_attention_dim"]), "pooled": (den["pooled_projection_dim"],)}
         return Shapes(kind, latent, vae_latent, (3, height, width), cond)
 
-
-def denoise(shapes: Shapes, module, x):
-    """One denoiser forward of latents x (rows, *latent) fp32, as FlowModel.velocity / DDIMModel.eps call it (inputs
-    cast to the module's dtype; FLUX's guidance is an input, CFG rows are already in x). Returns fp32 like x."""
-    rows = len(x)
-    dt = next(module.parameters()).dtype
-    cond = {k: torch.zeros(rows, *s, dtype=dt) for k, s in shapes.cond.items()}  # values do not matter here
-    if shapes.kind == "flux":
-        tokens = shapes.cond["prompt_embeds"][0]
-        out = module(
-            hidden_states=x.to(dt), timestep=torch.full((rows,), 0.5, dtype=dt), guidance=torch.full((rows,), 3.5),
+    def forward(self, shapes, module, x, cond, dt):
+        rows, tokens = len(x), shapes.cond["prompt_embeds"][0]
+        return module(
+            hidden_states=x.to(dt), timestep=_full(rows, 0.5, dt), guidance=_full(rows, 3.5),
             pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"],
             txt_ids=torch.zeros(tokens, 3, dtype=dt), img_ids=torch.zeros(x.shape[1], 3, dtype=dt), return_dict=False,
         )[0]  # fmt: skip
-    elif shapes.kind == "sd3":
-        out = module(
-            hidden_states=x.to(dt), timestep=torch.full((rows,), 500.0), encoder_hidden_states=cond["prompt_embeds"],
+
+    def unpack(self, shapes, latents):
+        from diffusers import FluxPipeline
+
+        side = shapes.image[-1]
+        return FluxPipeline._unpack_latents(latents, side, side, side // shapes.vae_latent[-1])
+
+
+class SD3Plan(Plan):
+    model, name, denoiser, clip_projection = "sd3", "SD3.5-M", "SD3Transformer2DModel", True
+
+    def hub(self, name):
+        return "stable-diffusion-3.5" in name and "large" not in name
+
+    def shapes(self, kind, parts, height, width, frames):
+        den, (_, vae_latent) = parts["denoiser"], _square_vae(parts, height)
+        tokens = 77 + [n for fam, _, n in parts["text"] if fam == "t5"][0]  # CLIP-L+G and T5 tokens, concatenated
+        cond = {"prompt_embeds": (tokens, den["joint_attention_dim"]), "pooled": (den["pooled_projection_dim"],)}
+        return Shapes(kind, vae_latent, vae_latent, (3, height, width), cond)
+
+    def forward(self, shapes, module, x, cond, dt):
+        return module(
+            hidden_states=x.to(dt), timestep=_full(len(x), 500.0), encoder_hidden_states=cond["prompt_embeds"],
             pooled_projections=cond["pooled"], return_dict=False,
         )[0]  # fmt: skip
-    elif shapes.kind in FLUX2_KINDS:  # Flux2Model.velocity: timestep = sigma, 4-axis ids; [dev]: guidance embedded
-        tokens = shapes.cond["prompt_embeds"][0]
-        out = module(
-            hidden_states=x.to(dt), timestep=torch.full((rows,), 0.5, dtype=dt),
-            guidance=torch.full((rows,), 4.0, dtype=dt) if shapes.kind == "flux2_dev" else None,
+
+
+class SD1Plan(Plan):
+    model, name, denoiser = "sd1", "SD1.5", "UNet2DConditionModel"
+
+    def hub(self, name):
+        return "stable-diffusion-v1" in name
+
+    def shapes(self, kind, parts, height, width, frames):
+        _, vae_latent = _square_vae(parts, height)
+        cond = {"prompt_embeds": (77, parts["denoiser"].get("cross_attention_dim", 1280))}
+        return Shapes(kind, vae_latent, vae_latent, (3, height, width), cond)
+
+    def forward(self, shapes, module, x, cond, dt):
+        t = torch.full((len(x),), 500, dtype=torch.long)
+        return module(x.to(dt), t, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+
+
+class Flux2Plan(Plan):
+    model, name, denoiser = "flux2", "FLUX.2-klein-4B", "Flux2Transformer2DModel"  # [klein] base: CFG with ""
+
+    @property
+    def lora_targets(self):  # its adapter also covers the single blocks' fused Linears
+        from common.models import Flux2Model
+
+        return Flux2Model.lora_targets
+
+    def folder(self, index):
+        return index.get("_class_name") == "Flux2KleinPipeline"
+
+    def hub(self, name):
+        return "flux.2-klein" in name and "9b" not in name
+
+    def vae(self, config, dtype):
+        from diffusers import AutoencoderKLFlux2
+
+        return AutoencoderKLFlux2(**config).to(dtype).eval()
+
+    def shapes(self, kind, parts, height, width, frames):  # 8x, 2x2 patchified into tokens of 4 x 32
+        h, w = height // 8, width // 8
+        text = parts["text"][0]  # 3 stacked hidden states, 512 tokens
+        hidden = text[1].get("text_config", text[1])["hidden_size"]  # [dev]: Mistral3's language model
+        cond = {"prompt_embeds": (text[2], 3 * hidden)}
+        return Shapes(
+            kind, ((h // 2) * (w // 2), parts["denoiser"]["in_channels"]), (32, h, w), (3, height, width), cond
+        )
+
+    def forward(self, shapes, module, x, cond, dt):  # Flux2Model.velocity: timestep = sigma, 4-axis ids
+        rows, tokens = len(x), shapes.cond["prompt_embeds"][0]
+        return module(
+            hidden_states=x.to(dt), timestep=_full(rows, 0.5, dt), guidance=None if self.cfg else _full(rows, 4.0, dt),
             encoder_hidden_states=cond["prompt_embeds"], txt_ids=torch.zeros(tokens, 4, dtype=torch.long),
             img_ids=torch.zeros(x.shape[1], 4, dtype=torch.long), return_dict=False,
         )[0]  # fmt: skip
-    elif shapes.kind == "qwen":  # QwenImageModel.velocity: timestep = sigma, the text mask, RoPE from the latent grid
-        side = int(math.isqrt(x.shape[1]))
-        out = module(
-            hidden_states=x.to(dt), timestep=torch.full((rows,), 0.5, dtype=dt),
-            encoder_hidden_states=cond["prompt_embeds"], encoder_hidden_states_mask=torch.ones(rows, cond["prompt_embeds"].shape[1]),
-            img_shapes=[[(1, side, side)]] * rows, return_dict=False,
-        )[0]  # fmt: skip
-    elif shapes.kind == "zimage":  # ZImageModel.velocity: lists of (C, 1, h, w) latents and (tokens, 2560) captions
-        outs = module(
-            list(x.to(dt).unsqueeze(2).unbind(0)), torch.full((rows,), 0.5, dtype=dt),
-            list(cond["prompt_embeds"].unbind(0)), return_dict=False,
-        )[0]  # fmt: skip
-        out = torch.stack([o.float() for o in outs]).squeeze(2)
-    elif shapes.kind in VIDEO_KINDS:  # WanModel.velocity: timestep = 1000 sigma (fp32), UMT5 embeddings
-        t = torch.full((rows,), 500.0)
-        if shapes.kind == "wan22":  # one timestep per token: (rows, F' x h/2 x w/2)
-            t = t[:, None].expand(-1, x.shape[2] * (x.shape[3] // 2) * (x.shape[4] // 2))
-        out = module(
-            hidden_states=x.to(dt), timestep=t, encoder_hidden_states=cond["prompt_embeds"], return_dict=False,
-        )[0]  # fmt: skip
-    else:
-        t = torch.full((rows,), 500, dtype=torch.long)
-        out = module(x.to(dt), t, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
-    return out.float()
 
-
-def encode_text(encoders, batch: int):
-    """The pipelines' prompt encoding: every text encoder on `batch` prompts padded to its token count."""
-    with torch.no_grad():
-        for family, module, tokens in encoders:
-            ids = torch.zeros(batch, tokens, dtype=torch.long)
-            if family == "umt5":  # WanPipeline passes the attention mask, then zeroes the embeddings past each prompt
-                out = module(ids, torch.ones_like(ids)).last_hidden_state
-                torch.stack([torch.cat([u[:1], u.new_zeros(tokens - 1, u.shape[1])]) for u in out])
-                continue
-            if family in ("qwen3", "mistral3"):  # every hidden state (the pipeline stacks three), with the mask
-                module(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True, use_cache=False)
-                continue
-            if family == "qwen25vl":  # the last hidden layer of the language model, with the mask
-                module(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
-                continue
-            module(ids, output_hidden_states=family == "clip")  # SD3 reads CLIP's penultimate hidden states
-
-
-def vae_decode(vae, shapes: Shapes, latents):
-    """common.models.base._vae_decode: (B, *latent) fp32 -> images (B, 3, H, W) fp32 in [0, 1]. Wan2.1: WanModel.decode
-    itself (one video at a time, fp32) -> videos (B, F, 3, H, W)."""
-    if shapes.kind in VIDEO_KINDS:
-        from common.models import WanModel
-        from common.offload import Offloaded
-
-        return WanModel.decode(types.SimpleNamespace(vae=vae, _vae=Offloaded([vae], "cpu", False)), latents)
-    if shapes.kind in FLUX2_KINDS:  # Flux2Model.decode itself: BatchNorm statistics, un-patchify, decode
+    def decode(self, vae, shapes, latents):  # Flux2Model.decode itself: BatchNorm statistics, un-patchify, decode
         from diffusers import Flux2KleinPipeline
 
         from common.models import Flux2Model
@@ -808,7 +723,46 @@ def vae_decode(vae, shapes: Shapes, latents):
         holder.grid = (shapes.vae_latent[1] // 2, shapes.vae_latent[2] // 2)
         holder._vae_latents = lambda x: Flux2Model._vae_latents(holder, x)
         return Flux2Model.decode(holder, latents)
-    if shapes.kind == "qwen":
+
+
+class Flux2DevPlan(Flux2Plan):
+    name, cfg = "FLUX.2-dev", False  # guidance embedded
+
+    def folder(self, index):
+        return index.get("_class_name") != "Flux2KleinPipeline"
+
+    def hub(self, name):
+        return "flux.2-dev" in name
+
+
+class QwenPlan(Plan):
+    model, name, denoiser = "qwen", "Qwen-Image", "QwenImageTransformer2DModel"
+
+    def hub(self, name):
+        return "qwen-image" in name and not any(k in name for k in ("edit", "2.1", "layered"))
+
+    def vae(self, config, dtype):
+        from diffusers import AutoencoderKLQwenImage
+
+        return AutoencoderKLQwenImage(**config).to(dtype).eval()
+
+    def shapes(self, kind, parts, height, width, frames):  # 8x, 2x2 patches packed into tokens of 4 x 16
+        den, vae = parts["denoiser"], parts["vae"]
+        h, w = height // 2 ** len(vae["temperal_downsample"]), width // 2 ** len(vae["temperal_downsample"])
+        tokens = parts["text"][0][2] - 34  # the template's system part is dropped
+        cond = {"prompt_embeds": (tokens, den["joint_attention_dim"]), "prompt_embeds_mask": (tokens,)}
+        latent = ((h // 2) * (w // 2), den["in_channels"])
+        return Shapes(kind, latent, (vae["z_dim"], 1, h, w), (3, height, width), cond)  # the 3D VAE's one frame
+
+    def forward(self, shapes, module, x, cond, dt):  # QwenImageModel.velocity: timestep = sigma, the text mask
+        rows, side = len(x), int(math.isqrt(x.shape[1]))
+        return module(
+            hidden_states=x.to(dt), timestep=_full(rows, 0.5, dt), encoder_hidden_states=cond["prompt_embeds"],
+            encoder_hidden_states_mask=torch.ones(rows, cond["prompt_embeds"].shape[1]),
+            img_shapes=[[(1, side, side)]] * rows, return_dict=False,
+        )[0]  # fmt: skip
+
+    def decode(self, vae, shapes, latents):
         from common.models import QwenImageModel
         from common.offload import Offloaded
 
@@ -816,14 +770,196 @@ def vae_decode(vae, shapes: Shapes, latents):
         holder = types.SimpleNamespace(vae=vae, _vae=Offloaded([vae], "cpu", False), height=side, width=side)
         holder.vae_scale = side // shapes.vae_latent[-1]
         return QwenImageModel.decode(holder, latents)
-    if shapes.kind == "flux":
-        from diffusers import FluxPipeline
 
-        side = shapes.image[-1]
-        scale = side // shapes.vae_latent[-1]
-        latents = FluxPipeline._unpack_latents(latents, side, side, scale)
-    img = vae.decode(latents.to(next(vae.parameters()).dtype)).sample
-    return ((img + 1) / 2).clamp(0, 1).float()
+
+class ZImagePlan(Plan):
+    model, name, denoiser = "zimage", "Z-Image", "ZImageTransformer2DModel"
+
+    def hub(self, name):
+        return "z-image" in name
+
+    def shapes(self, kind, parts, height, width, frames):  # the VAE latent itself (the transformer patchifies it)
+        _, vae_latent = _square_vae(parts, height)
+        tokens = parts["text"][0][2]  # padded captions
+        cond = {"prompt_embeds": (tokens, parts["denoiser"]["cap_feat_dim"]), "prompt_embeds_mask": (tokens,)}
+        return Shapes(kind, vae_latent, vae_latent, (3, height, width), cond)
+
+    def forward(self, shapes, module, x, cond, dt):  # ZImageModel.velocity: lists of (C, 1, h, w) and captions
+        outs = module(
+            list(x.to(dt).unsqueeze(2).unbind(0)), _full(len(x), 0.5, dt), list(cond["prompt_embeds"].unbind(0)),
+            return_dict=False,
+        )[0]  # fmt: skip
+        return torch.stack([o.float() for o in outs]).squeeze(2)
+
+
+class WanPlan(Plan):
+    model, name, denoiser, video = "wan", "Wan2.1-1.3B", "WanTransformer3DModel", True
+
+    def folder(self, index):
+        return not index.get("expand_timesteps") and (index.get("transformer_2") or [None])[0] is None
+
+    def hub(self, name):
+        return "wan" in name and not any(k in name for k in ("14b", "wan2.2", "i2v"))
+
+    def vae(self, config, dtype):  # fp32, as common.models.WanModel.to keeps it
+        from diffusers import AutoencoderKLWan
+
+        return AutoencoderKLWan(**config).float().eval()
+
+    def shapes(self, kind, parts, height, width, frames):  # WanPipeline: vae_scale_factor_spatial / _temporal
+        vae = parts["vae"]
+        scale = vae.get("scale_factor_spatial", 2 ** len(vae["temperal_downsample"]))
+        t_scale = 2 ** sum(vae["temperal_downsample"])
+        latent = (vae["z_dim"], (frames - 1) // t_scale + 1, height // scale, width // scale)
+        cond = {"prompt_embeds": (parts["text"][0][2], parts["denoiser"]["text_dim"])}  # UMT5 tokens, zero-padded
+        return Shapes(kind, latent, latent, (3, height, width), cond, frames)
+
+    def timestep(self, x):  # WanModel.velocity: 1000 sigma (fp32)
+        return _full(len(x), 500.0)
+
+    def forward(self, shapes, module, x, cond, dt):
+        return module(
+            hidden_states=x.to(dt), timestep=self.timestep(x), encoder_hidden_states=cond["prompt_embeds"],
+            return_dict=False,
+        )[0]  # fmt: skip
+
+    def decode(self, vae, shapes, latents):  # WanModel.decode itself: one video at a time, fp32
+        from common.models import WanModel
+        from common.offload import Offloaded
+
+        return WanModel.decode(types.SimpleNamespace(vae=vae, _vae=Offloaded([vae], "cpu", False)), latents)
+
+
+class Wan22Plan(WanPlan):
+    name = "Wan2.2-5B"
+
+    def folder(self, index):
+        return bool(index.get("expand_timesteps"))
+
+    def hub(self, name):
+        return "wan2.2-ti2v-5b" in name
+
+    def timestep(self, x):  # one timestep per token: (rows, F' x h/2 x w/2)
+        return super().timestep(x)[:, None].expand(-1, x.shape[2] * (x.shape[3] // 2) * (x.shape[4] // 2))
+
+
+class Wan22A14BPlan(WanPlan):
+    name = "Wan2.2-A14B"  # one expert's denoiser (parts' experts: how many)
+
+    def folder(self, index):
+        return (index.get("transformer_2") or [None])[0] is not None
+
+    def hub(self, name):
+        return "wan2.2-t2v-a14b" in name
+
+
+PLANS = {
+    "flux": FluxPlan(
+        denoiser=FLUX_DEV, text=[("clip", CLIP_L, 77), ("t5", T5_XXL, 512)], vae=VAE_16CH, reward=HPS,
+        resolution=1024, fsdp_units=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+    ),  # FluxPipeline pads prompts to 512 T5 tokens
+    "sd3": SD3Plan(
+        denoiser=SD35_MEDIUM, text=[("clip", CLIP_L, 77), ("clip", CLIP_G, 77), ("t5", T5_XXL, 256)], vae=VAE_16CH,
+        reward=HPS, resolution=1024, fsdp_units=("JointTransformerBlock",),
+    ),  # StableDiffusion3Pipeline: 256 T5 tokens
+    "sd1": SD1Plan(
+        denoiser=SD15_UNET, text=[("clip", CLIP_L, 77)], vae=VAE_4CH, reward=HPS, resolution=512,
+        fsdp_units=("BasicTransformerBlock", "ResnetBlock2D"),
+    ),
+    "flux2": Flux2Plan(
+        denoiser=FLUX2_KLEIN_4B, text=[("qwen3", QWEN3_4B, 512)], vae=VAE_FLUX2, reward=HPS, resolution=1024,
+        fsdp_units=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"),
+    ),  # Flux2KleinPipeline: prompts padded to 512 tokens, 1024 px; the base model's CFG with ""
+    "flux2_dev": Flux2DevPlan(
+        denoiser=FLUX2_DEV, text=[("mistral3", MISTRAL_SMALL_31, 512)], vae=VAE_FLUX2, reward=HPS, resolution=1024,
+        fsdp_units=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"),
+    ),  # Flux2Pipeline: prompts padded to 512 tokens, guidance embedded (no CFG)
+    "qwen": QwenPlan(
+        denoiser=QWEN_IMAGE, text=[("qwen25vl", QWEN25_VL_7B, 34 + 256)], vae=VAE_QWEN, reward=HPS, resolution=1328,
+        fsdp_units=("QwenImageTransformerBlock",),
+    ),  # QwenImagePipeline: the template's 34 tokens + the prompt's (the longest in the batch; 256 here), 1328 px
+    "wan": WanPlan(
+        denoiser=WAN_T2V_1_3B, text=[("umt5", UMT5_XXL, 512)], vae=VAE_WAN, reward=HPS, resolution=(480, 832),
+        frames=81, fsdp_units=("WanTransformerBlock",),
+    ),  # WanPipeline: 512 UMT5 tokens, 480 x 832, 81 frames by default
+    "wan22": Wan22Plan(
+        denoiser=WAN22_TI2V_5B, text=[("umt5", UMT5_XXL, 512)], vae=VAE_WAN22, reward=HPS, resolution=(704, 1280),
+        frames=121, fsdp_units=("WanTransformerBlock",),
+    ),  # Wan2.2-TI2V-5B's own 720p: 704 x 1280, 121 frames (5 s at 24 fps); one timestep per token
+    "zimage": ZImagePlan(
+        denoiser=Z_IMAGE, text=[("qwen3", QWEN3_4B, 256)], vae=VAE_16CH, reward=HPS, resolution=1024,
+        fsdp_units=("ZImageTransformerBlock",),
+    ),  # ZImagePipeline: captions as long as the batch's longest prompt after the chat template (256 here), 1024 px
+    "wan22_a14b": Wan22A14BPlan(
+        denoiser=WAN22_A14B_EXPERT, text=[("umt5", UMT5_XXL, 512)], vae=VAE_WAN, reward=HPS, resolution=(480, 832),
+        frames=81, fsdp_units=("WanTransformerBlock",), experts=2,
+    ),  # two experts, one of them in each forward (common.models.wan.WanExperts): weights, adapter, gradients and
+        # AdamW state twice, activations once
+}  # fmt: skip
+MODELS = {kind: plan.parts for kind, plan in PLANS.items()}  # the published parts of each
+VIDEO_KINDS = tuple(kind for kind, plan in PLANS.items() if plan.video)
+FLUX2_KINDS = tuple(kind for kind, plan in PLANS.items() if isinstance(plan, Flux2Plan))
+
+
+def model_kind(model_id: str) -> str:
+    """--model-id -> its PLANS key: a local folder's model_index.json says (its common.models kind, then the Plan's
+    folder test), else the hub id (nothing is read from the hub)."""
+    index = Path(model_id) / "model_index.json"
+    if index.is_file():
+        from common.models import KINDS
+
+        config = json.loads(index.read_text())
+        kind = KINDS.get(config.get("_class_name"))
+        for key, plan in PLANS.items():
+            if plan.model == kind and plan.folder(config):
+                return key
+    for key, plan in PLANS.items():
+        if plan.hub(model_id.lower()):
+            return key
+    raise ValueError(
+        f"--model-id {model_id}: not FLUX.1, FLUX.2 [klein] 4B, SD3.5-Medium, SD1.5, Qwen-Image, Wan2.1-T2V-1.3B, "
+        "Wan2.2-TI2V-5B, Wan2.2-T2V-A14B or Z-Image, whose "
+        "published configs are here"
+    )
+
+
+def build_denoiser(kind: str, config: dict, dtype):
+    import diffusers
+
+    return getattr(diffusers, PLANS[kind].denoiser)(**config).to(dtype)
+
+
+def build_vae(kind: str, config: dict, dtype):
+    """The VAE in the dtype the scripts decode in: the frozen dtype, fp32 for Wan (common.models.WanModel.to)."""
+    return PLANS[kind].vae(config, dtype)
+
+
+def trained_module(kind: str, config: dict, args, frozen_dtype, checkpointing: bool):
+    """The denoiser exactly as the scripts prepare it: loaded in the frozen dtype, then common.models'
+    trainable_denoiser (LoRA adapter and which weights are fp32, gradient checkpointing)."""
+    from common.models import trainable_denoiser
+
+    module = build_denoiser(kind, config, frozen_dtype)
+    holder = types.SimpleNamespace(kind=kind, unet=module, transformer=module, lora_targets=PLANS[kind].lora_targets)
+    module = trainable_denoiser(holder, args)
+    if checkpointing or module.is_gradient_checkpointing:  # FSDP's config can ask for it too
+        module.enable_gradient_checkpointing(checkpoint_under_policy)
+    return module
+
+
+def denoise(shapes: Shapes, module, x):
+    """One denoiser forward of latents x (rows, *latent) fp32, as FlowModel.velocity / DDIMModel.eps call it (inputs
+    cast to the module's dtype; FLUX's guidance is an input, CFG rows are already in x). Returns fp32 like x."""
+    dt = next(module.parameters()).dtype
+    cond = {k: torch.zeros(len(x), *s, dtype=dt) for k, s in shapes.cond.items()}  # values do not matter here
+    return PLANS[shapes.kind].forward(shapes, module, x, cond, dt).float()
+
+
+def vae_decode(vae, shapes: Shapes, latents):
+    """common.models.base._vae_decode: (B, *latent) fp32 -> images (B, 3, H, W) fp32 in [0, 1]. Wan: WanModel.decode
+    itself (one video at a time, fp32) -> videos (B, F, 3, H, W)."""
+    latents = PLANS[shapes.kind].unpack(shapes, latents)  # (the packed tokens freed before the VAE runs)
+    return PLANS[shapes.kind].decode(vae, shapes, latents)
 
 
 def hps_score(reward, images):
@@ -1082,8 +1218,7 @@ def estimate(
     fsdp_config = fsdp_config or {}
     checkpointing = args.gradient_checkpointing or (fsdp and bool(fsdp_config.get("fsdp_activation_checkpointing")))
     offload, ddp = args.offload_frozen, num_processes > 1 and not fsdp
-    cfg_kinds = ("sd3", "sd1", *VIDEO_KINDS, "qwen", "flux2", "zimage")  # FLUX.1-dev's guidance is embedded
-    cfg = kind in cfg_kinds and args.guidance_scale > 1
+    cfg = PLANS[kind].cfg and args.guidance_scale > 1  # FLUX.1-dev's guidance is embedded
     work = workload(script, args, shapes, cfg, esize)
     if fsdp and work.copies:
         raise ValueError(f"{script}.py refuses FSDP: it keeps the old policy and the EMA beside the trained weights")
@@ -1170,7 +1305,9 @@ def estimate(
             act_step = measure(shard_optimizer.step, shard, shard_optimizer)
 
         # ---------------------------------------------------------------- frozen parts: encode, decode, score
-        encoders = [(f, build_text_encoder(f, c, frozen_dtype, kind == "sd3"), n) for f, c, n in parts["text"]]
+        encoders = [
+            (f, build_text_encoder(f, c, frozen_dtype, PLANS[kind].clip_projection), n) for f, c, n in parts["text"]
+        ]
         text = sum(nbytes(m) for _, m, _ in encoders)
         act_encode = _cached(
             [kind, parts["text"], mp, "encode", work.prompts],
@@ -1401,18 +1538,7 @@ def cross_check() -> None:
 # ---------------------------------------------------------------------------------------------------
 # The table
 # ---------------------------------------------------------------------------------------------------
-MODEL_NAMES = {
-    "flux": "FLUX.1-dev",
-    "sd3": "SD3.5-M",
-    "sd1": "SD1.5",
-    "wan": "Wan2.1-1.3B",
-    "wan22": "Wan2.2-5B",
-    "wan22_a14b": "Wan2.2-A14B",
-    "qwen": "Qwen-Image",
-    "flux2": "FLUX.2-klein-4B",
-    "flux2_dev": "FLUX.2-dev",
-    "zimage": "Z-Image",
-}
+MODEL_NAMES = {kind: plan.name for kind, plan in PLANS.items()}
 
 
 def setting(e: dict) -> str:
