@@ -329,12 +329,12 @@ def node_values(leaf_rewards, log_probs, sizes, fusion: str, gamma: float, tempe
         suffix = torch.flip(torch.cumsum(torch.flip(torch.stack(per_step, -1).double(), [-1]), -1), [-1])
     values = []
     for depth, n in enumerate(sizes):
-        r = leaf_rewards.view(n_trees, n, n_leaves // n).double()
+        R = leaf_rewards.view(n_trees, n, n_leaves // n).double()
         if fusion == "uniform" or depth == len(sizes) - 1:
-            values.append(r.mean(-1))
+            values.append(R.mean(-1))
         else:
             weights = torch.softmax(gamma * suffix[..., depth].view(n_trees, n, -1) / temperature, -1)
-            values.append((weights * r).sum(-1))
+            values.append((weights * R).sum(-1))
     return values
 
 

@@ -237,10 +237,10 @@ def cps_step(x, v, sigma, sigma_next, eta, prev_sample=None, noise=None):
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """(N,) rewards in global sample order, consecutive blocks of G = one prompt -> (N,) advantages.
 
-    A = (r - mean_group) / (std_group + 1e-8) with the unbiased std, as DanceGRPO; a group with equal
+    A = (R - mean_group) / (std_group + 1e-8) with the unbiased std, as DanceGRPO; a group with equal
     rewards gets 0 everywhere."""
-    r = rewards.view(-1, group_size).double()
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-8)).flatten().float()
+    R = rewards.view(-1, group_size).double()
+    return ((R - R.mean(1, keepdim=True)) / (R.std(1, keepdim=True) + 1e-8)).flatten().float()
 
 
 def combined_advantages(scores: dict, weights: dict, *, group_size, adv_clip_max) -> torch.Tensor:

@@ -204,9 +204,9 @@ def nft_advantages(rewards: torch.Tensor, *, group_size) -> torch.Tensor:
     """(N,) rewards in global sample order, consecutive blocks of G = one prompt -> (N,) advantages
     A = (R - mean of the prompt's R) / (std of ALL N rewards + 1e-4): the population std over every process's
     samples (the official global_std), not the group's."""
-    r = rewards.double()
+    R = rewards.double()
     return (
-        (r.view(-1, group_size) - r.view(-1, group_size).mean(1, keepdim=True)).flatten() / (r.std(correction=0) + 1e-4)
+        (R.view(-1, group_size) - R.view(-1, group_size).mean(1, keepdim=True)).flatten() / (R.std(correction=0) + 1e-4)
     ).float()
 
 

@@ -332,8 +332,8 @@ def subchain_log_prob(mean_std: Callable, latents, noise, j: int, h: int):
 def loo_baseline(rewards, group_size: int):
     """Leave-one-out group mean: each sample's baseline is the mean reward of the other G - 1 samples of its group
     (consecutive blocks of G in global order); independent of the sample's own noise. (N,) -> (N,)."""
-    r = rewards.view(-1, group_size).double()
-    return ((r.sum(1, keepdim=True) - r) / (group_size - 1)).flatten().to(rewards.dtype)
+    R = rewards.view(-1, group_size).double()
+    return ((R.sum(1, keepdim=True) - R) / (group_size - 1)).flatten().to(rewards.dtype)
 
 
 def zo_baseline(rewards, group_size: int, block):
@@ -342,16 +342,16 @@ def zo_baseline(rewards, group_size: int, block):
     rewards (N,), block (N,) long -> (N,)."""
     n = len(rewards)
     group = torch.arange(n, device=rewards.device) // group_size
-    r = rewards.double()
+    R = rewards.double()
     n_g, n_b = int(group.max()) + 1, int(block.max()) + 1
-    gb_sum = torch.zeros(n_g, n_b, dtype=r.dtype, device=r.device).index_put_((group, block), r, accumulate=True)
-    gb_cnt = torch.zeros_like(gb_sum).index_put_((group, block), torch.ones_like(r), accumulate=True)
+    gb_sum = torch.zeros(n_g, n_b, dtype=R.dtype, device=R.device).index_put_((group, block), R, accumulate=True)
+    gb_cnt = torch.zeros_like(gb_sum).index_put_((group, block), torch.ones_like(R), accumulate=True)
     same_sum, same_cnt = gb_sum.sum(1)[group] - gb_sum[group, block], gb_cnt.sum(1)[group] - gb_cnt[group, block]
-    all_sum, all_cnt = r.sum() - gb_sum.sum(0)[block], n - gb_cnt.sum(0)[block]
+    all_sum, all_cnt = R.sum() - gb_sum.sum(0)[block], n - gb_cnt.sum(0)[block]
     out = torch.where(
         same_cnt > 0,
         same_sum / same_cnt.clamp(min=1),
-        torch.where(all_cnt > 0, all_sum / all_cnt.clamp(min=1), torch.zeros_like(r)),
+        torch.where(all_cnt > 0, all_sum / all_cnt.clamp(min=1), torch.zeros_like(R)),
     )
     return out.to(rewards.dtype)
 
@@ -516,10 +516,10 @@ def main(args: Args):
             # All backwards but the iteration's last skip the DDP all-reduce; the last one reduces the sum.
             with accelerator.no_sync(denoiser) if use_ho or c < n_chunks - 1 else nullcontext():
                 x_last, _ = mean_std(T - 1, latents[:, -1])
-                r, comp = reward_fn(model.decode(x_last).float(), my_prompts[sl])
-                accelerator.backward(-r.sum() / S)
+                R, comp = reward_fn(model.decode(x_last).float(), my_prompts[sl])
+                accelerator.backward(-R.sum() / S)
             chunks.append({"mean_std": mean_std, "latents": latents, "noise": noise_c, "j": j_of[gc]})
-            rewards.append(r.detach())
+            rewards.append(R.detach())
             parts.append(comp)
         fo_norm = grad_norm(params)  # process-local: the FO term of this process's samples
         model.park(), reward_fn.park()  # --offload-frozen: the FO graphs are gone; VAE and rewards leave the GPU

@@ -275,10 +275,10 @@ def surrogate(model, denoiser, x, cond, t, eps, guidance_scale, autocast, predic
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:  # same as in dancegrpo.py
     """(N,) rewards in global sample order, consecutive blocks of G = one prompt -> (N,) advantages.
 
-    A = (r - mean_group) / (std_group + 1e-8) with the unbiased std, as DanceGRPO; a group with equal
+    A = (R - mean_group) / (std_group + 1e-8) with the unbiased std, as DanceGRPO; a group with equal
     rewards gets 0 everywhere."""
-    r = rewards.view(-1, group_size).double()
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-8)).flatten().float()
+    R = rewards.view(-1, group_size).double()
+    return ((R - R.mean(1, keepdim=True)) / (R.std(1, keepdim=True) + 1e-8)).flatten().float()
 
 
 def combined_advantages(parts: dict, weights: dict, *, group_size, adv_clip_max, adv_soft_clip) -> torch.Tensor:

@@ -225,6 +225,34 @@ VAE_WAN22 = dict(
     temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12, patch_size=2,
     scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=[0.0] * 48, latents_std=[1.0] * 48,
 )  # fmt: skip
+# Lightricks/LTX-2.3 (LTX2Pipeline), the values of diffusers' scripts/convert_ltx2_to_diffusers.py for version 2.3: the
+# audio-video transformer (18.99B: 48 blocks, video width 4096, audio width 2048, gated attention and prompt
+# modulation), the text connectors (3.17B: 8 blocks per stream; 18.99B + 3.17B = the published 22B), the video VAE
+# (726M: 32x in space, 8x in time, 128 channels). Its text encoder is Gemma 3 12B (12.19B: an 11.77B language model of
+# 48 layers, width 3840, and a 0.42B SigLIP tower; LTX2Pipeline stacks all 49 hidden states of 1024 left-padded tokens)
+LTX23 = dict(
+    in_channels=128, out_channels=128, num_attention_heads=32, attention_head_dim=128, cross_attention_dim=4096,
+    gated_attn=True, cross_attn_mod=True, audio_in_channels=128, audio_out_channels=128, audio_num_attention_heads=32,
+    audio_attention_head_dim=64, audio_cross_attention_dim=2048, audio_gated_attn=True, audio_cross_attn_mod=True,
+    num_layers=48, caption_channels=3840, rope_type="split", use_prompt_embeddings=False, perturbed_attn=True,
+)  # fmt: skip
+LTX23_TRANSFORMER, LTX23_CONNECTORS = 18_988_838_144, 3_172_227_584  # parameters built from the configs
+VAE_LTX23 = dict(
+    latent_channels=128, block_out_channels=(256, 512, 1024, 1024), decoder_block_out_channels=(256, 512, 512, 1024),
+    layers_per_block=(4, 6, 4, 2, 2), decoder_layers_per_block=(4, 6, 4, 2, 2), spatio_temporal_scaling=(True,) * 4,
+    decoder_spatio_temporal_scaling=(True,) * 4, decoder_inject_noise=(False,) * 5,
+    downsample_type=("spatial", "temporal", "spatiotemporal", "spatiotemporal"),
+    upsample_type=("spatiotemporal", "spatiotemporal", "temporal", "spatial"), upsample_residual=(False,) * 4,
+    upsample_factor=(2, 2, 1, 2), patch_size=4, decoder_causal=False, decoder_spatial_padding_mode="zeros",
+    spatial_compression_ratio=32, temporal_compression_ratio=8,
+)  # fmt: skip
+# Gemma 3 12B's language model, built here as a Qwen3ForCausalLM of its shape (the same widths, layers, heads, head
+# width and tied 262k vocabulary: 11.77B): build_text_encoder has no Gemma family; its SigLIP tower (0.42B) and the
+# connectors (3.17B) are not in the plan's text encoders (with --offload-frozen they are off the GPU outside encoding)
+GEMMA3_12B_LM = dict(
+    vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=256, tie_word_embeddings=True, max_position_embeddings=131072,
+)  # fmt: skip
 # HPSv2.1 is open_clip's ViT-H-14 (986M), kept in fp32 by common/rewards.py; None = open_clip's registered config
 HPS = None
 
@@ -853,6 +881,58 @@ class Wan22A14BPlan(WanPlan):
         return "wan2.2-t2v-a14b" in name
 
 
+class LTX2Plan(Plan):
+    """common.models.ltx2.LTX2Model: the state is the video tokens (F' h' w', 128) and the audio tokens (round(F / 24
+    x 25), 128) in one sequence, both through the joint transformer; only the video half is decoded (its own VAE, in
+    the frozen dtype, one video at a time)."""
+
+    model, name, denoiser, video = "ltx2", "LTX-2.3", "LTX2VideoTransformer3DModel", True
+
+    def hub(self, name):
+        return "ltx-2" in name
+
+    def vae(self, config, dtype):
+        from diffusers import AutoencoderKLLTX2Video
+
+        return AutoencoderKLLTX2Video(**config).to(dtype).eval()
+
+    def shapes(self, kind, parts, height, width, frames):
+        vae, den = parts["vae"], parts["denoiser"]
+        grid = ((frames - 1) // vae["temporal_compression_ratio"] + 1, height // vae["spatial_compression_ratio"],
+                width // vae["spatial_compression_ratio"])  # fmt: skip
+        audio = round(frames / 24.0 * 16000 / 160 / 4)  # LTX2Pipeline's audio latent frames at 24 fps
+        latent = (grid[0] * grid[1] * grid[2] + audio, den["in_channels"])
+        tokens = parts["text"][0][2]
+        inner, audio_inner = (den["num_attention_heads"] * den["attention_head_dim"],
+                              den["audio_num_attention_heads"] * den["audio_attention_head_dim"])  # fmt: skip
+        cond = {"prompt_embeds": (tokens, inner), "audio_prompt_embeds": (tokens, audio_inner),
+                "attention_mask": (tokens,)}  # fmt: skip
+        shapes = Shapes(kind, latent, (vae["latent_channels"], *grid), (3, height, width), cond, frames)
+        shapes.grid, shapes.audio = grid, audio
+        return shapes
+
+    def forward(self, shapes, module, x, cond, dt):  # LTX2Model.velocity: t = 1000 sigma as timestep and sigma
+        n, t = x.shape[1] - shapes.audio, _full(len(x), 500.0, dt)
+        video, audio = module(
+            hidden_states=x[:, :n].to(dt), audio_hidden_states=x[:, n:].to(dt),
+            encoder_hidden_states=cond["prompt_embeds"], audio_encoder_hidden_states=cond["audio_prompt_embeds"],
+            timestep=t, sigma=t, encoder_attention_mask=torch.ones(len(x), cond["attention_mask"].shape[1]),
+            audio_encoder_attention_mask=torch.ones(len(x), cond["attention_mask"].shape[1]), num_frames=shapes.grid[0],
+            height=shapes.grid[1], width=shapes.grid[2], fps=24.0, audio_num_frames=shapes.audio,
+            use_cross_timestep=True, return_dict=False,
+        )  # fmt: skip
+        return torch.cat([video, audio], dim=1)
+
+    def unpack(self, shapes, latents):  # the video tokens (B, F' h' w', C) -> (B, C, F', h', w')
+        f, h, w = shapes.grid
+        return latents[:, : f * h * w].unflatten(1, (f, h, w)).permute(0, 4, 1, 2, 3)
+
+    def decode(self, vae, shapes, latents):  # LTX2Model.decode: one video at a time -> (B, F, 3, H, W)
+        dt = next(vae.parameters()).dtype
+        video = torch.cat([vae.decode(z.unsqueeze(0).to(dt), None, return_dict=False)[0] for z in latents])
+        return ((video + 1) / 2).clamp(0, 1).float().transpose(1, 2)
+
+
 PLANS = {
     "flux": FluxPlan(
         denoiser=FLUX_DEV, text=[("clip", CLIP_L, 77), ("t5", T5_XXL, 512)], vae=VAE_16CH, reward=HPS,
@@ -895,6 +975,10 @@ PLANS = {
         frames=81, fsdp_units=("WanTransformerBlock",), experts=2,
     ),  # two experts, one of them in each forward (common.models.wan.WanExperts): weights, adapter, gradients and
         # AdamW state twice, activations once
+    "ltx2": LTX2Plan(
+        denoiser=LTX23, text=[("qwen3", GEMMA3_12B_LM, 1024)], vae=VAE_LTX23, reward=HPS, resolution=(512, 768),
+        frames=121, fsdp_units=("LTX2VideoTransformerBlock",),
+    ),  # LTX2Pipeline: 1024 Gemma tokens, 512 x 768, 121 frames (5 s at 24 fps) by default
 }  # fmt: skip
 MODELS = {kind: plan.parts for kind, plan in PLANS.items()}  # the published parts of each
 VIDEO_KINDS = tuple(kind for kind, plan in PLANS.items() if plan.video)
@@ -1176,7 +1260,7 @@ def reward_model(spec: str, parts: dict):
     from common.rewards import parse_rewards
 
     names = set(parse_rewards(spec).weights)  # every component runs, weight 0 too (for logging)
-    unknown = names & {"pickscore", "clip"}
+    unknown = names & {"pickscore", "clip", "hpsv3"}  # HPSv3: its 8.3B Qwen2-VL is not modelled yet
     if unknown:
         raise ValueError(f"--reward {spec}: {', '.join(sorted(unknown))} is not modelled here (HPSv2.1 is)")
     return ("hps", parts["reward"]) if "hpsv2.1" in names else None
