@@ -3,6 +3,7 @@
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,3 +149,14 @@ def test_every_hand_written_mutant_still_finds_its_line():
     spec.loader.exec_module(mutants)
     stale = [(n, f, old) for n, (f, old, *_) in enumerate(mutants.MUTANTS, 1) if (ROOT / f).read_text().count(old) != 1]
     assert not stale and len(mutants.MUTANTS) >= 70, stale
+
+
+def test_the_generated_mutants_leave_marked_copies_to_their_original():
+    """benchmarks/mutation.py mutates a function marked `# same as in X.py` in X.py only: rlr.py's copy of
+    dancegrpo.py's sde_step is left out, dancegrpo.py's own is in."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import mutation
+
+    rlr = mutation.mutated_names((ROOT / "rlr.py").read_text(), "above_main")
+    dance = mutation.mutated_names((ROOT / "dancegrpo.py").read_text(), "above_main")
+    assert "x_sde_step" not in rlr and "x_term_weights" in rlr and "x_sde_step" in dance
