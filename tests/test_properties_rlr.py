@@ -74,3 +74,42 @@ def test_the_h_star_rules_inputs_are_checked_before_it_divides_by_them(flags):
     naming the flags is expected, not a ZeroDivisionError."""
     with pytest.raises(InputError, match="--ho-step-gb > --zo-step-gb > 0"):
         R.resolve_and_check(R.Args(memory_budget_gb=20.0, **flags))
+
+
+# ---------------------------------------------------------------- the survivors of the generated mutants
+def test_a_ddim_step_in_float64_is_exact_to_float64():
+    """alphabar given as Python floats is taken in x's dtype: at float64 the step is the float64 formula, not one with
+    a_t = 0.3 rounded to float32 first (1.2e-8 away). a 0.3 -> a_prev 0.5, eta 0.5."""
+    x = torch.tensor([[0.7, -1.3]], dtype=torch.float64)
+    eps = torch.tensor([[0.2, 0.9]], dtype=torch.float64)
+    a, ap, eta = 0.3, 0.5, 0.5
+    x0 = (x - (1 - a) ** 0.5 * eps) / a**0.5
+    std = eta * ((1 - ap) / (1 - a) * (1 - a / ap)) ** 0.5
+    mean, s = R.ddim_step(x, eps, a, ap, eta)
+    assert mean.dtype == torch.float64 and s.dtype == torch.float64
+    torch.testing.assert_close(mean, ap**0.5 * x0 + (1 - ap - std**2) ** 0.5 * eps, rtol=0, atol=1e-15)
+    assert abs(s.item() - std) < 1e-15
+
+
+def test_h_star_is_capped_at_the_steps_before_the_first_order_step():
+    """Both of h*'s bounds above T - 1: over 10 steps a budget of 100 GB at 1 GB a sub-chain step and 0.0001 GB a ZO
+    step (by memory floor(99.9991 / 0.9999) = 100) and V_h = 0.95 V_z (by variance floor(10 / 0.1 - 1) = 99) give
+    T - 1 = 9, the last step being the FO term's; below the cap, the smaller bound (by variance floor(10 / 2 - 1) = 4
+    under by memory floor(2.55 / 0.2) = 12)."""
+    assert R.optimal_subchain_len(100.0, 10, 1.0, 0.0001, 0.95) == 9
+    assert R.optimal_subchain_len(3.0, 10, 0.25, 0.05, 0.0) == 4
+
+
+def test_zo_perturbations_are_keyed_on_the_block_and_the_step():
+    """zo_perturbed(params, key, scale, i) adds scale x the standard normals of the generator seeded by key_seed(*key,
+    i): equal for the same key and step, different for another step or another key's block."""
+    p = torch.nn.Parameter(torch.zeros(5))
+
+    def seen(key, i):
+        with R.zo_perturbed([p], key, 0.5, i):
+            return p.detach().clone()
+
+    expected = 0.5 * torch.randn(5, generator=torch.Generator().manual_seed(R.key_seed(0, 3, 1, 2)))
+    assert torch.equal(seen((0, 3, 1), 2), expected) and torch.equal(p.detach(), torch.zeros(5))
+    assert not torch.equal(seen((0, 3, 1), 1), expected)  # another step
+    assert not torch.equal(seen((0, 3, 0), 2), expected)  # another block
