@@ -31,7 +31,7 @@ from common import InputError
 from common.hpsv3 import PIXELS, REWARD_TOKEN, hpsv3_pixels, hpsv3_tokens, load_hpsv3, smart_resize
 from tests.tiny import build_tiny_qwen2vl
 
-SPEC = importlib.util.find_spec("hpsv3")  # found without importing it
+HPSV3_PACKAGE = importlib.util.find_spec("hpsv3")  # found without importing it
 PROMPTS = ["a red circle on a blue background", "a cat"]  # different lengths: the right padding is exercised
 
 
@@ -68,10 +68,10 @@ def official(tmp_path_factory):
     """The official model and inferencer on a tiny Qwen2-VL folder, and that folder with the official model's weights
     saved as HPSv3.safetensors in the old key layout (transformers 4's `model.*` decoder, `visual.*` tower), as
     MizzenAI/HPSv3's file has them."""
-    assert SPEC is not None, "the hpsv3 package is missing: run scripts/setup.sh"
+    assert HPSV3_PACKAGE is not None, "the hpsv3 package is missing: run scripts/setup.sh"
     from transformers import AutoConfig, AutoProcessor, Qwen2VLForConditionalGeneration
 
-    root = Path(SPEC.submodule_search_locations[0])
+    root = Path(HPSV3_PACKAGE.submodule_search_locations[0])
     spec = importlib.util.spec_from_file_location("hpsv3_dataset_utils", root / "dataset" / "utils.py")
     vision = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(vision)  # the official smart_resize, fetch_image, process_vision_info
@@ -182,7 +182,7 @@ def test_smart_resize_by_hand_and_as_the_official():
     for (h, w), size in by_hand.items():
         assert smart_resize(h, w) == size, (h, w)
     spec = importlib.util.spec_from_file_location(
-        "hpsv3_utils", Path(SPEC.submodule_search_locations[0]) / "dataset" / "utils.py"
+        "hpsv3_utils", Path(HPSV3_PACKAGE.submodule_search_locations[0]) / "dataset" / "utils.py"
     )
     vision = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(vision)
