@@ -42,6 +42,7 @@
 #   diffusionnft-qwen-8gpu Qwen-Image, Flow-Factory's NFT setting: LoRA r64, 512 px, 30 steps, offload, 8 GPUs (DDP); 67 GB per GPU
 #   dancegrpo-flux2-8gpu   FLUX.2 [klein] base 4B, Flow-Factory's GRPO setting: LoRA r64, 384 px, CFG 4, 8 GPUs (DDP); 24 GB per GPU
 #   dancegrpo-wan22-8gpu   Wan2.2-TI2V-5B video, verl-omni's DanceGRPO size: LoRA r128, 704x1280, 9 frames, 8 GPUs (DDP); 55 GB per GPU
+#   dancegrpo-ltx2-8gpu    LTX-2.3 video (no audio), Flow-Factory / VeRL-Omni's CPS setting: 3-step SDE window in the first 10 of 24 steps, LoRA r32, 320 px, 81 frames, 8 GPUs (DDP); 80 GB per GPU
 #   diffusionnft-cpu       DiffusionNFT on ShapesBench, 1 CPU process
 #   diffusionnft-cpu-2proc the same, 2 CPU processes (gloo): groups span processes
 #   diffusionnft-sd35-8gpu SD3.5-Medium + HPSv2.1, the official sd3_hpsv2 config: LoRA r32, 512 px, 8 GPUs (DDP); 25 GB per GPU
@@ -97,7 +98,7 @@ need_env() {  # a GPU recipe's required variable; --print shows $NAME in its pla
   fi
 }
 
-case "$recipe" in evaluate-*|*curriculum*) ;; *flux*|*sd35*|*sd15*|*wan*|*qwen*)
+case "$recipe" in evaluate-*|*curriculum*) ;; *flux*|*sd35*|*sd15*|*wan*|*qwen*|*ltx2*|*hunyuan15*)
   need_env PROMPTS "a prompt file, one prompt per line; HPDv2's 3200 test prompts, from the Hugging Face dataset \
 zhwang/HPDv2 (benchmark/*.json), are written to one by: python -m common.prompts hpdv2 prompts/hpdv2_test.txt"
   EVAL_PROMPTS=${EVAL_PROMPTS:-$PROMPTS} ;;
@@ -302,6 +303,21 @@ WAN22_DANCE=(--model-id "${MODEL_ID:-Wan-AI/Wan2.2-TI2V-5B-Diffusers}" --num-fra
   --offload-frozen --iterations 120 --eval-every 20 --eval-max-prompts 16 --eval-samples-per-prompt 1 --eval-steps 30
   --sample-every 10 --save-every 20)
 
+# LTX-2.3 text-to-video (video only: the audio latents are denoised beside the video's, never decoded), the CPS
+# setting of Flow-Factory (examples/grpo/lora/ltx2/t2av.yaml) and VeRL-Omni (examples/flowgrpo_trainer/ltx2,
+# run_ltx2_3_t2av_lora.sh; its README names the diffusers folder dg845/LTX-2.3-Diffusers): 24 steps on
+# LTX2Pipeline's own grid (--shift pipeline: its dynamic shift by the video tokens), the coefficient-preserving SDE at eta 0.8 on a window of 3 steps inside the first 10 (here MixGRPO's
+# sliding window: it starts at step 0 and moves one step every 25 iterations, so over 200 iterations it covers steps 0
+# to 9; theirs draws the steps at random), clip 1e-4, lr 3e-4, 81 frames. VeRL-Omni's 256 x 384 is 320 x 320 here
+# (about its area; --resolution is one side), LTX2Pipeline's CFG 3; their reward scores the audio too (CLAP,
+# ImageBind): here the video recipes' HPSv2.1 on 4 frames + temporal. LoRA r32 is ours: r64 would not fit 80 GB.
+LTX2_DANCE=(--model-id "${MODEL_ID:-dg845/LTX-2.3-Diffusers}" --resolution 320 --num-frames 81 "${GPU_MEMORY[@]}"
+  --reward hpsv2.1,temporal:0.5 "${HPS_CKPT[@]}" "${GPU_PROMPTS[@]}" --reward-frames 4 --shift pipeline
+  --guidance-scale 3 --num-steps 24 --sde-type cps --noise-level 0.8 --sde-window 3 --window-shift-every 25
+  --group-size 8 --samples-per-device 8 --rollout-batch-size 2 --samples-per-update 8 --clip-range 1e-4 --kl-beta 0
+  --lora --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --offload-frozen --iterations 200 --eval-every 20
+  --eval-max-prompts 16 --eval-samples-per-prompt 1 --eval-steps 24 --sample-every 10 --save-every 20)
+
 # Scoring trained weights against the base (python -m common.evaluate, docs/evaluate.md): HPDv2's 3200 test prompts
 # (from the hub cache), one sample each, the recipes' evaluation sampler; add --weights runs/<run> (repeatable).
 EVAL_REWARDS=(--prompts hpdv2 --samples-per-prompt 1 --reward hpsv2.1,pickscore,imagereward "${HPS_CKPT[@]}")
@@ -363,6 +379,7 @@ case "$recipe" in
   diffusionnft-qwen-8gpu) go "${DDP8[@]}" diffusionnft.py "${QWEN_NFT[@]}" "$@" ;;
   dancegrpo-flux2-8gpu) go "${DDP8[@]}" dancegrpo.py "${FLUX2_DANCE[@]}" "$@" ;;
   dancegrpo-wan22-8gpu) go "${DDP8[@]}" dancegrpo.py "${WAN22_DANCE[@]}" "$@" ;;
+  dancegrpo-ltx2-8gpu) go "${DDP8[@]}" dancegrpo.py "${LTX2_DANCE[@]}" "$@" ;;
   diffusionnft-cpu) go "$PY" diffusionnft.py "$@" ;;
   diffusionnft-cpu-2proc) go "${CPU2[@]}" diffusionnft.py --samples-per-device 32 --samples-per-update 16 "$@" ;;
   diffusionnft-sd35-8gpu) go "${DDP8[@]}" diffusionnft.py "${SD35_NFT[@]}" "$@" ;;

@@ -246,11 +246,12 @@ VAE_LTX23 = dict(
     upsample_factor=(2, 2, 1, 2), patch_size=4, decoder_causal=False, decoder_spatial_padding_mode="zeros",
     spatial_compression_ratio=32, temporal_compression_ratio=8,
 )  # fmt: skip
-# Gemma 3 12B's language model, built here as a Qwen3ForCausalLM of its shape (the same widths, layers, heads, head
-# width and tied 262k vocabulary: 11.77B): build_text_encoder has no Gemma family; its SigLIP tower (0.42B) and the
-# connectors (3.17B) are not in the plan's text encoders (with --offload-frozen they are off the GPU outside encoding)
+# LTX-2.3's text side, built here as one Qwen3ForCausalLM of Gemma 3 12B's shape (its widths, heads, head width and
+# tied 262k vocabulary; build_text_encoder has no Gemma or connector family) with 64 layers instead of 48: 15.35B, the
+# bytes of Gemma 3 12B (12.19B with its SigLIP tower) and the connectors (3.17B: 8 blocks per stream) together; its
+# encoding activations are those of a 64-layer stack over 1024 tokens
 GEMMA3_12B_LM = dict(
-    vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+    vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=64, num_attention_heads=16,
     num_key_value_heads=8, head_dim=256, tie_word_embeddings=True, max_position_embeddings=131072,
 )  # fmt: skip
 # HPSv2.1 is open_clip's ViT-H-14 (986M), kept in fp32 by common/rewards.py; None = open_clip's registered config

@@ -440,3 +440,75 @@ def build_tiny_qwen2vl(path, seed=0):
     (path / "config.json").write_text(json.dumps(flat, indent=2))  # the hub's layout again
     processor.save_pretrained(path)
     return path
+
+
+# ---------------------------------------------------------------- LTX-2.3 and HunyuanVideo-1.5 text-to-video
+def gemma_tokenizer():
+    """Gemma's BPE with byte fallback and no merges, its five special tokens, single letters with and without the
+    word marker "▁" (LTX2Pipeline pads on the left)."""
+    from transformers import GemmaTokenizer
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
+    vocab = {t: i for i, t in enumerate([*specials, "▁", *LETTERS, *("▁" + c for c in LETTERS)])}
+    return GemmaTokenizer(vocab=vocab, merges=[], model_max_length=1024)
+
+
+def build_ltx2(path):
+    """LTX-2.3's layout (gated attention, prompt modulation, per-modality connector projections, no caption
+    projection: diffusers' LTX-2.3 conversion config) shrunk: a 2-layer Gemma 3 of width 16 (3 stacked hidden states
+    of 16), connectors of one block and 128 registers per stream, a one-block transformer of width 32 (video) and 16
+    (audio), 16 latent channels on both (the audio VAE's 4 channels x 16 / 4 mel bins), the video VAE 4x in space and
+    time with random per-channel statistics, a tiny vocoder; LTX-2's scheduler (exponential dynamic shift, mu 0.95 at
+    1024 tokens to 2.05 at 4096). 9 frames at 32 x 64 px: 3 x 8 x 16 = 384 video tokens and 9 audio tokens of 16."""
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2Pipeline, LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    tok = gemma_tokenizer()
+    n = len(tok)
+    te = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=dict(vocab_size=n + 3, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
+                         sliding_window=64, pad_token_id=0, eos_token_id=1, bos_token_id=2),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, boi_token_index=n, eoi_token_index=n + 1, image_token_index=n + 2,
+    ))  # fmt: skip
+    connectors = LTX2TextConnectors(
+        caption_channels=16, text_proj_in_factor=3, video_connector_num_attention_heads=2,
+        video_connector_attention_head_dim=16, video_connector_num_layers=1, audio_connector_num_attention_heads=2,
+        audio_connector_attention_head_dim=8, audio_connector_num_layers=1, video_gated_attn=True,
+        audio_gated_attn=True, rope_type="split", per_modality_projections=True, video_hidden_dim=32,
+        audio_hidden_dim=16, proj_bias=True,
+    )  # fmt: skip
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=16, cross_attention_dim=32,
+        vae_scale_factors=(4, 4, 4), gated_attn=True, cross_attn_mod=True, audio_in_channels=16,
+        audio_out_channels=16, audio_num_attention_heads=2, audio_attention_head_dim=8, audio_cross_attention_dim=16,
+        audio_gated_attn=True, audio_cross_attn_mod=True, num_layers=1, caption_channels=16, rope_type="split",
+        use_prompt_embeddings=False, perturbed_attn=True,
+    )  # fmt: skip
+    vae = AutoencoderKLLTX2Video(
+        latent_channels=16, block_out_channels=(8, 16), down_block_types=("LTX2VideoDownBlock3D",) * 2,
+        decoder_block_out_channels=(8, 16), layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1),
+        spatio_temporal_scaling=(True, True), decoder_spatio_temporal_scaling=(True, True),
+        decoder_inject_noise=(False,) * 3, downsample_type=("spatiotemporal",) * 2,
+        upsample_type=("spatiotemporal",) * 2, upsample_residual=(True, True), upsample_factor=(2, 2), patch_size=1,
+        decoder_causal=False,
+    )  # fmt: skip
+    stats = torch.rand(2, 16, generator=torch.Generator().manual_seed(1))
+    vae.latents_mean.copy_(stats[0] - 0.5), vae.latents_std.copy_(stats[1] + 0.5)
+    audio_vae = AutoencoderKLLTX2Audio(base_channels=16, ch_mult=(1, 2, 4), num_res_blocks=1, latent_channels=4,
+                                       mel_bins=16)  # fmt: skip
+    vocoder = LTX2Vocoder(in_channels=32, hidden_channels=8, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2],
+                          resnet_kernel_sizes=[3], resnet_dilations=[[1]])  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_image_seq_len=1024, max_image_seq_len=4096, base_shift=0.95, max_shift=2.05,
+        time_shift_type="exponential",
+    )  # fmt: skip
+    LTX2Pipeline(
+        scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=te, tokenizer=tok, connectors=connectors,
+        transformer=transformer, vocoder=vocoder,
+    ).save_pretrained(path)  # fmt: skip

@@ -1,0 +1,203 @@
+"""LTX-2.3 (video only) and HunyuanVideo-1.5 text-to-video on tiny random-weight pipelines built from configs
+(tests/tiny.py): our Euler sampler on the kind's velocity equals the stock diffusers pipeline with the same noise
+(CFG on and off, a non-square size), `--shift pipeline` is the pipeline's own sigma grid, the LoRA targets exist,
+dancegrpo.py, branchgrpo.py and vgrpo.py train one iteration and final/ loads back into the pipeline; the real
+transformers' parameter counts, built from their published configs on the meta device, against the published
+sizes."""
+
+import pytest
+import torch
+
+from common.models import load_model, trainable_denoiser
+from common.sampling import sample_ode
+from tests.helpers import find_run, metrics, run_in_process
+from tests.tiny import build_ltx2
+
+PROMPTS = ["a cat walks", "a red car drives"]
+FRAMES = 9  # LTX: (9 - 1) / 4 + 1 = 3 latent frames with the tiny VAE's 4x in time
+
+
+@pytest.fixture(scope="module")
+def ltx2_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ltx2")
+    build_ltx2(path)
+    (path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+def no_decode(model):
+    """The model with decode() returning the latents themselves (the sampler's last state)."""
+    model.decode = lambda x: x
+    return model
+
+
+# ---------------------------------------------------------------- LTX-2.3
+LTX_PLAIN_CFG = dict(stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0,
+                     guidance_rescale=0.0, audio_guidance_rescale=0.0)  # fmt: skip
+
+
+def test_ltx2_samples_what_the_stock_pipeline_samples(ltx2_dir):
+    """At 32 x 64 px and 9 frames (384 video tokens, 9 audio tokens of 16 channels): the pipeline's sigma grid (dynamic
+    mu from the video tokens) is --shift pipeline's; our Euler latents, video and audio tokens together, equal
+    LTX2Pipeline's (packed video and audio noise handed in) within 1e-5 (measured 1e-6 without CFG, 2e-6 with CFG 4, on
+    latents of size ~6), its decoded frames within 1e-5 (measured 3e-6)."""
+    from diffusers import LTX2Pipeline
+
+    from common.models.ltx2 import LTX2Model
+
+    model = LTX2Model(LTX2Pipeline.from_pretrained(ltx2_dir), (32, 64), FRAMES)
+    assert model.kind == "ltx2" and model.video_grid() == (3, 8, 16) and model.latent_shape() == (384 + 9, 16)
+    pipe = LTX2Pipeline.from_pretrained(ltx2_dir)
+    pipe.set_progress_bar_config(disable=True)
+    noise, n = torch.randn(2, *model.latent_shape()), model.video_tokens()
+    cond = model.encode_prompts(PROMPTS)
+    for scale in (1.0, 4.0):
+        kw = dict(height=32, width=64, num_frames=FRAMES, num_inference_steps=3, guidance_scale=scale,
+                  audio_guidance_scale=scale, latents=noise[:, :n].clone(), audio_latents=noise[:, n:].clone(),
+                  **LTX_PLAIN_CFG)  # fmt: skip
+        stock = pipe(PROMPTS, output_type="latent", **kw).frames  # un-normalised (B, C, F', h, w)
+        sigmas = pipe.scheduler.sigmas
+        torch.testing.assert_close(model.sigmas(3), sigmas, atol=1e-6, rtol=0)
+        ours = sample_ode(no_decode(model), model.transformer, cond, noise, sigmas, scale)
+        del model.decode
+        ours = pipe._denormalize_latents(pipe._unpack_latents(ours[:, :n], 3, 8, 16), pipe.vae.latents_mean,
+                                         pipe.vae.latents_std, pipe.vae.config.scaling_factor)  # fmt: skip
+        torch.testing.assert_close(ours, stock, atol=1e-5, rtol=0)
+        frames = pipe(PROMPTS, output_type="pt", **kw).frames
+        ours = sample_ode(model, model.transformer, cond, noise, sigmas, scale)
+        assert ours.shape == frames.shape == (2, FRAMES, 3, 32, 64)
+        torch.testing.assert_close(ours, frames, atol=1e-5, rtol=0)
+    assert model.pipe.audio_vae is None and model.pipe.vocoder is None  # video only: nothing decodes audio
+
+
+def test_ltx2_loads_by_its_folder_and_checks_sizes(ltx2_dir):
+    from common import InputError
+
+    model = load_model(str(ltx2_dir), resolution=64, num_frames=FRAMES)
+    assert model.kind == "ltx2" and model.latent_shape() == (3 * 16 * 16 + 9, 16)
+    native = load_model(str(ltx2_dir))  # 512 x 768, 121 frames: (121 - 1) / 4 + 1 = 31 latent frames here
+    assert (native.height, native.width, native.num_frames) == (512, 768, 121)
+    with pytest.raises(InputError, match="--num-frames 7: must be 4k"):
+        load_model(str(ltx2_dir), resolution=64, num_frames=7)
+    with pytest.raises(InputError, match="--resolution 48 must be a multiple of 32"):
+        load_model(str(ltx2_dir), resolution=48, num_frames=FRAMES)
+
+
+def test_ltx2_lora_lands_on_every_attention_of_both_streams(ltx2_dir):
+    """LORA_TARGETS reach q, k, v and out of the 6 attentions of each block: video self, video-text, audio self,
+    audio-text, audio-to-video and video-to-audio."""
+    from types import SimpleNamespace
+
+    model = load_model(str(ltx2_dir), resolution=32, num_frames=FRAMES)
+    flags = SimpleNamespace(lora=True, lora_rank=4, lora_alpha=4.0, gradient_checkpointing=False)
+    module = trainable_denoiser(model, flags)
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in module.named_parameters() if ".lora_A" in n}
+    attentions = {n.rsplit(".", 2)[0] if n.endswith(".to_out.0") else n.rsplit(".", 1)[0] for n in adapted}
+    assert len(adapted) == 4 * 6 * module.config.num_layers and len(attentions) == 6
+
+
+TINY = {  # one prompt group (tree) per iteration
+    "dancegrpo.py": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4",
+                     "--samples-per-update", "4", "--num-steps", "3", "--sde-type", "cps"],
+    "branchgrpo.py": ["--pruning", "depth", "--trees-per-device", "1", "--trees-per-update", "1", "--num-steps", "4",
+                      "--num-splits", "1", "--rollout-batch-size", "4"],
+    "vgrpo.py": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4", "--train-batch-size",
+                 "4", "--samples-per-update", "4", "--num-steps", "3", "--n-mc", "2"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("script", TINY)
+def test_script_trains_ltx2_and_the_pipeline_loads_its_lora(script, ltx2_dir, tmp_path):
+    """One iteration with CFG 4 and the video rewards at --shift pipeline; LTX2Pipeline.load_lora_weights reads
+    final/ and it changes the pipeline's latents."""
+    from diffusers import LTX2Pipeline
+
+    prompts = str(ltx2_dir / "prompts.txt")
+    flags = [*TINY[script], "--model-id", str(ltx2_dir), "--resolution", "32", "--num-frames", str(FRAMES),
+             "--shift", "pipeline", "--prompts", prompts, "--eval-prompts", prompts, "--reward", "jpeg,temporal:0.5",
+             "--guidance-scale", "4", "--iterations", "1", "--eval-every", "0", "--sample-every", "0", "--lora-rank",
+             "4", "--learning-rate", "1e-2", "--exp-name", "ltx2"]  # fmt: skip
+    run_in_process(script, flags, tmp_path)
+    run = find_run(tmp_path / "ltx2")
+    assert len([r for r in metrics(run) if "rewards/temporal" in r]) == 1
+    pipe = LTX2Pipeline.from_pretrained(ltx2_dir)
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(height=32, width=32, num_frames=FRAMES, num_inference_steps=2, guidance_scale=1.0, output_type="latent",
+              **LTX_PLAIN_CFG)  # fmt: skip
+    before = pipe(PROMPTS[:1], generator=torch.Generator().manual_seed(0), **kw).frames
+    pipe.load_lora_weights(str(run / "final"))
+    after = pipe(PROMPTS[:1], generator=torch.Generator().manual_seed(0), **kw).frames
+    assert not torch.allclose(before, after, atol=1e-6)
+
+
+# ---------------------------------------------------------------- the published sizes
+def count_on_meta(cls, config) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in cls(**config).parameters())
+
+
+# LTX-2.3's transformer as diffusers' LTX-2.3 conversion config builds it (scripts/convert_ltx2_to_diffusers.py in the
+# diffusers repository); the keys left out are LTX2VideoTransformer3DModel's defaults
+LTX23_TRANSFORMER = dict(
+    in_channels=128, out_channels=128, num_attention_heads=32, attention_head_dim=128, cross_attention_dim=4096,
+    gated_attn=True, cross_attn_mod=True, audio_in_channels=128, audio_out_channels=128, audio_num_attention_heads=32,
+    audio_attention_head_dim=64, audio_cross_attention_dim=2048, audio_gated_attn=True, audio_cross_attn_mod=True,
+    num_layers=48, caption_channels=3840, rope_type="split", use_prompt_embeddings=False, perturbed_attn=True,
+)  # fmt: skip
+
+
+LTX23_CONNECTORS = dict(
+    caption_channels=3840, text_proj_in_factor=49, video_connector_num_attention_heads=32,
+    video_connector_attention_head_dim=128, video_connector_num_layers=8, video_gated_attn=True,
+    audio_connector_num_attention_heads=32, audio_connector_attention_head_dim=64, audio_connector_num_layers=8,
+    audio_gated_attn=True, rope_type="split", per_modality_projections=True, video_hidden_dim=4096,
+    audio_hidden_dim=2048, proj_bias=True,
+)  # fmt: skip
+
+
+def test_ltx23_has_its_published_size():
+    """LTX-2.3 is published as a 22B audio-video model: its transformer and text connectors built from the
+    conversion configs above on the meta device hold 18.99B + 3.17B = 22.16B, within 1% of 22B, and the memory plan's
+    constants are these counts."""
+    from diffusers import LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+
+    from benchmarks import memory
+
+    transformer = count_on_meta(LTX2VideoTransformer3DModel, LTX23_TRANSFORMER)
+    connectors = count_on_meta(LTX2TextConnectors, LTX23_CONNECTORS)
+    assert abs((transformer + connectors) / 22e9 - 1) < 0.01, (transformer, connectors)
+    assert (
+        abs(transformer / memory.LTX23_TRANSFORMER - 1) < 1e-3 and abs(connectors / memory.LTX23_CONNECTORS - 1) < 1e-3
+    )
+
+
+def test_ltx2_recipe_follows_the_published_cps_setting_and_its_memory_plan_has_the_joint_state():
+    """dancegrpo-ltx2-8gpu parses with dancegrpo.py's Args: CPS at eta 0.8, a 3-step SDE window that sweeps the first
+    10 of 24 steps over 200 iterations, the pipeline's grid, LoRA, offload. Its memory plan's state is LTX-2.3's
+    video tokens at 512 x 768 x 121 (16 x 16 x 24) and 126 audio tokens of 128 channels."""
+    import shlex
+    import subprocess
+
+    import tyro
+
+    import dancegrpo
+    from benchmarks import memory
+    from tests.helpers import ROOT
+
+    out = subprocess.run(["bash", "run.sh", "--print", "dancegrpo-ltx2-8gpu"], cwd=ROOT, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PROMPTS": "p.txt"})  # fmt: skip
+    words = shlex.split(out.stdout)
+    args = tyro.cli(dancegrpo.Args, args=words[words.index("dancegrpo.py") + 1 :])
+    assert (args.sde_type, args.noise_level, args.sde_window, args.num_steps, args.shift) == (
+        "cps",
+        0.8,
+        3,
+        24,
+        "pipeline",
+    )
+    windows = {dancegrpo.sde_steps(24, 3, args.window_shift_every, i)[0] for i in range(args.iterations)}
+    assert windows == set(range(8)) and args.clip_range == 1e-4 and args.learning_rate == 3e-4
+    assert args.lora and args.offload_frozen and args.num_frames == 81 and memory.model_kind(args.model_id) == "ltx2"
+    shapes = memory.Shapes.of("ltx2", memory.MODELS["ltx2"], (512, 768), 121)
+    assert shapes.latent == (16 * 16 * 24 + 126, 128) and shapes.vae_latent == (128, 16, 16, 24)
