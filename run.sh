@@ -43,6 +43,7 @@
 #   dancegrpo-flux2-8gpu   FLUX.2 [klein] base 4B, Flow-Factory's GRPO setting: LoRA r64, 384 px, CFG 4, 8 GPUs (DDP); 24 GB per GPU
 #   dancegrpo-wan22-8gpu   Wan2.2-TI2V-5B video, verl-omni's DanceGRPO size: LoRA r128, 704x1280, 9 frames, 8 GPUs (DDP); 55 GB per GPU
 #   dancegrpo-ltx2-8gpu    LTX-2.3 video (no audio), Flow-Factory / VeRL-Omni's CPS setting: 3-step SDE window in the first 10 of 24 steps, LoRA r32, 320 px, 81 frames, 8 GPUs (DDP); 80 GB per GPU
+#   dancegrpo-hunyuan15-8gpu  HunyuanVideo-1.5 480p video, UniRL's DanceGRPO setting: Flow-SDE eta 0.25 on 8 of 16 steps, shift 5, no CFG, LoRA r32, 480 px, 5 frames, 8 GPUs (DDP); no plan (docs/video.md)
 #   diffusionnft-cpu       DiffusionNFT on ShapesBench, 1 CPU process
 #   diffusionnft-cpu-2proc the same, 2 CPU processes (gloo): groups span processes
 #   diffusionnft-sd35-8gpu SD3.5-Medium + HPSv2.1, the official sd3_hpsv2 config: LoRA r32, 512 px, 8 GPUs (DDP); 25 GB per GPU
@@ -318,6 +319,19 @@ LTX2_DANCE=(--model-id "${MODEL_ID:-dg845/LTX-2.3-Diffusers}" --resolution 320 -
   --lora --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --offload-frozen --iterations 200 --eval-every 20
   --eval-max-prompts 16 --eval-samples-per-prompt 1 --eval-steps 24 --sample-every 10 --save-every 20)
 
+# HunyuanVideo-1.5 480p text-to-video, UniRL's DanceGRPO setting (examples/diffusion/
+# hunyuan_video15_t2v_dancegrpo_trainside.yaml): Flow-SDE (Flow-GRPO's step, --sde-type flow) at eta 0.25, 16 steps of
+# which 8 are SDE steps (here MixGRPO's window of 8, moving every 25 iterations), the scheduler's static shift 5
+# (--shift pipeline), no CFG, 480 x 480 x 5 frames; its reward is video PickScore: here the video recipes' HPSv2.1 on
+# 4 frames + temporal. LoRA r32 and the batch sizes are ours.
+HY15_DANCE=(--model-id "${MODEL_ID:-hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v}" --resolution 480
+  --num-frames 5 "${GPU_MEMORY[@]}" --reward hpsv2.1,temporal:0.5 "${HPS_CKPT[@]}" "${GPU_PROMPTS[@]}"
+  --reward-frames 4 --shift pipeline --guidance-scale 1 --num-steps 16 --sde-type flow --noise-level 0.25
+  --sde-window 8 --window-shift-every 25 --group-size 8 --samples-per-device 8 --rollout-batch-size 4
+  --samples-per-update 8 --clip-range 1e-4 --kl-beta 0 --lora --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4
+  --offload-frozen --iterations 200 --eval-every 20 --eval-max-prompts 16 --eval-samples-per-prompt 1
+  --eval-steps 16 --sample-every 10 --save-every 20)
+
 # Scoring trained weights against the base (python -m common.evaluate, docs/evaluate.md): HPDv2's 3200 test prompts
 # (from the hub cache), one sample each, the recipes' evaluation sampler; add --weights runs/<run> (repeatable).
 EVAL_REWARDS=(--prompts hpdv2 --samples-per-prompt 1 --reward hpsv2.1,pickscore,imagereward "${HPS_CKPT[@]}")
@@ -380,6 +394,7 @@ case "$recipe" in
   dancegrpo-flux2-8gpu) go "${DDP8[@]}" dancegrpo.py "${FLUX2_DANCE[@]}" "$@" ;;
   dancegrpo-wan22-8gpu) go "${DDP8[@]}" dancegrpo.py "${WAN22_DANCE[@]}" "$@" ;;
   dancegrpo-ltx2-8gpu) go "${DDP8[@]}" dancegrpo.py "${LTX2_DANCE[@]}" "$@" ;;
+  dancegrpo-hunyuan15-8gpu) go "${DDP8[@]}" dancegrpo.py "${HY15_DANCE[@]}" "$@" ;;
   diffusionnft-cpu) go "$PY" diffusionnft.py "$@" ;;
   diffusionnft-cpu-2proc) go "${CPU2[@]}" diffusionnft.py --samples-per-device 32 --samples-per-update 16 "$@" ;;
   diffusionnft-sd35-8gpu) go "${DDP8[@]}" diffusionnft.py "${SD35_NFT[@]}" "$@" ;;

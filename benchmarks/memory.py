@@ -254,6 +254,14 @@ GEMMA3_12B_LM = dict(
     vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=64, num_attention_heads=16,
     num_key_value_heads=8, head_dim=256, tie_word_embeddings=True, max_position_embeddings=131072,
 )  # fmt: skip
+# hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v: HunyuanVideo15Transformer3DModel's defaults (8.33B, the published
+# 8.3B: 54 blocks of width 2048, 65 input channels = latents, condition latents and mask), AutoencoderKLHunyuanVideo15's
+# defaults (1.26B: 16x in space, 4x in time, 32 channels); text: Qwen2.5-VL-7B (the pipeline loads its text model
+# alone, 7.07B; the plan builds the whole VL model, 8.29B) and a ByT5-small glyph encoder (218M)
+HUNYUAN15 = dict()
+VAE_HUNYUAN15 = dict()
+BYT5_SMALL = dict(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
+                  feed_forward_proj="gated-gelu")  # fmt: skip
 # HPSv2.1 is open_clip's ViT-H-14 (986M), kept in fp32 by common/rewards.py; None = open_clip's registered config
 HPS = None
 
@@ -934,6 +942,41 @@ class LTX2Plan(Plan):
         return ((video + 1) / 2).clamp(0, 1).float().transpose(1, 2)
 
 
+class Hunyuan15Plan(Plan):
+    """common.models.hunyuan15.HunyuanVideo15Model: latents (32, F', H/16, W/16), the transformer fed (65, F', h, w)
+    and 729 zero image tokens; the VAE in the frozen dtype, one video at a time."""
+
+    model, name, denoiser, video = "hunyuan15", "HunyuanVideo-1.5", "HunyuanVideo15Transformer3DModel", True
+
+    def hub(self, name):
+        return "hunyuanvideo-1.5" in name
+
+    def vae(self, config, dtype):
+        from diffusers import AutoencoderKLHunyuanVideo15
+
+        return AutoencoderKLHunyuanVideo15(**config).to(dtype).eval()
+
+    def shapes(self, kind, parts, height, width, frames):
+        latent = (32, (frames - 1) // 4 + 1, height // 16, width // 16)
+        cond = {"prompt_embeds": (1000, 3584), "mask": (1000,), "prompt_embeds_2": (256, 1472), "mask_2": (256,)}
+        return Shapes(kind, latent, latent, (3, height, width), cond, frames)
+
+    def forward(self, shapes, module, x, cond, dt):  # HunyuanVideo15Model.velocity
+        x = x.to(dt)
+        return module(
+            hidden_states=torch.cat([x, torch.zeros_like(x), x.new_zeros(len(x), 1, *x.shape[2:])], dim=1),
+            image_embeds=x.new_zeros(len(x), 729, 1152), timestep=_full(len(x), 500.0, dt),
+            encoder_hidden_states=cond["prompt_embeds"], encoder_attention_mask=torch.ones(len(x), 1000),
+            encoder_hidden_states_2=cond["prompt_embeds_2"], encoder_attention_mask_2=torch.ones(len(x), 256),
+            return_dict=False,
+        )[0]  # fmt: skip
+
+    def decode(self, vae, shapes, latents):  # HunyuanVideo15Model.decode: one video at a time -> (B, F, 3, H, W)
+        dt = next(vae.parameters()).dtype
+        video = torch.cat([vae.decode(z.unsqueeze(0).to(dt), return_dict=False)[0] for z in latents])
+        return ((video + 1) / 2).clamp(0, 1).float().transpose(1, 2)
+
+
 PLANS = {
     "flux": FluxPlan(
         denoiser=FLUX_DEV, text=[("clip", CLIP_L, 77), ("t5", T5_XXL, 512)], vae=VAE_16CH, reward=HPS,
@@ -980,6 +1023,10 @@ PLANS = {
         denoiser=LTX23, text=[("qwen3", GEMMA3_12B_LM, 1024)], vae=VAE_LTX23, reward=HPS, resolution=(512, 768),
         frames=121, fsdp_units=("LTX2VideoTransformerBlock",),
     ),  # LTX2Pipeline: 1024 Gemma tokens, 512 x 768, 121 frames (5 s at 24 fps) by default
+    "hunyuan15": Hunyuan15Plan(
+        denoiser=HUNYUAN15, text=[("qwen25vl", QWEN25_VL_7B, 1108), ("t5", BYT5_SMALL, 256)], vae=VAE_HUNYUAN15,
+        reward=HPS, resolution=(480, 848), frames=121, fsdp_units=("HunyuanVideo15TransformerBlock",),
+    ),  # HunyuanVideo15Pipeline: 108 + 1000 Qwen tokens (the system part cropped after encoding), 256 ByT5 tokens
 }  # fmt: skip
 MODELS = {kind: plan.parts for kind, plan in PLANS.items()}  # the published parts of each
 VIDEO_KINDS = tuple(kind for kind, plan in PLANS.items() if plan.video)

@@ -512,3 +512,36 @@ def build_ltx2(path):
         scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=te, tokenizer=tok, connectors=connectors,
         transformer=transformer, vocoder=vocoder,
     ).save_pretrained(path)  # fmt: skip
+
+
+def build_hunyuan15(path):
+    """HunyuanVideo-1.5 shrunk: a 2-layer Qwen2.5-VL text model of width 32 (qwen_tokenizer's chat template), a 1-layer
+    ByT5 (T5 encoder over ByT5's byte tokenizer) of width 16, a one-block transformer of width 32 with one refiner
+    block, the VAE 4x in space and time with 8 channels (the transformer takes 2 x 8 + 1); the scheduler's static
+    shift 5 (UniRL's). 9 frames at 32 x 64 px give latents (8, 3, 8, 16)."""
+    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
+    from diffusers.guiders import ClassifierFreeGuidance
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    torch.manual_seed(0)
+    tok = qwen_tokenizer()
+    te = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=2048, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3]},
+    ))  # fmt: skip
+    tok2 = ByT5Tokenizer()
+    te2 = T5EncoderModel(T5Config(vocab_size=len(tok2), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                                  pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))  # fmt: skip
+    transformer = HunyuanVideo15Transformer3DModel(
+        in_channels=17, out_channels=8, num_attention_heads=2, attention_head_dim=16, num_layers=1,
+        num_refiner_layers=1, text_embed_dim=32, text_embed_2_dim=16, image_embed_dim=16, rope_axes_dim=(4, 6, 6),
+        target_size=64, task_type="t2v",
+    )  # fmt: skip
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=8, block_out_channels=(8, 16, 16), layers_per_block=1,
+                                      spatial_compression_ratio=4, temporal_compression_ratio=4)  # fmt: skip
+    HunyuanVideo15Pipeline(
+        text_encoder=te, tokenizer=tok, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=te2, tokenizer_2=tok2,
+        guider=ClassifierFreeGuidance(guidance_scale=6.0),
+    ).save_pretrained(path)  # fmt: skip

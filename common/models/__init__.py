@@ -32,6 +32,7 @@ from common import InputError, hub_reachable
 from common.models.base import FlowModel, _cfg, _Parts, check_num_frames
 from common.models.flux import FluxModel
 from common.models.flux2 import Flux2Model
+from common.models.hunyuan15 import HunyuanVideo15Model
 from common.models.ltx2 import LTX2Model
 from common.models.qwenimage import QwenImageModel
 from common.models.sd1 import DDIMModel
@@ -70,6 +71,7 @@ REGISTRY = [  # read at each call (not copied at import), so an entry added at r
     Kind(DDIMModel, ("StableDiffusionPipeline",)),
     Kind(WanModel, ("WanPipeline",), video=True),
     Kind(LTX2Model, ("LTX2Pipeline",), video=True),
+    Kind(HunyuanVideo15Model, ("HunyuanVideo15Pipeline",), video=True),
 ]
 
 
