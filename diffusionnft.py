@@ -24,11 +24,13 @@ ShapesBench's defaults differ from the official configs (each flag's help gives 
 says why). Deviations from the official code and choices where it is silent (docs/diffusionnft.md explains each):
   1. every random draw (initial noise, training timesteps, forward noise) is keyed on (seed, iteration, sample), so
      resumed and multi-process runs draw the same numbers; a group is G consecutive samples of one drawn prompt;
-  2. the loss is computed in fp32 (the official weights and errors are float64);
+  2. the loss is computed in fp32 (the official weights and errors are float64; measured: 5.6e-7 of the loss, 2.2e-6
+     of its gradient at most on ShapesBench);
   3. the samples of an iteration are shuffled (keyed on seed, iteration and process) before they are split into
      optimizer steps, as the official code, so that each step mixes prompts;
   4. the soft update's and the EMA's step s counts the optimizer steps taken, this iteration's included;
-  5. evaluation uses the shared Euler sampler (--eval-steps; the official: 40 Euler steps), with the EMA weights;
+  5. evaluation uses the shared Euler sampler (--eval-steps 20; the official: 40 Euler steps; measured: the base's
+     held-out reward 0.6185 at 20 steps, 0.6164 at 40), with the EMA weights;
   6. --no-lora keeps the old policy as a frozen fp32 copy (the official code is LoRA only); FSDP is refused;
   7. --no-self-normalize (plain x0 MSE) is an ablation; with it the minimiser above holds exactly, with the official
      adaptive weight gradient descent drives v+ (r > 1/2) or v- (r < 1/2) onto v itself (tests check both);
