@@ -81,7 +81,7 @@ def test_a_dancegrpo_fork_changes_loss_advantage_and_reward_each_in_one_place(tm
         "torch.clamp(ratio, 1 - clip_range, 1 + clip_range)",
         "torch.clamp(ratio, 1 - clip_range, 1 + 2 * clip_range)",
     )  # fmt: skip  (a higher upper clip)
-    source = edit(source, "group_advantages", " / (r.std(1, keepdim=True) + 1e-8)", "")  # no std normalisation
+    source = edit(source, "group_advantages", " / (R.std(1, keepdim=True) + 1e-8)", "")  # no std normalisation
     reward = """
 from common.rewards import ScoreFn, register_reward  # noqa: E402
 
