@@ -8,6 +8,7 @@ hand-written ones.
     python benchmarks/mutation.py diffusionnft.py       # one file
     python benchmarks/mutation.py dancegrpo.py --functions group_advantages,policy_loss
     python benchmarks/mutation.py dancegrpo.py --survivors  # the last run's survivors again, after new tests
+    python benchmarks/mutation.py rlr.py --resume --ref 8ab4aab   # go on with an interrupted run (its copy kept)
     python benchmarks/mutation.py dancegrpo.py --survivors --ref afe9141 --overlay tests/test_properties_dancegrpo.py
 
 Each file is mutated in a fresh copy of the commit (`--ref`, default HEAD) under /tmp/mutation/<file>, never in this
@@ -206,10 +207,12 @@ def run_target(key: str, args) -> dict:
     slug = key.replace("/", "_").replace(":", "_")
     copy = WORK / slug
     overlay_commit = _commit("HEAD")
-    if args.harvest:  # the copy of an interrupted run, as it was left: its file as committed at --ref
+    reuse = args.harvest or args.resume  # the copy of an interrupted run, as it was left
+    if reuse:  # its file as committed at --ref
         shown = subprocess.run(["git", "show", f"{ref}:{target}"], cwd=ROOT, capture_output=True, text=True)
         if shown.returncode or not (copy / "mutants" / f"{target}.meta").is_file():
-            raise SystemExit(f"--harvest: no run of {target} at --ref {args.ref} in {copy}")
+            flag = "--harvest" if args.harvest else "--resume"
+            raise SystemExit(f"{flag}: no run of {target} at --ref {args.ref} in {copy}")
         source = shown.stdout
     else:
         copy_commit(ref, copy, args.worktree)
@@ -220,13 +223,13 @@ def run_target(key: str, args) -> dict:
             (copy / path).write_bytes(text.stdout)
         source = (copy / target).read_text()
     names = mutated_names(source, spec["scope"], spec.get("exclude", ()))
-    if not args.harvest:
+    if not reuse:
         (copy / target).write_text(undecorate(source, names))
     if args.functions:
         wanted = set(args.functions.split(","))
         names = [n for n in names if n.split("ǁ")[-1].removeprefix("x_") in wanted]
     tests = in_process_tests(copy, spec["tests"])
-    if not args.harvest:
+    if not reuse:
         configure(copy, target, tests)
     module = target.removesuffix(".py").replace("/", ".")
     patterns = [f"{module}.{n}__mutmut_*" for n in names]
@@ -240,6 +243,9 @@ def run_target(key: str, args) -> dict:
         if args.mutants:  # only these of them (the others judged equivalent: rerunning them runs every test)
             wanted = set(args.mutants.split(","))
             run_names = [n for n in run_names if n.split(".")[-1] in wanted]
+    elif args.resume:  # the mutants the interrupted run did not reach; mutmut keeps the others' verdicts
+        codes = json.loads((copy / "mutants" / f"{target}.meta").read_text())["exit_code_by_key"]
+        run_names = [k for k, v in codes.items() if v is None and any(re.fullmatch(_glob(p), k) for p in patterns)]
     else:
         run_names = patterns
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -249,7 +255,9 @@ def run_target(key: str, args) -> dict:
     if args.harvest:  # from the copy's configuration to mutmut's last word
         seconds = (copy / "mutmut.log").stat().st_mtime - (copy / "pyproject.toml").stat().st_mtime
     else:
-        with open(copy / "mutmut.log", "w") as log:
+        before = (copy / "mutmut.log").stat().st_mtime - (copy / "pyproject.toml").stat().st_mtime if reuse else 0
+        logged = len((copy / "mutmut.log").read_text(errors="replace")) if reuse else 0  # the earlier run's lines
+        with open(copy / "mutmut.log", "a" if reuse else "w") as log:
             proc = subprocess.Popen(
                 ["nice", "-n", "19", mutmut, "run", "--max-children", "1", *run_names],
                 cwd=copy,
@@ -257,8 +265,8 @@ def run_target(key: str, args) -> dict:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-            watch(proc, copy / "mutmut.log", args.wall_limit)
-        seconds = time.time() - start
+            watch(proc, copy / "mutmut.log", args.wall_limit, logged)
+        seconds = before + time.time() - start
     meta = json.loads((copy / "mutants" / f"{target}.meta").read_text())
     codes = {k: v for k, v in meta["exit_code_by_key"].items() if any(re.fullmatch(_glob(p), k) for p in patterns)}
     untested = sum(v is None for v in codes.values())  # an interrupted run's mutants not reached (--harvest)
@@ -308,14 +316,14 @@ def run_target(key: str, args) -> dict:
     return result
 
 
-def watch(proc: subprocess.Popen, log: Path, limit: float) -> None:
+def watch(proc: subprocess.Popen, log: Path, limit: float, start: int = 0) -> None:
     """Wait for mutmut; once it tests mutants, kill a mutant's test process still running after `limit` seconds of
     wall-clock time. mutmut's own limit is on CPU time, which a process blocked on a lock (a fork that inherited one
     held) never spends: such a mutant is recorded with exit -9 and counted as killed by a time limit."""
     ticks, testing = os.sysconf("SC_CLK_TCK"), False
     while proc.poll() is None:
         time.sleep(5)
-        testing = testing or "Running mutation testing" in log.read_text(errors="replace")
+        testing = testing or "Running mutation testing" in log.read_text(errors="replace")[start:]  # this run's
         if not testing:
             continue
         uptime = float(Path("/proc/uptime").read_text().split()[0])
@@ -425,6 +433,12 @@ def cli() -> None:
         action="store_true",
         help="score what an interrupted run (stopped with Ctrl-C or a kill) tested, from its copy under /tmp/mutation "
         "(give the --ref it ran at); the mutants it did not reach are counted apart",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on with an interrupted run in its copy under /tmp/mutation (give the --ref it ran at): only the "
+        "mutants it did not reach run; the others keep their verdicts and the times add up",
     )
     p.add_argument(
         "--overlay",
