@@ -113,3 +113,90 @@ def test_zo_perturbations_are_keyed_on_the_block_and_the_step():
     assert torch.equal(seen((0, 3, 1), 2), expected) and torch.equal(p.detach(), torch.zeros(5))
     assert not torch.equal(seen((0, 3, 1), 1), expected)  # another step
     assert not torch.equal(seen((0, 3, 0), 2), expected)  # another block
+
+
+def _sd1(steps_offset=None):
+    """A stand-in SD1.x model for make_schedule: alphabar linspace(0.99, 0.01, 1000), a scheduler config with or
+    without steps_offset."""
+    from types import SimpleNamespace
+
+    config = {} if steps_offset is None else {"steps_offset": steps_offset}
+    return SimpleNamespace(
+        kind="sd1",
+        alphas_cumprod=torch.linspace(0.99, 0.01, 1000),
+        pipe=SimpleNamespace(scheduler=SimpleNamespace(config=config)),
+    )
+
+
+def test_the_ddim_schedule_by_hand_with_and_without_steps_offset():
+    """4 of 1000 steps, "leading" spacing: t = 750, 500, 250, 0 (+ steps_offset, 0 when the config has none) and
+    alphabar_prev = alphabar(t - 250), 1 where t - 250 < 0; at offset 0 the third step's previous timestep is exactly 0
+    (alphabar(0), not 1); eta 0.3 on every step but the last; stochastic=False: eta 0 everywhere."""
+    ac = _sd1().alphas_cumprod.double()
+    for offset in (None, 0):
+        s = R.make_schedule(_sd1(offset), 4, 0.3)
+        assert s["t"].tolist() == [750, 500, 250, 0]
+        assert torch.equal(s["a_prev"], torch.stack([ac[500], ac[250], ac[0], torch.tensor(1.0).double()]).float())
+        assert torch.equal(s["a"], ac[[750, 500, 250, 0]].float())
+        assert s["eta"].tolist() == pytest.approx([0.3, 0.3, 0.3, 0.0])
+    s = R.make_schedule(_sd1(1), 4, 0.3, stochastic=False)
+    assert s["t"].tolist() == [751, 501, 251, 1] and s["a_prev"][-1] == 1 and s["eta"].tolist() == [0.0] * 4
+
+
+def test_the_flow_schedule_reads_the_pipeline_grid_and_the_sde_type():
+    """shift 'pipeline' takes the model's own grid (model.sigmas(T)); the noise is noise_g's of --sde-type; an ODE
+    schedule has g = 0 on every step."""
+    from types import SimpleNamespace
+
+    grid = torch.tensor([1.0, 0.9, 0.5, 0.0])
+    model = SimpleNamespace(kind="flux", sigmas=lambda n: grid if n == 3 else None)
+    s = R.make_schedule(model, 3, 0.7, shift="pipeline", sde_type="dance")
+    assert torch.equal(s["sigmas"], grid) and s["g"].tolist() == pytest.approx([0.7, 0.7, 0.0])
+    s = R.make_schedule(model, 3, 0.7, shift="pipeline", sde_type="flow")
+    # Flow-GRPO's a sqrt(s / (1 - s)), sigmas[1] = 0.9 standing in for 1 in the first denominator
+    assert s["g"][:2].tolist() == pytest.approx([0.7 * (1.0 / 0.1) ** 0.5, 0.7 * (0.9 / 0.1) ** 0.5])
+    assert R.make_schedule(model, 3, 0.7, shift="pipeline", stochastic=False)["g"].tolist() == [0.0] * 3
+
+
+def test_a_transition_passes_its_guidance_and_takes_an_sde_step_at_g_1():
+    """Step 0 at g = 1 (sigma 0.8 -> 0.6) is the SDE step: x0_hat = x - 0.8 v, score = -(x - 0.2 x0_hat) / 0.64,
+    mean = x - 0.2 (v - score / 2), std = sqrt(0.2); step 1 at g = 0 is Euler, x - 0.6 v; the model is called with
+    the guidance scale 4 (and SD1.x's eps with it too)."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    seen = []
+    v = torch.tensor([[0.5, -1.0]])
+
+    def velocity(module, x, sigma, cond, guidance_scale):
+        seen.append(guidance_scale)
+        return v
+
+    model = SimpleNamespace(kind="flux", velocity=velocity)
+    sched = {"sigmas": torch.tensor([0.8, 0.6, 0.0]), "g": torch.tensor([1.0, 0.0])}
+    x = torch.tensor([[1.0, 2.0]])
+    mean, std = R.transition(model, None, sched, 0, x, {}, 4.0, nullcontext)
+    x0 = x - 0.8 * v
+    score = -(x - 0.2 * x0) / 0.64
+    torch.testing.assert_close(mean, x - 0.2 * (v - score / 2))
+    assert std.flatten().tolist() == pytest.approx([0.2**0.5])
+    mean, std = R.transition(model, None, sched, 1, x, {}, 4.0, nullcontext)
+    torch.testing.assert_close(mean, x - 0.6 * v)
+    assert float(std) == 0
+    sd1 = SimpleNamespace(kind="sd1", eps=lambda module, x, t, cond, guidance_scale: seen.append(guidance_scale) or x)
+    R.transition(sd1, None, R.make_schedule(_sd1(1), 4, 0.3), 0, x, {}, 4.0, nullcontext)
+    assert seen == [4.0, 4.0, 4.0]
+
+
+def test_key_seed_is_the_first_8_bytes_of_the_sha256_little_endian_under_2_63():
+    """key_seed(*keys) = the first 8 bytes of sha256(repr(keys)), little-endian, with the top bit cleared (a
+    generator's seed must fit in 63 bits): by hand with hashlib, for keys whose 8th byte has its top bit set."""
+    import hashlib
+
+    for keys in [(0, 3, 1, 2), (7, "zo", 5)]:
+        digest = hashlib.sha256(repr(keys).encode()).digest()
+        assert R.key_seed(*keys) == int.from_bytes(digest[:8], "little") % 2**63
+    top = next(k for k in range(100) if hashlib.sha256(repr((k,)).encode()).digest()[7] >= 128)
+    assert R.key_seed(top) < 2**63 and R.key_seed(top) != int.from_bytes(
+        hashlib.sha256(repr((top,)).encode()).digest()[:8], "little"
+    )
