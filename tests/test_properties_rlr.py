@@ -200,3 +200,27 @@ def test_key_seed_is_the_first_8_bytes_of_the_sha256_little_endian_under_2_63():
     assert R.key_seed(top) < 2**63 and R.key_seed(top) != int.from_bytes(
         hashlib.sha256(repr((top,)).encode()).digest()[:8], "little"
     )
+
+
+def test_the_flow_schedule_defaults_are_shift_3_and_flow_grpo_noise():
+    """make_schedule(model, T, a) without shift or sde_type: the static shift 3 grid and Flow-GRPO's g."""
+    from types import SimpleNamespace
+
+    s = R.make_schedule(SimpleNamespace(kind="flux"), 4, 0.7)
+    assert torch.equal(s["sigmas"], R.sigma_schedule(4, 3.0))
+    expected = R.noise_g(R.sigma_schedule(4, 3.0), "flow", 0.7)
+    assert torch.equal(s["g"][:3], expected[:3]) and s["g"][3] == 0 and expected[0] != expected[1]
+
+
+def test_zo_noise_and_its_gradient_keep_the_parameters_dtype():
+    """Float64 parameters get float64 perturbations, 0.5 x the standard normals of the seeded generator drawn in
+    float64; the ZO gradient -coef zeta / scale^2 lands in the parameter's dtype even for a float64 coefficient on a
+    float32 parameter (a float64 gradient would be refused on it)."""
+    p64 = torch.zeros(4, dtype=torch.float64)
+    (z,) = R.zo_noise([p64], 11, 0.5)
+    expected = 0.5 * torch.randn(4, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    assert z.dtype == torch.float64 and torch.equal(z, expected)
+    p = torch.nn.Parameter(torch.zeros(3))
+    coef = torch.full((3,), 0.25, dtype=torch.float64)  # one per element: a float64 tensor that promotes zeta
+    R.add_zo_grad([p], [torch.tensor([1.0, -2.0, 0.5])], coef, 0.5)
+    assert p.grad.dtype == torch.float32 and p.grad.tolist() == [-1.0, 2.0, -0.5]  # -0.25 zeta / 0.25
