@@ -64,6 +64,9 @@ def cases():
     yield "Wan2.2-TI2V-5B (UniPC, flow_shift 5)", 704, 10, 5.0, steps_only(wan, 10)
     for T in (10, 40):
         yield "SD3.5", 512, T, 3.0, steps_only(FlowMatchEulerDiscreteScheduler(shift=3.0), T)
+    hunyuan = FlowMatchEulerDiscreteScheduler(shift=5.0)  # HunyuanVideo15Pipeline: linspace(1, 0, T + 1)[:-1], static
+    hunyuan.set_timesteps(sigmas=np.linspace(1.0, 0.0, 17)[:-1])
+    yield "HunyuanVideo-1.5 (shift 5)", 480, 16, 5.0, hunyuan.sigmas
 
 
 def rows() -> list[dict]:
