@@ -224,3 +224,19 @@ def test_zo_noise_and_its_gradient_keep_the_parameters_dtype():
     coef = torch.full((3,), 0.25, dtype=torch.float64)  # one per element: a float64 tensor that promotes zeta
     R.add_zo_grad([p], [torch.tensor([1.0, -2.0, 0.5])], coef, 0.5)
     assert p.grad.dtype == torch.float32 and p.grad.tolist() == [-1.0, 2.0, -0.5]  # -0.25 zeta / 0.25
+
+
+def test_a_subchain_log_prob_in_float64_is_exact_to_float64():
+    """Steps j = 0 .. 1 (h = 2) of the chain m(x) = 0.5 x with std 0.3 given as a Python float: x1 = 0.5 x0 + 0.3 z0,
+    log N(x2; 0.5 x1, 0.09) summed over dims, in float64 throughout (the std not rounded to float32 first); the
+    deviation is |0.5 x1 + 0.3 z1 - x2|'s max."""
+    import math
+
+    latents = torch.tensor([[[0.2, -0.4], [0.1, 0.3], [0.7, -0.1]]], dtype=torch.float64)  # (B, T + 1, D)
+    noise = torch.tensor([[[1.0, -0.5], [0.25, 2.0]]], dtype=torch.float64)  # (B, T, D)
+    log_prob, deviation = R.subchain_log_prob(lambda k, x: (0.5 * x, 0.3), latents, noise, 0, 2)
+    x1 = 0.5 * latents[:, 0] + 0.3 * noise[:, 0]
+    m = 0.5 * x1
+    expected = (-((latents[:, 2] - m) ** 2) / (2 * 0.09) - math.log(0.3) - 0.5 * math.log(2 * math.pi)).sum(1)
+    torch.testing.assert_close(log_prob, expected, rtol=0, atol=1e-12)
+    assert deviation.item() == pytest.approx((m + 0.3 * noise[:, 1] - latents[:, 2]).abs().max().item(), abs=1e-15)
