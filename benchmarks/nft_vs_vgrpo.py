@@ -55,8 +55,8 @@ censored, written >N (N its last step count), and counted, never dropped. Over t
 [min, max] as its interval: for n seeds, the probability that the range misses the true median of a continuous
 distribution is 2 x 0.5^n, so it is a 75% confidence interval for 3 seeds (94% for 5), with no assumption on the
 distribution, and censored values only make its upper end >N. The step ratio is DiffusionNFT's median over V-GRPO's
-(a bound, > or <, when one median is censored). Wall time per optimizer step: each run's training time (the sum of
-its perf/iteration_s, evaluations excluded) over its optimizer steps, the ratio DiffusionNFT / V-GRPO of the means
+(a bound, > or <, when one median is censored). Wall time per optimizer step: each run's median training time per
+iteration (its perf/iteration_s, evaluations excluded) over its optimizer steps per iteration, the ratio DiffusionNFT / V-GRPO of the means
 over seeds with the range of the ratios seed by seed.
 
 Runs keep their folders under <out>/runs/ and their logs under <out>/logs/ (benchmarks/compare.py's run_one):
@@ -216,8 +216,11 @@ def step_ratio(nft: dict, vgrpo: dict) -> str:
 
 
 def seconds_per_step(c: dict) -> float:
-    """Training seconds (evaluations excluded) per optimizer step of one run."""
-    return c["train_time"] / c["evals"][-1]["steps"]
+    """Training seconds (evaluations excluded) per optimizer step of one run: its median iteration over its optimizer
+    steps per iteration. The median, not the total: an iteration that waited on a paused or shared machine (a resumed
+    run's first, or one beside a test run) would weigh in a sum."""
+    last = c["evals"][-1]
+    return c["s_per_iteration"] * last["iteration"] / last["steps"]
 
 
 def starts(results: dict, seeds: list[int]) -> dict:

@@ -29,9 +29,11 @@ def load():
 B = load()
 
 
-def curve(steps, rewards, train_time=0.0):
-    """compare.curves' shape: evaluations (optimizer steps, learned reward) and the training time."""
-    return {"evals": [{"steps": s, "reward_mean": r} for s, r in zip(steps, rewards)], "train_time": train_time}
+def curve(steps, rewards, s_per_iteration=0.0):
+    """compare.curves' shape: evaluations (iteration, optimizer steps, learned reward) and the median seconds of a
+    training iteration."""
+    evals = [{"iteration": i, "steps": s, "reward_mean": r} for i, (s, r) in enumerate(zip(steps, rewards))]
+    return {"evals": evals, "s_per_iteration": s_per_iteration}
 
 
 # ---------------------------------------------------------------- statistics by hand
@@ -62,9 +64,10 @@ def test_median_interval_and_ratio_with_censored_runs():
 
 def results_by_hand():
     """Every run kind, seeds 0 and 1 (starting at 0.5 and 0.25); V-GRPO reaches +0.125 at steps 2 and 4, DiffusionNFT
-    at 4 in seed 0 and never in seed 1 (6 steps); training at 1 and 2 s per step (seed 1: 1 and 4)."""
-    v = [curve([0, 2, 4, 6], [0.5, 0.625, 0.75, 0.75], 6.0), curve([0, 2, 4, 6], [0.25, 0.25, 0.375, 0.5], 6.0)]
-    n = [curve([0, 2, 4, 6], [0.5, 0.5, 0.625, 0.75], 12.0), curve([0, 2, 4, 6], [0.25, 0.25, 0.25, 0.25], 24.0)]
+    at 4 in seed 0 and never in seed 1 (6 steps); 2 optimizer steps per iteration, a median iteration of 2 and 4 s
+    (seed 1: 2 and 8), so 1 and 2 s per step (seed 1: 1 and 4)."""
+    v = [curve([0, 2, 4, 6], [0.5, 0.625, 0.75, 0.75], 2.0), curve([0, 2, 4, 6], [0.25, 0.25, 0.375, 0.5], 2.0)]
+    n = [curve([0, 2, 4, 6], [0.5, 0.5, 0.625, 0.75], 4.0), curve([0, 2, 4, 6], [0.25, 0.25, 0.25, 0.25], 8.0)]
     return {k: (v if m == "vgrpo" else n) for k, (m, _, _) in B.configs().items()}
 
 
@@ -84,7 +87,7 @@ def test_thresholds_are_each_seeds_start_plus_the_gain_and_a_miss_is_counted():
 
 def test_wall_time_per_step_ratio_of_the_means_with_the_seeds_range():
     (r, *_) = B.time_rows(results_by_hand())
-    assert (r["vgrpo"], r["diffusionnft"]) == (1.0, 3.0)  # 6 / 6 per seed; (12 / 6 + 24 / 6) / 2
+    assert (r["vgrpo"], r["diffusionnft"]) == (1.0, 3.0)  # 2 s / 2 steps per seed; (4 / 2 + 8 / 2) / 2
     assert r["ratio"] == 3.0 and (r["low"], r["high"]) == (2.0, 4.0)
 
 
