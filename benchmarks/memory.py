@@ -23,7 +23,7 @@ An iteration is modelled in phases; the peak is the largest:
     rollout     no-grad denoiser forwards of the rollout batch (V-GRPO: also its behaviour pass, train-batch x N_MC)
     decode      the VAE on each decode batch (Wan2.1: a video at a time, fp32), the earlier batches' samples kept;
                 their torch.cat (the previous iteration's samples are still referenced); then the reward on all of
-                them (no grad): HPSv2.1, on a video's --reward-frames frames, and 'temporal' on videos
+                them (no grad): HPSv2.1 and HPSv3, on a video's --reward-frames frames, and 'temporal' on videos
     train       one training micro-step: the micro-batch's forward (and the KL reference's), backward, AdamW step,
                 with the gradients of the earlier micro-steps accumulated; RLR: its first-order term (the last step,
                 the VAE and HPS with a graph), then its half-order sub-chain
@@ -264,6 +264,20 @@ BYT5_SMALL = dict(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=1
                   feed_forward_proj="gated-gelu")  # fmt: skip
 # HPSv2.1 is open_clip's ViT-H-14 (986M), kept in fp32 by common/rewards.py; None = open_clip's registered config
 HPS = None
+# HPSv3 (common/hpsv3.py): Qwen/Qwen2-VL-7B-Instruct's config.json (8.29B parameters with its LM head; HPSv3 drops the
+# 545M head and adds one token: 7.75B in bf16, 15.5 GB) and an fp32 head of 3.7M. Its input per image: 256 merged image
+# tokens (Qwen2-VL's smart resize to 256 x 28 x 28 pixels, any aspect), the chat turn around the official instruction
+# (527 tokens with Qwen2's BPE: counted once with Qwen's qwen.tiktoken ranks, which Qwen2's tokenizer shares) and the
+# prompt (64 tokens allowed), so 847 positions
+QWEN2_VL_7B = dict(
+    model_type="qwen2_vl", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+    num_key_value_heads=4, vocab_size=152064, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768,
+    tie_word_embeddings=False, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+    vision_config=dict(depth=32, embed_dim=1280, mlp_ratio=4, num_heads=16, in_chans=3, hidden_size=3584, patch_size=14,
+                       spatial_merge_size=2, temporal_patch_size=2),
+)  # fmt: skip
+HPSV3_TEXT_TOKENS = 527 + 64  # the instruction's chat turn and the prompt
 
 # A CPU-sized FLUX for tests and `benchmarks/gpu_check.py --tiny` (a model_config of estimate()): the same classes with
 # gpu_check.py's tiny sizes, and tests/tiny.py's HPS (open_clip config 'tiny-hps')
@@ -530,12 +544,21 @@ def build_text_encoder(family: str, config: dict, dtype, with_projection: bool):
     return cls(CLIPTextConfig(**config)).to(dtype).eval()
 
 
-def build_reward(config: dict | None):
-    """HPSv2.1's CLIP in fp32 (common/rewards.py's hpsv2_1 never casts it)."""
+def build_reward(name: str, config: dict | None):
+    """A reward network as common/rewards.py loads it: HPSv2.1's CLIP in fp32 (hpsv2_1 never casts it), HPSv3's
+    Qwen2-VL in bf16 with its fp32 head and the added reward token (one more embedding row)."""
     import logging
 
     import open_clip
 
+    if name == "hpsv3":
+        from transformers import Qwen2VLConfig
+
+        from common.hpsv3 import HPSv3
+
+        config = Qwen2VLConfig(**{**config, "vocab_size": config["vocab_size"] + 1})  # + <|Reward|>
+        config._attn_implementation = "sdpa"  # transformers' default on a GPU
+        return HPSv3(config, reward_token_id=config.text_config.vocab_size - 1).eval()
     if config is not None:
         return open_clip.CLIP(**config).eval()
     root, level = logging.getLogger(), logging.getLogger().level
@@ -1103,17 +1126,63 @@ def hps_score(reward, images):
     return (image * text).sum(-1)
 
 
-def score_samples(reward, spec: str, frames: int, samples):
+@contextlib.contextmanager
+def _constants(limit: int):
+    """Fake tensors made from real ones by `constant` keep their values through ops of at most `limit` elements (the
+    fake world's default: 1), so that code reading its inputs' values (index lists, counts) runs on them."""
+    from torch._subclasses import fake_tensor
+
+    default = fake_tensor.CONSTANT_NUMEL_LIMIT
+    fake_tensor.CONSTANT_NUMEL_LIMIT = limit
+    try:
+        yield lambda t: _fake_mode().fake_tensor_converter.from_real_tensor(_fake_mode(), t, make_constant=True)
+    finally:
+        fake_tensor.CONSTANT_NUMEL_LIMIT = default
+
+
+def _fake_mode():
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode()
+
+
+def hpsv3_score(model, images):
+    """common.rewards.hpsv3's score (no grad) on (n, 3, H, W) images: Qwen2-VL's patches at the smart-resized size,
+    then the chat turn of 847 positions per image, right-padded alike. The token ids and the image grid, which the
+    forward reads (where the image tokens go, the vision tower's per-image attention), are real values; the rest is
+    fake. The images' own resize and patching are a few fp32 copies of the pixels, left out."""
+    from common.hpsv3 import FACTOR, smart_resize
+
+    n, _, H, W = images.shape
+    h, w = smart_resize(H, W)
+    gh, gw = h // (FACTOR // 2), w // (FACTOR // 2)
+    length = gh * gw // 4 + HPSV3_TEXT_TOKENS
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # real values
+        ids = torch.zeros(n, length, dtype=torch.long)
+        ids[:, 5 : 5 + gh * gw // 4] = model.image_token_id  # after the system turn
+        ids[:, -10] = model.reward_token_id  # before "\n\nEND\n" and the assistant's turn
+        grid = torch.tensor([[1, gh, gw]] * n)
+    with _constants(2 * n * max(length, gh * gw)) as constant:
+        ids, grid = constant(ids), constant(grid)
+        pixels = torch.zeros(n * gh * gw, 3 * 2 * 14 * 14)  # (patches, 3 x 2 frames x 14 x 14), fp32
+        return model(ids, torch.ones(n, length, dtype=torch.long), pixels, grid)[:, 0]
+
+
+def score_samples(nets: dict, spec: str, frames: int, samples):
     """The scripts' reward call (common.rewards.CompositeReward, no grad) on decoded samples, images (n, 3, H, W) or
-    videos (n, F, 3, H, W), with the components that hold GPU memory: HPSv2.1 (`reward`, its network), on `frames`
-    evenly spaced frames of each video (--reward-frames), and 'temporal' (videos). Others (jpeg, ...) are left out:
-    they work on the CPU or are not modelled (reward_model refuses pickscore and clip)."""
+    videos (n, F, 3, H, W), with the components that hold GPU memory: HPSv2.1 and HPSv3 (`nets`: name -> network), on
+    `frames` evenly spaced frames of each video (--reward-frames), and 'temporal' (videos). Others (jpeg, ...) are
+    left out: they work on the CPU or are not modelled (reward_model refuses pickscore and clip)."""
     from common.rewards import CompositeReward, ScoreFn, parse_rewards, temporal
 
+    scores = {"hpsv2.1": hps_score, "hpsv3": hpsv3_score}
     parts = []
     for name, weight in parse_rewards(spec).weights.items():
-        if name == "hpsv2.1" and reward is not None:
-            parts.append((name, weight, ScoreFn(lambda x, prompts: hps_score(reward, x), differentiable=True)))
+        if name in nets:
+            fn = lambda x, prompts, net=nets[name], score=scores[name]: score(net, x)  # noqa: E731
+            parts.append((name, weight, ScoreFn(fn, differentiable=True)))
         elif name == "temporal":
             parts.append((name, weight, temporal("cpu")))
     return CompositeReward(parts, frames, check=False)(samples, [""] * len(samples))  # fake tensors: no values
@@ -1303,15 +1372,16 @@ def parse_args(script: str, flags: list[str]):
     return tyro.cli(module.Args, args=list(flags))
 
 
-def reward_model(spec: str, parts: dict):
-    """The reward network's config for --reward (HPSv2.1; None: the reward has no network, e.g. jpeg)."""
+def reward_model(spec: str, parts: dict) -> dict:
+    """The reward networks' configs for --reward: name -> config, HPSv2.1's and HPSv3's ({}: the reward has no
+    network, e.g. jpeg)."""
     from common.rewards import parse_rewards
 
     names = set(parse_rewards(spec).weights)  # every component runs, weight 0 too (for logging)
-    unknown = names & {"pickscore", "clip", "hpsv3"}  # HPSv3: its 8.3B Qwen2-VL is not modelled yet
+    unknown = names & {"pickscore", "clip"}
     if unknown:
-        raise ValueError(f"--reward {spec}: {', '.join(sorted(unknown))} is not modelled here (HPSv2.1 is)")
-    return ("hps", parts["reward"]) if "hpsv2.1" in names else None
+        raise ValueError(f"--reward {spec}: {', '.join(sorted(unknown))} is not modelled here (HPSv2.1 and HPSv3 are)")
+    return {n: c for n, c in (("hpsv2.1", parts["reward"]), ("hpsv3", QWEN2_VL_7B)) if n in names}
 
 
 def estimate(
@@ -1362,6 +1432,10 @@ def estimate(
     n_grid_all = 16 if args.sample_every > 0 else 0
     n_grid = min(n_grid_all, args.rollout_batch_size)
     reward_cfg = reward_model(args.reward, parts)
+    if script == "rlr" and "hpsv3" in reward_cfg:
+        raise ValueError(
+            "rlr.py's first-order term backpropagates through the reward: through HPSv3 it is not modelled"
+        )
     key = dict(kind=kind, den=parts["denoiser"], latent=shapes.latent, mp=mp, lora=args.lora, rank=args.lora_rank)
     key |= dict(alpha=args.lora_alpha, ckpt=checkpointing, fsdp=fsdp)
 
@@ -1417,7 +1491,8 @@ def estimate(
             optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=True)
             optimizer.step()
         vae = build_vae(kind, parts["vae"], frozen_dtype)
-        reward = build_reward(reward_cfg[1]) if reward_cfg else None
+        nets = {name: build_reward(name, c) for name, c in reward_cfg.items()}
+        reward = nets.get("hpsv2.1")  # rlr.py's differentiable reward
         if work.rlr is not None:  # the first-order term backpropagates through the VAE and the reward model
             act_train = _cached(
                 [key, "rlr", work.rlr, cfg, parts["vae"], reward_cfg],
@@ -1453,8 +1528,8 @@ def estimate(
         def score(n):  # above the decoded samples, which the scripts keep (torch.cat of the decode batches)
             samples = torch.zeros(n, *shapes.sample)
             with torch.no_grad():
-                run = lambda: score_samples(reward, args.reward, args.reward_frames, samples)  # noqa: E731
-                return measure(run, *[m for m in (reward, samples) if m is not None])
+                run = lambda: score_samples(nets, args.reward, args.reward_frames, samples)  # noqa: E731
+                return measure(run, *nets.values(), samples)
 
         vae_key = [kind, parts["vae"], shapes.vae_latent, shapes.sample, mp, "decode"]
         act_decode = _cached([*vae_key, work.decode], lambda: measure(lambda: decode(work.decode), vae))
@@ -1463,7 +1538,7 @@ def estimate(
         act_reward = _cached([*score_key, work.reward], lambda: score(work.reward))
         act_reward_grid = _cached([*score_key, n_grid_all], lambda: score(n_grid_all)) if n_grid_all else 0
         act_reward_eval = _cached([*score_key, n_eval], lambda: score(n_eval)) if n_eval else 0
-        vae_bytes, reward_bytes = nbytes(vae), nbytes(reward) if reward is not None else 0
+        vae_bytes, reward_bytes = nbytes(vae), nbytes(*nets.values())
 
     # ---------------------------------------------------------------- phases: resident state + the phase's own
     state = w_train * (1 + work.copies) + frozen + opt + buckets + work.data
@@ -1722,11 +1797,12 @@ def report(rows: list[tuple[str, dict]], seconds: float) -> str:
         "5-15% more). Goal: LoRA at 512 px within 48 GB; LoRA above 512 px and full fine-tuning (FSDP over 8 GPUs) "
         "within 80 GB.\n\n"
         "Resident parts: trainable weights, the frozen denoiser weights, gradients, AdamW state, the text encoders, "
-        "the VAE and HPSv2.1 weights, the rollout data (latents, conditioning, decoded images or videos), DDP's gradient "
-        "buckets or FSDP's gathered units. Transient: `train act.` is one training micro-step's peak above them "
-        "(forward saved for backward, backward, AdamW step), `+ decode` and `+ act.` the VAE's decode and HPS's "
-        "scoring of their batches, `grid` the sample grid's forward or VAE decode of one rollout batch. `rows` is the denoiser "
-        "batch of a training forward (CFG included); ckpt = --gradient-checkpointing, offload = --offload-frozen. "
+        "the VAE and the reward networks (HPSv2.1, HPSv3), the rollout data (latents, conditioning, decoded images or "
+        "videos), DDP's gradient buckets or FSDP's gathered units. Transient: `train act.` is one training "
+        "micro-step's peak above them (forward saved for backward, backward, AdamW step), `+ decode` and `+ act.` the "
+        "VAE's decode and the reward's scoring of their batches, `grid` the sample grid's forward or VAE decode of one "
+        "rollout batch. `rows` is the denoiser batch of a training forward (CFG included); ckpt = "
+        "--gradient-checkpointing, offload = --offload-frozen. "
         "The peak is the largest phase:\n\n"
         + table(rows)
         + "\n\nEach phase's total (GB; evaluate = the sample grid and the held-out evaluation):\n\n"

@@ -136,6 +136,23 @@ def test_the_image_reward_scores_reward_frames_of_each_video_and_rlr_refuses_vid
         memory.estimate("rlr.py", ["--model-id", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "--num-frames", "5"])
 
 
+def test_hpsv3_is_planned_at_its_published_size_in_bf16_beside_hpsv2_and_rlr_refuses_it():
+    """HPSv3: Qwen2-VL-7B-Instruct's 8,291,375,616 parameters (its hub config, as published) less its LM head
+    (3584 x 152064) plus the reward token's embedding row, in bf16, and the fp32 head (3584 x 1024 + 1024, 1024 x 16 +
+    16, 16 x 2 + 2 = 3,687,474 parameters), resident next to HPSv2.1 when --reward names both, its activations on top
+    of the decode phase; rlr.py's reward gradient through it is refused."""
+    quiet = ["--sample-every", "0", "--eval-every", "0"]  # HPSv3 on the 4 training images, not 36 more (slow)
+    hps, both = plan(quiet), plan([*quiet, "--reward", "hpsv2.1:1,hpsv3:0.5"])
+    body = 8_291_375_616 - 3584 * 152064 + 3584
+    hpsv3 = 2 * body + 4 * 3_687_474  # 15.51 GB
+    rotary = 336  # the two rotary embeddings' inverse frequencies (buffers, bf16)
+    assert round((both["gb"]["reward"] - hps["gb"]["reward"]) * GB) == hpsv3 + rotary
+    assert both["gb"]["reward_activations"] > hps["gb"]["reward_activations"]  # 4 images of 847 positions
+    assert both["phases"]["decode"] - hps["phases"]["decode"] > hpsv3 / GB
+    with pytest.raises(ValueError, match="HPSv3"):
+        memory.estimate("rlr.py", ["--model-id", "black-forest-labs/FLUX.1-dev", "--reward", "hpsv3"])
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_fake_tensor_plan_matches_a_real_cpu_run(checkpointing):
     """docs/gpu.md's cross-check, small: one training micro-step of a narrow FLUX.1-dev (1 double + 1 single block,
