@@ -43,7 +43,7 @@
 #   dancegrpo-flux2-8gpu   FLUX.2 [klein] base 4B, Flow-Factory's GRPO setting: LoRA r64, 384 px, CFG 4, 8 GPUs (DDP); 24 GB per GPU
 #   dancegrpo-wan22-8gpu   Wan2.2-TI2V-5B video, verl-omni's DanceGRPO size: LoRA r128, 704x1280, 9 frames, 8 GPUs (DDP); 55 GB per GPU
 #   dancegrpo-ltx2-8gpu    LTX-2.3 video (no audio), Flow-Factory / VeRL-Omni's CPS setting: 3-step SDE window in the first 10 of 24 steps, LoRA r32, 320 px, 81 frames, 8 GPUs (DDP); 80 GB per GPU
-#   dancegrpo-hunyuan15-8gpu  HunyuanVideo-1.5 480p video, UniRL's DanceGRPO setting: Flow-SDE eta 0.25 on 8 of 16 steps, shift 5, no CFG, LoRA r32, 480 px, 5 frames, 8 GPUs (DDP); no plan (docs/video.md)
+#   dancegrpo-hunyuan15-8gpu  HunyuanVideo-1.5 480p video, UniRL's DanceGRPO setting: Flow-SDE eta 0.25 on 8 of 16 steps, shift 5, no CFG, LoRA r32, 480 px, 5 frames, 8 GPUs (DDP); 42 GB per GPU
 #   diffusionnft-cpu       DiffusionNFT on ShapesBench, 1 CPU process
 #   diffusionnft-cpu-2proc the same, 2 CPU processes (gloo): groups span processes
 #   diffusionnft-sd35-8gpu SD3.5-Medium + HPSv2.1, the official sd3_hpsv2 config: LoRA r32, 512 px, 8 GPUs (DDP); 25 GB per GPU

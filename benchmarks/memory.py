@@ -394,6 +394,9 @@ def _fake_apply(self, fn, recurse=True):
     return self
 
 
+_WORLD: list = []  # the FakeTensorMode of the fake_world being run
+
+
 @contextlib.contextmanager
 def fake_world():
     """Build and run modules with fake tensors on the CPU: shapes, dtypes and sizes without data or compute."""
@@ -404,10 +407,12 @@ def fake_world():
     original = torch.nn.Module._apply
     torch.nn.Module._apply = _fake_apply
     try:
-        with FakeTensorMode(), torch.device("cpu"):
+        with FakeTensorMode() as mode, torch.device("cpu"):
+            _WORLD.append(mode)
             yield
     finally:
         torch.nn.Module._apply = original
+        _WORLD.clear()
 
 
 # CUDA autocast computes these in fp32 (and returns fp32) where CPU autocast keeps the input dtype
@@ -985,14 +990,22 @@ class Hunyuan15Plan(Plan):
         return Shapes(kind, latent, latent, (3, height, width), cond, frames)
 
     def forward(self, shapes, module, x, cond, dt):  # HunyuanVideo15Model.velocity
-        x = x.to(dt)
-        return module(
-            hidden_states=torch.cat([x, torch.zeros_like(x), x.new_zeros(len(x), 1, *x.shape[2:])], dim=1),
-            image_embeds=x.new_zeros(len(x), 729, 1152), timestep=_full(len(x), 500.0, dt),
-            encoder_hidden_states=cond["prompt_embeds"], encoder_attention_mask=torch.ones(len(x), 1000),
-            encoder_hidden_states_2=cond["prompt_embeds_2"], encoder_attention_mask_2=torch.ones(len(x), 256),
-            return_dict=False,
-        )[0]  # fmt: skip
+        """The transformer reads values: whether the image embeddings are all zero (text-to-video: it then makes
+        their mask zero) and the three masks, whose valid tokens it moves first. Those are real values here
+        (constants of the fake world, the masks it makes itself too); the activations stay fake."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        x, B = x.to(dt), len(x)
+        with unset_fake_temporarily():
+            image, masks = torch.zeros(B, 729, 1152, dtype=dt), (torch.ones(B, 1000), torch.ones(B, 256))
+        with _constants(2 * image.numel()) as constant, _RealFactories(constant):
+            return module(
+                hidden_states=torch.cat([x, torch.zeros_like(x), x.new_zeros(B, 1, *x.shape[2:])], dim=1),
+                image_embeds=constant(image), timestep=_full(B, 500.0, dt),
+                encoder_hidden_states=cond["prompt_embeds"], encoder_attention_mask=constant(masks[0]),
+                encoder_hidden_states_2=cond["prompt_embeds_2"], encoder_attention_mask_2=constant(masks[1]),
+                return_dict=False,
+            )[0]  # fmt: skip
 
     def decode(self, vae, shapes, latents):  # HunyuanVideo15Model.decode: one video at a time -> (B, F, 3, H, W)
         dt = next(vae.parameters()).dtype
@@ -1135,15 +1148,28 @@ def _constants(limit: int):
     default = fake_tensor.CONSTANT_NUMEL_LIMIT
     fake_tensor.CONSTANT_NUMEL_LIMIT = limit
     try:
-        yield lambda t: _fake_mode().fake_tensor_converter.from_real_tensor(_fake_mode(), t, make_constant=True)
+        mode = _WORLD[-1]
+        yield lambda t: mode.fake_tensor_converter.from_real_tensor(mode, t, make_constant=True)
     finally:
         fake_tensor.CONSTANT_NUMEL_LIMIT = default
 
 
-def _fake_mode():
-    from torch._guards import detect_fake_mode
+class _RealFactories(TorchFunctionMode):
+    """torch.zeros and torch.ones of at most 65536 elements (masks) make real values, as constants of the fake world."""
 
-    return detect_fake_mode()
+    def __init__(self, constant):
+        super().__init__()
+        self.constant = constant
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        real = {k: v for k, v in kwargs.items() if k != "device"}
+        if func in (torch.zeros, torch.ones) and func(*args, **real, device="meta").numel() <= 65536:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                return self.constant(func(*args, **real))
+        return func(*args, **kwargs)
 
 
 def hpsv3_score(model, images):

@@ -357,3 +357,15 @@ def test_every_registered_model_kind_has_a_memory_plan():
 
     assert {k.cls.kind for k in REGISTRY} - {"shapes"} <= set(memory.MODELS)  # ShapesBench is CPU-sized
     assert {k.cls.kind for k in REGISTRY if k.video} <= set(memory.VIDEO_KINDS)
+
+
+def test_hunyuan15_plan_runs_its_value_reading_forward_on_fake_tensors():
+    """HunyuanVideo-1.5's transformer reads values (text-to-video when the image embeddings are all zero; the valid
+    text tokens moved first): the plan's forward gives it real masks and a fake rest, and a shortened 8.3B transformer
+    (one block, one refiner block) denoises 480 x 480 x 5 frames' latents (32, 2, 30, 30) to their shape."""
+    shapes = memory.Shapes.of("hunyuan15", memory.MODELS["hunyuan15"], 480, 5)
+    assert shapes.latent == (32, 2, 30, 30)
+    with memory.fake_world():
+        module = memory.build_denoiser("hunyuan15", {"num_layers": 1, "num_refiner_layers": 1}, torch.bfloat16)
+        out = memory.denoise(shapes, module, torch.zeros(2, *shapes.latent))
+    assert out.shape == (2, *shapes.latent) and out.dtype == torch.float32
