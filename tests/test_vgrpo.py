@@ -364,19 +364,12 @@ def test_end_to_end_shapesbench(tmp_path):
 
 def test_killed_runs_resume_to_the_same_weights(tmp_path):
     # with the soft clip on and the KL to the behaviour policy, so its stored x0_hat path is covered too (the
-    # default KL, to the base, is covered by the tests that run the defaults)
+    # default KL, to the base, is covered by the tests that run the defaults); and with --ema, whose EMA is carried
+    # by the checkpoints: final/ holds the EMA weights, so a resume that lost the EMA or its step count would differ
     small = {"--samples-per-device": "4", "--train-batch-size": "4"}  # one group, one micro-batch per update
     common = replace_flags(TINY_RUN, small) + [
-        "--eval-every",
-        "0",
-        "--sample-every",
-        "0",
-        "--kl-beta",
-        "0.1",
-        "--kl-ref",
-        "behaviour",
-        "--adv-soft-clip",
-        "3",
+        *("--eval-every", "0", "--sample-every", "0", "--kl-beta", "0.1", "--kl-ref", "behaviour"),
+        *("--adv-soft-clip", "3", "--ema", "--ema-max-decay", "0.5"),
     ]
     assert_survives_kills("vgrpo.py", common, tmp_path)
     rows = [r for r in metrics(tmp_path / "straight") if "losses/kl" in r]
