@@ -1084,10 +1084,9 @@ def model_kind(model_id: str) -> str:
     for key, plan in PLANS.items():
         if plan.hub(model_id.lower()):
             return key
+    names = [plan.name for plan in PLANS.values()]
     raise ValueError(
-        f"--model-id {model_id}: not FLUX.1, FLUX.2 [klein] 4B, SD3.5-Medium, SD1.5, Qwen-Image, Wan2.1-T2V-1.3B, "
-        "Wan2.2-TI2V-5B, Wan2.2-T2V-A14B or Z-Image, whose "
-        "published configs are here"
+        f"--model-id {model_id}: not {', '.join(names[:-1])} or {names[-1]}, whose published configs are here"
     )
 
 
