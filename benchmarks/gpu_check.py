@@ -8,7 +8,8 @@ on the GPU from the published configs (benchmarks/memory.py's; nothing is downlo
             blocks of each type (text encoders: 2 layers, or as many as the pipeline reads hidden states from), so
             every kernel, dtype and shape of the real model runs forward and backward; the others at full size
     call 2  (6 minutes at most) one iteration of each of the five scripts on full-depth FLUX.1-dev at a recipe's
-            settings: 720 px, bf16, LoRA r128, gradient checkpointing, --offload-frozen
+            settings: 720 px, bf16, LoRA r128, gradient checkpointing, --offload-frozen; then the video kinds call 1
+            has no time left for, LTX-2.3 and HunyuanVideo-1.5, at their real width with 2 blocks of each type
 
     bash benchmarks/gpu_check.sh --prepare          # wheels for an offline GPU node in .whl/, the plan, the commands
     bash benchmarks/gpu_check.sh --call 1           # one H100 / H200-class GPU
@@ -110,6 +111,8 @@ class Kind:
     reduced: dict | None = None  # call 1's model_config (memory.estimate's): 2 blocks of each type; None = full
     tiny: dict = field(default_factory=dict)  # --rehearse's model_config
     guidance: float = 4.0
+    shift: str | None = None  # --shift (videos; None: 5 for Wan2.2-TI2V-5B, else 3)
+    call: int = 1  # the call that runs the kind (2: the video kinds call 1 has no time left for)
 
     @property
     def video(self) -> bool:
@@ -215,6 +218,65 @@ KINDS = {
         "dancegrpo.py", 128, {"height": 480, "width": 832, "frames": 9}, VIDEO, guidance=5.0,
         reduced={"denoiser": dict(num_layers=2), "text": [("umt5", dict(memory.UMT5_XXL, num_layers=2), 512)]},
         tiny=memory.TINY_WAN,
+    ),
+    # LTX-2.3 (video only: no audio VAE or vocoder is built, as LTX2Model drops them) and HunyuanVideo-1.5 in call 2:
+    # their recipes' schedules (--shift pipeline) at 2 blocks of each type; LTX's text side is Gemma 3 (2 of its 48
+    # layers, so the connectors read 3 stacked hidden states, not 49) through its connectors (2 blocks a stream)
+    "ltx2": Kind(
+        "LTX-2.3", "ltx2", {"_class_name": "LTX2Pipeline"}, "dancegrpo.py", 32,
+        {"height": 320, "width": 320, "frames": 9}, {"height": 32, "width": 32, "frames": 9}, guidance=3.0,
+        shift="pipeline", call=2,
+        reduced={"denoiser": dict(num_layers=2),
+                 "text": [("qwen3", dict(memory.GEMMA3_12B_LM, num_hidden_layers=2 + 2), 1024)],
+                 "gemma": {**memory.GEMMA3_12B,
+                           "text_config": dict(memory.GEMMA3_12B["text_config"], num_hidden_layers=2),
+                           "vision_config": dict(memory.GEMMA3_12B["vision_config"], num_hidden_layers=1)},
+                 "connectors": dict(memory.LTX23_TEXT_CONNECTORS, text_proj_in_factor=3, video_connector_num_layers=2,
+                                    audio_connector_num_layers=2)},
+        tiny={"denoiser": dict(in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=16,
+                               cross_attention_dim=32, vae_scale_factors=(4, 4, 4), audio_in_channels=16,
+                               audio_out_channels=16, audio_num_attention_heads=2, audio_attention_head_dim=8,
+                               audio_cross_attention_dim=16, num_layers=1, caption_channels=16),
+              "text": [("qwen3", dict(memory.GEMMA3_12B_LM, **QWEN3_TINY) | {"num_hidden_layers": 2}, 1024)],
+              "vae": dict(latent_channels=16, block_out_channels=(8, 16), down_block_types=("LTX2VideoDownBlock3D",) * 2,
+                          decoder_block_out_channels=(8, 16), layers_per_block=(1, 1, 1),
+                          decoder_layers_per_block=(1, 1, 1), spatio_temporal_scaling=(True, True),
+                          decoder_spatio_temporal_scaling=(True, True), decoder_inject_noise=(False,) * 3,
+                          downsample_type=("spatiotemporal",) * 2, upsample_type=("spatiotemporal",) * 2,
+                          upsample_residual=(True, True), upsample_factor=(2, 2), patch_size=1,
+                          spatial_compression_ratio=4, temporal_compression_ratio=4),
+              "gemma": dict(text_config=dict(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                             num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                             max_position_embeddings=1024, sliding_window=64),
+                            vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                               num_attention_heads=2, image_size=28, patch_size=14),
+                            mm_tokens_per_image=4, boi_token_index=297, eoi_token_index=298, image_token_index=299),
+              "connectors": dict(caption_channels=16, text_proj_in_factor=3, video_connector_num_attention_heads=2,
+                                 video_connector_attention_head_dim=16, video_connector_num_layers=1,
+                                 audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=8,
+                                 audio_connector_num_layers=1, video_gated_attn=True, audio_gated_attn=True,
+                                 rope_type="split", per_modality_projections=True, video_hidden_dim=32,
+                                 audio_hidden_dim=16, proj_bias=True),
+              "audio_vae": dict(base_channels=16, ch_mult=(1, 2, 4), num_res_blocks=1, latent_channels=4, mel_bins=16),
+              "reward": memory.TINY_FLUX["reward"]},
+    ),
+    "hunyuan15": Kind(
+        "HunyuanVideo-1.5", "hunyuan15", {"_class_name": "HunyuanVideo15Pipeline"}, "dancegrpo.py", 32,
+        {"height": 480, "width": 480, "frames": 5}, VIDEO, guidance=1.0, shift="pipeline", call=2,
+        reduced={"denoiser": dict(num_layers=2, num_refiner_layers=2),
+                 "text": [("qwen25vl", {**memory.QWEN25_VL_7B,
+                                        "text_config": dict(memory.QWEN25_VL_7B["text_config"], num_hidden_layers=2),
+                                        "vision_config": dict(memory.QWEN25_VL_7B["vision_config"], depth=2,
+                                                              fullatt_block_indexes=[1])}, 1108),
+                          ("t5", memory.BYT5_SMALL, 256)]},
+        tiny={"denoiser": dict(in_channels=17, out_channels=8, num_attention_heads=2, attention_head_dim=16,
+                               num_layers=1, num_refiner_layers=1, text_embed_dim=32, text_embed_2_dim=16,
+                               image_embed_dim=16, rope_axes_dim=(4, 6, 6), target_size=64, task_type="t2v"),
+              "text": [memory.TINY_QWEN["text"][0][:2] + (1108,),
+                       ("t5", dict(memory.BYT5_SMALL, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2), 256)],
+              "vae": dict(latent_channels=8, block_out_channels=(8, 16, 16), layers_per_block=1,
+                          spatial_compression_ratio=4, temporal_compression_ratio=4),
+              "reward": memory.TINY_FLUX["reward"]},
     ),
 }  # fmt: skip
 SCRIPTS = ("dancegrpo.py", "branchgrpo.py", "vgrpo.py", "rlr.py", "diffusionnft.py")
@@ -424,6 +486,43 @@ def build_model(kind: str, parts: dict, device, dtype, resolution, num_frames, o
             transformer=made(device, dtype, d.ZImageTransformer2DModel, **den),
         )  # fmt: skip
         return models.ZImageModel(pipe, resolution).to(device, offload=offload)
+    if mk == "ltx2":  # video only: no audio VAE (its defaults size the audio latents) unless parts name one
+        from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+        from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+        from tests.tiny import gemma_tokenizer
+
+        audio = parts.get("audio_vae")
+        pipe = d.LTX2Pipeline(
+            scheduler=d.FlowMatchEulerDiscreteScheduler(
+                use_dynamic_shifting=True, base_image_seq_len=1024, max_image_seq_len=4096, base_shift=0.95,
+                max_shift=2.05, time_shift_type="exponential"),
+            vae=made(device, dtype, d.AutoencoderKLLTX2Video, **vae_cfg),
+            audio_vae=made(device, dtype, d.AutoencoderKLLTX2Audio, **audio) if audio else None,
+            text_encoder=made(device, dtype, Gemma3ForConditionalGeneration,
+                              Gemma3Config(**parts.get("gemma", memory.GEMMA3_12B))),
+            tokenizer=gemma_tokenizer(),
+            connectors=made(device, dtype, LTX2TextConnectors, **parts.get("connectors", memory.LTX23_TEXT_CONNECTORS)),
+            transformer=made(device, dtype, d.LTX2VideoTransformer3DModel, **den), vocoder=None,
+        )  # fmt: skip
+        return models.LTX2Model(pipe, resolution, num_frames).to(device, offload=offload)
+    if mk == "hunyuan15":  # Qwen2.5-VL's text model (as the pipeline loads it) and ByT5 over its byte tokenizer
+        from diffusers.guiders import ClassifierFreeGuidance
+        from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+        from tests.tiny import qwen_tokenizer
+
+        (_, qwen, _), (_, byt5, _) = text
+        pipe = d.HunyuanVideo15Pipeline(
+            text_encoder=made(device, dtype, Qwen2_5_VLTextModel, Qwen2_5_VLTextConfig(**qwen["text_config"])),
+            tokenizer=qwen_tokenizer(), transformer=made(device, dtype, d.HunyuanVideo15Transformer3DModel, **den),
+            vae=made(device, dtype, d.AutoencoderKLHunyuanVideo15, **vae_cfg),
+            scheduler=d.FlowMatchEulerDiscreteScheduler(shift=5.0),
+            text_encoder_2=made(device, dtype, T5EncoderModel, T5Config(**byt5, pad_token_id=0, eos_token_id=1,
+                                                                         decoder_start_token_id=0)),
+            tokenizer_2=ByT5Tokenizer(), guider=ClassifierFreeGuidance(guidance_scale=6.0),
+        )  # fmt: skip
+        return models.HunyuanVideo15Model(pipe, resolution, num_frames).to(device, offload=offload)
     # Wan2.1, Wan2.2-TI2V-5B (one timestep per token), Wan2.2-T2V-A14B (two experts, switched at sigma 0.875)
     two = mk == "wan22_a14b"
     pipe = d.WanPipeline(
@@ -495,16 +594,22 @@ def register_tiny_hps(folder: Path) -> None:
 # ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Case:
-    name: str  # call 1: the kind; call 2: the script's name
+    name: str  # a model kind's case: the kind; call 2's scripts on FLUX.1-dev: the script's name
     call: int
     kind: str
     script: str
     scale: str  # 'full' or 'reduced' on the GPU ('tiny' when rehearsed)
 
 
+def kind_cases(call: int) -> list[Case]:
+    """The model kinds' cases run in `call`: each kind's script at the kind's scale."""
+    return [Case(k, call, k, spec.script, "reduced" if spec.reduced else "full") for k, spec in KINDS.items()
+            if spec.call == call]  # fmt: skip
+
+
 CASES = {
-    1: [Case(k, 1, k, spec.script, "reduced" if spec.reduced else "full") for k, spec in KINDS.items()],
-    2: [Case(s[:-3], 2, "flux", s, "full") for s in SCRIPTS],
+    1: kind_cases(1),
+    2: [Case(s[:-3], 2, "flux", s, "full") for s in SCRIPTS] + kind_cases(2),  # then the video kinds of call 2
 }
 
 
@@ -535,7 +640,7 @@ def case_flags(case: Case, tiny: bool, out: Path) -> list[str]:
     if k.video:
         flags += ["--resolution", str(size["height"])] if size["height"] == size["width"] else []
         flags += ["--num-frames", str(size["frames"]), "--reward-frames", "4", "--reward", "hpsv2.1,temporal:0.5"]
-        flags += ["--shift", "5" if k.memory_kind == "wan22" else "3"]
+        flags += ["--shift", k.shift or ("5" if k.memory_kind == "wan22" else "3")]
     else:
         flags += ["--resolution", str(size["resolution"]), "--reward", "hpsv2.1"]
     if case.call == 2:
@@ -546,7 +651,7 @@ def case_flags(case: Case, tiny: bool, out: Path) -> list[str]:
 def script_flags(case: Case) -> list[str]:
     """Each script's own flags: a recipe's settings with 4 samples (videos: 2) or one 4-leaf tree, 4 steps (call 2: 8,
     the tree 10)."""
-    if case.call == 1 and case.script == "dancegrpo.py":
+    if case.name in KINDS and case.script == "dancegrpo.py":  # a model kind's case
         n = 2 if KINDS[case.kind].video else 4
         return ["--num-steps", "4", "--sde-type", "dance", "--noise-level", "0.3", "--samples-per-device", str(n),
                 "--group-size", str(n), "--rollout-batch-size", str(n), "--samples-per-update", str(n),
@@ -630,8 +735,10 @@ def _count_flops(kind: str, scale: str, size: str) -> dict[str, float]:
 
     case = Case(kind, 1, kind, "", scale)  # the counts depend on the kind, its scale and its size only
     mk, parts, shapes = KINDS[kind].memory_kind, parts_of(kind, scale), shapes_of(case, scale)
+    # on the meta device, or as fake tensors where the forward reads values (memory.Plan.reads_values)
+    world = memory.fake_world() if memory.PLANS[mk].reads_values else torch.device("meta")
     with quiet_diffusers():
-        with torch.device("meta"), sdpa_kernel(SDPBackend.MATH):
+        with world, sdpa_kernel(SDPBackend.MATH):
             module = memory.build_denoiser(mk, parts["denoiser"], torch.bfloat16).requires_grad_(False)
             params = sum(p.numel() for p in module.parameters())
             x = torch.randn(1, *shapes.latent)

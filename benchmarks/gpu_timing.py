@@ -28,11 +28,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# every denoiser class common.models runs (Wan2.2-A14B's two experts are two WanTransformer3DModel)
-DENOISERS = (
-    "FluxTransformer2DModel", "SD3Transformer2DModel", "WanTransformer3DModel", "UNet2DConditionModel",
-    "QwenImageTransformer2DModel", "Flux2Transformer2DModel", "ZImageTransformer2DModel",
-)  # fmt: skip
 
 
 class Clock:
@@ -80,6 +75,16 @@ def hidden_rows(a, k) -> int:
     return len(x) if isinstance(x, (list, tuple)) else int(x.shape[0])
 
 
+def denoisers() -> list[str]:
+    """Every denoiser class common.models runs: benchmarks/memory.py's plan of each model kind names it (Wan2.2-A14B's
+    two experts are two WanTransformer3DModel)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.memory import PLANS
+
+    return sorted({plan.denoiser for plan in PLANS.values()})
+
+
 @contextlib.contextmanager
 def timing(clock: Clock):
     """While open, every denoiser forward, Accelerator.backward and Run.end_iteration is recorded by `clock`."""
@@ -89,7 +94,7 @@ def timing(clock: Clock):
     from common import runs
 
     grad_kind = lambda: "grad" if torch.is_grad_enabled() else "nograd"  # noqa: E731
-    saved = [(getattr(diffusers, name), "forward") for name in DENOISERS]
+    saved = [(getattr(diffusers, name), "forward") for name in denoisers()]
     saved += [(Accelerator, "backward"), (runs.Run, "end_iteration")]
     originals = [(owner, attr, owner.__dict__[attr]) for owner, attr in saved]
     end_iteration = runs.Run.end_iteration

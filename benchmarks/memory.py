@@ -254,6 +254,23 @@ GEMMA3_12B_LM = dict(
     vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=64, num_attention_heads=16,
     num_key_value_heads=8, head_dim=256, tie_word_embeddings=True, max_position_embeddings=131072,
 )  # fmt: skip
+# The real parts, for benchmarks/gpu_check.py's builder: google/gemma-3-12b-it's config (12.19B with its SigLIP tower, the
+# published 12B) and LTX2TextConnectors as diffusers' LTX-2.3 conversion builds it (3.17B)
+GEMMA3_12B = dict(
+    text_config=dict(vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                     num_attention_heads=16, num_key_value_heads=8, head_dim=256, sliding_window=1024,
+                     query_pre_attn_scalar=256, max_position_embeddings=131072),
+    vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                       image_size=896, patch_size=14, vision_use_head=False),
+    mm_tokens_per_image=256, boi_token_index=255999, eoi_token_index=256000, image_token_index=262144,
+)  # fmt: skip
+LTX23_TEXT_CONNECTORS = dict(
+    caption_channels=3840, text_proj_in_factor=49, video_connector_num_attention_heads=32,
+    video_connector_attention_head_dim=128, video_connector_num_layers=8, video_gated_attn=True,
+    audio_connector_num_attention_heads=32, audio_connector_attention_head_dim=64, audio_connector_num_layers=8,
+    audio_gated_attn=True, rope_type="split", per_modality_projections=True, video_hidden_dim=4096,
+    audio_hidden_dim=2048, proj_bias=True,
+)  # fmt: skip
 # hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v: HunyuanVideo15Transformer3DModel's defaults (8.33B, the published
 # 8.3B: 54 blocks of width 2048, 65 input channels = latents, condition latents and mask), AutoencoderKLHunyuanVideo15's
 # defaults (1.26B: 16x in space, 4x in time, 32 channels); text: Qwen2.5-VL-7B (the pipeline loads its text model
@@ -632,6 +649,7 @@ class Plan:
     model: str  # its common.models kind: model_kind reads a folder's model_index.json through it
     name: str  # in the tables
     denoiser: str  # the diffusers class of its denoiser
+    reads_values = False  # whether its forward reads input values (it then runs in fake_world only, not on meta)
     video = False  # (B, F, 3, H, W) samples; Wan's fp32 VAE
     cfg = True  # --guidance-scale > 1 doubles the rows (FLUX.1-dev and FLUX.2 [dev] embed it instead)
     clip_projection = False  # its CLIP text encoders have a projection (SD3's)
@@ -975,6 +993,7 @@ class Hunyuan15Plan(Plan):
     and 729 zero image tokens; the VAE in the frozen dtype, one video at a time."""
 
     model, name, denoiser, video = "hunyuan15", "HunyuanVideo-1.5", "HunyuanVideo15Transformer3DModel", True
+    reads_values = True
 
     def hub(self, name):
         return "hunyuanvideo-1.5" in name
@@ -984,10 +1003,15 @@ class Hunyuan15Plan(Plan):
 
         return AutoencoderKLHunyuanVideo15(**config).to(dtype).eval()
 
-    def shapes(self, kind, parts, height, width, frames):
-        latent = (32, (frames - 1) // 4 + 1, height // 16, width // 16)
-        cond = {"prompt_embeds": (1000, 3584), "mask": (1000,), "prompt_embeds_2": (256, 1472), "mask_2": (256,)}
-        return Shapes(kind, latent, latent, (3, height, width), cond, frames)
+    def shapes(self, kind, parts, height, width, frames):  # the published sizes are the classes' defaults
+        vae, den = parts["vae"], parts["denoiser"]
+        s, t = vae.get("spatial_compression_ratio", 16), vae.get("temporal_compression_ratio", 4)
+        latent = (vae.get("latent_channels", 32), (frames - 1) // t + 1, height // s, width // s)
+        cond = {"prompt_embeds": (1000, den.get("text_embed_dim", 3584)), "mask": (1000,),
+                "prompt_embeds_2": (256, den.get("text_embed_2_dim", 1472)), "mask_2": (256,)}  # fmt: skip
+        shapes = Shapes(kind, latent, latent, (3, height, width), cond, frames)
+        shapes.image_embeds = (729, den.get("image_embed_dim", 1152))  # made at every call, not kept
+        return shapes
 
     def forward(self, shapes, module, x, cond, dt):  # HunyuanVideo15Model.velocity
         """The transformer reads values: whether the image embeddings are all zero (text-to-video: it then makes
@@ -997,7 +1021,7 @@ class Hunyuan15Plan(Plan):
 
         x, B = x.to(dt), len(x)
         with unset_fake_temporarily():
-            image, masks = torch.zeros(B, 729, 1152, dtype=dt), (torch.ones(B, 1000), torch.ones(B, 256))
+            image, masks = torch.zeros(B, *shapes.image_embeds, dtype=dt), (torch.ones(B, 1000), torch.ones(B, 256))
         with _constants(2 * image.numel()) as constant, _RealFactories(constant):
             return module(
                 hidden_states=torch.cat([x, torch.zeros_like(x), x.new_zeros(B, 1, *x.shape[2:])], dim=1),

@@ -35,6 +35,11 @@ The shapes (tokens of a training forward; batch = the recipe's micro-batch, doub
               wan:cross the 512 UMT5 tokens
   wan22       Wan2.2-TI2V-5B, 704 x 1280 x 9 frames: 3 x 22 x 40 = 2640 tokens, 24 heads of 128, batch 4 x 2 (CFG)
   wan22_a14b  Wan2.2-T2V-A14B, 480 x 832 x 81 frames: 21 x 30 x 52 = 32760 tokens, 40 heads of 128, batch 1 x 2
+  ltx2        LTX-2.3, 320 x 320 x 81 frames: 11 x 10 x 10 = 1100 video tokens, 32 heads of 128, batch 2 x 2 (CFG);
+              ltx2:audio its 84 audio tokens, 32 heads of 64; ltx2:cross video to the 1024 connector tokens
+  hunyuan15   HunyuanVideo-1.5, 480 x 480 x 5 frames: 2 x 30 x 30 = 1800 video tokens joined by 1000 Qwen2.5-VL, 256
+              ByT5 and 729 image tokens (the valid ones first: text-to-video masks the image tokens and the text's
+              padding, about 1500 keys), 16 heads of 128, batch 4 (no CFG)
 """
 
 from __future__ import annotations
@@ -82,6 +87,10 @@ CASES = {
     "wan:cross": Case(8, 12, 14040, 512, 128),
     "wan22": Case(8, 24, 2640, 2640, 128),
     "wan22_a14b": Case(2, 40, 32760, 32760, 128),
+    "ltx2": Case(4, 32, 1100, 1100, 128),
+    "ltx2:audio": Case(4, 32, 84, 84, 64),
+    "ltx2:cross": Case(4, 32, 1100, 1024, 128),
+    "hunyuan15": Case(4, 16, 3785, 3785, 128, masked=1500),
 }
 KINDS = tuple(dict.fromkeys(name.split(":")[0] for name in CASES))  # the model kinds, each with its cases
 BACKENDS = {

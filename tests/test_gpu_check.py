@@ -33,7 +33,8 @@ def test_the_rehearsal_runs_both_calls_end_to_end_and_the_plan_fits_its_limits(t
     results = json.loads((tmp_path / "results" / "gpu_check.json").read_text())
     assert results["status"] == "done" and results["failures"] == [] and results["calls"] == [1, 2]
     cases = results["cases"]
-    assert list(cases) == [f"1/{k}" for k in G.KINDS] + [f"2/{s[:-3]}" for s in G.SCRIPTS]
+    assert list(cases) == [f"{c.call}/{c.name}" for c in G.CASES[1] + G.CASES[2]]
+    assert {c.name for c in G.CASES[1] + G.CASES[2]} >= set(G.KINDS) | {s[:-3] for s in G.SCRIPTS}  # every kind
     for key, r in cases.items():
         assert r["status"] == "ok" and r["released"], key  # ran, and its model was freed before the next case
         assert r["nograd_rows"] > 0 and r["grad_rows"] > 0 and r["backward_s"] > 0, key
@@ -46,10 +47,12 @@ def test_the_rehearsal_runs_both_calls_end_to_end_and_the_plan_fits_its_limits(t
     # rows: 4 images x 4 steps with CFG on SD3.5 (2 rows each), embedded guidance on FLUX.1; 2 videos x 4 steps, CFG
     assert cases["1/sd35"]["nograd_rows"] == 32 and cases["1/flux"]["nograd_rows"] == 16
     assert cases["1/wan22-a14b"]["nograd_rows"] == 16  # both experts' rows (each step's batch on one of them)
+    # the video kinds of call 2: LTX-2.3 with CFG (2 x 4 x 2), HunyuanVideo-1.5 at its recipe's guidance 1 (2 x 4)
+    assert (cases["2/ltx2"]["nograd_rows"], cases["2/hunyuan15"]["nograd_rows"]) == (16, 8)
     # the timing model: each call within its limit on an H100 / H200 by its own estimate, beside the table
     estimates = results["estimates"]
     assert estimates["1"]["total_s"] <= 240 and estimates["2"]["total_s"] <= 360, estimates
-    assert estimates["1"]["of_cases"] == sorted(G.KINDS) and len(estimates["2"]["of_cases"]) == 5
+    assert [sorted(estimates[c]["of_cases"]) for c in "12"] == [sorted(c.name for c in G.CASES[k]) for k in (1, 2)]
     table = (tmp_path / "results" / "gpu_check.md").read_text()
     assert "- call 1: estimated " in table and "- call 2: estimated " in table and "failures:" not in table
     assert "| 1 | wan22-a14b | Wan2.2-T2V-A14B (tiny), 32x32 x 5 frames | ok |" in table
@@ -258,7 +261,7 @@ def test_every_gpu_case_builds_from_its_real_configs():
     from benchmarks import gpu_check as G
 
     plan = G.read_plan(G.PLAN)
-    for case in G.CASES[1] + G.CASES[2][:1]:
+    for case in G.CASES[1] + G.CASES[2][:1] + [c for c in G.CASES[2] if c.name in G.KINDS]:
         size = G.size_of(case, False)
         side = size.get("resolution") or (size["height"] if size["height"] == size["width"] else None)
         parts = G.parts_of(case.kind, case.scale)

@@ -108,7 +108,7 @@ def test_wan_shapes_follow_the_published_configs():
     assert shapes.latent == (16, 9, 60, 104)  # (F - 1) / 4 + 1 latent frames, 8x smaller in space
     assert shapes.sample == (33, 3, 480, 832) and shapes.cond == {"prompt_embeds": (512, 4096)}
     assert memory.model_kind("Wan-AI/Wan2.1-T2V-1.3B-Diffusers") == "wan"
-    with pytest.raises(ValueError, match="Wan2.1-T2V-1.3B"):
+    with pytest.raises(ValueError, match="not FLUX.1-dev, .*Wan2.1-1.3B, .* or HunyuanVideo-1.5, whose published"):
         memory.model_kind("Wan-AI/Wan2.1-T2V-14B-Diffusers")
 
 

@@ -2,6 +2,7 @@
 reference, the ones it lacks are 'unsupported', a case that poisons or kills its process is recorded and the next case
 runs in a fresh one; the full-size shapes are the token counts the models train with."""
 
+import math
 import sys
 from pathlib import Path
 
@@ -102,6 +103,14 @@ def test_full_size_cases_are_the_token_counts_the_models_train_with():
         assert C[kind].heads == n == den["num_attention_heads"], kind
         assert C[kind].head_dim == den["attention_head_dim"], kind
     assert C["zimage"].heads == memory.Z_IMAGE["n_heads"] and C["zimage"].head_dim == memory.Z_IMAGE["dim"] // 30
+    ltx = memory.Shapes.of("ltx2", memory.MODELS["ltx2"], 320, 81)  # 1x1x1 patches: the latent grid is the tokens
+    assert C["ltx2"].q_len == math.prod(ltx.grid) == 11 * 10 * 10 and C["ltx2:audio"].q_len == ltx.audio == 84
+    assert C["ltx2:cross"].kv_len == memory.MODELS["ltx2"]["text"][0][2] == 1024
+    ltx_den = memory.LTX23
+    assert (C["ltx2"].heads, C["ltx2"].head_dim) == (ltx_den["num_attention_heads"], ltx_den["attention_head_dim"])
+    assert C["ltx2:audio"].head_dim == ltx_den["audio_attention_head_dim"] == 64
+    hy = memory.Shapes.of("hunyuan15", memory.MODELS["hunyuan15"], 480, 5)
+    assert C["hunyuan15"].q_len == math.prod(hy.latent[1:]) + 1000 + 256 + 729 == 1800 + 1985
     assert sdpa_probe.KINDS == (
         "flux",
         "flux2",
@@ -113,4 +122,6 @@ def test_full_size_cases_are_the_token_counts_the_models_train_with():
         "wan",
         "wan22",
         "wan22_a14b",
+        "ltx2",
+        "hunyuan15",
     )
