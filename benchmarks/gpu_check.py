@@ -496,7 +496,7 @@ def build_model(kind: str, parts: dict, device, dtype, resolution, num_frames, o
         pipe = d.LTX2Pipeline(
             scheduler=d.FlowMatchEulerDiscreteScheduler(
                 use_dynamic_shifting=True, base_image_seq_len=1024, max_image_seq_len=4096, base_shift=0.95,
-                max_shift=2.05, time_shift_type="exponential"),
+                max_shift=2.05, time_shift_type="exponential", shift_terminal=0.1),
             vae=made(device, dtype, d.AutoencoderKLLTX2Video, **vae_cfg),
             audio_vae=made(device, dtype, d.AutoencoderKLLTX2Audio, **audio) if audio else None,
             text_encoder=made(device, dtype, Gemma3ForConditionalGeneration,

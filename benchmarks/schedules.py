@@ -6,7 +6,7 @@ recipes' sizes and step counts, with the published checkpoints' scheduler config
 Each pipeline grid is built as its diffusers pipeline builds it (the scheduler's set_timesteps with the pipeline's
 sigmas and mu); tests/test_pipeline_schedules.py shows that FlowModel.sigmas gives exactly the stock pipelines' grids.
 The static grid is sigma_schedule(T, k): linspace(1, 0, T + 1) under k s / (1 + (k - 1) s). FLUX.2's config is taken
-to shift dynamically (exponential), as its pipeline's mu requires.
+to shift dynamically (exponential), as its pipeline's mu requires; LTX-2.3's is LTX-2's (LTX2 below).
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ FLUX1_DEV = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base
 FLUX2 = dict(use_dynamic_shifting=True, time_shift_type="exponential", shift=3.0)
 QWEN_IMAGE = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
                   max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")  # fmt: skip
+# LTX-2's: the scheduler diffusers' LTX-2 conversion script saves with the pipeline (scripts/convert_ltx2_to_diffusers.py;
+# ComfyUI's LTXVScheduler has the same shifts and terminal), taken to be LTX-2.3's; exponential, the default
+LTX2 = dict(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
+            max_image_seq_len=4096, shift_terminal=0.1)  # fmt: skip
 
 
 def dynamic(config, tokens, steps, mu=None):
@@ -64,6 +68,9 @@ def cases():
     yield "Wan2.2-TI2V-5B (UniPC, flow_shift 5)", 704, 10, 5.0, steps_only(wan, 10)
     for T in (10, 40):
         yield "SD3.5", 512, T, 3.0, steps_only(FlowMatchEulerDiscreteScheduler(shift=3.0), T)
+    for (height, width, frames), T in (((320, 320, 81), 24), ((512, 768, 121), 40)):  # the recipe's, the default
+        tokens = ((frames - 1) // 8 + 1) * (height // 32) * (width // 32)  # LTX2Pipeline's mu: the video tokens
+        yield f"LTX-2.3 ({height}x{width} x {frames})", height, T, 3.0, dynamic(LTX2, tokens, T)
     hunyuan = FlowMatchEulerDiscreteScheduler(shift=5.0)  # HunyuanVideo15Pipeline: linspace(1, 0, T + 1)[:-1], static
     hunyuan.set_timesteps(sigmas=np.linspace(1.0, 0.0, 17)[:-1])
     yield "HunyuanVideo-1.5 (shift 5)", 480, 16, 5.0, hunyuan.sigmas

@@ -459,7 +459,8 @@ def build_ltx2(path):
     of 16), connectors of one block and 128 registers per stream, a one-block transformer of width 32 (video) and 16
     (audio), 16 latent channels on both (the audio VAE's 4 channels x 16 / 4 mel bins), the video VAE 4x in space and
     time with random per-channel statistics, a tiny vocoder; LTX-2's scheduler (exponential dynamic shift, mu 0.95 at
-    1024 tokens to 2.05 at 4096). 9 frames at 32 x 64 px: 3 x 8 x 16 = 384 video tokens and 9 audio tokens of 16."""
+    1024 tokens to 2.05 at 4096, the last sigma stretched to 0.1). 9 frames at 32 x 64 px: 3 x 8 x 16 = 384 video
+    tokens and 9 audio tokens of 16."""
     from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2Pipeline, LTX2VideoTransformer3DModel
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
@@ -506,7 +507,7 @@ def build_ltx2(path):
                           resnet_kernel_sizes=[3], resnet_dilations=[[1]])  # fmt: skip
     scheduler = FlowMatchEulerDiscreteScheduler(
         use_dynamic_shifting=True, base_image_seq_len=1024, max_image_seq_len=4096, base_shift=0.95, max_shift=2.05,
-        time_shift_type="exponential",
+        time_shift_type="exponential", shift_terminal=0.1,
     )  # fmt: skip
     LTX2Pipeline(
         scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=te, tokenizer=tok, connectors=connectors,
