@@ -1200,14 +1200,14 @@ def hpsv3_score(model, images):
     then the chat turn of 847 positions per image, right-padded alike. The token ids and the image grid, which the
     forward reads (where the image tokens go, the vision tower's per-image attention), are real values; the rest is
     fake. The images' own resize and patching are a few fp32 copies of the pixels, left out."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     from common.hpsv3 import FACTOR, smart_resize
 
     n, _, H, W = images.shape
     h, w = smart_resize(H, W)
     gh, gw = h // (FACTOR // 2), w // (FACTOR // 2)
     length = gh * gw // 4 + HPSV3_TEXT_TOKENS
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     with unset_fake_temporarily():  # real values
         ids = torch.zeros(n, length, dtype=torch.long)
         ids[:, 5 : 5 + gh * gw // 4] = model.image_token_id  # after the system turn
