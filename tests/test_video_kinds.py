@@ -136,36 +136,22 @@ def count_on_meta(cls, config) -> int:
         return sum(p.numel() for p in cls(**config).parameters())
 
 
-# LTX-2.3's transformer as diffusers' LTX-2.3 conversion config builds it (scripts/convert_ltx2_to_diffusers.py in the
-# diffusers repository); the keys left out are LTX2VideoTransformer3DModel's defaults
-LTX23_TRANSFORMER = dict(
-    in_channels=128, out_channels=128, num_attention_heads=32, attention_head_dim=128, cross_attention_dim=4096,
-    gated_attn=True, cross_attn_mod=True, audio_in_channels=128, audio_out_channels=128, audio_num_attention_heads=32,
-    audio_attention_head_dim=64, audio_cross_attention_dim=2048, audio_gated_attn=True, audio_cross_attn_mod=True,
-    num_layers=48, caption_channels=3840, rope_type="split", use_prompt_embeddings=False, perturbed_attn=True,
-)  # fmt: skip
-
-
-LTX23_CONNECTORS = dict(
-    caption_channels=3840, text_proj_in_factor=49, video_connector_num_attention_heads=32,
-    video_connector_attention_head_dim=128, video_connector_num_layers=8, video_gated_attn=True,
-    audio_connector_num_attention_heads=32, audio_connector_attention_head_dim=64, audio_connector_num_layers=8,
-    audio_gated_attn=True, rope_type="split", per_modality_projections=True, video_hidden_dim=4096,
-    audio_hidden_dim=2048, proj_bias=True,
-)  # fmt: skip
-
-
 def test_ltx23_has_its_published_size():
     """LTX-2.3 is published as a 22B audio-video model: its transformer and text connectors built from the
-    conversion configs above on the meta device hold 18.99B + 3.17B = 22.16B, within 1% of 22B, and the memory plan's
-    constants are these counts."""
+    conversion configs benchmarks/memory.py keeps (LTX23, LTX23_TEXT_CONNECTORS: those of diffusers' LTX-2.3
+    conversion) on the meta device hold 18.99B + 3.17B = 22.16B, within 1% of 22B, and the memory plan's constants
+    are these counts; Gemma 3 12B's config holds the published 12.19B."""
     from diffusers import LTX2VideoTransformer3DModel
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     from benchmarks import memory
 
-    transformer = count_on_meta(LTX2VideoTransformer3DModel, LTX23_TRANSFORMER)
-    connectors = count_on_meta(LTX2TextConnectors, LTX23_CONNECTORS)
+    transformer = count_on_meta(LTX2VideoTransformer3DModel, memory.LTX23)
+    connectors = count_on_meta(LTX2TextConnectors, memory.LTX23_TEXT_CONNECTORS)
+    # its text encoder as benchmarks/gpu_check.py builds it: Gemma 3 12B, 12.19B with its SigLIP tower
+    gemma = count_on_meta(lambda **c: Gemma3ForConditionalGeneration(Gemma3Config(**c)), memory.GEMMA3_12B)
+    assert abs(gemma / 12.19e9 - 1) < 1e-3, gemma
     assert abs((transformer + connectors) / 22e9 - 1) < 0.01, (transformer, connectors)
     assert (
         abs(transformer / memory.LTX23_TRANSFORMER - 1) < 1e-3 and abs(connectors / memory.LTX23_CONNECTORS - 1) < 1e-3
