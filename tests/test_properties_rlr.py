@@ -240,3 +240,30 @@ def test_a_subchain_log_prob_in_float64_is_exact_to_float64():
     expected = (-((latents[:, 2] - m) ** 2) / (2 * 0.09) - math.log(0.3) - 0.5 * math.log(2 * math.pi)).sum(1)
     torch.testing.assert_close(log_prob, expected, rtol=0, atol=1e-12)
     assert deviation.item() == pytest.approx((m + 0.3 * noise[:, 1] - latents[:, 2]).abs().max().item(), abs=1e-15)
+
+
+def test_the_zo_baseline_by_hand_with_one_sample_in_the_other_block():
+    """zo_baseline (eq. 6's ZO baseline): the mean of the sample's group in other blocks; with none there, of every
+    sample in other blocks; with none at all, 0. Cases where exactly one sample is counted (a count test of > 1, or a
+    count clamped to 2, would show) and where every sample shares one block."""
+    r = torch.tensor([1.0, 2.0, 3.0, 5.0])  # groups {0, 1}, {2, 3}; blocks alternate: one other-block sample each
+    assert R.zo_baseline(r, 2, torch.tensor([0, 1, 0, 1])).tolist() == [2.0, 1.0, 5.0, 3.0]
+    # groups {0, 1}, {2}: samples 0 and 1 have no group member in another block, so all other blocks: sample 2 alone;
+    # sample 2's group has no one else, so all other blocks: (1 + 2) / 2
+    three = torch.tensor([1.0, 2.0, 4.0])
+    assert R.zo_baseline(three, 2, torch.tensor([0, 0, 1])).tolist() == [4.0, 4.0, 1.5]
+    assert R.zo_baseline(torch.tensor([1.0, 2.0]), 2, torch.tensor([0, 0])).tolist() == [0.0, 0.0]  # one block
+
+
+def test_term_weights_log_the_mean_size_of_each_terms_weight():
+    """term_weights' figures (logged as rlr/ho_adv_abs and rlr/zo_adv_abs): the mean |R - b| of the HO term and
+    |R - b'| of the ZO term, and 0 for the ZO term when no step is a ZO step."""
+    r, block = torch.tensor([1.0, 2.0, 3.0, 5.0]), torch.tensor([0, 1, 0, 1])
+    zo = torch.zeros(4, 3, dtype=torch.bool)
+    zo[1, 2] = True
+    # loo baselines [2, 1, 5, 3] and zo baselines [2, 1, 5, 3] (above): |R - b| = [1, 1, 2, 2] for both
+    *_, figures = R.term_weights(r, block, zo, 2, group_size=2)
+    assert set(figures) == {"ho_adv_abs", "zo_adv_abs"}
+    assert (figures["ho_adv_abs"].item(), figures["zo_adv_abs"].item()) == (1.5, 1.5)
+    *_, figures = R.term_weights(r, block, torch.zeros_like(zo), 2, group_size=2)
+    assert (figures["ho_adv_abs"].item(), figures["zo_adv_abs"].item()) == (1.5, 0.0)  # no ZO step: 0
