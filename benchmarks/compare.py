@@ -61,15 +61,10 @@ METHODS = {  # key: (label, script and flags)
     "vgrpo": ("V-GRPO", ["vgrpo.py"]),
     "rlr": ("RLR", ["rlr.py"]),
     "diffusionnft": ("DiffusionNFT", ["diffusionnft.py"]),
-    # V-GRPO's claim against DiffusionNFT (arXiv 2604.23380, Sec. 5) at the papers' 1 optimizer step per iteration
+    # V-GRPO and DiffusionNFT at the papers' 1 optimizer step per iteration (benchmarks/nft_vs_vgrpo.py compares them)
     "vgrpo_1step": ("V-GRPO, 1 step / it.", ["vgrpo.py", "--samples-per-update", "64"]),
     "diffusionnft_1step": ("DiffusionNFT, 1 step / it.", ["diffusionnft.py", "--samples-per-update", "64"]),
 }
-# (method, method, setting): gradient steps and time of each to the held-out reward both reach
-HEAD_TO_HEAD = [
-    ("vgrpo", "diffusionnft", "defaults: 32 images per step, 2 steps / iteration"),
-    ("vgrpo_1step", "diffusionnft_1step", "1 step / iteration, as both papers: 64 images per step"),
-]
 # the trade-off sweep (seed 0): (label, flags added to the method's) per method. "KL" = --kl-beta (V-GRPO's KL is per
 # ELBO pair, on another scale); "lr / 2" = half the script's default learning rate; "40 it." = the shared length where a
 # default stops earlier. Each default run's own evaluations give one more regulariser, fewer iterations. Swept: the
@@ -205,37 +200,15 @@ def mean(xs) -> float:
     return sum(xs) / len(xs)
 
 
-def head_to_head(results: dict) -> list[str]:
-    """The lines of the HEAD_TO_HEAD table: per pair, the lower of the two final held-out rewards (means over seeds)
-    is the target, and each method's optimizer steps and training time to its first evaluation that reaches it."""
-    lines = [
-        "## V-GRPO against DiffusionNFT",
-        "",
-        "V-GRPO's paper (arXiv 2604.23380, Sec. 5) reports that it reaches in 580 gradient steps what DiffusionNFT "
-        "needs about 1.7k for on SD3.5-M. Here: the optimizer steps and training time each takes to reach the lower "
-        "of the two final held-out learned rewards, at the evaluation points (so steps are rounded up to the next "
-        "evaluation), means over the seeds that reach it.",
-        "",
-        "| setting | target reward | V-GRPO: steps, time | DiffusionNFT: steps, time | DiffusionNFT / V-GRPO steps |",
-        "|---|---|---|---|---|",
-    ]
-    for a, b, setting in HEAD_TO_HEAD:
-        if a not in results or b not in results:
-            continue
-        target = min(mean([c["evals"][-1]["reward_mean"] for c in results[k]]) for k in (a, b))
-        got = {k: [e for e in (reach(c, target) for c in results[k]) if e is not None] for k in (a, b)}
-        cell = {
-            k: f"{mean([e['steps'] for e in g]):.0f} steps, {mean([e['time'] for e in g]) / 60:.1f} min "
-            f"({len(g)}/{len(results[k])})"
-            if g
-            else "not reached"
-            for k, g in got.items()
-        }
-        ratio = mean([e["steps"] for e in got[b]]) / mean([e["steps"] for e in got[a]]) if all(got.values()) else None
-        lines.append(
-            f"| {setting} | {target:.3f} | {cell[a]} | {cell[b]} | " + (f"{ratio:.2f}" if ratio else "n/a") + " |"
-        )
-    return lines + [""] if len(lines) > 7 else []
+def nft_vs_vgrpo_section(docs: Path) -> list[str]:
+    """docs/results.md's section on V-GRPO against DiffusionNFT: benchmarks/nft_vs_vgrpo.py's, from its record
+    docs/nft_vs_vgrpo.json (which that benchmark splices into this file when it runs), or none before it has run."""
+    record = docs / "nft_vs_vgrpo.json"
+    if not record.exists():
+        return []
+    from benchmarks.nft_vs_vgrpo import results_section  # that file imports this one: imported when needed
+
+    return ["", *results_section(json.loads(record.read_text()))]
 
 
 def write_table(
@@ -298,8 +271,7 @@ def write_table(
         "start to end; diversity kept = diversity / the renderer's own for the same prompts; training time).",
         "",
         "![held-out shape accuracy and learned reward](results.png)",
-        "",
-        *head_to_head(results),
+        *nft_vs_vgrpo_section(path.parent),
     ]
     path.write_text("\n".join(lines))
 

@@ -4,6 +4,7 @@ evaluation flags and the paper's old-policy pace; vgrpo.py --ema by hand at a no
 run (no EMA) unchanged."""
 
 import importlib.util
+import json
 import sys
 
 import pytest
@@ -29,11 +30,11 @@ def load():
 B = load()
 
 
-def curve(steps, rewards, s_per_iteration=0.0):
-    """compare.curves' shape: evaluations (iteration, optimizer steps, learned reward) and the median seconds of a
-    training iteration."""
+def curve(steps, rewards, s_per_iteration=0.0, forwards=0.0):
+    """compare.curves' shape: evaluations (iteration, optimizer steps, learned reward), the median seconds of a
+    training iteration and the transformer forwards per image."""
     evals = [{"iteration": i, "steps": s, "reward_mean": r} for i, (s, r) in enumerate(zip(steps, rewards))]
-    return {"evals": evals, "s_per_iteration": s_per_iteration}
+    return {"evals": evals, "s_per_iteration": s_per_iteration, "forwards": forwards}
 
 
 # ---------------------------------------------------------------- statistics by hand
@@ -66,8 +67,8 @@ def results_by_hand():
     """Every run kind, seeds 0 and 1 (starting at 0.5 and 0.25); V-GRPO reaches +0.125 at steps 2 and 4, DiffusionNFT
     at 4 in seed 0 and never in seed 1 (6 steps); 2 optimizer steps per iteration, a median iteration of 2 and 4 s
     (seed 1: 2 and 8), so 1 and 2 s per step (seed 1: 1 and 4)."""
-    v = [curve([0, 2, 4, 6], [0.5, 0.625, 0.75, 0.75], 2.0), curve([0, 2, 4, 6], [0.25, 0.25, 0.375, 0.5], 2.0)]
-    n = [curve([0, 2, 4, 6], [0.5, 0.5, 0.625, 0.75], 4.0), curve([0, 2, 4, 6], [0.25, 0.25, 0.25, 0.25], 8.0)]
+    v = [curve([0, 2, 4, 6], [0.5, 0.625, 0.75, 0.75], 2.0, 18), curve([0, 2, 4, 6], [0.25, 0.25, 0.375, 0.5], 2.0, 18)]
+    n = [curve([0, 2, 4, 6], [0.5, 0.5, 0.625, 0.75], 4.0, 22), curve([0, 2, 4, 6], [0.25, 0.25, 0.25, 0.25], 8.0, 22)]
     return {k: (v if m == "vgrpo" else n) for k, (m, _, _) in B.configs().items()}
 
 
@@ -89,6 +90,7 @@ def test_wall_time_per_step_ratio_of_the_means_with_the_seeds_range():
     (r, *_) = B.time_rows(results_by_hand())
     assert (r["vgrpo"], r["diffusionnft"]) == (1.0, 3.0)  # 2 s / 2 steps per seed; (4 / 2 + 8 / 2) / 2
     assert r["ratio"] == 3.0 and (r["low"], r["high"]) == (2.0, 4.0)
+    assert r["forwards"] == {"vgrpo": 18, "diffusionnft": 22}
 
 
 # ---------------------------------------------------------------- each setting's flags
@@ -197,3 +199,28 @@ def test_the_report_lists_every_run_and_the_censored_cells():
         "| ShapesBench defaults | live weights | +0.125 (0.500) | 3 [2, 4] (2/2) | >5 [4, >6] (1/2) | >1.67 |" in text
     )
     assert "a 50% distribution-free confidence interval for the median with 2 seeds" in text
+
+
+def test_the_results_section_is_spliced_in_place_of_the_old_one_and_compare_writes_the_same(tmp_path):
+    record = {"command": "python benchmarks/nft_vs_vgrpo.py", "commit": "abc1234", "seeds": [0, 1], "gains": [0.125]}
+    record["curves"] = results_by_hand()
+    section = B.results_section(record)
+    assert section[0] == "## V-GRPO against DiffusionNFT" and "seeds 0, 1; made by" in section[2]
+    assert (
+        "| ShapesBench defaults | live weights | +0.125 (0.500) | 3 [2, 4] (2/2) | >5 [4, >6] (1/2) | >1.67 |"
+        in section
+    )
+    # 1 and 3 s per step: ratio 3, the seeds' own ratios 2 and 4; the same at every setting and weights here
+    assert "3.00 [2.00, 4.00] (papers' settings, EMA weights)" in section[-4]
+    assert section[-4].endswith("18 and 22 (ShapesBench defaults), 18 and 22 (papers' settings).")
+    old = ["# Results", "table", "## V-GRPO against DiffusionNFT", "58 vs 60 steps", "", "## Next", "kept"]
+    text = B.splice("\n".join(old), section)
+    assert "58 vs 60 steps" not in text and text.count("## V-GRPO against DiffusionNFT") == 1
+    assert text.startswith("# Results\ntable\n## V-GRPO") and text.endswith("\n## Next\nkept")
+    assert B.splice("# Results", section) == "\n".join(["# Results", "", *section])  # no section yet: appended
+    assert B.splice(B.splice("# Results", section), section) == B.splice("# Results", section)  # idempotent
+    # benchmarks/compare.py, rewriting docs/results.md, writes the same section from the record on disk
+    compare = sys.modules["benchmarks.compare"]
+    assert compare.nft_vs_vgrpo_section(tmp_path) == []  # before the benchmark has run: no section
+    (tmp_path / "nft_vs_vgrpo.json").write_text(json.dumps(record))
+    assert compare.nft_vs_vgrpo_section(tmp_path) == ["", *section]
