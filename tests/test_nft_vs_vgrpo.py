@@ -211,7 +211,14 @@ def test_the_results_section_is_spliced_in_place_of_the_old_one_and_compare_writ
         in section
     )
     # 1 and 3 s per step: ratio 3, the seeds' own ratios 2 and 4; the same at every setting and weights here
+    assert section[-4].startswith(  # rows of +0.125: >1.67 each (DiffusionNFT's median censored): no plain ratio
+        "Wall time per optimizer step"
+    )
     assert "3.00 [2.00, 4.00] (papers' settings, EMA weights)" in section[-4]
+    both_reach = {**record, "curves": {k: results_by_hand()["vgrpo_default_live"] for k in B.configs()}}
+    assert B.results_section(both_reach)[-4].startswith(  # the same curves: ratio 1 in every row
+        "The step ratio DiffusionNFT / V-GRPO (medians) ranges from 1.00 to 1.00 over the 4 rows (0 of them a bound"
+    )
     assert section[-4].endswith("18 and 22 (ShapesBench defaults), 18 and 22 (papers' settings).")
     old = ["# Results", "table", "## V-GRPO against DiffusionNFT", "58 vs 60 steps", "", "## Next", "kept"]
     text = B.splice("\n".join(old), section)
