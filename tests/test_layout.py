@@ -6,6 +6,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("dancegrpo", "branchgrpo", "vgrpo", "rlr", "diffusionnft")
 # common/'s layers, lowest first (common/__init__.py's docstring): a module imports only from its own layer or lower
@@ -160,3 +162,15 @@ def test_the_generated_mutants_leave_marked_copies_to_their_original():
     rlr = mutation.mutated_names((ROOT / "rlr.py").read_text(), "above_main")
     dance = mutation.mutated_names((ROOT / "dancegrpo.py").read_text(), "above_main")
     assert "x_sde_step" not in rlr and "x_term_weights" in rlr and "x_sde_step" in dance
+
+
+def test_every_mutation_target_names_test_files_that_exist_and_run_in_process():
+    """Each target of benchmarks/mutation.py runs against test files that are there (a renamed one stops the run
+    instead of scoring its file without it) and keeps in-process tests to run."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import mutation
+
+    counts = {key: len(mutation.in_process_tests(ROOT, t["tests"])) for key, t in mutation.TARGETS.items()}
+    assert min(counts.values()) >= 10, counts
+    with pytest.raises(SystemExit, match="no test file matches tests/test_renamed.py"):
+        mutation.in_process_tests(ROOT, ["tests/test_server.py", "tests/test_renamed.py"])
