@@ -3,6 +3,7 @@ thread (answers, parsing, retries, a failure that stops the run), the reward ser
 malformed requests (4xx with the reason, and it keeps serving), OCR's edit distance by hand."""
 
 import base64
+import functools
 import http.client
 import json
 import math
@@ -14,6 +15,8 @@ from http.server import HTTPServer
 import pytest
 import torch
 import tyro
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common import InputError, RunError, remote
 from common.rewards import CompositeReward, build_reward, check_rewards, parse_rewards
@@ -57,6 +60,32 @@ def test_ocr_score_and_parsing_by_hand():
     assert remote.unifiedreward_score("It matches well.\nFinal Score: 4", "") == 4.0
     assert remote.unifiedreward_score("Final Score: **3.5**", "") == 3.5
     assert remote.unifiedreward_score("I cannot tell.", "") is None
+
+
+def test_edit_distance_counts_a_deletion_inside_and_at_either_end_as_one():
+    assert remote.edit_distance("abc", "ac") == 1  # a deletion inside: what the DP's row[j] + 1 move counts
+    assert remote.edit_distance("abc", "") == 3 and remote.edit_distance("abcd", "bcd") == 1
+    assert remote.edit_distance("ac", "abc") == 1 and remote.edit_distance("abc", "abd") == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text("abc", max_size=6), st.text("abc", max_size=6))
+def test_edit_distance_is_the_levenshtein_recursion(a, b):
+    @functools.cache
+    def d(i: int, j: int) -> int:  # the textbook recursion on the prefixes a[:i], b[:j]
+        if i == 0 or j == 0:
+            return i + j
+        return min(d(i - 1, j) + 1, d(i, j - 1) + 1, d(i - 1, j - 1) + (a[i - 1] != b[j - 1]))
+
+    assert remote.edit_distance(a, b) == d(len(a), len(b)) == remote.edit_distance(b, a)
+
+
+def test_ocr_score_of_one_character_and_of_a_prompt_with_nothing_quoted():
+    assert remote.ocr_score("B", 'a sign that says "A"') == 0.0  # 1 - 1 / 1: normalised by the target's length
+    assert remote.ocr_score("ab", 'a sign that says "A"') == 0.0  # 1 - min(1, 1) / 1
+    assert remote.ocr_score("A", 'a sign that says "A"') == 1.0
+    # nothing to render: the target is empty, every answer scores 1 (a group of them gets zero advantage)
+    assert remote.ocr_score("anything", "a red circle on a blue background") == 1.0
 
 
 def test_judge_scores_retries_and_counts_unparsed_answers(monkeypatch):

@@ -323,6 +323,10 @@ def test_a_connection_over_the_limit_gets_a_429_at_once_and_the_server_serves_ag
     for sock in held:
         sock.sendall(b"POST /score HTTP/1.1\r\n")  # each holds its connection, up to the deadline
     time.sleep(0.2)
+    for sock in held:  # all CONNECTIONS of them are let in: none is answered (a 429) before its deadline
+        sock.settimeout(0.05)
+        with pytest.raises(TimeoutError):
+            sock.recv(1)
     started = time.monotonic()
     with socket.create_connection(("127.0.0.1", port(server)), timeout=2) as sock:  # answered before it sends
         status, answer = read_answer(sock)
@@ -332,6 +336,25 @@ def test_a_connection_over_the_limit_gets_a_429_at_once_and_the_server_serves_ag
         sock.close()
     status, _ = ask(server, request(body([png()])))  # asked again while their threads see the close and end
     assert status == 200
+
+
+def test_a_client_gone_is_not_reported_and_any_other_failure_is_with_its_address(capsys):
+    httpd = remote._Server(("127.0.0.1", 0), BaseHTTPRequestHandler, 1)
+    try:
+        for error in (ConnectionResetError("reset by peer"), BrokenPipeError("broken pipe")):
+            try:
+                raise error
+            except OSError:
+                httpd.handle_error(None, ("10.0.0.7", 4321))
+        assert capsys.readouterr().err == ""
+        try:
+            raise RuntimeError("a bug in the handler")
+        except RuntimeError:
+            httpd.handle_error(None, ("10.0.0.7", 4321))
+        err = capsys.readouterr().err
+        assert "from ('10.0.0.7', 4321)" in err and "RuntimeError: a bug in the handler" in err
+    finally:
+        httpd.server_close()
 
 
 def two_headers(first: tuple[int, int], second: tuple[int, int]) -> bytes:
