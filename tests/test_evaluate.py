@@ -332,3 +332,62 @@ def test_the_cache_reader_never_gives_back_a_record_other_than_the_one_written(t
     assert (loaded is None) == bool(problem)
     if loaded is not None:
         assert E.record_digest(loaded) == record["checksum"] and torch.equal(loaded["grid"], record["grid"])
+
+
+# ---------------------------------------------------------------- the --weights checks, each message by hand
+def test_the_tensor_differences_name_the_first_of_each_kind_with_its_count():
+    own = {"a": (2,), "b": (3, 4), "c": (5,)}
+    assert E._differences({"a": (2,), "b": [3, 4], "c": (5,)}, own, own) == ""  # a header's shape is a list
+    assert E._differences({"a": (2,)}, own, ["a"]) == ""  # only `every` must be there
+    state = {"a": (7,), "z": (1,), "y": (1,)}
+    assert E._differences(state, own, own) == (
+        "2 missing, e.g. b; 2 unknown, e.g. y; 1 of other shapes, e.g. a (7,), not (2,)"
+    )
+
+
+class _Tiny(torch.nn.Module):
+    """Modules of known in / out sizes: proj (6 x 4), conv (8 x 3 x 3 x 3), act (no weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.conv, self.act = torch.nn.Linear(4, 6), torch.nn.Conv2d(3, 8, 3), torch.nn.GELU()
+
+
+def test_a_lora_file_is_checked_against_each_modules_in_and_out_sizes_and_one_rank():
+    m, T = _Tiny(), "transformer."
+    good = {T + "proj.lora_A.weight": (2, 4), T + "proj.lora_B.weight": (6, 2)}
+    good |= {T + "conv.lora_A.weight": (3, 3, 3, 3), T + "conv.lora_B.weight": (8, 3, 1, 1)}  # another rank: its own
+    assert E._lora_differences(good, m) == ""
+    cases = [
+        ({"proj.lora_A.weight": (2, 4)}, "proj.lora_A.weight is no module of it"),  # no transformer. prefix
+        ({T + "proj.weight": (6, 4)}, "transformer.proj.weight is no module of it"),  # no .lora_
+        ({T + "nope.lora_A.weight": (2, 4)}, "transformer.nope.lora_A.weight is no module of it"),
+        ({T + "act.lora_A.weight": (2, 4)}, "transformer.act.lora_A.weight: (2, 4), not for a weightless module"),
+        ({T + "proj.lora_A.weight": (2, 5)}, "transformer.proj.lora_A.weight: (2, 5), not for a (6, 4) module"),
+        ({T + "proj.lora_A.weight": (4,)}, "transformer.proj.lora_A.weight: (4,), not for a (6, 4) module"),
+        (
+            {T + "proj.lora_A.weight": (2, 4), T + "proj.lora_B.weight": (7, 2)},
+            "transformer.proj.lora_B.weight: (7, 2), not for a (6, 4) module",
+        ),
+        (
+            {T + "proj.lora_A.weight": (2, 4), T + "proj.lora_B.weight": (6, 3)},
+            "proj: lora_A and lora_B of other ranks",
+        ),
+        ({T + "proj.lora_B.weight": (6, 2)}, "no lora_A tensors"),
+        ({}, "no lora_A tensors"),
+    ]
+    for state, expected in cases:
+        assert E._lora_differences(state, m) == expected, state
+
+
+def test_a_weights_json_that_is_unreadable_or_not_an_object_is_refused_naming_the_flag(tmp_path):
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(InputError) as e:
+        E._read_json("runs/x", tmp_path / "broken.json")
+    assert str(e.value) == f"--weights runs/x: {tmp_path / 'broken.json'} unreadable (JSONDecodeError); {E.EXPECTED}"
+    with pytest.raises(InputError) as e:
+        E._read_json("runs/x", tmp_path / "list.json")
+    assert str(e.value) == f"--weights runs/x: {tmp_path / 'list.json'} is not a JSON object; {E.EXPECTED}"
+    (tmp_path / "ok.json").write_text('{"r": 4}')
+    assert E._read_json("runs/x", tmp_path / "ok.json") == {"r": 4}
