@@ -391,3 +391,30 @@ def test_a_weights_json_that_is_unreadable_or_not_an_object_is_refused_naming_th
     assert str(e.value) == f"--weights runs/x: {tmp_path / 'list.json'} is not a JSON object; {E.EXPECTED}"
     (tmp_path / "ok.json").write_text('{"r": 4}')
     assert E._read_json("runs/x", tmp_path / "ok.json") == {"r": 4}
+
+
+def test_a_checkpoints_adapter_config_is_tried_on_an_empty_copy_and_one_that_does_not_fit_is_refused(tmp_path):
+    transformer = load_model("shapesbench").transformer  # SD3Transformer2DModel: 4 blocks of width 192
+    before = {k: (tuple(v.shape), v.device.type) for k, v in transformer.state_dict().items()}
+    (tmp_path / "fits.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["to_q"]}))
+    shapes = E._with_adapter("runs/x", transformer, tmp_path / "fits.json")
+    lora = {k: s for k, s in shapes.items() if ".lora_" in k}
+    assert lora == {
+        f"transformer_blocks.{i}.attn.to_q.lora_{ab}.default.weight": (4, 192) if ab == "A" else (192, 4)
+        for i in range(4)
+        for ab in "AB"
+    }
+    base = {k.replace(".to_q.base_layer.", ".to_q."): s for k, s in shapes.items() if ".lora_" not in k}
+    assert base == {k: s for k, (s, _) in before.items()}  # the base: peft names a wrapped layer's own base_layer
+    assert {k: (tuple(v.shape), v.device.type) for k, v in transformer.state_dict().items()} == before  # untouched
+    name = "no_such_module_" * 14  # a long name: the reason is cut at 160 characters
+    (tmp_path / "misses.json").write_text(json.dumps({"r": 4, "target_modules": [name]}))
+    with pytest.raises(InputError) as e:
+        E._with_adapter("runs/x", transformer, tmp_path / "misses.json")
+    head = (
+        f"--weights runs/x: {tmp_path / 'misses.json'} does not fit SD3Transformer2DModel (NoMatchingPeftModuleError: "
+    )
+    assert str(e.value).startswith(head) and str(e.value).endswith(")") and len(str(e.value)) == len(head) + 160 + 1
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(InputError, match=r"^--weights runs/x: .*broken\.json unreadable \(JSONDecodeError\)"):
+        E._with_adapter("runs/x", transformer, tmp_path / "broken.json")
