@@ -418,3 +418,42 @@ def test_a_checkpoints_adapter_config_is_tried_on_an_empty_copy_and_one_that_doe
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(InputError, match=r"^--weights runs/x: .*broken\.json unreadable \(JSONDecodeError\)"):
         E._with_adapter("runs/x", transformer, tmp_path / "broken.json")
+
+
+def test_each_kind_of_weights_folder_is_found_and_named_and_anything_else_refused_with_the_reason(tmp_path):
+    run = tmp_path / "r1"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / E.LORA_FILE).write_bytes(b"")  # only names are read here
+    iter_5 = run / "checkpoints" / "iter_5"
+    iter_5.mkdir(parents=True)
+    (iter_5 / "model.safetensors").write_bytes(b"")
+    (tmp_path / "full" / "transformer").mkdir(parents=True)
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text("{}")
+    assert E.weights_folder(str(run)) == ("r1", run / "final")  # a run folder: its final/, named after the run
+    assert E.weights_folder(f"best={run}") == ("best", run / "final")
+    assert E.weights_folder(f"lr=3e-4={run}") == ("lr=3e-4", run / "final")  # the name ends at the last "="
+    assert E.weights_folder(str(iter_5)) == ("r1/iter_5", iter_5)  # a checkpoint: run and iteration
+    assert E.weights_folder(str(tmp_path / "full")) == ("full", tmp_path / "full")
+    assert E.weights_folder(str(tmp_path / "cfg")) == ("cfg", tmp_path / "cfg")
+    kinds = [E.weights_kind(f) for f in (run / "final", iter_5, tmp_path / "full", tmp_path / "cfg", tmp_path)]
+    assert kinds == ["lora", "checkpoint", "transformer", "transformer", None]
+    unfinished = tmp_path / "r2"
+    (unfinished / "checkpoints").mkdir(parents=True)
+    (tmp_path / "file").write_text("")
+    for spec, reason in [
+        (str(tmp_path / "nothing"), "no such folder"),
+        (str(tmp_path / "file"), "not a folder"),
+        (
+            str(unfinished),
+            f"{unfinished} holds no weights that this command reads (a run folder without a "
+            "complete final/: give one of its checkpoints/iter_N)",
+        ),  # fmt: skip
+        (
+            str(tmp_path / "full" / "transformer"),
+            f"{tmp_path / 'full' / 'transformer'} holds no weights that this command reads",
+        ),  # fmt: skip
+    ]:
+        with pytest.raises(InputError) as e:
+            E.weights_folder(spec)
+        assert str(e.value) == f"--weights {spec}: {reason}; {E.EXPECTED}"
