@@ -680,6 +680,7 @@ def test_the_answer_validator_takes_exactly_n_numbers_finite_as_float32(scores, 
 
     expected_ok = isinstance(scores, list) and len(scores) == n and all(map(number, scores))
     wrong = remote._wrong_scores(json.loads(json.dumps(scores)), n)  # as it comes off the wire
+    assert remote._wrong_scores([3.4028234663852886e38, -3.4028234663852886e38], 2) is None  # float32's max: in
     assert (wrong is None) == expected_ok, (scores, n, wrong)
     if wrong is None:
         assert torch.isfinite(torch.tensor(scores, dtype=torch.float32)).all()
