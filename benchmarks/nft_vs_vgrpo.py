@@ -323,9 +323,10 @@ def results_section(record: dict) -> list[str]:
     """docs/results.md's section on this comparison, from docs/nft_vs_vgrpo.json's record: how it was made, the steps
     to each threshold, the time per step and the figure; nft_vs_vgrpo.md has the rest (flags, final rewards)."""
     results, seeds, gains = record["curves"], record["seeds"], record["gains"]
+    timed = time_rows(results)
     times = ", ".join(
         f"{r['ratio']:.2f} [{r['low']:.2f}, {r['high']:.2f}] ({SETTINGS[r['setting']][0]}, {WEIGHTS[r['weights']][0]})"
-        for r in time_rows(results)
+        for r in timed
     )
     ratios = [r["ratio"] for r in threshold_rows(results, seeds, gains)]
     plain = sorted(float(r) for r in ratios if r[0].isdigit())  # the others: bounds (">x", "<x") or "n/a"
@@ -338,7 +339,7 @@ def results_section(record: dict) -> list[str]:
     )
     forwards = ", ".join(
         f"{r['forwards']['vgrpo']:g} and {r['forwards']['diffusionnft']:g} ({SETTINGS[r['setting']][0]})"
-        for r in time_rows(results)
+        for r in timed
         if r["weights"] == "live"  # the weights change what is evaluated, not what trains
     )
     return [

@@ -448,11 +448,11 @@ def test_each_kind_of_weights_folder_is_found_and_named_and_anything_else_refuse
             str(unfinished),
             f"{unfinished} holds no weights that this command reads (a run folder without a "
             "complete final/: give one of its checkpoints/iter_N)",
-        ),  # fmt: skip
+        ),
         (
             str(tmp_path / "full" / "transformer"),
             f"{tmp_path / 'full' / 'transformer'} holds no weights that this command reads",
-        ),  # fmt: skip
+        ),
     ]:
         with pytest.raises(InputError) as e:
             E.weights_folder(spec)
