@@ -75,7 +75,7 @@ TARGETS = {
         "scope": "all",
     },
     "common/remote.py": {
-        "tests": ["tests/test_remote.py", "tests/test_server.py"],
+        "tests": ["tests/test_remote.py", "tests/test_server.py", "tests/test_judge_parser.py"],
         "scope": "all",
     },
     "common/evaluate.py": {

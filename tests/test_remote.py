@@ -5,12 +5,13 @@ malformed requests (4xx with the reason, and it keeps serving), OCR's edit dista
 import base64
 import functools
 import http.client
+import inspect
 import json
 import math
 import threading
 import urllib.error
 import urllib.request
-from http.server import HTTPServer
+from http.server import HTTPServer, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -304,3 +305,161 @@ def test_the_weighted_sum_is_checked_where_it_is_formed_not_only_each_score():
         alone(images, prompts)
     total, parts = CompositeReward([("shapes", 1.0, Local(1e18))], spec=parse_rewards("shapes"))(images, prompts)
     assert torch.equal(total, torch.full((2,), 1e18)) and torch.isfinite(total.square().sum() * 4)
+
+
+class Recorder:
+    """An OpenAI-compatible judge and a reward server in one, which records each request as it arrived: (method,
+    raw path, Authorization header, JSON body or None) and the most requests it held at once. A chat answer is chosen
+    by the caption in the request's text: `answers[caption]` (a string, None for a null content, or a dict sent as the
+    whole answer); /score answers `scores`; /health answers `health`; any other GET lists `models`."""
+
+    def __init__(self, answers=None, scores=None, health=None, models=None, hold=0.0):
+        self.answers, self.scores, self.health = answers or {}, scores, health or {"rewards": ["jpeg"]}
+        self.models = [{"id": "judge"}] if models is None else models
+        self.requests, self.lock, self.in_flight, self.most, self.hold = [], threading.Lock(), 0, 0, hold
+        rec = self
+
+        class Handler(JSONHandler):
+            def _record(self, body):
+                with rec.lock:
+                    rec.requests.append((self.command, self.path, self.headers.get("Authorization"), body))
+
+            def do_GET(self):
+                self._record(None)
+                self._reply(200, rec.health if self.path.endswith("/health") else {"data": rec.models})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self._record(body)
+                if self.path.endswith("/score"):
+                    return self._reply(200, {"scores": rec.scores})
+                with rec.lock:
+                    rec.in_flight += 1
+                    rec.most = max(rec.most, rec.in_flight)
+                threading.Event().wait(rec.hold)  # not time.sleep, a no-op in this file
+                with rec.lock:
+                    rec.in_flight -= 1
+                caption = body["messages"][0]["content"][1]["text"].rpartition("Caption: ")[2].split("\n")[0]
+                answer = rec.answers.get(caption, "Final Score: 3")
+                self._reply(
+                    200, answer if isinstance(answer, dict) else {"choices": [{"message": {"content": answer}}]}
+                )
+
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 64  # not 5: 16 connections at once must not wait for a SYN's retransmission
+
+        self.url = start(Server(("127.0.0.1", 0), Handler))
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Each request_json call as (url, token, timeout, tries), its arguments bound to their names."""
+    made, real = [], remote.request_json
+
+    def spy(*args, **kwargs):
+        bound = inspect.signature(real).bind(*args, **kwargs)
+        bound.apply_defaults()
+        made.append(tuple(bound.arguments[k] for k in ("url", "token", "timeout", "tries")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(remote, "request_json", spy)
+    return made
+
+
+def test_the_judge_asks_what_the_chat_completions_protocol_asks_by_hand(calls):
+    rec = Recorder()
+    judge = remote.Judge(
+        "unifiedreward", rec.url + "/X/", token="tok", timeout=7.5
+    )  # a trailing "/" (and "X") to strip
+    image = torch.rand(1, 3, 8, 8)
+    assert judge(image, ["a cat"]).tolist() == [3.0]
+    text = remote.UNIFIEDREWARD_PROMPT.format(prompt="a cat")
+    body = {
+        "model": "judge",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + remote.png_base64(image[0])}},
+                    {"type": "text", "text": text},
+                ],
+            }
+        ],
+        "temperature": 0.0,
+        "max_tokens": 512,
+    }
+    assert rec.requests == [
+        ("GET", "/X/models", "Bearer tok", None),
+        ("POST", "/X/chat/completions", "Bearer tok", body),
+    ]
+    # /models at start-up: 10 s a try, 2 tries; each answer: the judge's timeout, request_json's 5 tries
+    assert calls == [(rec.url + "/X/models", "tok", 10, 2), (rec.url + "/X/chat/completions", "tok", 7.5, 5)]
+    calls.clear()
+    remote.Judge("unifiedreward", rec.url + "/v1")(image, ["a cat"])
+    assert calls[1][2] == 120.0  # the default timeout of an answer
+
+
+def test_the_judge_asks_16_at_a_time_and_stops_past_a_tenth_unparsed():
+    """The defaults are what a run uses (build_reward passes none): 16 answers in flight, and a batch stops when
+    more than 10% of its answers have no score (1 of 10 passes, exactly at the limit; 2 of 10 stop)."""
+    rec = Recorder(answers={"x0": "no score", "x1": "none either"}, hold=0.5)
+    judge = remote.Judge("unifiedreward", rec.url + "/v1")
+    scores = judge(torch.rand(20, 3, 8, 8), [f"p{k}" for k in range(20)])
+    assert rec.most == 16 and scores.tolist() == [3.0] * 20
+    rec.hold = 0.0
+    prompts = ["x0"] + [f"p{k}" for k in range(9)]
+    assert judge(torch.rand(10, 3, 8, 8), prompts).tolist() == [3.0] * 10  # the unparsed one gets the mean, 3
+    assert judge.unparsed.tolist() == [1.0] + [0.0] * 9
+    with pytest.raises(RunError, match="2 of 10 answers had no score"):
+        judge(torch.rand(10, 3, 8, 8), ["x0", "x1"] + [f"p{k}" for k in range(8)])
+    everyone = remote.Judge("unifiedreward", rec.url + "/v1", max_unparsed=1.0)  # no parsed score to take the mean of
+    assert everyone(torch.rand(2, 3, 8, 8), ["x0", "x1"]).tolist() == [0.0, 0.0] and everyone.unparsed.tolist() == [
+        1,
+        1,
+    ]
+
+
+def test_the_ocr_judge_reads_its_caption_and_a_null_answer_as_no_text():
+    rec = Recorder(answers={remote.OCR_PROMPT: None})  # the OCR request holds no caption: the client reads it
+    judge = remote.Judge("ocr", rec.url + "/v1")
+    assert judge(torch.rand(1, 3, 8, 8), ['a sign that says "XXXX"']).tolist() == [0.0]  # "" is 4 edits from XXXX
+    rec.answers = {remote.OCR_PROMPT: "HI"}
+    assert judge(torch.rand(1, 3, 8, 8), ['a sign that says "Hi"']).tolist() == [1.0]
+    rec.answers = {remote.OCR_PROMPT: "Ho"}
+    assert judge(torch.rand(1, 3, 8, 8), ['a sign that says "Hi"']).tolist() == [0.5]
+
+
+def test_what_is_not_a_chat_completion_or_a_model_list_is_named_in_the_error():
+    rec = Recorder(answers={"a": {"choices": []}, "b": {"error": "x" * 400}})
+    judge = remote.Judge("unifiedreward", rec.url + "/v1")
+    with pytest.raises(RunError) as e:
+        judge(torch.rand(1, 3, 8, 8), ["a"])
+    assert str(e.value) == f"{rec.url}/v1/chat/completions: not a chat completion: {{'choices': []}}"
+    with pytest.raises(RunError) as e:
+        judge(torch.rand(1, 3, 8, 8), ["b"])
+    assert str(e.value) == f"{rec.url}/v1/chat/completions: not a chat completion: {str({'error': 'x' * 400})[:300]}"
+    rec.models = []
+    with pytest.raises(InputError) as e:
+        remote.Judge("ocr", rec.url + "/v1/")
+    assert str(e.value) == f"--reward-url ocr={rec.url}/v1/: {rec.url}/v1/models lists no model"
+
+
+def test_the_served_client_asks_health_then_score_by_hand(calls):
+    rec = Recorder(scores=[1, 2])  # whole numbers in JSON: the scores are float32 all the same
+    client = remote.Served("jpeg", rec.url + "/X/", token="tok", timeout=7.5)  # a trailing "/" (and "X") to strip
+    scores = client(torch.rand(2, 3, 8, 8), ["a", "b"])
+    assert scores.dtype == torch.float32 and scores.tolist() == [1.0, 2.0]
+    assert [r[:3] for r in rec.requests] == [("GET", "/X/health", "Bearer tok"), ("POST", "/X/score", "Bearer tok")]
+    assert calls == [(rec.url + "/X/health", "tok", 10, 2), (rec.url + "/X/score", "tok", 7.5, 5)]
+    calls.clear()
+    remote.Served("jpeg", rec.url)(torch.rand(2, 3, 8, 8), ["a", "b"])
+    assert calls[1][2] == 300.0  # the default timeout of a batch's scores
+    # through build_reward, as a run builds it: a registered reward with a URL is served
+    composite = build_reward(parse_rewards("jpeg", urls=[f"jpeg={rec.url}"]), "cpu", offload=True)
+    assert composite(torch.rand(2, 3, 8, 8), ["a", "b"])[0].tolist() == [1.0, 2.0]
+    rec.health = {"status": "o" * 300}
+    with pytest.raises(InputError) as e:
+        remote.Served("jpeg", rec.url)
+    assert str(e.value).startswith(
+        f"--reward-url jpeg={rec.url}: {rec.url}/health answered {json.dumps(rec.health)[:200]}, not a reward server's"
+    )
