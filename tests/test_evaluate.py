@@ -457,3 +457,134 @@ def test_each_kind_of_weights_folder_is_found_and_named_and_anything_else_refuse
         with pytest.raises(InputError) as e:
             E.weights_folder(spec)
         assert str(e.value) == f"--weights {spec}: {reason}; {E.EXPECTED}"
+
+
+@pytest.fixture(scope="module")
+def shapes_model():
+    return load_model("shapesbench")  # SD3Transformer2DModel: 4 blocks of width 192
+
+
+def refusal(model, spec: str, folder) -> str:
+    with pytest.raises(InputError) as e:
+        E.check_weights(model, spec, folder)
+    return str(e.value)
+
+
+def test_a_checkpoint_is_checked_tensor_by_tensor_full_or_lora(shapes_model, tmp_path):
+    """A run's checkpoints/iter_N: model.safetensors of a full fine-tune (every tensor, under DDP's "module."
+    prefix) or of --lora (the adapter's tensors alone, with the adapter_config.json it is read with)."""
+    from safetensors.torch import save_file
+
+    tr, spec = shapes_model.transformer, "runs/x/checkpoints/iter_2"
+    state = {k: v.contiguous() for k, v in tr.state_dict().items()}
+    full = tmp_path / "full"
+    full.mkdir()
+    save_file({"module." + k: v for k, v in state.items()}, full / "model.safetensors")
+    E.check_weights(shapes_model, spec, full)  # DDP's prefix taken off
+    first = sorted(state)[0]
+    save_file({k: v for k, v in state.items() if k != first}, full / "model.safetensors")
+    assert refusal(shapes_model, spec, full) == (
+        f"--weights {spec}: {full / 'model.safetensors'} holds tensors that are not SD3Transformer2DModel's (1 "
+        f"missing, e.g. {first}); another --model-id?"
+    )
+    lora = tmp_path / "lora"
+    lora.mkdir()
+    config = {"r": 4, "lora_alpha": 8, "target_modules": ["to_q"]}
+    shapes = E._with_adapter(spec, tr, _json(tmp_path / "c.json", config))
+    adapter = {k: torch.zeros(s) for k, s in shapes.items() if ".lora_" in k}  # 8 tensors: lora_A, lora_B of 4 blocks
+    save_file(adapter, lora / "model.safetensors")
+    assert refusal(shapes_model, spec, lora) == (
+        f"--weights {spec}: a LoRA checkpoint without adapter_config.json (written since 2026-12); give final/"
+    )
+    _json(lora / "adapter_config.json", config)
+    E.check_weights(shapes_model, spec, lora)  # the adapter alone: the base comes from --model-id
+    (lora / "adapter_config.json").write_text("{")
+    assert refusal(shapes_model, spec, lora) == (
+        f"--weights {spec}: {lora / 'adapter_config.json'} unreadable (JSONDecodeError); {E.EXPECTED}"
+    )
+    _json(lora / "adapter_config.json", config)
+    dropped = sorted(adapter)[-1]
+    save_file({k: v for k, v in adapter.items() if k != dropped}, lora / "model.safetensors")
+    assert refusal(shapes_model, spec, lora) == (
+        f"--weights {spec}: {lora / 'model.safetensors'} holds tensors that are not SD3Transformer2DModel's (1 "
+        f"missing, e.g. {dropped}); another --model-id?"
+    )
+    (lora / "model.safetensors").write_bytes(b"\x08" + bytes(7) + b"{}")  # a header 8 bytes long, in 2
+    try:
+        E.safe_open(lora / "model.safetensors", framework="pt")
+    except Exception as e:
+        why = f"{type(e).__name__}: {str(e)[:120]}"
+    assert refusal(shapes_model, spec, lora) == f"--weights {spec}: {lora / 'model.safetensors'} unreadable ({why})"
+    missing = tmp_path / ("a_long_folder_name_" * 8) / "model.safetensors"  # the reason cut at 120 characters
+    with pytest.raises(InputError) as e:
+        E._header(spec, missing)
+    head = f"--weights {spec}: {missing} unreadable (FileNotFoundError: "
+    assert str(e.value).startswith(head) and len(str(e.value)) == len(head) + 120 + 1
+
+
+def _json(path, data):
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_transformer_folder_and_a_lora_file_are_checked_against_this_model(shapes_model, tmp_path):
+    from safetensors.torch import save_file
+
+    tr, spec = shapes_model.transformer, "runs/y"
+    config = dict(tr.config)
+    model_folder = tmp_path / "pipeline"  # a diffusers pipeline folder: its transformer/ is read
+    tr.save_pretrained(model_folder / "transformer")
+    E.check_weights(shapes_model, spec, model_folder)
+    source = model_folder / "transformer"
+    # another diffusers version's config, and one without an entry this version added, are the same model
+    _json(
+        source / "config.json", {k: v for k, v in config.items() if k != "qk_norm"} | {"_diffusers_version": "0.30.0"}
+    )
+    E.check_weights(shapes_model, spec, model_folder)
+    expected = (
+        f"--weights {spec}: {source / 'config.json'} is another SD3Transformer2DModel than this --model-id's "
+        "(num_layers 2, not 4, attention_head_dim 32, not 64)"
+    )
+    _json(source / "config.json", config | {"num_layers": 2, "attention_head_dim": 32})
+    assert refusal(shapes_model, spec, model_folder) == expected
+    for theirs, what in (
+        ({"_class_name": "AutoencoderKL"}, "the config of AutoencoderKL"),
+        ({}, "no diffusers model's config"),
+    ):
+        _json(source / "config.json", {k: v for k, v in config.items() if k != "_class_name"} | theirs)
+        assert refusal(shapes_model, spec, model_folder) == (
+            f"--weights {spec}: {source / 'config.json'} is {what}, not of SD3Transformer2DModel (this --model-id's "
+            f"transformer); {E.EXPECTED}"
+        )
+    (source / "config.json").write_text("{")
+    assert refusal(shapes_model, spec, model_folder) == (
+        f"--weights {spec}: {source / 'config.json'} unreadable (JSONDecodeError); {E.EXPECTED}"
+    )
+    (source / "config.json").unlink()
+    assert refusal(shapes_model, spec, model_folder) == f"--weights {spec}: {source} has no config.json; {E.EXPECTED}"
+    # a LoRA file: lora_A (r, in) and lora_B (out, r) of a module of this model
+    lora, q = tmp_path / "final", "transformer.transformer_blocks.0.attn.to_q"
+    lora.mkdir()
+    save_file(
+        {f"{q}.lora_A.weight": torch.zeros(4, 192), f"{q}.lora_B.weight": torch.zeros(192, 4)}, lora / E.LORA_FILE
+    )
+    E.check_weights(shapes_model, spec, lora)
+    save_file({f"{q}.lora_A.weight": torch.zeros(4, 192), f"{q}.lora_B.weight": torch.zeros(7, 4)}, lora / E.LORA_FILE)
+    assert refusal(shapes_model, spec, lora) == (
+        f"--weights {spec}: {lora / E.LORA_FILE} is not a LoRA adapter of SD3Transformer2DModel ({q}.lora_B.weight: "
+        "(7, 4), not for a (192, 192) module); another --model-id?"
+    )
+    (lora / E.LORA_FILE).write_bytes(b"")
+    assert refusal(shapes_model, spec, lora).startswith(f"--weights {spec}: {lora / E.LORA_FILE} unreadable (")
+
+
+def test_a_full_fine_tune_of_wan22_a14bs_two_experts_is_refused_by_name(tmp_path):
+    from types import SimpleNamespace
+
+    from common.models.wan import WanExperts
+
+    model = SimpleNamespace(transformer=WanExperts(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), 875.0))
+    _json(tmp_path / "config.json", {"_class_name": "WanTransformer3DModel"})
+    assert refusal(model, "w", tmp_path) == (
+        "--weights w: full fine-tunes of Wan2.2-T2V-A14B's two experts are not read here (LoRA adapters are)"
+    )
