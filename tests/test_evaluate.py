@@ -4,6 +4,7 @@ had not cached, and a truncated or foreign batch file is computed again; --weigh
 refused before anything is sampled; two processes give the table of one; tiny FLUX and tiny Wan end to end; paired
 differences by hand."""
 
+import copy
 import json
 import math
 import os
@@ -481,6 +482,11 @@ def test_a_checkpoint_is_checked_tensor_by_tensor_full_or_lora(shapes_model, tmp
     full.mkdir()
     save_file({"module." + k: v for k, v in state.items()}, full / "model.safetensors")
     E.check_weights(shapes_model, spec, full)  # DDP's prefix taken off
+    moved = {k: v.double() + 1 for k, v in state.items()}  # float64 on disk: cast to the model's float32
+    save_file({"module." + k: v for k, v in moved.items()}, full / "model.safetensors")
+    E.check_weights(shapes_model, spec, full)
+    loaded = loaded_into_a_copy(tr, full)
+    assert all(torch.equal(loaded[k], moved[k].float()) for k in state)
     first = sorted(state)[0]
     save_file({k: v for k, v in state.items() if k != first}, full / "model.safetensors")
     assert refusal(shapes_model, spec, full) == (
@@ -503,6 +509,10 @@ def test_a_checkpoint_is_checked_tensor_by_tensor_full_or_lora(shapes_model, tmp
         f"--weights {spec}: {lora / 'adapter_config.json'} unreadable (JSONDecodeError); {E.EXPECTED}"
     )
     _json(lora / "adapter_config.json", config)
+    adapter = {k: torch.randn(v.shape) for k, v in adapter.items()}
+    save_file(adapter, lora / "model.safetensors")
+    loaded = loaded_into_a_copy(tr, lora)
+    assert all(torch.equal(loaded[k], adapter[k]) for k in adapter) and len(loaded) == len(state) + len(adapter)
     dropped = sorted(adapter)[-1]
     save_file({k: v for k, v in adapter.items() if k != dropped}, lora / "model.safetensors")
     assert refusal(shapes_model, spec, lora) == (
@@ -522,6 +532,15 @@ def test_a_checkpoint_is_checked_tensor_by_tensor_full_or_lora(shapes_model, tmp
     assert str(e.value).startswith(head) and len(str(e.value)) == len(head) + 120 + 1
 
 
+def loaded_into_a_copy(transformer, folder) -> dict:
+    """The state dict of a copy of `transformer` after load_weights(folder)."""
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(transformer=copy.deepcopy(transformer))
+    E.load_weights(model, folder)
+    return model.transformer.state_dict()
+
+
 def _json(path, data):
     path.write_text(json.dumps(data))
     return path
@@ -533,8 +552,14 @@ def test_a_transformer_folder_and_a_lora_file_are_checked_against_this_model(sha
     tr, spec = shapes_model.transformer, "runs/y"
     config = dict(tr.config)
     model_folder = tmp_path / "pipeline"  # a diffusers pipeline folder: its transformer/ is read
-    tr.save_pretrained(model_folder / "transformer")
+    moved = copy.deepcopy(tr)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p += 1
+    moved.save_pretrained(model_folder / "transformer")
     E.check_weights(shapes_model, spec, model_folder)
+    loaded = loaded_into_a_copy(tr, model_folder)
+    assert all(torch.equal(loaded[k], v) for k, v in moved.state_dict().items())  # parameters + 1, buffers as they were
     source = model_folder / "transformer"
     # another diffusers version's config, and one without an entry this version added, are the same model
     _json(
@@ -565,10 +590,13 @@ def test_a_transformer_folder_and_a_lora_file_are_checked_against_this_model(sha
     # a LoRA file: lora_A (r, in) and lora_B (out, r) of a module of this model
     lora, q = tmp_path / "final", "transformer.transformer_blocks.0.attn.to_q"
     lora.mkdir()
-    save_file(
-        {f"{q}.lora_A.weight": torch.zeros(4, 192), f"{q}.lora_B.weight": torch.zeros(192, 4)}, lora / E.LORA_FILE
-    )
+    a, b = torch.randn(4, 192), torch.randn(192, 4)
+    save_file({f"{q}.lora_A.weight": a, f"{q}.lora_B.weight": b}, lora / E.LORA_FILE)
     E.check_weights(shapes_model, spec, lora)
+    loaded = loaded_into_a_copy(tr, lora)  # diffusers' loader names the adapter default_0
+    block = q.removeprefix("transformer.")
+    assert torch.equal(loaded[f"{block}.lora_A.default_0.weight"], a)
+    assert torch.equal(loaded[f"{block}.lora_B.default_0.weight"], b)
     save_file({f"{q}.lora_A.weight": torch.zeros(4, 192), f"{q}.lora_B.weight": torch.zeros(7, 4)}, lora / E.LORA_FILE)
     assert refusal(shapes_model, spec, lora) == (
         f"--weights {spec}: {lora / E.LORA_FILE} is not a LoRA adapter of SD3Transformer2DModel ({q}.lora_B.weight: "
