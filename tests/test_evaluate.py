@@ -5,6 +5,7 @@ refused before anything is sampled; two processes give the table of one; tiny FL
 differences by hand."""
 
 import copy
+import hashlib
 import json
 import math
 import os
@@ -615,4 +616,94 @@ def test_a_full_fine_tune_of_wan22_a14bs_two_experts_is_refused_by_name(tmp_path
     _json(tmp_path / "config.json", {"_class_name": "WanTransformer3DModel"})
     assert refusal(model, "w", tmp_path) == (
         "--weights w: full fine-tunes of Wan2.2-T2V-A14B's two experts are not read here (LoRA adapters are)"
+    )
+
+
+# ---------------------------------------------------------------- the cache: each reason a batch is not used, by hand
+def test_each_reason_a_cached_batch_is_not_used_is_named_by_hand():
+    record = {"batch": 0, "start": 0, "key": "k", "prompts": ["a", "b"], "grid": torch.rand(1, 3, 4, 4),
+              "scores": {"total": torch.tensor([0.25, 0.5]), "shapes": torch.tensor([0.25, 0.5])},
+              "images": torch.zeros(0)}  # fmt: skip
+    expect = dict(batch=0, start=0, key="k", prompts=["a", "b"], grid=1, images=False)
+
+    def sealed(**changes):  # the record with `changes`, and a checksum that matches them
+        r = record | changes
+        return r | {"checksum": E.record_digest(r)}
+
+    assert E.batch_problem(sealed(), expect) == ""
+    odd = type("Q" * 100, (), {})()  # what no batch record holds; its type's name cut at 80 characters
+    cases = [
+        ([sealed()], "holds a list, not a batch record"),
+        (record | {"extra": odd}, f"holds what no batch record does (TypeError: {('a ' + 'Q' * 100)[:80]})"),
+        (sealed() | {"checksum": "0" * 64}, "does not match its checksum (changed since it was written)"),
+        (sealed(key="j"), "is another evaluation's or another model's (its key differs)"),
+        (sealed(batch=1), "holds batch 1, not batch 0"),
+        (sealed(start=2), "holds batch 0, not batch 0"),
+        (sealed(prompts=["b", "a"]), "holds other prompts"),
+        (sealed(scores={"shapes": torch.tensor([0.25, 0.5])}), "its scores are not 2 numbers per reward"),
+        (sealed(scores={"total": torch.tensor([0.25])}), "its scores are not 2 numbers per reward"),
+        (sealed(scores={"total": torch.tensor([1, 2])}), "its scores are not 2 numbers per reward"),
+        (sealed(scores={"total": torch.zeros(2, 1)}), "its scores are not 2 numbers per reward"),
+        (sealed(scores={"total": torch.tensor([0.5, float("inf")])}), "holds a score that is not a finite number"),
+        (sealed(grid=torch.rand(2, 3, 4, 4)), "its grid images are not 1 images"),
+        (sealed(grid=torch.rand(1, 4, 4)), "its grid images are not 1 images"),
+        (sealed(images=torch.rand(2, 3, 4, 4)), "holds images it should not"),
+    ]
+    for bad, why in cases:
+        assert E.batch_problem(bad, expect) == why, why
+    kept = expect | {"images": True}  # --save-images: every image is kept
+    assert E.batch_problem(sealed(images=torch.rand(2, 3, 4, 4)), kept) == ""
+    for images in (torch.zeros(0), torch.rand(2, 3, 8, 8), torch.rand(1, 3, 4, 4)):
+        assert E.batch_problem(sealed(images=images), kept) == "its images are not 2 images"
+
+
+def test_the_weights_digest_covers_the_bytes_of_the_files_load_weights_reads_and_no_other(tmp_path, monkeypatch):
+    ckpt, lora, pipe, flat = (tmp_path / n for n in ("iter_4", "final", "pipe", "flat"))
+    files = {
+        ckpt: ["model.safetensors", "adapter_config.json", "optimizer.bin"],
+        lora: [E.LORA_FILE, E.LOW_NOISE_LORA, "notes.txt"],
+        pipe: ["transformer/config.json", "transformer/s-2.safetensors", "transformer/s-1.safetensors", "vae/x"],
+        flat: ["config.json", "diffusion_pytorch_model.safetensors"],
+    }
+    for folder, names in files.items():
+        for name in names:
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes(name.encode())
+    index = pipe / "transformer" / "diffusion_pytorch_model.safetensors.index.json"
+    index.write_text(
+        json.dumps({"weight_map": {"a": "s-2.safetensors", "b": "s-1.safetensors", "c": "s-1.safetensors"}})
+    )
+    t = pipe / "transformer"
+    assert E.weights_files(ckpt) == [ckpt / "model.safetensors", ckpt / "adapter_config.json"]
+    assert E.weights_files(lora) == [lora / E.LORA_FILE, lora / E.LOW_NOISE_LORA]
+    assert E.weights_files(pipe) == [t / "config.json", index, t / "s-1.safetensors", t / "s-2.safetensors"]
+    assert E.weights_files(flat) == [flat / "config.json", flat / "diffusion_pytorch_model.safetensors"]
+    index.write_text("{")  # a malformed index: its shards unknown here (check_weights refuses it, naming it)
+    assert E.weights_files(pipe) == [t / "config.json", index]
+    (ckpt / "adapter_config.json").unlink()
+    assert E.weights_files(ckpt) == [ckpt / "model.safetensors"]
+
+    # the digest by hand: each file's name, size and bytes, in weights_files' order
+    by_hand = hashlib.sha256(b"config.json\x0011\x00config.json" + b"diffusion_pytorch_model.safetensors\x0035\x00"
+                             b"diffusion_pytorch_model.safetensors").hexdigest()  # fmt: skip
+    assert E.weights_digest("f", flat) == by_hand
+    (flat / "notes.txt").write_text("not read")
+    assert E.weights_digest("f", flat) == by_hand
+    (flat / "config.json").write_bytes(b"config.jsoN")  # one byte, the same size
+    assert E.weights_digest("f", flat) != by_hand
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "config.json").write_bytes(bytes(3 << 20) + b"\x01")  # past the first 1 MB block
+    blob = bytes(3 << 20) + b"\x01"
+    assert E.weights_digest("b", big) == hashlib.sha256(f"config.json\0{len(blob)}\0".encode() + blob).hexdigest()
+
+    def refuse(*a, **kw):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(E, "open", refuse, raising=False)
+    with pytest.raises(InputError) as e:
+        E.weights_digest("f", flat)
+    assert (
+        str(e.value)
+        == f"--weights f: {flat / 'config.json'} unreadable (PermissionError: [Errno 13] Permission denied)"
     )
