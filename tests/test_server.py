@@ -23,6 +23,7 @@ import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -691,3 +692,139 @@ def test_the_answer_validator_takes_exactly_n_numbers_finite_as_float32(scores, 
     assert (wrong is None) == expected_ok, (scores, n, wrong)
     if wrong is None:
         assert torch.isfinite(torch.tensor(scores, dtype=torch.float32)).all()
+
+
+# ---------------------------------------------------------------- the request parser's answers, each by hand
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def refused(raw, max_batch: int = 4, max_chars: int = 10) -> tuple[int, str]:
+    with pytest.raises(remote._Failed) as e:
+        remote.parse_request(raw if isinstance(raw, bytes) else json.dumps(raw).encode(), ["jpeg"], max_batch,
+                             3 * 32 * 32, max_chars)  # fmt: skip
+    return e.value.code, e.value.reason
+
+
+def test_each_refusal_of_the_request_parser_by_hand():
+    one = {"png": b64(png(4))}
+    ok = {"reward": "jpeg", "prompts": ["p"], "images": [one]}
+    assert refused([ok]) == (400, 'the body must be a JSON object with "reward", "prompts" and "images"')
+    assert refused(ok | {"prompts": "p"}) == (400, "'prompts' must be a list of strings")
+    assert refused(ok | {"prompts": [], "images": []}) == (
+        400, "'images' must be a list as long as 'prompts', 1 to 4 items")  # fmt: skip
+    assert refused(b"[" * 100_000 + b"]" * 100_000) == (400, "JSON nested too deep")
+    assert refused(ok | {"images": [[1]]}) == (400, "ValueError: images[0]: expected an object")
+    bad = b'{"reward": "jpeg",}'
+    try:
+        json.loads(bad)
+    except ValueError as e:
+        assert refused(bad) == (400, f"JSONDecodeError: {e}")
+    # the limits are inclusive: a prompt of exactly --max-prompt-chars, a body of exactly as many separators
+    assert remote.parse_request(json.dumps(ok | {"prompts": ["x" * 10]}).encode(), ["jpeg"], 1, 16, 10)[1] == ["x" * 10]
+    bound = 64 + 8 * 1 + 1 * 10
+    raw = json.dumps(ok).encode()
+    pad = bound - raw.count(b",") - raw.count(b":") - 1  # the pad's own ":" counts too
+    exact = raw[:-1] + b', "pad": "' + b"," * (pad - 1) + b'"}'
+    assert exact.count(b",") + exact.count(b":") == bound
+    assert remote.parse_request(exact, ["jpeg"], 1, 16, 10)[0] == "jpeg"
+    over = exact[:-2] + b',"}'
+    assert refused(over, max_batch=1) == (
+        400, f"the body holds {bound + 1:,} JSON separators, more than a request can need ({bound:,})")  # fmt: skip
+
+
+def apng() -> bytes:
+    buffer = io.BytesIO()
+    frames = [Image.new("RGB", (4, 4), c) for c in ((255, 0, 0), (0, 255, 0))]
+    frames[0].save(buffer, format="PNG", save_all=True, append_images=frames[1:])
+    return buffer.getvalue()
+
+
+def test_each_refusal_of_the_image_decoder_by_hand():
+    """Each message names the item (images[1] here: the index is the item's, not the first's)."""
+    first = {"png": b64(png(4))}
+
+    def why(item, max_pixels=None) -> str:
+        with pytest.raises(ValueError) as e:
+            remote.decode_images([first, item], max_pixels)
+        return str(e.value)
+
+    assert why([1]) == "images[1]: expected an object"
+    assert why({"png": b64(png(4, fmt="JPEG"))}) == "images[1]: 'png' holds a JPEG, not a PNG"
+    assert (
+        why({"png": b64(bytes(range(12)))})
+        == "images[1]: 'png' holds bytes starting 00 01 02 03 04 05 06 07, not a PNG"
+    )
+    assert why({"png": ""}) == "images[1]: 'png' holds bytes starting nowhere, not a PNG"
+    assert why({"png": "@@"}).startswith("images[1]: 'png' is not base64 (Error: ")
+    assert why({"uint8": "@@", "shape": [1, 1, 3]}).startswith("images[1]: 'uint8' is not base64 (Error: ")
+    assert why({"png": b64(apng())}) == "images[1]: an animated PNG (one frame per image)"
+    broken = png(4)[:-30]  # the header whole, the pixels cut short
+    assert why({"png": b64(broken)}) == "images[1]: not a readable PNG (OSError: image file is truncated)"
+    assert why({"png": b64(remote._PNG_MAGIC + b"garbage")}).startswith(
+        "images[1]: not a readable PNG (UnidentifiedImageError: cannot identify image file"
+    )  # PIL's reader refuses it before a pixel is decoded
+    shape = [0, 4, 3]
+    assert (
+        why({"uint8": "", "shape": shape}) == f"images[1]: 'shape' must be [H, W, 3] of positive integers, not {shape}"
+    )
+    long = [1, 1, 3] + [1] * 40
+    assert why({"uint8": "", "shape": long}) == (
+        f"images[1]: 'shape' must be [H, W, 3] of positive integers, not {str(long)[:60]}"
+    )
+    assert why({"png": b64(png(5))}) == "images of different sizes in one request"
+    with pytest.raises(ValueError) as e:
+        remote.decode_images([])
+    assert str(e.value) == "no images"
+    assert remote.decode_images([first, first], max_pixels=2 * 16).shape == (2, 3, 4, 4)  # exactly at the cap
+
+
+def test_raw_pixels_of_any_shape_and_pngs_of_any_mode_decode_to_rgb_by_hand():
+    raw = bytes(range(18))  # 2 rows of 3 pixels, RGB: pixel (i, j) holds 9 i + 3 j + c
+    out = remote.decode_images([{"uint8": b64(raw), "shape": [2, 3, 3]}])
+    assert out.shape == (1, 3, 2, 3)
+    assert out[0, :, 1, 2].mul(255).round().tolist() == [15, 16, 17]  # row 1, column 2
+    for mode, colour in (("RGBA", (10, 20, 30, 40)), ("L", 77), ("P", 5)):
+        buffer = io.BytesIO()
+        Image.new(mode, (2, 3), colour).save(buffer, format="PNG")
+        out = remote.decode_images([{"png": b64(buffer.getvalue())}])
+        rgb = np.array(Image.open(io.BytesIO(buffer.getvalue())).convert("RGB"))[0, 0].tolist()
+        assert out.shape == (1, 3, 3, 2) and out[0, :, 0, 0].mul(255).round().tolist() == rgb, mode
+
+
+def test_the_client_sends_its_images_clamped_and_rounded_to_8_bits():
+    image = torch.tensor([-0.5, 0.2, 0.5, 1.0, 1.5, 0.999]).view(1, 2, 3).expand(3, 2, 3)
+    sent = np.array(Image.open(io.BytesIO(base64.b64decode(remote.png_base64(image)))))
+    assert sent.shape == (2, 3, 3) and sent[..., 0].tolist() == [[0, 51, 128], [255, 255, 255]]  # 127.5 to 128
+
+
+def test_a_closed_connection_frees_exactly_its_place(capsys):
+    httpd = remote.serve(lambda n, x, p: x.mean((1, 2, 3)), ["jpeg"], "127.0.0.1", 0, max_connections=3)
+    url = serve_on_a_thread(httpd)
+    try:
+        held = [socket.create_connection(("127.0.0.1", port(url)), timeout=5) for _ in range(2)]
+        for sock in held:
+            sock.sendall(b"POST /score HTTP/1.1\r\n")
+        assert ask(url, request(body([png(4)], prompts=["p"]), Authorization=None))[0] == 200
+        for _ in range(100):  # the finished connection's thread ends a moment after its answer
+            if httpd.open == 2:
+                break
+            time.sleep(0.02)
+        assert httpd.open == 2  # the held ones
+        with socket.create_connection(("127.0.0.1", port(url)), timeout=5) as second:
+            second.sendall(b"POST /score HTTP/1.1\r\n")
+            time.sleep(0.2)
+            assert httpd.open == 3
+            with socket.create_connection(("127.0.0.1", port(url)), timeout=5) as third:
+                assert read_answer(third)[0] == 429
+        for sock in held:
+            sock.close()
+        assert "Traceback" not in capsys.readouterr().err  # the 429's connection closed without an error
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_an_https_url_speaks_tls_and_a_plain_server_is_not_one(fake):
+    with pytest.raises(RunError, match=r"failed after 1 tries \(SSLError"):
+        remote.request_json(fake.url.replace("http://", "https://") + "/health", tries=1, timeout=5)
