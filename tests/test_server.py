@@ -828,3 +828,24 @@ def test_a_closed_connection_frees_exactly_its_place(capsys):
 def test_an_https_url_speaks_tls_and_a_plain_server_is_not_one(fake):
     with pytest.raises(RunError, match=r"failed after 1 tries \(SSLError"):
         remote.request_json(fake.url.replace("http://", "https://") + "/health", tries=1, timeout=5)
+
+
+def test_a_connection_that_is_never_accepted_is_given_up_at_the_calls_timeout():
+    """A listener whose queue is full (listen(0), filled) drops new SYNs: connect() would wait minutes for the
+    kernel's retries; the call gives up at its timeout."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    queued = [socket.socket() for _ in range(4)]
+    try:
+        for sock in queued:
+            sock.setblocking(False)
+            sock.connect_ex(listener.getsockname())
+        time.sleep(0.1)
+        started = time.monotonic()
+        with pytest.raises(RunError, match="failed after 1 tries"):
+            remote.request_json(f"http://127.0.0.1:{listener.getsockname()[1]}/health", timeout=0.5, tries=1)
+        assert time.monotonic() - started < 2.0
+    finally:
+        for sock in [*queued, listener]:
+            sock.close()
