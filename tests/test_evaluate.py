@@ -22,7 +22,7 @@ import tyro
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common import InputError
+from common import InputError, RunError, remote
 from common import evaluate as E
 from common.models import add_lora, load_model, save_trained_weights
 from tests.helpers import ROOT, SHIPPED, find_run, metrics, run_script
@@ -631,6 +631,8 @@ def test_each_reason_a_cached_batch_is_not_used_is_named_by_hand():
         return r | {"checksum": E.record_digest(r)}
 
     assert E.batch_problem(sealed(), expect) == ""
+    assert E.batch_problem(sealed(grid=torch.rand(1, 3, 2, 4, 4)), expect) == ""  # a video's grid: (n, C, F, H, W)
+    assert E.batch_problem(sealed(grid=torch.rand(1, 3, 2, 2, 4, 4)), expect) == "its grid images are not 1 images"
     odd = type("Q" * 100, (), {})()  # what no batch record holds; its type's name cut at 80 characters
     cases = [
         ([sealed()], "holds a list, not a batch record"),
@@ -707,3 +709,34 @@ def test_the_weights_digest_covers_the_bytes_of_the_files_load_weights_reads_and
         str(e.value)
         == f"--weights f: {flat / 'config.json'} unreadable (PermissionError: [Errno 13] Permission denied)"
     )
+
+
+class _Planted:
+    """A pickled object whose unpickling would leave a mark: the cache never unpickles it."""
+
+    unpickled = []
+
+    def __reduce__(self):
+        return (_Planted.unpickled.append, ("ran",))
+
+
+def test_the_cache_key_and_reader_hold_under_their_inputs(tmp_path):
+    setting = {"num_steps": 4, "prompts_digest": "ab", "out": tmp_path}  # a Path: written as its text
+    key = E.cache_key(setting, "w", "d1")
+    assert len(key) == 16 and int(key, 16) >= 0
+    assert E.cache_key(dict(reversed(list(setting.items()))), "w", "d1") == key  # the settings' order does not count
+    others = {E.cache_key(setting | {"num_steps": 5}, "w", "d1"), E.cache_key(setting, "v", "d1"),
+              E.cache_key(setting, "w", "d2"), E.cache_key(setting, "w", None)}  # fmt: skip
+    assert key not in others and len(others) == 4
+    path = tmp_path / "batch_00000.pt"
+    torch.save({"batch": 0, "planted": _Planted()}, path)
+    assert E.load_batch(path, {"prompts": []}) == (None, "unreadable (UnpicklingError)") and not _Planted.unpickled
+
+
+def test_a_rewards_stop_is_told_as_the_evaluations_which_takes_no_resume_flag():
+    for told in (f"http://h/score failed after 5 tries (HTTP 503); {remote.RESUME}", f"a NaN score; {remote.STOPS}"):
+        with pytest.raises(RunError) as e:
+            with E.stops_as_an_evaluation():
+                raise RunError(told)
+        assert str(e.value) == told.rsplit("; ", 1)[0] + "; " + E.AGAIN
+        assert "--resume-from" not in str(e.value)
