@@ -849,3 +849,51 @@ def test_a_connection_that_is_never_accepted_is_given_up_at_the_calls_timeout():
     finally:
         for sock in [*queued, listener]:
             sock.close()
+
+
+def test_the_clients_retries_wait_1_2_4_times_the_backoff(fake, monkeypatch):
+    waits = []
+    monkeypatch.setattr(remote.time, "sleep", waits.append)
+    fake.reset((503, b'{"error": "busy"}'))
+    with pytest.raises(RunError, match="failed after 4 tries"):
+        remote.request_json(f"{fake.url}/score", {}, tries=4)
+    assert waits == [1.0, 2.0, 4.0] and fake.posts == 4  # the default backoff: 1 s
+    waits.clear()
+    with pytest.raises(RunError, match="failed after 3 tries"):
+        remote.request_json(f"{fake.url}/score", {}, tries=3, backoff=0.25)
+    assert waits == [0.25, 0.5]
+
+
+def test_each_answer_the_client_stops_at_is_named_whole(fake, monkeypatch):
+    monkeypatch.setattr(remote.time, "sleep", lambda s: None)
+    url = f"{fake.url}/score"
+
+    def stopped(*answer) -> str:
+        fake.reset(answer)
+        with pytest.raises(RunError) as e:
+            remote.request_json(url, {}, tries=2)
+        return str(e.value)
+
+    far = "http://elsewhere.example/" + "x" * 300
+    assert stopped(300, b'{"scores": [1]}', far) == (
+        f"{url} answered HTTP 300, a redirect to {far[:200]!r}, which is not followed (nor sent the token): give "
+        f"--reward-url the address that answers itself; {remote.RESUME}"
+    )  # 300 (Multiple Choices) is a redirect too, whatever its body
+    wrong = b"\xff" + b"e" * 400  # not UTF-8, and long
+    assert stopped(400, wrong) == (
+        f"{url} failed after 1 tries (HTTP 400: {wrong[:300].decode(errors='replace')}); {remote.RESUME}"
+    )
+    assert stopped(200, b"{not json") == (
+        f"{url} answered an answer that is not JSON (JSONDecodeError: Expecting property name enclosed in double "
+        f"quotes: line 1 column 2 (char 1)); {remote.RESUME}"
+    )
+    array = json.dumps(list(range(100))).encode("utf-16")  # JSON in UTF-16 (json.loads reads it), 600 bytes
+    assert stopped(200, array) == (
+        f"{url} answered JSON that is not an object: {array[:200].decode(errors='replace')}; {remote.RESUME}"
+    )
+    big = remote.MAX_ANSWER + 1  # a Content-Length over the cap: refused before the body is read
+    assert stopped(200, b"{}", None, big) == (
+        f"{url} answered an answer of {big:,} bytes, more than {remote.MAX_ANSWER:,}; {remote.RESUME}"
+    )
+    with pytest.raises(RunError, match="failed after 1 tries \\(ConnectionRefusedError"):
+        remote.request_json("http://127.0.0.1:1/score", {}, tries=1)  # port 1 is a port like any other
