@@ -337,6 +337,11 @@ def test_the_cache_reader_never_gives_back_a_record_other_than_the_one_written(t
 
 
 # ---------------------------------------------------------------- the --weights checks, each message by hand
+@pytest.fixture(scope="module")
+def shapes_model():
+    return load_model("shapesbench")  # SD3Transformer2DModel: 4 blocks of width 192
+
+
 def test_the_tensor_differences_name_the_first_of_each_kind_with_its_count():
     own = {"a": (2,), "b": (3, 4), "c": (5,)}
     assert E._differences({"a": (2,), "b": [3, 4], "c": (5,)}, own, own) == ""  # a header's shape is a list
@@ -395,8 +400,10 @@ def test_a_weights_json_that_is_unreadable_or_not_an_object_is_refused_naming_th
     assert E._read_json("runs/x", tmp_path / "ok.json") == {"r": 4}
 
 
-def test_a_checkpoints_adapter_config_is_tried_on_an_empty_copy_and_one_that_does_not_fit_is_refused(tmp_path):
-    transformer = load_model("shapesbench").transformer  # SD3Transformer2DModel: 4 blocks of width 192
+def test_a_checkpoints_adapter_config_is_tried_on_an_empty_copy_and_one_that_does_not_fit_is_refused(
+    shapes_model, tmp_path
+):
+    transformer = shapes_model.transformer  # SD3Transformer2DModel: 4 blocks of width 192
     before = {k: (tuple(v.shape), v.device.type) for k, v in transformer.state_dict().items()}
     (tmp_path / "fits.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["to_q"]}))
     shapes = E._with_adapter("runs/x", transformer, tmp_path / "fits.json")
@@ -459,11 +466,6 @@ def test_each_kind_of_weights_folder_is_found_and_named_and_anything_else_refuse
         with pytest.raises(InputError) as e:
             E.weights_folder(spec)
         assert str(e.value) == f"--weights {spec}: {reason}; {E.EXPECTED}"
-
-
-@pytest.fixture(scope="module")
-def shapes_model():
-    return load_model("shapesbench")  # SD3Transformer2DModel: 4 blocks of width 192
 
 
 def refusal(model, spec: str, folder) -> str:
