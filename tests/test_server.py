@@ -6,6 +6,7 @@ whose answers go wrong in every way: what may pass is retried, the rest stops th
 and what was wrong, never a traceback or a made-up score."""
 
 import base64
+import inspect
 import io
 import json
 import os
@@ -897,3 +898,51 @@ def test_each_answer_the_client_stops_at_is_named_whole(fake, monkeypatch):
     )
     with pytest.raises(RunError, match="failed after 1 tries \\(ConnectionRefusedError"):
         remote.request_json("http://127.0.0.1:1/score", {}, tries=1)  # port 1 is a port like any other
+
+
+def test_the_answer_validator_cuts_each_value_it_names():
+    long = "s" * 300
+    assert remote._wrong_scores({"x": long}, 1) == f"no list of scores ('scores': {json.dumps({'x': long})[:200]})"
+    assert remote._wrong_scores([long], 1) == f"scores[0] is {json.dumps(long)[:100]}, not a number"
+    huge = 10**80  # an int of 81 digits: no float32
+    assert remote._wrong_scores([0, huge], 2) == f"scores[1] is {str(huge)[:50]}, not a finite number (as float32)"
+
+
+def test_two_requests_at_once_are_decoded_and_one_scored(monkeypatch):
+    """The server's memory bound (docs/models.md) counts two requests decoding at once, and one model scoring."""
+    lock, inside, most = threading.Lock(), {"decode": 0, "score": 0}, {"decode": 0, "score": 0}
+    pause = threading.Event().wait
+
+    def counted(what, fn):
+        def run(*a, **kw):
+            with lock:
+                inside[what] += 1
+                most[what] = max(most[what], inside[what])
+            pause(0.3)
+            with lock:
+                inside[what] -= 1
+            return fn(*a, **kw)
+
+        return run
+
+    monkeypatch.setattr(remote, "decode_images", counted("decode", remote.decode_images))
+    score = counted("score", lambda name, images, prompts: images.mean((1, 2, 3)))
+    httpd = remote.serve(score, ["jpeg"], "127.0.0.1", 0)  # its defaults: 8 connections at once
+    url = serve_on_a_thread(httpd)
+    try:
+        answers = []
+        threads = [threading.Thread(target=lambda: answers.append(ask(url, request(body([png(4)]))))) for _ in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [status for status, _ in answers] == [200] * 5
+        assert most == {"decode": 2, "score": 1}
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_the_read_timeout_python_m_common_rewards_serve_runs_with_is_10_s():
+    """`python -m common.rewards serve` has no flag for it: serve()'s default is the figure docs/models.md gives."""
+    assert inspect.signature(remote.serve).parameters["read_timeout"].default == 10.0
