@@ -946,3 +946,53 @@ def test_two_requests_at_once_are_decoded_and_one_scored(monkeypatch):
 def test_the_read_timeout_python_m_common_rewards_serve_runs_with_is_10_s():
     """`python -m common.rewards serve` has no flag for it: serve()'s default is the figure docs/models.md gives."""
     assert inspect.signature(remote.serve).parameters["read_timeout"].default == 10.0
+
+
+def answer_and_close(url: str, raw: bytes, pause: float = 0.0) -> tuple[bytes, float]:
+    """Everything the server sends on one connection for `raw` (sent whole, then `pause` s), and the seconds from
+    the first byte of its answer to its close."""
+    with socket.create_connection(("127.0.0.1", port(url)), timeout=5) as sock:
+        sock.sendall(raw)
+        time.sleep(pause)
+        data = sock.recv(1 << 16)
+        first = time.monotonic()
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+        return data, time.monotonic() - first
+
+
+def test_every_answer_is_one_json_answer_and_the_connection_closes_at_once(server):
+    """After a refusal the unread body is read and dropped (so that a client still sending reads the answer), and
+    nothing more: the connection closes at once, with one answer on it, of Content-Type application/json."""
+    refused = request(b" " * 400_000, Content_Type="text/plain")  # 415, its body sent whole and left unread
+    data, closing = answer_and_close(server, refused, pause=0.3)
+    assert data.startswith(b"HTTP/1.0 415 ") and data.count(b"HTTP/1.") == 1 and closing < 0.5, (data[:200], closing)
+    assert b"\r\nContent-Type: application/json\r\n" in data
+    wrong = request(body([png()], reward="verifier", prompts=["a poem"]))  # read whole, then refused by the reward
+    data, closing = answer_and_close(server, wrong)
+    assert data.startswith(b"HTTP/1.0 422 ") and closing < 0.5, (data[:200], closing)
+    data, closing = answer_and_close(server, request(b"{", Content_Length="10"))
+    assert data.startswith(b"HTTP/1.0 408 ") and data.count(b"HTTP/1.") == 1, data  # one 408, at the read timeout
+    with socket.create_connection(("127.0.0.1", port(server)), timeout=5) as sock:
+        sock.shutdown(socket.SHUT_WR)  # a connection closed without a request: no answer
+        assert sock.recv(1 << 16) == b""
+    long_line = f"GET /{'x' * 70_000} HTTP/1.1\r\n\r\n".encode()  # http.server's own refusal, in JSON too
+    assert ask(server, long_line) == (414, {"error": "Request-URI Too Long"})
+
+
+def test_the_body_cap_is_exact_in_bytes_and_a_servers_failure_is_cut_at_200_characters(monkeypatch, capsys):
+    def broken(*a, **kw):
+        raise KeyError("k" * 300)
+
+    httpd = remote.serve(lambda n, x, p: x.mean((1, 2, 3)), ["jpeg"], "127.0.0.1", 0, max_mb=2)
+    url = serve_on_a_thread(httpd)
+    try:
+        status, answer = ask(url, request(Content_Length="2000001", Authorization=None))
+        assert status == 413 and answer["error"].endswith("1 byte to 2 MB, not 2,000,001")
+        monkeypatch.setattr(remote, "parse_request", broken)
+        status, answer = ask(url, request(body([png()]), Authorization=None))
+        assert (status, answer) == (500, {"error": f"the server failed: KeyError: {str(KeyError('k' * 300))[:200]}"})
+        assert "KeyError" in capsys.readouterr().err
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
