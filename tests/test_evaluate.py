@@ -742,3 +742,110 @@ def test_a_rewards_stop_is_told_as_the_evaluations_which_takes_no_resume_flag():
                 raise RunError(told)
         assert str(e.value) == told.rsplit("; ", 1)[0] + "; " + E.AGAIN
         assert "--resume-from" not in str(e.value)
+
+
+def test_a_sharded_transformer_folder_is_read_through_its_index_and_each_refusal_named(shapes_model, tmp_path):
+    tr, spec = shapes_model.transformer, "runs/z"
+    folder = tmp_path / "sharded"
+    tr.save_pretrained(folder, max_shard_size="5MB")  # diffusers writes shards and their index
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    assert index.is_file() and len(list(folder.glob("diffusion_pytorch_model-*.safetensors"))) > 1
+    E.check_weights(shapes_model, spec, folder)
+    loaded = loaded_into_a_copy(tr, folder)
+    assert all(torch.equal(loaded[k], v) for k, v in tr.state_dict().items())
+    weight_map = json.loads(index.read_text())["weight_map"]
+    first = sorted(weight_map)[0]
+    _json(index, {"weight_map": {k: f for k, f in weight_map.items() if k != first}})  # a shard's tensor unlisted
+    E.check_weights(shapes_model, spec, folder)  # the shard is read whole: the tensor is still there
+    shard = weight_map[first]
+    _json(index, {"weight_map": {k: f for k, f in weight_map.items() if f != shard}})  # a whole shard unlisted
+    assert refusal(shapes_model, spec, folder).startswith(f"--weights {spec}: {folder}'s weights are not ")
+    broken = folder / shard
+    kept = broken.read_bytes()
+    broken.write_bytes(b"not a safetensors file")
+    _json(index, {"weight_map": weight_map})
+    assert refusal(shapes_model, spec, folder).startswith(f"--weights {spec}: {broken} unreadable (")
+    broken.write_bytes(kept)
+    _json(index, {"metadata": {}})
+    assert refusal(shapes_model, spec, folder) == f"--weights {spec}: {index} has no weight_map"
+    index.write_text("{")
+    assert (
+        refusal(shapes_model, spec, folder) == f"--weights {spec}: {index} unreadable (JSONDecodeError); {E.EXPECTED}"
+    )
+    index.unlink()
+    assert refusal(shapes_model, spec, folder) == (
+        f"--weights {spec}: {folder} has no diffusion_pytorch_model.safetensors; {E.EXPECTED}"
+    )
+    config = dict(tr.config)
+    changes = {"num_layers": 2, "attention_head_dim": 32, "joint_attention_dim": 64, "pooled_projection_dim": 64}
+    _json(folder / "config.json", config | changes)  # four differences: the first three are named
+    assert refusal(shapes_model, spec, folder) == (
+        f"--weights {spec}: {folder / 'config.json'} is another SD3Transformer2DModel than this --model-id's "
+        "(num_layers 2, not 4, attention_head_dim 32, not 64, joint_attention_dim 64, not 128)"
+    )
+
+
+def test_the_batch_checksum_covers_every_key_and_every_leaf():
+    record = {"batch": 0, "start": 8, "key": "k", "prompts": ["a", "b"], "none": None, "x": 0.5,
+              "scores": {"total": torch.tensor([0.25, 0.5])}}  # fmt: skip
+    digest = E.record_digest(record)
+    assert E.record_digest(record | {"checksum": "anything"}) == digest  # the checksum itself is left out
+    changed = [
+        record | {"start": 9},
+        record | {"key": "j"},
+        record | {"prompts": ["a", "c"]},
+        record | {"prompts": ["a", "b", ""]},
+        record | {"none": 0},
+        record | {"x": 0.25},
+        {("starts" if k == "start" else k): v for k, v in record.items()},  # a key renamed, its value the same
+        record | {"scores": {"total": torch.tensor([0.25, 0.75])}},
+        record | {"scores": {"total": torch.tensor([0.25, 0.5], dtype=torch.float64)}},
+        record | {"scores": {"total": torch.tensor([[0.25, 0.5]])}},
+    ]
+    digests = [E.record_digest(r) for r in changed]
+    assert digest not in digests and len(set(digests)) == len(changed)
+
+
+def test_the_prompt_sets_styles_and_subsets_by_hand(tmp_path, monkeypatch):
+    folder = tmp_path / "hpd=v2"  # an "=" in the folder's name: the source is split at the first one
+    (folder / "benchmark").mkdir(parents=True)
+    counts = {"anime": 2, "concept-art": 2, "paintings": 2, "photo": 3}  # 9: not a multiple of the 4 styles
+    for style, n in counts.items():
+        _json(folder / "benchmark" / f"{style}.json", [f"{style}  {k}" for k in range(n)])
+    prompts, styles = E.load_prompt_set(f"hpdv2={folder}", 0)
+    assert prompts[:2] == ["anime 0", "anime 1"] and prompts[-1] == "photo 2"  # whitespace collapsed
+    assert styles == ["anime"] * 2 + ["concept-art"] * 2 + ["paintings"] * 2 + ["photo"] * 3
+    assert E.load_prompt_set(f"hpdv2={folder}", 1) == (["anime 0"], ["anime"])
+    assert E.load_prompt_set(f"hpdv2={folder}", 3) == (  # prompts 0, 3, 6 of 9
+        ["anime 0", "concept-art 1", "photo 0"],
+        ["anime", "concept-art", "photo"],
+    )
+    shapes, plain = E.load_prompt_set("shapes-eval", 0)
+    assert len(shapes) > 1 and plain == [""] * len(shapes)
+    nowhere = tmp_path / ("n" * 230)  # the reason cut at 200 characters
+    with pytest.raises(InputError) as e:
+        E.load_prompt_set(f"hpdv2={nowhere}", 0)
+    missing = nowhere / "benchmark" / "anime.json"
+    why = f"FileNotFoundError: {str(FileNotFoundError(2, 'No such file or directory', str(missing)))[:200]}"
+    assert str(e.value) == f"--prompts hpdv2={nowhere}: {why}; give hpdv2=FOLDER"
+    monkeypatch.setattr(E, "hpdv2_prompts", lambda folder: [f"from {folder}"] * 4)  # the hub's, stubbed
+    assert E.load_prompt_set("hpdv2", 0) == (["from None"] * 4, ["anime", "concept-art", "paintings", "photo"])
+
+
+def test_a_cache_file_that_cannot_be_written_names_what_is_in_the_way(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(InputError) as e:
+        E.save_atomically({"a": 1}, tmp_path / "file" / "x.json")
+    assert str(e.value) == (
+        f"--out: {tmp_path / 'file'} is not a folder, where the cache writes x.json; remove it, or give another --out"
+    )
+    E.save_atomically({"a": 1}, tmp_path / "ok" / "x.json")
+    assert json.loads((tmp_path / "ok" / "x.json").read_text()) == {"a": 1}
+
+    def full(*a, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(E.torch, "save", full)  # any other failure of the write is raised as it is
+    with pytest.raises(OSError, match="No space left"):
+        E.save_atomically({"a": torch.zeros(1)}, tmp_path / "ok" / "batch_00000.pt")
+    assert sorted(p.name for p in (tmp_path / "ok").iterdir()) == ["x.json"]  # no temporary file left
