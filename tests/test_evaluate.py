@@ -849,3 +849,35 @@ def test_a_cache_file_that_cannot_be_written_names_what_is_in_the_way(tmp_path, 
     with pytest.raises(OSError, match="No space left"):
         E.save_atomically({"a": torch.zeros(1)}, tmp_path / "ok" / "batch_00000.pt")
     assert sorted(p.name for p in (tmp_path / "ok").iterdir()) == ["x.json"]  # no temporary file left
+
+
+def test_a_config_is_compared_value_by_value_whatever_its_key_order_and_types(tmp_path):
+    """A transformer config may hold a dict (compared whatever the order of its keys) or a set (written as a list)."""
+    from types import SimpleNamespace
+
+    from diffusers import ConfigMixin, ModelMixin
+    from diffusers.configuration_utils import register_to_config
+    from safetensors.torch import save_file
+
+    class Roped(ModelMixin, ConfigMixin):
+        @register_to_config
+        def __init__(self, rope: dict | None = None, scale: dict | None = None, axes: set | None = None):
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 2)
+
+    # each dict's keys in the other order on each side: the model's `rope`, the file's `scale`
+    model = SimpleNamespace(
+        transformer=Roped(rope={"theta": 10000, "dims": [16, 56]}, scale={"a": 1, "b": 2}, axes={3})
+    )
+    config = {
+        "_class_name": "Roped",
+        "rope": {"dims": [16, 56], "theta": 10000},
+        "scale": {"b": 2, "a": 1},
+        "axes": [3],
+    }
+    _json(tmp_path / "config.json", config)
+    save_file({k: v.contiguous() for k, v in model.transformer.state_dict().items()},
+              tmp_path / "diffusion_pytorch_model.safetensors")  # fmt: skip
+    E.check_weights(model, "r", tmp_path)
+    _json(tmp_path / "config.json", config | {"rope": {"dims": [16, 56], "theta": 500}})
+    assert refusal(model, "r", tmp_path).startswith(f"--weights r: {tmp_path / 'config.json'} is another Roped than")
