@@ -996,3 +996,48 @@ def test_the_body_cap_is_exact_in_bytes_and_a_servers_failure_is_cut_at_200_char
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_each_refusal_of_the_server_whole(server):
+    """(status, {"error": reason}) of each refusal, by hand; a body of exactly the cap is read."""
+    good = body([png()])
+    no_token = request(good, Authorization=None)
+    assert ask(server, no_token) == (401, {"error": "missing or wrong token (Authorization: Bearer TOKEN)"})
+    assert ask(server, request(good, path="/other")) == (404, {"error": "POST /score or GET /health"})
+    assert ask(server, request(method="GET", path="/other")) == (404, {"error": "GET /health or POST /score"})
+    chunked = request(good, Transfer_Encoding="chunked")
+    assert ask(server, chunked) == (411, {"error": "the body needs a Content-Length (and no Transfer-Encoding)"})
+    assert ask(server, request(b"", Content_Length="0")) == (400, {"error": "an empty body"})
+    twice = ("1" * 30, "2" * 30)  # two Content-Length headers: named, cut at 40 characters
+    raw = request(good).replace(b"Content-Length:", f"Content-Length: {twice[0]}\r\nContent-Length:".encode(), 1)
+    raw = raw.replace(f"Content-Length: {len(good)}".encode(), f"Content-Length: {twice[1]}".encode())
+    shown = ", ".join(twice)[:40]
+    assert ask(server, raw) == (400, {"error": f"Content-Length must be one number of bytes, not {shown!r}"})
+    with socket.create_connection(("127.0.0.1", port(server)), timeout=5) as sock:  # a body that ends early
+        sock.sendall(request(b"{}", Content_Length="10"))
+        sock.shutdown(socket.SHUT_WR)
+        assert read_answer(sock) == (400, {"error": "the body ended after 2 of its 10 bytes"})
+    cap = int(CAP_MB * 1e6)
+    exact = good[:-1] + b" " * (cap - len(good)) + b"}"  # JSON padded to exactly the cap
+    assert len(exact) == cap and ask(server, request(exact))[0] == 200
+
+
+def test_a_rewards_failure_is_a_500_naming_its_first_line_and_a_wrong_count_too(capsys):
+    def score(name, images, prompts):
+        if name == "two":
+            return torch.tensor([0.5, 0.25])  # two scores for one image
+        raise RuntimeError({"silent": "", "long": "y" * 400 + "\nsecond line"}[name])
+
+    httpd = remote.serve(score, ["two", "silent", "long"], "127.0.0.1", 0)
+    url = serve_on_a_thread(httpd)
+    try:
+        assert ask(url, request(body([png()], reward="two"), Authorization=None)) == (
+            500, {"error": "two returned [0.5, 0.25] for 1 images"})  # fmt: skip
+        assert ask(url, request(body([png()], reward="silent"), Authorization=None)) == (
+            500, {"error": "silent: RuntimeError: "})  # fmt: skip
+        assert ask(url, request(body([png()], reward="long"), Authorization=None)) == (
+            500, {"error": "long: RuntimeError: " + "y" * 300})  # fmt: skip
+        assert capsys.readouterr().err.count("Traceback") == 2  # the operator's traces
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
