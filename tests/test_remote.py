@@ -397,6 +397,9 @@ def test_the_judge_asks_what_the_chat_completions_protocol_asks_by_hand(calls):
     calls.clear()
     remote.Judge("unifiedreward", rec.url + "/v1")(image, ["a cat"])
     assert calls[1][2] == 120.0  # the default timeout of an answer
+    rec.requests.clear()
+    remote.request_json(rec.url, tries=1)  # a URL without a path asks for "/"
+    assert rec.requests == [("GET", "/", None, None)]
 
 
 def test_the_judge_asks_16_at_a_time_and_stops_past_a_tenth_unparsed():

@@ -1041,3 +1041,39 @@ def test_a_rewards_failure_is_a_500_naming_its_first_line_and_a_wrong_count_too(
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def raw_server(answer: bytes) -> tuple[ThreadingHTTPServer, str]:
+    """A server that answers every request with `answer`, bytes as they are, and closes."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.wfile.write(answer)
+
+        def log_message(self, *a):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    return httpd, serve_on_a_thread(httpd)
+
+
+def test_an_answer_up_to_the_cap_is_read_and_one_byte_more_is_refused_with_or_without_its_length(fake, monkeypatch):
+    monkeypatch.setattr(remote.time, "sleep", lambda s: None)
+    cap = remote.MAX_ANSWER
+    for size, length in ((cap, False), (cap + 1, False), (cap, True)):
+        head = b"HTTP/1.0 200 OK\r\n" + (f"Content-Length: {size}\r\n".encode() if length else b"") + b"\r\n"
+        httpd, url = raw_server(head + b"{}" + b" " * (size - 2))  # up to the close, or as long as it says
+        try:
+            if size == cap:
+                assert remote.request_json(url + "/x", tries=1) == {}
+            else:
+                with pytest.raises(RunError) as e:
+                    remote.request_json(url + "/x", tries=1)
+                assert str(e.value) == f"{url}/x answered an answer of more than {cap:,} bytes; {remote.RESUME}"
+        finally:
+            httpd.shutdown()
+            httpd.server_close()
+    # a redirect without a Location: named as such, not a crash
+    fake.reset((302, b"{}"))
+    with pytest.raises(RunError, match=re.escape("HTTP 302, a redirect to '', which is not followed")):
+        remote.request_json(f"{fake.url}/score", {}, tries=1)
