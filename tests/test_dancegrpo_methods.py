@@ -335,3 +335,18 @@ def test_cps_step_takes_one_sigma_per_sample():
         )
         torch.testing.assert_close(x_next[i : i + 1], one[0])
         torch.testing.assert_close(log_prob[i : i + 1], one[1])
+
+
+def test_flow_dppo_drops_a_sample_at_or_over_the_kl_threshold_only_where_its_ratio_moves_with_its_advantage():
+    """Eq. 18's mask by hand, at each edge: KL exactly at the threshold counts as over; a ratio of exactly 1 and an
+    advantage of exactly 0 move nowhere; |A| < 1 is a sign like any other."""
+    #            d    log r  A      masked   (kl_old = d^2 / 2 with std 1; threshold 0.5)
+    rows = [(1.0, 0.1, 0.5, True), (1.0, -0.1, -0.5, True), (1.0, -0.1, 0.5, False), (1.0, 0.0, 0.5, False),
+            (1.0, 0.0, -0.5, False), (1.0, 0.1, 0.0, False), (1.0, -0.1, 0.0, False), (0.5, 0.1, 0.5, False)]  # fmt: skip
+    d, log_r, adv, masked = (torch.tensor([r[i] for r in rows]) for i in range(4))
+    old = torch.zeros(len(rows))
+    loss, figures = D.policy_loss(log_r, old, adv, d.view(-1, 1), torch.zeros(len(rows), 1), None, torch.tensor(1.0),
+                                  0.1, objective="dppo", clip_range=0.2, kl_mask_threshold=0.5, kl_beta=0.0)  # fmt: skip
+    expected = torch.where(masked.bool(), 0.0, -adv * log_r.exp())
+    torch.testing.assert_close(loss, expected)
+    assert figures["masked"].item() == 2 / 8
