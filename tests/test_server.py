@@ -44,7 +44,8 @@ SHAPES_PROMPT = "a red circle on a blue background"
 
 
 def serve_on_a_thread(server) -> str:
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # polled every 0.05 s, not 0.5: shutdown() waits for the poll, and most tests here stop a server of their own
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     return f"http://127.0.0.1:{server.server_port}"
 
 
@@ -918,7 +919,7 @@ def test_two_requests_at_once_are_decoded_and_one_scored(monkeypatch):
             with lock:
                 inside[what] += 1
                 most[what] = max(most[what], inside[what])
-            pause(0.3)
+            pause(0.15)
             with lock:
                 inside[what] -= 1
             return fn(*a, **kw)
