@@ -109,6 +109,8 @@ def copy_commit(ref: str, dest: Path, worktree: bool) -> None:
     else:
         archive = subprocess.run(["git", "archive", ref], cwd=ROOT, capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    # what the copy is of: --resume and --harvest report it, whatever --ref they are given
+    (dest / ".mutation_ref").write_text("worktree" if worktree else ref)
 
 
 def mutated_names(source: str, scope, exclude=()) -> list[str]:
@@ -296,7 +298,11 @@ def run_target(key: str, args) -> dict:
     killed = sum(k for k, _ in per_function.values())
     result = {
         "file": key,
-        "ref": "worktree" if args.worktree else ref,
+        "ref": copied.read_text()
+        if (copied := copy / ".mutation_ref").is_file()
+        else "worktree"
+        if args.worktree
+        else ref,
         "source_sha": sha,
         "functions": names,
         "killed": killed,
