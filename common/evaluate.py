@@ -273,7 +273,7 @@ def _lora_differences(state: dict, transformer) -> str:
     ranks = {}
     for key, shape in sorted(state.items()):
         inner = key.removeprefix("transformer.")
-        module, sep, part = inner.partition(".lora_")
+        module, sep, part = inner.rpartition(".lora_")  # the last: a module's own name may hold ".lora_"
         if inner == key or not sep or module not in modules:
             return f"{key} is no module of it"
         weight = getattr(modules[module], "weight", None)

@@ -385,6 +385,11 @@ def test_a_lora_file_is_checked_against_each_modules_in_and_out_sizes_and_one_ra
     ]
     for state, expected in cases:
         assert E._lora_differences(state, m) == expected, state
+    # a module whose own name holds ".lora_": split at the last one, so that its sizes are checked too
+    gated = torch.nn.ModuleDict({"blocks": torch.nn.ModuleDict({"lora_gate": torch.nn.Linear(4, 6)})})
+    key = T + "blocks.lora_gate.lora_A.weight"
+    assert E._lora_differences({key: (2, 4), key.replace("_A.", "_B."): (6, 2)}, gated) == ""
+    assert E._lora_differences({key: (2, 5)}, gated) == f"{key}: (2, 5), not for a (6, 4) module"
 
 
 def test_a_weights_json_that_is_unreadable_or_not_an_object_is_refused_naming_the_flag(tmp_path):

@@ -981,6 +981,54 @@ def test_every_answer_is_one_json_answer_and_the_connection_closes_at_once(serve
     assert ask(server, long_line) == (414, {"error": "Request-URI Too Long"})
 
 
+def how_it_closes(url: str, raw: bytes, late: float = 0.0) -> tuple[int | None, str]:
+    """(status, "closed" or "reset"): after its answer, whether the server closed the connection having read all
+    that was sent (a FIN: the next recv is b"") or with bytes unread (the kernel then answers them with a reset: an
+    error on the client's send, on its next recv or pending on the socket; the answer itself is read before it).
+    `raw` is sent from a thread (past the socket buffers it blocks until the server reads), its last byte `late` s
+    after the rest."""
+    failed = []
+
+    def send() -> None:
+        try:
+            sock.sendall(raw[:-1])
+            time.sleep(late)
+            sock.sendall(raw[-1:])
+        except OSError as e:
+            failed.append(e)
+
+    with socket.create_connection(("127.0.0.1", port(url)), timeout=5) as sock:
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        status, _ = read_answer(sock)
+        sender.join(5)  # the whole request sent, or stopped by the reset
+        time.sleep(0.1)  # for a reset in answer to the last bytes to come back
+        try:
+            rest = sock.recv(1 << 16)
+        except ConnectionResetError:
+            return status, "reset"
+        # after the FIN, recv gives b"" and the reset is kept as the socket's pending error (EPIPE)
+        reset = failed or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        return status, "reset" if reset else "closed" if rest == b"" else f"more bytes: {rest[:40]!r}"
+
+
+def test_a_refused_body_is_drained_up_to_exactly_twice_the_cap_and_one_of_untrusted_length_not_at_all(server):
+    """The drain after a refusal is what lets a client still sending read its answer: the body is read and dropped
+    up to twice --max-mb (here 2 x 0.5 MB = 1,000,000 bytes), and the connection then closes cleanly; one byte more,
+    or a Content-Length beside a Transfer-Encoding (whose length the server does not trust), is not read at all and
+    the close resets. On loopback the answer arrives either way; the reset after it shows what was left unread."""
+    twice = int(2 * CAP_MB * 1e6)
+    # its last byte sent 0.3 s after the rest: read too (stopping one byte short, the server closes first, and that
+    # byte then meets a closed socket: a reset)
+    assert how_it_closes(server, request(b" " * twice), late=0.3) == (413, "closed")
+    assert how_it_closes(server, request(b" " * (twice + 1))) == (413, "reset")  # past twice the cap: not read
+    # under the cap too; each body past the server's 64 KiB read buffer, so that its rest waits in the kernel
+    assert how_it_closes(server, request(b" " * 300_000, Content_Type="text/plain")) == (415, "closed")
+    chunked = request(b" " * 300_000, Transfer_Encoding="chunked")  # both headers: the length is not believed
+    assert how_it_closes(server, chunked) == (411, "reset")
+    assert len(scores_of(server, [png()])) == 1
+
+
 def test_the_body_cap_is_exact_in_bytes_and_a_servers_failure_is_cut_at_200_characters(monkeypatch, capsys):
     def broken(*a, **kw):
         raise KeyError("k" * 300)
