@@ -114,6 +114,14 @@ def test_surrogate_noises_each_pair_by_the_forward_process_and_passes_its_settin
     torch.testing.assert_close(values, expected.view(2, 2))
     torch.testing.assert_close(x0_hat, expected_x0.view(2, 2, 1))
     assert not torch.allclose(expected, V.pair_values(0.5 * z, rows, z, eps_rows, t.reshape(4), "x", False)[0])
+    # off the defaults: the settings reach pair_values (the eps prediction, without self-normalisation)
+    values, _ = V.surrogate(
+        Model(), None, x, {"c": torch.tensor([[7.0], [8.0]])}, t, eps, 3.0, nullcontext, "eps", False
+    )
+    expected = V.pair_values(0.5 * z, rows, z, eps_rows, t.reshape(4), "eps", False)[0]
+    torch.testing.assert_close(values, expected.view(2, 2))
+    assert not torch.allclose(expected, V.pair_values(0.5 * z, rows, z, eps_rows, t.reshape(4), "eps", True)[0])
+    assert not torch.allclose(expected, V.pair_values(0.5 * z, rows, z, eps_rows, t.reshape(4), "x", False)[0])
 
 
 def test_draw_pairs_are_keyed_draws_of_t_and_eps_shared_or_per_image():
