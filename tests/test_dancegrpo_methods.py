@@ -163,6 +163,12 @@ def test_rollout_after_the_window_is_dpm_solver_2m():
         xs.append(s_next / s * xs[-1] + (1 - s_next / s) * d)
     torch.testing.assert_close(latents, torch.stack(xs, 1))
     torch.testing.assert_close(means[:, 3:], latents[:, 4:])
+    # step dpm_after itself, when it is no SDE step, is an Euler step: DPM-Solver++(2M) starts after it
+    latents, _, _ = D.rollout(
+        Linear(), None, None, x, noise, grid, g, [0, 1], 1.0, nullcontext, D.sde_step, dpm_after=2
+    )
+    x2 = latents[:, 2]
+    torch.testing.assert_close(latents[:, 3], x2 + (grid[3] - grid[2]) * (0.5 * x2 + grid[2] * 0.1))
 
 
 def check(argv):
