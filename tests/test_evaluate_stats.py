@@ -202,3 +202,88 @@ def test_score_model_gives_each_sample_its_own_noise_whatever_the_batch_size(tmp
     torch.testing.assert_close(scores[3], expected, rtol=1e-6, atol=1e-7)  # (the mean's summation order may differ)
     torch.testing.assert_close(scores[8], expected, rtol=1e-6, atol=1e-7)
     assert len(set(expected.tolist())) == 8
+
+
+def test_score_model_samples_with_the_runs_settings_and_shows_its_progress_on_the_main_process(
+    tmp_path, monkeypatch, capsys
+):
+    """The sampler score_model builds: the model's transformer, the grid of --shift ('pipeline': the model's own),
+    --guidance-scale and the accelerator's autocast; A14B's --guidance-scale-2 set on the model; a progress bar
+    named after the cache folder on the local main process only."""
+    built = {}
+
+    def ode_sampler(model, transformer, sigmas, guidance_scale, autocast):
+        built.update(
+            model=model, transformer=transformer, sigmas=sigmas, guidance_scale=guidance_scale, autocast=autocast
+        )
+        return None
+
+    monkeypatch.setattr(E, "ode_sampler", ode_sampler)
+    monkeypatch.setattr(E, "sample_prompts", lambda sampler, model, prompts, noise, bs: noise[:, :3])
+    grid = torch.tensor([1.0, 0.7, 0.2, 0.0])
+    model = SimpleNamespace(latent_shape=lambda: SHAPE, transformer="the transformer", sigmas=lambda n: grid[: n + 1])
+    autocast = object()
+    args = SimpleNamespace(
+        seed=5, num_steps=3, shift="pipeline", guidance_scale=4.5, guidance_scale_2=2.5, batch_size=2
+    )
+    reward_fn = lambda images, prompts: (images.mean((1, 2, 3)), {})  # noqa: E731
+    prompts = PROMPTS[:4]
+    for main_process in (True, False):
+        accelerator = SimpleNamespace(autocast=autocast, process_index=0, num_processes=1,
+                                      is_local_main_process=main_process)  # fmt: skip
+        cache = tmp_path / f"cache_{main_process}"
+        E.score_model(args, model, reward_fn, prompts, accelerator, cache, [0], False, "k")
+        assert built["model"] is model and built["transformer"] == "the transformer" and built["sigmas"] is not None
+        assert torch.equal(built["sigmas"], grid) and built["guidance_scale"] == 4.5 and built["autocast"] is autocast
+        assert model.guidance_scale_2 == 2.5
+        err = capsys.readouterr().err
+        assert (f"{cache.name}: 100%" in err) == main_process and ("2/2" in err) == main_process, err
+
+
+def test_report_runs_the_shapesbench_figures_with_the_given_reward_and_leaves_unparsed_counts_out_of_the_columns(
+    tmp_path, monkeypatch
+):
+    """On ShapesBench (records with images): the learned reward of `shapes_ckpt` is loaded once and every model's
+    images, in sample order, go to shapesbench.evaluate with it; its figures join the model's and get their table;
+    the grid's badges are the verifier's verdicts. A judge's `<name>_unparsed` count is a figure, not a column. One
+    batch per model (the records' first batch gives the keys)."""
+    loaded, evaluated, verified = [], [], []
+    monkeypatch.setattr(E.shapesbench, "load_reward_model", lambda path: loaded.append(path) or f"reward of {path}")
+
+    def evaluate(images, prompts, reward):
+        evaluated.append((images.clone(), list(prompts), reward))
+        m = images.mean().item()
+        return {"shape_acc": m, "all_acc": m / 2, "clean_acc": 0.25, "diversity": 0.5, "diversity_kept": 0.75}
+
+    def verify(images, prompts):
+        verified.append(list(prompts))
+        return {"all": torch.tensor([True, False] * (len(prompts) // 2))}
+
+    monkeypatch.setattr(E.shapesbench, "evaluate", evaluate)
+    monkeypatch.setattr(E.shapesbench, "verify", verify)
+    prompts = PROMPTS[:2]
+    samples = [p for p in prompts for _ in range(2)]
+
+    def record(values, fill):
+        images = torch.full((4, 3, 8, 8), fill) + torch.arange(4.0).view(4, 1, 1, 1) / 10  # sample j: fill + j / 10
+        scores = {"total": torch.tensor(values), "a": torch.tensor(values), "a_unparsed": torch.tensor([1.0, 0, 0, 0])}
+        return [{"start": 0, "scores": scores, "grid": images[[0, 2]], "images": images}]
+
+    records = {"base": record([0.1, 0.3, 0.5, 0.7], 0.2), "w": record([0.2, 0.4, 0.9, 0.9], 0.4)}
+    args = SimpleNamespace(samples_per_prompt=2, num_steps=4, shift=3.0, guidance_scale=1.0, seed=0, weights=["w"])
+    E.report(args, {}, records, prompts, ["", ""], samples, [0, 2], tmp_path, shapes_ckpt="runs/shapes_reward")
+    assert loaded == ["runs/shapes_reward"]
+    assert [(p, r) for _, p, r in evaluated] == [(samples, "reward of runs/shapes_reward")] * 2
+    for (images, _, _), fill in zip(evaluated, (0.2, 0.4)):
+        assert torch.allclose(images[:, 0, 0, 0], torch.tensor([fill, fill + 0.1, fill + 0.2, fill + 0.3]))
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert (
+        result["figures"]["w"]["shape_acc"] == pytest.approx(0.55) and result["figures"]["w"]["diversity_kept"] == 0.75
+    )
+    assert result["figures"]["base"]["reward_a_unparsed"] == 0.25  # a figure: the share of answers not parsed
+    assert set(result["deltas"]["w"]) == {"a"}  # one reward: its column is itself; the count is no column
+    table = (tmp_path / "results.md").read_text()
+    assert "| model | a |" in table and "| w | 0.6000 (+0.2000 +- 0.1000) |" in table
+    assert "| model | shape_acc | all_acc | clean_acc | diversity | diversity_kept |" in table
+    assert "| base | 0.350 | 0.175 | 0.250 | 0.500 | 0.750 |" in table
+    assert verified == [[samples[0], samples[2]] * 2]  # the grid's samples, a row per model
