@@ -54,7 +54,10 @@ def test_a_frozen_copy_is_refused_under_fsdp():
     )
     with pytest.raises(InputError) as e:
         Run(RunArgs(exp_name="t"), fsdp, "t", frozen_copy=True)
-    assert str(e.value).startswith("--kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU")
+    assert str(e.value) == (
+        "--kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU; "
+        "under FSDP pass --kl-beta 0 or use --lora"
+    )
 
 
 def test_a_run_folder_that_exists_is_refused_naming_both_ways_out(tmp_path, monkeypatch):
@@ -117,19 +120,35 @@ def test_the_banner_by_hand(tmp_path, capsys):
         f"  run folder {run.dir}\n"
     )
     plain = run_of(tmp_path / "plain")
-    plain.banner(model, [torch.zeros(10_000)], [])
+    plain.banner(model, [torch.zeros(5_000)], [])  # 0.005M, shown as 0.01M (a count over 1,000,001: 0.00M)
     out = capsys.readouterr().out
     assert "latent (4, 8, 8), full fine-tuning, 0.01M trainable params, mixed precision no, " in out
     assert "checkpointing" not in out and "frozen parts" not in out
 
 
-def test_the_last_line_says_where_the_weights_are_or_that_they_were_not_saved(tmp_path, capsys):
+def test_the_last_line_says_where_the_weights_are_or_that_they_were_not_saved(tmp_path, capsys, monkeypatch):
     run = run_of(tmp_path, save=False, iterations=3)
+    run.t_start = 100.0  # the run's start; now 600 s of perf_counter later: 10.0 min
+    monkeypatch.setattr("common.runs.time.perf_counter", lambda: 700.0)
     run.save_final(None, None, lora=False)
-    out = capsys.readouterr().out
-    assert out.startswith("done: 3 iterations (") and out.endswith(
-        " min here); trained weights not saved (--no-save)\n"
-    )
+    assert capsys.readouterr().out == "done: 3 iterations (10.0 min here); trained weights not saved (--no-save)\n"
+
+
+def test_the_progress_bar_counts_iterations_from_the_resumed_one_on_the_main_process_only(tmp_path, capsys):
+    """iterations 2..4 of 5 (resumed at 2): "iterations" from 2/5 to 5/5, each iteration's mean reward and seconds
+    after it; another process shows none."""
+    run = run_of(tmp_path, iterations=5)
+    for it in run.iterations(2):
+        run.count_step(1e-4, torch.tensor(1.0), True)
+        run.end_iteration(it, {"rewards/mean": 0.25 * it}, [torch.ones(2)])
+        seconds = read_metrics(run.dir)[-1]["perf/iteration_s"]
+        assert run.bar.postfix == f"reward={0.25 * it:.4f}, s_it={seconds:.1f}"
+    err = capsys.readouterr().err
+    assert err.startswith("\riterations:  40%|") and "| 2/5 [" in err and "| 5/5 [" in err, err
+    other = run_of(tmp_path / "other", iterations=5)
+    other.accelerator = types.SimpleNamespace(is_local_main_process=False)  # what iterations() reads of it
+    assert list(other.iterations(0)) == [0, 1, 2, 3, 4]
+    assert capsys.readouterr().err == ""
 
 
 def test_a_frozen_copy_is_accepted_without_fsdp(tmp_path):
