@@ -83,7 +83,13 @@ TARGETS = {
         "scope": "all",
     },
     "common/rewards.py": {
-        "tests": ["tests/test_rewards.py", "tests/test_remote.py", "tests/test_server.py"],
+        # test_flags_applied.py: serve_main given every option, in this process
+        "tests": [
+            "tests/test_rewards.py",
+            "tests/test_remote.py",
+            "tests/test_server.py",
+            "tests/test_flags_applied.py",
+        ],
         "scope": ["CompositeReward", "serve_main", "parse_rewards", "check_rewards", "_canonical", "_needs_url"],
     },
 }

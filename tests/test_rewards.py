@@ -322,3 +322,99 @@ def test_clip_rewards_offline_without_checkpoint(tmp_path, monkeypatch, name):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(ValueError, match=f"--reward-ckpt {name}="):
         build(name)
+
+
+def test_each_refusal_of_check_rewards_by_hand(monkeypatch, tmp_path):
+    """check_rewards at start-up: each refusal whole, and what it asks of a served reward and of hub weights."""
+    from common.rewards import check_rewards
+    from common.rewards import parse_rewards as spec
+
+    def refused(**kw):
+        with pytest.raises(rewards.InputError) as e:
+            check_rewards(**kw)
+        return str(e.value)
+
+    assert refused(spec=spec("jpeg:0,verifier:0")) == (
+        "--reward jpeg:0,verifier:0: every weight is 0, so no reward trains the model (weight 0 logs only)"
+    )
+    assert refused(spec=spec("shapes,verifier:0.5,jpeg"), differentiable=True) == (
+        "--reward shapes,verifier:0.5,jpeg: verifier, jpeg is not differentiable, and this script backpropagates "
+        "through the reward (RLR's first-order term); use a differentiable one (shapes, hpsv2.1, pickscore, clip, "
+        "aesthetic, imagereward, hpsv3, not served over --reward-url) or give it weight 0 to log it"
+    )
+    check_rewards(spec("shapes,verifier:0"), differentiable=True)  # weight 0: logged only, no gradient needed
+    check_rewards(spec("jpeg"))  # not asked to be differentiable
+    assert refused(spec=spec("verifier"), real_model="flux") == (
+        "--reward verifier: verifier is ShapesBench's, for --model-id shapesbench only; with --model-id flux pass a "
+        "reward of real images, e.g. --reward hpsv2.1 (or pickscore, clip, aesthetic, jpeg)"
+    )
+    assert refused(spec=spec("shapes,verifier"), real_model="sd35").startswith(
+        "--reward shapes,verifier: shapes and verifier are ShapesBench's, for --model-id shapesbench only; with "
+        "--model-id sd35 pass"
+    )
+    check_rewards(spec("shapes,verifier"))  # on ShapesBench
+    assert refused(spec=spec("temporal"), video=True, frames=1) == (
+        "--reward temporal: temporal compares neighbouring frames, and --num-frames 1 gives one"
+    )
+    check_rewards(spec("temporal"), video=True, frames=2)
+    assert refused(spec=spec("temporal"), frames=2) == (
+        "--reward temporal: 'temporal' scores videos, and --model-id gives images"
+    )
+    assert refused(spec=spec("ocr")) == rewards._needs_url("ocr")
+    assert refused(spec=spec("jpeg:0.5", ckpts=[f"jpeg={tmp_path / 'none'}"])) == (
+        f"--reward-ckpt jpeg={tmp_path / 'none'}: no such file or folder"
+    )
+    check_rewards(spec("jpeg:0.5", ckpts=[f"jpeg={tmp_path}"]))  # a path that exists
+    # served: one try of /models (a judge) or /health, 10 s, with the token; hub weights: looked up, not downloaded
+    asked, hub = [], []
+    monkeypatch.setattr(rewards, "request_json", lambda url, **kw: asked.append((url, kw)))
+    monkeypatch.setattr(rewards, "_hub_file", lambda name, download=True: hub.append((name, download)))
+    monkeypatch.setenv("REWARD_API_KEY", "k")
+    check_rewards(spec("ocr,jpeg:0.5", urls=["ocr=http://h:1/v1/", "jpeg=http://h:2"]))
+    assert asked == [("http://h:1/v1/models", dict(token="k", timeout=10, tries=1)),
+                     ("http://h:2/health", dict(token="k", timeout=10, tries=1))]  # fmt: skip
+    check_rewards(spec("hpsv2.1:1,jpeg:0.5,pickscore:0"))
+    check_rewards(spec("clip", ckpts=[f"clip={tmp_path}"]))  # its own weights: no hub
+    assert hub == [("hpsv2.1", False), ("pickscore", False)]
+
+
+def test_serve_main_refuses_what_it_cannot_serve_and_says_where_it_serves(monkeypatch, capsys):
+    """A judge or a video reward is refused by name (exit with one error line), as an unknown reward is; the server
+    scores with the reward of the asked name on its device, and the line printed names the rewards, the address,
+    the port the server bound and whether a token is asked."""
+    from common import remote
+
+    served = {}
+
+    class Probe:
+        def __init__(self, device, checkpoint=None):
+            self.device = device
+
+        def __call__(self, images, prompts):
+            return images.flatten(1).sum(1) + len(prompts)
+
+    def serve(score, names, host, port, token, *limits, **kw):
+        served.update(score=score, names=names, token=token)
+        return types.SimpleNamespace(server_port=4321, serve_forever=lambda: None)
+
+    monkeypatch.setitem(rewards.REWARDS, "probe", RewardKind(Probe, differentiable=False))
+    monkeypatch.setattr(remote, "serve", serve)  # serve_main imports it from common.remote when it runs
+    for reward, error in (
+        ("ocr,probe", "error: --reward ocr,probe: ocr cannot be served here (judges and video rewards)"),
+        ("temporal", "error: --reward temporal: temporal cannot be served here (judges and video rewards)"),
+        ("nope", "error: --reward: unknown reward 'nope'; valid names: "),
+    ):
+        with pytest.raises(SystemExit) as e:
+            rewards.serve_main(["serve", "--reward", reward, "--device", "cpu"])
+        assert str(e.value).startswith(error), (reward, str(e.value))
+    monkeypatch.delenv("REWARD_API_KEY", raising=False)
+    rewards.serve_main(["serve", "--reward", "probe", "--device", "cpu", "--host", "0.0.0.0", "--port", "0"])
+    out = capsys.readouterr().out
+    assert out.endswith("serving ['probe'] at http://0.0.0.0:4321 (GET /health, POST /score); token: False\n"), out
+    assert served["names"] == ["probe"] and served["token"] is None
+    scores = served["score"]("probe", torch.ones(2, 3, 2, 2), ["a", "b"])
+    assert scores.tolist() == [14.0, 14.0]  # 12 ones + 2 prompts, from the reward named
+    monkeypatch.setenv("REWARD_API_KEY", "s3cret")
+    rewards.serve_main(["serve", "--reward", "probe", "--device", "cpu"])
+    assert capsys.readouterr().out.endswith("at http://127.0.0.1:4321 (GET /health, POST /score); token: True\n")
+    assert served["token"] == "s3cret"
