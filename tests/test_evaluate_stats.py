@@ -108,11 +108,25 @@ def test_report_per_prompt_means_paired_differences_and_styles_by_hand(tmp_path)
         for m in ("base", "trained"):
             assert row[m] == pytest.approx({k: v[i] for k, v in PER_PROMPT[m].items()}, abs=1e-6)
 
-    # the table: mean per model, and trained - base +- the paired standard error (a: se 0.170019...)
-    table = (tmp_path / "results.md").read_text()
-    assert "4 prompts x 2 samples" in table and "| model | total | a | b |" in table
-    assert "| trained | 1.9250 (+0.4125 +- 0.2453) | 0.5500 (+0.1625 +- 0.1700) | 2.7500 (+0.5000 +- 0.2887) |" in table
-    assert "| trained | a | +0.4500 +- 0.0500 | -0.1250 +- 0.0750 |" in table  # per style
+    # the table: mean per model, and trained - base +- the paired standard error (a: se 0.170019...); per style
+    assert (tmp_path / "results.md").read_text() == (
+        "4 prompts x 2 samples, 4-step Euler ODE (shift 3.0), guidance 1.0, seed 0; mean per model, trained - base "
+        "+- paired standard error over prompts\n"
+        "\n"
+        "| model | total | a | b |\n"
+        "|---|---|---|---|\n"
+        "| base | 1.5125 | 0.3875 | 2.2500 |\n"
+        "| trained | 1.9250 (+0.4125 +- 0.2453) | 0.5500 (+0.1625 +- 0.1700) | 2.7500 (+0.5000 +- 0.2887) |\n"
+        "\n"
+        "per style, trained - base +- paired standard error:\n"
+        "\n"
+        "| model | reward | anime | photo |\n"
+        "|---|---|---|---|\n"
+        "| trained | total | +0.7000 +- 0.3000 | +0.1250 +- 0.3250 |\n"
+        "| trained | a | +0.4500 +- 0.0500 | -0.1250 +- 0.0750 |\n"
+        "| trained | b | +0.5000 +- 0.5000 | +0.5000 +- 0.5000 |\n"
+    )
+    assert (tmp_path / "results.json").read_text().startswith('{\n "settings": {\n  "n_prompts": 4,')  # indent 1
     assert (tmp_path / "grid.png").stat().st_size > 0
 
 
@@ -266,7 +280,11 @@ def test_report_runs_the_shapesbench_figures_with_the_given_reward_and_leaves_un
 
     def record(values, fill):
         images = torch.full((4, 3, 8, 8), fill) + torch.arange(4.0).view(4, 1, 1, 1) / 10  # sample j: fill + j / 10
-        scores = {"total": torch.tensor(values), "a": torch.tensor(values), "a_unparsed": torch.tensor([1.0, 0, 0, 0])}
+        scores = {
+            "total": torch.tensor(values),
+            "a": torch.tensor(values),
+            "a_unparsed": torch.tensor([1 / 7, 0, 0, 0]),
+        }
         return [{"start": 0, "scores": scores, "grid": images[[0, 2]], "images": images}]
 
     records = {"base": record([0.1, 0.3, 0.5, 0.7], 0.2), "w": record([0.2, 0.4, 0.9, 0.9], 0.4)}
@@ -280,10 +298,22 @@ def test_report_runs_the_shapesbench_figures_with_the_given_reward_and_leaves_un
     assert (
         result["figures"]["w"]["shape_acc"] == pytest.approx(0.55) and result["figures"]["w"]["diversity_kept"] == 0.75
     )
-    assert result["figures"]["base"]["reward_a_unparsed"] == 0.25  # a figure: the share of answers not parsed
+    assert result["figures"]["base"]["reward_a_unparsed"] == pytest.approx(1 / 28)  # a figure, not a column
+    rows = [json.loads(line) for line in (tmp_path / "scores.jsonl").read_text().splitlines()]
+    assert rows[0]["base"] == {"total": 0.2, "a": 0.2, "a_unparsed": 0.071429}  # 1/14, to 6 decimals
     assert set(result["deltas"]["w"]) == {"a"}  # one reward: its column is itself; the count is no column
-    table = (tmp_path / "results.md").read_text()
-    assert "| model | a |" in table and "| w | 0.6000 (+0.2000 +- 0.1000) |" in table
-    assert "| model | shape_acc | all_acc | clean_acc | diversity | diversity_kept |" in table
-    assert "| base | 0.350 | 0.175 | 0.250 | 0.500 | 0.750 |" in table
+    assert (tmp_path / "results.md").read_text() == (
+        "2 prompts x 2 samples, 4-step Euler ODE (shift 3.0), guidance 1.0, seed 0; mean per model, trained - base "
+        "+- paired standard error over prompts\n"
+        "\n"
+        "| model | a |\n"
+        "|---|---|\n"
+        "| base | 0.4000 |\n"
+        "| w | 0.6000 (+0.2000 +- 0.1000) |\n"
+        "\n"
+        "| model | shape_acc | all_acc | clean_acc | diversity | diversity_kept |\n"
+        "|---|---|---|---|---|---|\n"
+        "| base | 0.350 | 0.175 | 0.250 | 0.500 | 0.750 |\n"
+        "| w | 0.550 | 0.275 | 0.250 | 0.500 | 0.750 |\n"
+    )
     assert verified == [[samples[0], samples[2]] * 2]  # the grid's samples, a row per model
