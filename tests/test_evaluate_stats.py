@@ -127,6 +127,14 @@ def test_report_per_prompt_means_paired_differences_and_styles_by_hand(tmp_path)
         "| trained | b | +0.5000 +- 0.5000 | +0.5000 +- 0.5000 |\n"
     )
     assert (tmp_path / "results.json").read_text().startswith('{\n "settings": {\n  "n_prompts": 4,')  # indent 1
+    # the base model alone (no --weights): its means, and no differences per style
+    args.weights = []
+    E.report(args, setting, {"base": records["base"]}, PROMPTS, STYLES, prompts, grid, tmp_path)
+    assert (
+        (tmp_path / "results.md")
+        .read_text()
+        .endswith("| model | total | a | b |\n|---|---|---|---|\n| base | 1.5125 | 0.3875 | 2.2500 |\n")
+    )
     assert (tmp_path / "grid.png").stat().st_size > 0
 
 
