@@ -418,3 +418,45 @@ def test_serve_main_refuses_what_it_cannot_serve_and_says_where_it_serves(monkey
     rewards.serve_main(["serve", "--reward", "probe", "--device", "cpu"])
     assert capsys.readouterr().out.endswith("at http://127.0.0.1:4321 (GET /health, POST /score); token: True\n")
     assert served["token"] == "s3cret"
+
+
+def test_each_served_component_is_asked_on_its_own_thread_one_chunk_at_a_time(monkeypatch):
+    """request() gives each served component one worker of its own: two components are asked at once (neither waits
+    for the other's answers), and one component's chunks one after another, in order (a server is not asked for a
+    second chunk of a run before it answered the first). collect() of one chunk gives that chunk's scores."""
+    import threading
+
+    from common.remote import Served
+    from common.rewards import CompositeReward
+
+    lock, in_flight, most, order = threading.Lock(), {"a": 0, "b": 0, "all": 0}, {"a": 0, "b": 0, "all": 0}, []
+
+    def served(reward, images, prompts):  # what a server's answer takes: 0.1 s
+        with lock:
+            for k in (reward.tag, "all"):
+                in_flight[k] += 1
+                most[k] = max(most[k], in_flight[k])
+            order.append((reward.tag, prompts[0]))
+        threading.Event().wait(0.1)
+        with lock:
+            for k in (reward.tag, "all"):
+                in_flight[k] -= 1
+        return images.mean((1, 2, 3)) + (reward.tag == "b"), torch.zeros(len(images))
+
+    a, b = Served.__new__(Served), Served.__new__(Served)  # clients in name only: _served is the test's
+    a.tag, b.tag = "a", "b"
+    composite = CompositeReward([("a", 1.0, a), ("b", 0.5, b)])
+    monkeypatch.setattr(composite, "_served", served)
+    images = torch.rand(6, 3, 4, 4)
+    handles = [composite.request(images[c : c + 2], [f"chunk {c}"] * 2) for c in range(0, 6, 2)]
+    results = [{n: f.result()[0] for n, f in h[2].items()} for h in handles]
+    assert most == {"a": 1, "b": 1, "all": 2}, most
+    assert (
+        [p for tag, p in order if tag == "a"]
+        == [p for tag, p in order if tag == "b"]
+        == ["chunk 0", "chunk 2", "chunk 4"]
+    )
+    torch.testing.assert_close(results[1]["b"], images[2:4].mean((1, 2, 3)) + 1)
+    total, parts = composite.collect(handles[2:])
+    torch.testing.assert_close(parts["a"], images[4:].mean((1, 2, 3)))
+    torch.testing.assert_close(total, images[4:].mean((1, 2, 3)) * 1.5 + 0.5)
