@@ -208,6 +208,15 @@ def test_served_scores_arrive_while_the_next_chunk_samples():
     assert parts.keys() == expected_parts.keys() == {"bright", "jpeg"}
     torch.testing.assert_close(parts["bright"], expected_parts["bright"])
 
+    # a judge asked chunk by chunk: its unparsed answers are flagged per image, as in one call (an image is asked
+    # twice before it counts as unparsed; chunks of one image, so that the answers come in this order)
+    answers = ["Final Score: 4", "no score here", "none again", "Final Score: 2"]
+    judge_url = start(fake_vlm(answers, [])) + "/v1"
+    judge = build_reward(parse_rewards("unifiedreward", urls=[f"unifiedreward={judge_url}"]), "cpu")
+    judge.components[0][2].max_unparsed = 1.0  # chunk 2 alone is all unparsed
+    total, parts = judge.collect([judge.request(images[i : i + 1], prompts[i : i + 1]) for i in range(3)])
+    assert parts["unifiedreward_unparsed"].tolist() == [0.0, 1.0, 0.0] and parts["unifiedreward"][0] == 4.0
+
     judge_url = start(fake_vlm(["Final Score: 4", 400], [])) + "/v1"
     judge = build_reward(parse_rewards("unifiedreward", urls=[f"unifiedreward={judge_url}"]), "cpu")
     handles = [judge.request(images[:1], prompts[:1]), judge.request(images[1:2], prompts[1:2])]

@@ -446,6 +446,7 @@ def test_each_served_component_is_asked_on_its_own_thread_one_chunk_at_a_time(mo
     a, b = Served.__new__(Served), Served.__new__(Served)  # clients in name only: _served is the test's
     a.tag, b.tag = "a", "b"
     composite = CompositeReward([("a", 1.0, a), ("b", 0.5, b)])
+    assert composite.weights == {"a": 1.0, "b": 0.5} and composite.wait_s == 0.0  # no wait before a collect()
     monkeypatch.setattr(composite, "_served", served)
     images = torch.rand(6, 3, 4, 4)
     handles = [composite.request(images[c : c + 2], [f"chunk {c}"] * 2) for c in range(0, 6, 2)]
