@@ -370,9 +370,9 @@ def test_each_refusal_of_check_rewards_by_hand(monkeypatch, tmp_path):
     monkeypatch.setattr(rewards, "request_json", lambda url, **kw: asked.append((url, kw)))
     monkeypatch.setattr(rewards, "_hub_file", lambda name, download=True: hub.append((name, download)))
     monkeypatch.setenv("REWARD_API_KEY", "k")
-    check_rewards(spec("ocr,jpeg:0.5", urls=["ocr=http://h:1/v1/", "jpeg=http://h:2"]))
+    check_rewards(spec("ocr,jpeg:0.5", urls=["ocr=http://h:1/v1/", "jpeg=http://h:2/X/"]))  # behind a path
     assert asked == [("http://h:1/v1/models", dict(token="k", timeout=10, tries=1)),
-                     ("http://h:2/health", dict(token="k", timeout=10, tries=1))]  # fmt: skip
+                     ("http://h:2/X/health", dict(token="k", timeout=10, tries=1))]  # fmt: skip
     check_rewards(spec("hpsv2.1:1,jpeg:0.5,pickscore:0"))
     check_rewards(spec("clip", ckpts=[f"clip={tmp_path}"]))  # its own weights: no hub
     assert hub == [("hpsv2.1", False), ("pickscore", False)]
