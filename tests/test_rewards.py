@@ -461,3 +461,57 @@ def test_each_served_component_is_asked_on_its_own_thread_one_chunk_at_a_time(mo
     total, parts = composite.collect(handles[2:])
     torch.testing.assert_close(parts["a"], images[4:].mean((1, 2, 3)))
     torch.testing.assert_close(total, images[4:].mean((1, 2, 3)) * 1.5 + 0.5)
+
+
+def test_serve_main_defaults_help_and_a_wrong_flag_by_hand(monkeypatch, capsys):
+    """`python -m common.rewards serve` with no option but --reward: this machine only, port 8100, the CPU here, the
+    caps of docs/models.md; --help names each option with its help; a wrong flag is one line that says where to look."""
+    from common import remote
+
+    served, backend = [], []
+    monkeypatch.setitem(
+        rewards.REWARDS, "probe", RewardKind(lambda device, checkpoint=None: None, differentiable=False)
+    )
+    monkeypatch.setattr(rewards, "set_attention_backend", lambda name, device: backend.append((name, device)) or "")
+
+    def serve(score, names, host, port, token, *limits, **kw):
+        served.append((host, port, limits, kw))
+        return types.SimpleNamespace(server_port=port, serve_forever=lambda: None)
+
+    monkeypatch.setattr(remote, "serve", serve)
+    rewards.serve_main(["serve", "--reward", "probe"])
+    limits = dict(max_prompt_chars=2000, max_connections=8, request_deadline=60.0)
+    assert served == [("127.0.0.1", 8100, (64, 64.0, 2**25), limits)] and backend == [("auto", "cpu")]
+    capsys.readouterr()
+    monkeypatch.setenv("COLUMNS", "400")  # the usage on one line
+    with pytest.raises(SystemExit) as e:
+        rewards.serve_main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # each option and its help, wherever argparse breaks the line
+    assert text.startswith("usage: python -m common.rewards [-h] --reward REWARD [--reward-ckpt REWARD_CKPT]")
+    assert "`python -m common.rewards serve --reward hpsv2.1,aesthetic --port 8100`: host registered rewards for " \
+        "training positional arguments: {serve}" in text  # fmt: skip
+    for line in (
+        "--reward REWARD comma-separated registered rewards, e.g. hpsv2.1,aesthetic",
+        "--reward-ckpt REWARD_CKPT NAME=PATH, as the training scripts take",
+        "--host HOST address to bind (default: this machine only)",
+        "--port PORT",
+        "--device DEVICE",
+        "--attention-backend {auto,flash,efficient,math,cudnn} attention kernels of the reward models "
+        "(common/attention.py; default auto: no cuDNN)",
+        "--max-batch MAX_BATCH images per request, at most",
+        "--max-mb MAX_MB request body size, at most",
+        "--max-pixels MAX_PIXELS decoded pixels per request, all its images together (and so per image), at most; "
+        "read from each PNG's header before it is decoded (default 2**25: 64 images of 720x720, 32 of 1024x1024)",
+        "--max-prompt-chars MAX_PROMPT_CHARS characters per prompt, at most",
+        "--max-connections MAX_CONNECTIONS connections at once, at most (one more is answered 429)",
+        "--request-deadline REQUEST_DEADLINE seconds a request may take to arrive whole, headers and body, from its "
+        "connection (else 408)",
+    ):
+        assert line in text, line
+    with pytest.raises(SystemExit) as e:
+        rewards.serve_main(["serve", "--reward", "probe", "--prot", "1"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: unrecognized arguments: --prot 1; `python -m common.rewards serve --help` lists every flag\n"
+    )
