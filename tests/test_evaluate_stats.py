@@ -263,7 +263,7 @@ def test_score_model_samples_with_the_runs_settings_and_shows_its_progress_on_th
 
 
 def test_report_runs_the_shapesbench_figures_with_the_given_reward_and_leaves_unparsed_counts_out_of_the_columns(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, capsys
 ):
     """On ShapesBench (records with images): the learned reward of `shapes_ckpt` is loaded once and every model's
     images, in sample order, go to shapesbench.evaluate with it; its figures join the model's and get their table;
@@ -283,6 +283,8 @@ def test_report_runs_the_shapesbench_figures_with_the_given_reward_and_leaves_un
 
     monkeypatch.setattr(E.shapesbench, "evaluate", evaluate)
     monkeypatch.setattr(E.shapesbench, "verify", verify)
+    grids = []
+    monkeypatch.setattr(E, "save_grid", lambda path, images, captions, ok, ncol, title: grids.append(locals()))
     prompts = PROMPTS[:2]
     samples = [p for p in prompts for _ in range(2)]
 
@@ -325,3 +327,28 @@ def test_report_runs_the_shapesbench_figures_with_the_given_reward_and_leaves_un
         "| w | 0.550 | 0.275 | 0.250 | 0.500 | 0.750 |\n"
     )
     assert verified == [[samples[0], samples[2]] * 2]  # the grid's samples, a row per model
+    (grid,) = grids
+    assert grid["path"] == tmp_path / "grid.png" and grid["ncol"] == 2 and grid["ok"] == [True, False, True, False]
+    assert grid["captions"] == [f"{m}\n{p}" for m in ("base", "w") for p in (samples[0], samples[2])]
+    assert grid["title"] == (
+        "first sample of evenly spaced prompts, the same noise in a column; a row per model; badge: the verifier's "
+        "verdict"
+    )
+    torch.testing.assert_close(grid["images"][:, 0, 0, 0], torch.tensor([0.2, 0.4, 0.4, 0.6]))  # samples 0 and 2
+    out = capsys.readouterr().out
+    assert out == (tmp_path / "results.md").read_text() + (
+        f"written: {tmp_path / 'results.md'}, results.json, scores.jsonl, grid.png\n"
+    )
+
+
+def test_report_shows_a_videos_middle_frame_in_the_grid(tmp_path, monkeypatch):
+    """Videos (n, F, 3, H, W): the grid shows frame F // 2 of each (frame 2 of 5), without the verifier's badges."""
+    grids = []
+    monkeypatch.setattr(E, "save_grid", lambda path, images, captions, ok, ncol, title: grids.append(locals()))
+    video = torch.arange(5.0).view(1, 5, 1, 1, 1).expand(1, 5, 3, 2, 2)  # frame f filled with f
+    record = {"start": 0, "scores": {"total": torch.tensor([0.5, 0.7])}, "grid": video, "images": torch.zeros(0)}
+    args = SimpleNamespace(samples_per_prompt=2, num_steps=4, shift=3.0, guidance_scale=1.0, seed=0, weights=[])
+    E.report(args, {}, {"base": [record]}, ["p"], [""], ["p", "p"], [0], tmp_path)
+    (grid,) = grids
+    assert grid["images"].shape == (1, 3, 2, 2) and torch.all(grid["images"] == 2.0) and grid["ok"] is None
+    assert grid["title"] == "first sample of evenly spaced prompts, the same noise in a column; a row per model"

@@ -515,3 +515,88 @@ def test_serve_main_defaults_help_and_a_wrong_flag_by_hand(monkeypatch, capsys):
     assert capsys.readouterr().err == (
         "error: unrecognized arguments: --prot 1; `python -m common.rewards serve --help` lists every flag\n"
     )
+
+
+def test_the_composite_by_hand_grad_modes_non_finite_scores_an_overflowing_sum_and_video_frames():
+    """CompositeReward's combination at values where each part shows: a reward of weight 0 scored without autograd
+    (and every reward under no_grad), a non-finite score or weighted sum named with its image and prompt (off with
+    check=False), a judge's unparsed flags, and an image reward on videos: frame_subset's frames, video-major, their
+    mean per video."""
+    from common.remote import STOPS, Judge
+    from common.rewards import CompositeReward, RunError
+
+    modes = []
+
+    def reward(value):
+        def fn(images, prompts):
+            modes.append(torch.is_grad_enabled())
+            return torch.tensor(value, dtype=torch.float32)
+
+        return ScoreFn(fn, differentiable=True)
+
+    images, prompts = torch.zeros(3, 3, 2, 2), ["a", "b", "c"]
+    composite = CompositeReward([("one", 1.0, reward([1.0, 2.0, 3.0])), ("off", 0.0, reward([5.0, 5.0, 5.0]))])
+    total, parts = composite(images, prompts)
+    assert total.tolist() == [1.0, 2.0, 3.0] and parts["off"].tolist() == [5.0] * 3 and modes == [True, False]
+    with torch.no_grad():
+        composite(images, prompts)
+    assert modes[2:] == [False, False]
+
+    bad = CompositeReward([("one", 1.0, reward([1.0, float("nan"), 3.0])), ("two", 0.5, reward([0.0, 1.0, 2.0]))])
+    with pytest.raises(RunError) as e:
+        bad(images, prompts)
+    assert str(e.value) == f"reward 'one' gave nan for image 1 (prompt 'b'), not a finite number; {STOPS}"
+    unchecked = CompositeReward(bad.components, check=False)
+    assert unchecked(images, prompts)[0][1].isnan()  # check=False: the memory plan's tensors pass through
+
+    # the weighted sum: 4 x its sum of squares must be finite in float32 (max 3.4028e38)
+    fine = CompositeReward([("one", 1.0, reward([8.7e18, 0.0, 0.0])), ("two", 0.5, reward([0.0, 0.0, 0.0]))])
+    fine(images, prompts)  # 4 x 7.57e37 = 3.03e38: finite (5 x it would not be)
+    over = CompositeReward([("one", 1.0, reward([0.0, 9.3e18, 0.0])), ("two", 0.5, reward([0.0, 0.0, 0.0]))])
+    with pytest.raises(RunError) as e:
+        over(images, prompts)
+    assert "the rewards' weighted sum (--reward one:1,two:0.5) " in str(e.value)
+    assert str(e.value).endswith(f", though each score was finite; check the weights and the scores; {STOPS}")
+
+    class FlaggingJudge(Judge):  # a judge without a server: one unparsed answer of every two frames or images
+        video, differentiable, parts = False, False, None
+
+        def __init__(self):
+            pass
+
+        def __call__(self, images, prompts):
+            self.seen = (images[:, 0, 0, 0].tolist(), list(prompts))
+            self.unparsed = torch.tensor([1.0, 0.0] * (len(images) // 2))
+            return images.mean((1, 2, 3))
+
+    judge = FlaggingJudge()
+    composite = CompositeReward([("judge", 1.0, judge)], frames=3)
+    video = torch.arange(5.0).view(1, 5, 1, 1, 1).expand(2, 5, 3, 2, 2) + torch.tensor([0.0, 10.0]).view(2, 1, 1, 1, 1)
+    video = video.clone()
+    video[1, :, 1] = 40.0  # video 1's second channel, so that a mean over the wrong axis shows
+    total, parts = composite(video, ["p", "q"])
+    # frame_subset(5, 3) = [0, 2, 4]; the judge sees video 0's three frames, then video 1's
+    assert judge.seen == ([0.0, 2.0, 4.0, 10.0, 12.0, 14.0], ["p", "p", "p", "q", "q", "q"])
+    # per video the mean of its frames' scores: video 0's frames score 0, 2, 4: 2; video 1's (2 (10 + f) + 40) / 3 at
+    # f = 0, 2, 4: 64 / 3
+    torch.testing.assert_close(total, torch.tensor([2.0, 64 / 3]))
+    assert parts["judge_unparsed"].tolist() == pytest.approx([2 / 3, 1 / 3])  # flags 1, 0, 1 and 0, 1, 0
+
+
+def test_each_malformed_reward_ckpt_or_url_item_and_an_unknown_name_is_refused_by_hand():
+    """A --reward-ckpt or --reward-url item without "=", a URL that is not http(s), an unknown name (for either
+    flag): each its own message; a value may hold "=" itself (split at the first), and https is a URL."""
+
+    def refused(*args, **kw):
+        with pytest.raises(rewards.InputError) as e:
+            parse_rewards(*args, **kw)
+        return str(e.value)
+
+    assert refused("jpeg", ckpts=["jpeg"]) == "--reward-ckpt 'jpeg': expected NAME=PATH"
+    assert refused("jpeg", urls=["jpeg"]) == "--reward-url 'jpeg': expected NAME=URL"
+    assert refused("jpeg", urls=["jpeg=ftp://h"]) == "--reward-url jpeg=ftp://h: expected an http(s):// URL"
+    valid = ", ".join(sorted(REWARDS)) + " (hps = hpsv2.1)"
+    assert refused("nope") == f"--reward: unknown reward 'nope'; valid names: {valid}"
+    assert refused("jpeg", ckpts=["nope=/w"]) == f"--reward-ckpt: unknown reward 'nope'; valid names: {valid}"
+    spec = parse_rewards("jpeg,clip", ckpts=["clip=/w/a=b.pt"], urls=["jpeg=https://h/score?k=v"])
+    assert spec.path("clip") == "/w/a=b.pt" and [c.url for c in spec.components] == ["https://h/score?k=v", None]
