@@ -17,20 +17,38 @@ def test_sigma_schedule_is_the_float64_formula_rounded_once():
 
 
 # ---------------------------------------------------------------- flags: every bound at its edge, each message naming it
-REFUSED = [
-    (dict(num_steps=1), "--num-steps must be at least 2"),
-    (dict(subchain_len=0), "h = 0: --subchain-len must be in [1, 9]"),
-    (dict(subchain_len=10), "h = 10: --subchain-len must be in [1, 9]"),
-    (dict(subchain_stage="fine", subchain_len=3), "--subchain-stage fine: no window of 3 steps"),
+REFUSED = [  # each message whole
+    (dict(num_steps=1), "--num-steps must be at least 2 (one stochastic step and the deterministic last step)"),
+    (dict(subchain_len=0), "h = 0: --subchain-len must be in [1, 9] (= --num-steps - 1)"),
+    (dict(subchain_len=10), "h = 10: --subchain-len must be in [1, 9] (= --num-steps - 1)"),
+    (
+        dict(subchain_stage="fine", subchain_len=3),
+        "--subchain-stage fine: no window of 3 steps (--subchain-len) starts in that third of --num-steps 10 and ends before the last step",
+    ),
     (dict(memory_budget_gb=20.0, subchain_len=2), "give --subchain-len or --memory-budget-gb, not both"),
-    (dict(memory_budget_gb=1.0), "h = -1 (h* of --memory-budget-gb 1.0): --subchain-len must be in [1, 9]"),
-    (dict(memory_budget_gb=20.0, zo_step_gb=0.0), "--ho-step-gb > --zo-step-gb > 0"),
-    (dict(memory_budget_gb=20.0, variance_ratio=-0.1), "--ho-step-gb > --zo-step-gb > 0"),
-    (dict(noise_level=0.0), "--noise-level must be > 0"),
-    (dict(group_size=1), "--group-size must be >= 2"),
+    (
+        dict(memory_budget_gb=1.0),
+        "h = -1 (h* of --memory-budget-gb 1.0): --subchain-len must be in [1, 9] (= --num-steps - 1)",
+    ),
+    (
+        dict(memory_budget_gb=20.0, zo_step_gb=0.0),
+        "--ho-step-gb > --zo-step-gb > 0 and --variance-ratio in [0, 1) are needed by the h* rule",
+    ),
+    (
+        dict(memory_budget_gb=20.0, variance_ratio=-0.1),
+        "--ho-step-gb > --zo-step-gb > 0 and --variance-ratio in [0, 1) are needed by the h* rule",
+    ),
+    (dict(noise_level=0.0), "--noise-level must be > 0 (the HO term needs noise)"),
+    (dict(group_size=1), "--group-size must be >= 2 (the baseline is the mean of the other samples of a prompt)"),
     (dict(rollout_batch_size=5), "--samples-per-device must be a multiple of --rollout-batch-size"),
-    (dict(terms="fo+ho+zo", zo_perturbations=3), "--zo-perturbations must divide --samples-per-device"),
-    (dict(terms="fo+ho+zo", zo_perturbations=16), "--zo-perturbations must divide --samples-per-device"),
+    (
+        dict(terms="fo+ho+zo", zo_perturbations=3),
+        "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size",
+    ),
+    (
+        dict(terms="fo+ho+zo", zo_perturbations=16),
+        "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size",
+    ),
     (dict(terms="fo+ho+zo", zo_scale=0.0), "--zo-scale must be > 0"),
 ]
 ACCEPTED = [
@@ -47,7 +65,7 @@ ACCEPTED = [
 def test_each_refused_flag_is_one_message_that_starts_with_it(flags, message):
     with pytest.raises(InputError) as e:
         R.resolve_and_check(R.Args(**flags))
-    assert str(e.value).startswith(message)
+    assert str(e.value) == message
 
 
 @pytest.mark.parametrize("flags", ACCEPTED)
