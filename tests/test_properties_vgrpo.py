@@ -70,6 +70,8 @@ REFUSED = [  # each message whole
     (dict(clip_range=0.0), "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0, --adv-soft-clip >= 0"),
     (dict(adv_clip_max=0.0), "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0, --adv-soft-clip >= 0"),
     (dict(adv_soft_clip=-0.1), "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0, --adv-soft-clip >= 0"),
+    (dict(ema=True, ema_max_decay=1.0), "--ema-max-decay must be in [0, 1)"),
+    (dict(ema=True, ema_max_decay=2.0), "--ema-max-decay must be in [0, 1)"),
 ]
 ACCEPTED = [
     dict(num_steps=1, n_mc=1),
@@ -77,6 +79,9 @@ ACCEPTED = [
     dict(num_steps=4, n_mc=5, stratified=False),
     dict(num_steps=4, n_mc=5, pair_times="uniform"),
     dict(kl_beta=0.0, adv_soft_clip=0.0),
+    dict(group_size=2),
+    dict(adv_clip_max=0.5),
+    dict(ema=True, ema_max_decay=0.0),
 ]
 
 
