@@ -130,6 +130,7 @@ REFUSED = [  # each message whole
     (dict(adv_clip_max=0.0), "--kl-beta must be >= 0 and --adv-clip-max > 0"),
     (dict(ema_max_decay=1.0), "--ema-max-decay must be in [0, 1)"),
     (dict(ema_max_decay=1.5), "--ema-max-decay must be in [0, 1)"),
+    (dict(old_decay_speed=0.0), "--old-decay-speed must be > 0"),
 ]
 ACCEPTED = [
     dict(num_steps=1, timestep_fraction=1.0),
