@@ -402,6 +402,10 @@ def test_serve_main_refuses_what_it_cannot_serve_and_says_where_it_serves(monkey
     for reward, error in (
         ("ocr,probe", "error: --reward ocr,probe: ocr cannot be served here (judges and video rewards)"),
         ("temporal", "error: --reward temporal: temporal cannot be served here (judges and video rewards)"),
+        (
+            "ocr,temporal",
+            "error: --reward ocr,temporal: ocr, temporal cannot be served here (judges and video rewards)",
+        ),
         ("nope", "error: --reward: unknown reward 'nope'; valid names: "),
     ):
         with pytest.raises(SystemExit) as e:
@@ -468,20 +472,25 @@ def test_serve_main_defaults_help_and_a_wrong_flag_by_hand(monkeypatch, capsys):
     caps of docs/models.md; --help names each option with its help; a wrong flag is one line that says where to look."""
     from common import remote
 
-    served, backend = [], []
-    monkeypatch.setitem(
-        rewards.REWARDS, "probe", RewardKind(lambda device, checkpoint=None: None, differentiable=False)
-    )
+    served, backend, scores = [], [], []
+    probe = RewardKind(lambda device, checkpoint=None: lambda images, prompts: images.flatten(1).sum(1), False)
+    monkeypatch.setitem(rewards.REWARDS, "probe", probe)
     monkeypatch.setattr(rewards, "set_attention_backend", lambda name, device: backend.append((name, device)) or "")
 
     def serve(score, names, host, port, token, *limits, **kw):
         served.append((host, port, limits, kw))
+        scores.append(score)
         return types.SimpleNamespace(server_port=port, serve_forever=lambda: None)
 
     monkeypatch.setattr(remote, "serve", serve)
     rewards.serve_main(["serve", "--reward", "probe"])
     limits = dict(max_prompt_chars=2000, max_connections=8, request_deadline=60.0)
     assert served == [("127.0.0.1", 8100, (64, 64.0, 2**25), limits)] and backend == [("auto", "cpu")]
+    monkeypatch.setattr(rewards.torch.cuda, "is_available", lambda: True)  # on a GPU machine: the GPU by default
+    rewards.serve_main(["serve", "--reward", "probe", "--max-mb", "0.5", "--request-deadline", "0.25"])
+    assert backend[-1] == ("auto", "cuda") and served[-1][2][1] == 0.5 and served[-1][3]["request_deadline"] == 0.25
+    rewards.serve_main(["serve", "--reward", "probe", "--device", "meta"])  # the images go to --device to be scored
+    assert scores[-1]("probe", torch.ones(2, 3, 2, 2), ["a", "b"]).device == torch.device("meta")
     capsys.readouterr()
     monkeypatch.setenv("COLUMNS", "400")  # the usage on one line
     with pytest.raises(SystemExit) as e:

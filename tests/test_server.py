@@ -423,11 +423,17 @@ def test_the_servers_memory_is_bounded_by_its_caps_times_two_decoding_plus_its_c
     connections, pixels, cap_mb = 8, 2**21, 12
     argv = ["--reward", "jpeg", "--port", "0", "--device", "cpu", "--max-pixels", str(pixels), "--max-mb", str(cap_mb),
             "--max-connections", str(connections), "--request-deadline", "30", "--max-batch", "4"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # stdout a pipe, as under a log collector, and block-buffered as Python makes it without PYTHONUNBUFFERED: the
+    # "serving" line must come all the same (flushed), or a launcher waiting for it waits forever
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | {"OMP_NUM_THREADS": "1"}
     server = subprocess.Popen([sys.executable, "-m", "common.rewards", "serve", *argv], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    watchdog = threading.Timer(60, server.kill)  # a line that never comes fails the test instead of hanging it
+    watchdog.start()
     try:
-        line = next(line for line in server.stdout if line.startswith("serving"))
+        line = next((line for line in server.stdout if line.startswith("serving")), "no line")
+        watchdog.cancel()
+        assert line.startswith("serving"), "no 'serving' line within 60 s: is it flushed?"
         url = re.search(r"http://[0-9.]+:[0-9]+", line).group(0)
         noise = torch.randint(0, 256, (1024, 1024, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
         buffer = io.BytesIO()
