@@ -62,6 +62,12 @@ REFUSED = [  # each message whole
     (dict(trees_per_update=3), "--trees-per-update must divide --trees-per-device"),
     (dict(rollout_batch_size=0), "--trees-per-device, --rollout-batch-size >= 1"),
     (dict(trees_per_device=0), "--trees-per-device, --rollout-batch-size >= 1"),
+    (
+        dict(num_splits=0),
+        "--split-schedule gives splits []: they must lie in [0, 18] (the last step is deterministic); change "
+        "--num-splits, --num-steps or --split-schedule",
+    ),
+    (dict(pruning="depth", window=0), "--window must be in [1, 19] and --window-shift-every >= 1"),
 ]
 ACCEPTED = [
     dict(num_steps=2, num_splits=1),
@@ -70,6 +76,7 @@ ACCEPTED = [
     dict(pruning="mix", window=1),
     dict(pruning="none", num_steps=5, num_splits=2),
     dict(kl_beta=0.0),
+    dict(trees_per_device=1, trees_per_update=1, rollout_batch_size=1),
 ]
 
 
@@ -83,6 +90,15 @@ def test_each_refused_flag_is_one_message_that_starts_with_it(flags, message):
 @pytest.mark.parametrize("flags", ACCEPTED)
 def test_each_bound_itself_is_accepted(flags):
     B.resolve_and_check(B.Args(**flags))
+
+
+def test_the_depth_window_follows_the_last_split_of_each_schedule():
+    """Depth pruning's default window is T - 2 - the last split, on the schedule's own splits of T = 20: sparse
+    0, 5, 10, 15 gives 3; late 10, 12, 14, 16 gives 2."""
+    for schedule, window in (("sparse", 3), ("late", 2)):
+        args = B.Args(pruning="depth", split_schedule=schedule, num_splits=4)
+        B.resolve_and_check(args)
+        assert args.window == window, schedule
 
 
 def test_the_modes_defaults_by_hand(capsys):
