@@ -68,6 +68,11 @@ REFUSED = [  # each message whole
         "--num-splits, --num-steps or --split-schedule",
     ),
     (dict(pruning="depth", window=0), "--window must be in [1, 19] and --window-shift-every >= 1"),
+    (
+        dict(pruning="depth", num_splits=0),  # its default window reads the last split: none, still one line
+        "--split-schedule gives splits []: they must lie in [0, 18] (the last step is deterministic); change "
+        "--num-splits, --num-steps or --split-schedule",
+    ),
 ]
 ACCEPTED = [
     dict(num_steps=2, num_splits=1),
