@@ -285,3 +285,23 @@ def test_term_weights_log_the_mean_size_of_each_terms_weight():
     assert (figures["ho_adv_abs"].item(), figures["zo_adv_abs"].item()) == (1.5, 1.5)
     *_, figures = R.term_weights(r, block, torch.zeros_like(zo), 2, group_size=2)
     assert (figures["ho_adv_abs"].item(), figures["zo_adv_abs"].item()) == (1.5, 0.0)  # no ZO step: 0
+
+
+def test_the_flag_defaults_rlr_derives_by_hand(tmp_path):
+    """h* from --memory-budget-gb reads --variance-ratio (T = 10, B_h 8, B_z 0.24 GB, 200 GB: by memory
+    floor(197.84 / 7.76) = 25; by variance floor(10 / (2 (1 - v)) - 1): 4 at v = 0, 9 at v = 0.5); one ZO block per
+    rollout chunk, chunks of 1 included; an SD1.5 model's default noise is DDIM's eta 1."""
+    for v, h in ((0.0, 4), (0.5, 9)):
+        args = R.Args(memory_budget_gb=200.0, variance_ratio=v)
+        R.resolve_and_check(args)
+        assert args.subchain_len == h, v
+    args = R.Args(rollout_batch_size=1, samples_per_device=4, group_size=2)
+    R.resolve_and_check(args)
+    assert args.zo_perturbations == 4
+    (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')  # what sd1 is read from
+    (tmp_path / "prompts.txt").write_text("a photo of a cat\n")
+    prompts = str(tmp_path / "prompts.txt")
+    clip = [f"clip={tmp_path}"]  # a differentiable reward of real images, its weights given (no hub lookup)
+    args = R.Args(model_id=str(tmp_path), reward="clip", reward_ckpt=clip, prompts=prompts, eval_prompts=prompts)
+    R.resolve_and_check(args)
+    assert args.noise_level == 1.0
