@@ -1,6 +1,9 @@
 """rlr.py's functions at values where a wrong constant, sign, bound or index shows: each against numbers worked
 out by hand here. Written for the mutants benchmarks/mutation.py generated that the other tests let pass."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -305,3 +308,40 @@ def test_the_flag_defaults_rlr_derives_by_hand(tmp_path):
     args = R.Args(model_id=str(tmp_path), reward="clip", reward_ckpt=clip, prompts=prompts, eval_prompts=prompts)
     R.resolve_and_check(args)
     assert args.noise_level == 1.0
+
+
+def test_rlr_refuses_what_its_first_order_term_cannot_take_and_reads_dcot_prompts(tmp_path):
+    """RLR backpropagates through the reward into images: a reward that is not differentiable and a video model are
+    refused, each in one line; --zo-perturbations 0 is one line too (not a division by zero) and 1 is taken;
+    --dcot-prompts gives the training prompts (its first column) and refuses a --prompts beside it."""
+
+    def refused(**flags):
+        with pytest.raises(InputError) as e:
+            R.resolve_and_check(R.Args(**flags))
+        return str(e.value)
+
+    assert refused(reward="jpeg").startswith(
+        "--reward jpeg: jpeg is not differentiable, and this script backpropagates"
+    )
+    assert refused(terms="fo+ho+zo", zo_perturbations=0) == (
+        "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size"
+    )
+    R.resolve_and_check(R.Args(terms="fo+ho+zo", zo_perturbations=1))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of a cat\n")
+    wan = tmp_path / "wan"
+    wan.mkdir()
+    (wan / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
+    video = refused(model_id=str(wan), reward="clip", reward_ckpt=[f"clip={tmp_path}"], prompts=str(prompts),
+                    eval_prompts=str(prompts))  # fmt: skip
+    script = Path(sys.argv[0]).name  # the message names the running program (rlr.py in a run)
+    assert video == (
+        f"--model-id {wan} is a video model (wan), and {script} trains image models only (as its paper); train video "
+        "with dancegrpo.py, branchgrpo.py or vgrpo.py"
+    )
+    (tmp_path / "dcot.tsv").write_text("a red circle\tc1\tm1\tf1\na blue square\tc2\tm2\tf2\n")
+    train, _, _ = R.resolve_and_check(R.Args(dcot_prompts=str(tmp_path / "dcot.tsv")))
+    assert train == ["a red circle", "a blue square"]
+    assert refused(dcot_prompts=str(tmp_path / "dcot.tsv"), prompts=str(prompts)) == (
+        "--dcot-prompts replaces --prompts: give one of them"
+    )
