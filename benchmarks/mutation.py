@@ -302,13 +302,11 @@ def run_target(key: str, args) -> dict:
     for s in survivors:
         s["diff"] = diffs[s["mutant"]]
     killed = sum(k for k, _ in per_function.values())
+    marker = copy / ".mutation_ref"  # the commit the copy is of (a copy made before the marker existed: --ref)
+    made_from = marker.read_text() if marker.is_file() else "worktree" if args.worktree else ref
     result = {
         "file": key,
-        "ref": copied.read_text()
-        if (copied := copy / ".mutation_ref").is_file()
-        else "worktree"
-        if args.worktree
-        else ref,
+        "ref": made_from,
         "source_sha": sha,
         "functions": names,
         "killed": killed,

@@ -242,7 +242,7 @@ def test_score_model_samples_with_the_runs_settings_and_shows_its_progress_on_th
 
     monkeypatch.setattr(E, "ode_sampler", ode_sampler)
     monkeypatch.setattr(E, "sample_prompts", lambda sampler, model, prompts, noise, bs: noise[:, :3])
-    grid = torch.tensor([1.0, 0.7, 0.2, 0.0])
+    grid = torch.tensor([1.0, 0.7, 0.4, 0.2, 0.1, 0.0])  # the model's own grid; 3 steps read its first 4 points
     model = SimpleNamespace(latent_shape=lambda: SHAPE, transformer="the transformer", sigmas=lambda n: grid[: n + 1])
     autocast = object()
     args = SimpleNamespace(
@@ -255,8 +255,10 @@ def test_score_model_samples_with_the_runs_settings_and_shows_its_progress_on_th
                                       is_local_main_process=main_process)  # fmt: skip
         cache = tmp_path / f"cache_{main_process}"
         E.score_model(args, model, reward_fn, prompts, accelerator, cache, [0], False, "k")
-        assert built["model"] is model and built["transformer"] == "the transformer" and built["sigmas"] is not None
-        assert torch.equal(built["sigmas"], grid) and built["guidance_scale"] == 4.5 and built["autocast"] is autocast
+        assert built["model"] is model and built["transformer"] == "the transformer"
+        assert (
+            torch.equal(built["sigmas"], grid[:4]) and built["guidance_scale"] == 4.5 and built["autocast"] is autocast
+        )
         assert model.guidance_scale_2 == 2.5
         err = capsys.readouterr().err
         assert (f"{cache.name}: 100%" in err) == main_process and ("2/2" in err) == main_process, err
