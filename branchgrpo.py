@@ -15,10 +15,10 @@ Launch (run.sh has more):
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 branchgrpo.py   # 2 CPU processes
     python branchgrpo.py --resume-from latest                       # continue the newest runs/branchgrpo__*
 
-ShapesBench's defaults differ from the paper's (run.sh's GPU recipes use the paper's). Deviations from the release
-(docs/branchgrpo.md explains each): 1. correlated branch noise (the release's: --branch-noise scaled); 2. nodes batched
-per depth; 3. path fusion as a softmax over descendant leaves; 4. width pruning keeps each last-split parent's best
-chain; 5. sliding windows; 6. the last step untrained; 7. steps counted in trees.
+ShapesBench's defaults differ from the paper's (run.sh's GPU recipes use the paper's). Deviations from the release,
+each explained in docs/branchgrpo.md: 1. correlated branch noise; 2. nodes batched per depth; 3. path fusion as a
+softmax over descendant leaves; 4. width pruning by chain; 5. sliding windows; 6. the last step untrained; 7. steps
+counted in trees.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from accelerate.utils import set_seed
 
 from common import InputError
 from common.evaluator import Evaluator
-from common.flags import ModeDefault, RunArgs, check_mode_flags, check_run_args, cli, flags_of, need
+from common.flags import ModeDefault, RunArgs, check_mode_flags, check_run_args, cli, need
 from common.logs import reward_stats, summarize
 from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser
 from common.prompts import draw_prompts
@@ -102,60 +102,6 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
 
 
 # ---------------------------------------------------------------------------------------------------
-# Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
-# ---------------------------------------------------------------------------------------------------
-MODE_FLAGS = [  # a flag of another mode is an error unless left at its default (no dead flags)
-    *[(f, lambda a: a.fusion == "path", "--fusion path") for f in ("fusion_gamma", "fusion_temperature")],
-    ("width_mode", lambda a: a.pruning == "width", "--pruning width"),
-    ("width_keep_ratio", lambda a: a.width_mode == "extreme", "--pruning width --width-mode extreme"),
-    *[(f, lambda a: a.pruning in ("depth", "mix"), "--pruning depth or mix") for f in ("window", "window_shift_every")],
-]
-
-
-def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
-    """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
-    one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
-    check_mode_flags(args, MODE_FLAGS)
-    splits = split_steps(args.split_schedule, args.num_steps, args.num_splits)
-    if args.noise_level is None:
-        args.noise_level = 0.3 if args.sde_type == "dance" else 0.7
-    if args.window is None:  # depth: no post-split edge in the loss (docs/branchgrpo.md); mix: the paper's 4
-        args.window = max(1, args.num_steps - 2 - max(splits, default=0)) if args.pruning == "depth" else 4
-    args.exp_name = args.exp_name or Path(__file__).stem + ("" if args.pruning == "none" else f"_{args.pruning}")
-    need(args.num_steps >= 2, "--num-steps must be at least 2 (the last step is a deterministic Euler step)")
-    need(
-        len(splits) >= 1 and all(0 <= s <= args.num_steps - 2 for s in splits),
-        f"--split-schedule gives splits {splits}: they must lie in [0, {args.num_steps - 2}] (the last step is "
-        "deterministic); change --num-splits, --num-steps or --split-schedule",
-    )
-    need(args.num_splits >= 1 and args.branch_factor >= 2, "--num-splits >= 1 and --branch-factor >= 2")
-    need(
-        min(args.branch_s, args.noise_level, args.fusion_temperature, args.clip_range, args.adv_clip_max) > 0
-        and args.kl_beta >= 0,
-        "--branch-s, --noise-level, --fusion-temperature, --clip-range and --adv-clip-max must be > 0, --kl-beta >= 0",
-    )
-    need(0 < args.width_keep_ratio <= 1, "--width-keep-ratio must be in (0, 1]")
-    need(  # the window only where it is used
-        args.window_shift_every >= 1
-        and (args.pruning not in ("depth", "mix") or 1 <= args.window <= args.num_steps - 1),
-        f"--window must be in [1, {args.num_steps - 1}] and --window-shift-every >= 1",
-    )
-    after = args.num_steps - 2 - max(splits)  # trainable steps after the last split (T - 1 is deterministic)
-    need(
-        args.pruning not in ("depth", "width") or after >= 1,
-        f"--pruning {args.pruning}: the last split is step {max(splits)} = --num-steps - 2, so no trainable step follows "
-        "it; move the splits earlier (--split-schedule) or raise --num-steps",
-    )
-    need(args.trees_per_device % args.trees_per_update == 0, "--trees-per-update must divide --trees-per-device")
-    need(min(args.trees_per_device, args.rollout_batch_size) >= 1, "--trees-per-device, --rollout-batch-size >= 1")
-    if args.pruning == "depth" and after < args.window:
-        print(f"warning: --pruning depth: {after} trainable step(s) follow the last split {max(splits)}, so the "
-              f"{args.window}-step window shrinks to {after} and cannot slide; raise --num-steps or split earlier",
-              file=sys.stderr)  # fmt: skip
-    return check_run_args(args)
-
-
-# ---------------------------------------------------------------------------------------------------
 # ALGO LOGIC, in main()'s order: schedule and SDE step, the tree and its noise, the rollout, leaf rewards -> node values
 # -> advantages, pruning, training micro-batches. Notation (docs/math.md): T steps, step i takes depth i to i + 1, K
 # children per split, M = K ** m leaves, P trees, n_i nodes at depth i, *L the latent shape; per-step lists (log-probs,
@@ -178,8 +124,9 @@ def noise_g(sigmas: torch.Tensor, sde_type: str, level: float) -> torch.Tensor: 
 
 
 def step_mean_std(x, v, sigma, sigma_next, g):
-    """Mean and std of one reverse-SDE step (docs/math.md; the body of dancegrpo.py's sde_step). x, v: (B, *L) fp32.
-    x0_hat = x - sigma v, score = -(x - (1 - sigma) x0_hat) / sigma^2, mean = x + d (v - g^2/2 score), std = g sqrt(-d)."""
+    """Mean and std of one reverse-SDE step (docs/math.md; dancegrpo.py's sde_step). x (B, *L) at sigma, v = eps - x0
+    the velocity (x = (1 - sigma) x0 + sigma eps), fp32. x0_hat = x - sigma v, score = -(x - (1 - sigma) x0_hat) /
+    sigma^2, mean = x + d (v - g^2/2 score), std = g sqrt(-d)."""
     d = float(sigma_next - sigma)
     x0_hat = x - float(sigma) * v
     score = -(x - (1 - float(sigma)) * x0_hat) / float(sigma) ** 2
@@ -202,8 +149,7 @@ def split_steps(schedule: str, num_steps: int, num_splits: int) -> list[int]:
     if schedule == "sparse":
         return [n * (num_steps // num_splits) for n in range(num_splits)]
     if schedule == "late":
-        half = num_steps // 2
-        return [half + n * max(1, (num_steps - 1 - half) // num_splits) for n in range(num_splits)]
+        return [num_steps // 2 + n * max(1, (num_steps - 1 - num_steps // 2) // num_splits) for n in range(num_splits)]
     try:
         return sorted({int(s) for s in schedule.split(",")})
     except ValueError:
@@ -304,8 +250,7 @@ def tree_rollout(model, denoiser, cond, roots, noise_fn, tree, sigmas, g, sde_id
         n_children = tree.children(i)
         if i in sde_idx:
             mean, std = step_mean_std(x, v, sigmas[i], sigmas[i + 1], g[i])
-            std = std * tree.noise_scale(i)
-            mean = mean.repeat_interleave(n_children, 0)
+            mean, std = mean.repeat_interleave(n_children, 0), std * tree.noise_scale(i)
             x_next = mean + std * noise_fn(i, len(x) // len(roots)).to(x.device)
             log_probs.append(gaussian_log_prob(x_next, mean, std))
         else:  # ODE (Euler) step; splits are always SDE
@@ -359,10 +304,10 @@ def tree_advantages(leaf_scores, weights, log_probs, sizes, *, fusion, fusion_ga
 
 
 def trained_edges(tree: Tree, sde_idx, adv, iteration: int) -> list[torch.Tensor]:
-    """Which edges are trained, per step bool (P, n_{i+1}), from adv[i] (P, n_{i+1}), the advantages of step i's
-    children. Pruning acts here only, never on the rollout or the rewards; ODE edges and the last step are never trained."""
-    n_trees, last, s_last, sizes = adv[0].shape[0], tree.num_steps - 1, max(tree.splits), tree.sizes
-    dev = adv[0].device  # the masks meet the advantages (on the GPU in training)
+    """Which edges are trained, per step bool (P, n_{i+1}) on the advantages' device, from adv[i] (P, n_{i+1}), the
+    advantages of step i's children. Pruning acts here only, never on the rollout or the rewards; ODE edges and the
+    last step are never trained."""
+    n_trees, last, s_last, sizes, dev = adv[0].shape[0], tree.num_steps - 1, max(tree.splits), tree.sizes, adv[0].device
     keep = [torch.full((n_trees, sizes[i + 1]), i in sde_idx and i < last, device=dev) for i in range(tree.num_steps)]
     if tree.pruning == "depth":  # paper §3.4 / appendix A: a 4-step window, one step deeper every 30 iterations
         for i in tree.window_steps(iteration):
@@ -396,23 +341,23 @@ def pack_micro_batches(keep, tree: Tree, batch_size: int, device) -> list[list[t
     ]
 
 
-def micro_batch(grp, segments, sigmas, tree: Tree):
-    """One micro-batch of update group `grp`: parents x (rows, *L), sigma (rows,), cond, per segment `masks` of the
-    trained children (len(parents) * n_children,), and for its E trained edges x_child (E, *L), old_log_prob, adv."""
-    device = grp["states"][0].device
+def micro_batch(upd, segments, sigmas, tree: Tree):
+    """One micro-batch of `upd`, one optimizer step's trees: parents x (rows, *L), sigma (rows,), cond, per segment
+    `masks` of the trained children (len(parents) * n_children,), and for its E trained edges x_child, old_log_prob, adv."""
+    device = upd["states"][0].device
     # nodes are tree-major: parent p at depth i belongs to tree p // n_i, whose prompt encoding it uses
     tree_of = torch.cat([parents // tree.sizes[i] for i, parents in segments])
     masks, adv, old_log_prob, x_child = [], [], [], []
     for i, parents in segments:  # a parent's children are consecutive; only the trained edges are kept
         n_children = tree.children(i)
         child = (parents[:, None] * n_children + torch.arange(n_children, device=device)).flatten()
-        masks.append(grp["keep"][i].flatten().to(device)[child])
-        adv.append(grp["adv"][i].flatten().to(device)[child][masks[-1]])
-        old_log_prob.append(grp["log_probs"][i][child][masks[-1]])
-        x_child.append(grp["states"][i + 1][child][masks[-1]])
-    x = torch.cat([grp["states"][i][parents] for i, parents in segments])
+        masks.append(upd["keep"][i].flatten().to(device)[child])
+        adv.append(upd["adv"][i].flatten().to(device)[child][masks[-1]])
+        old_log_prob.append(upd["log_probs"][i][child][masks[-1]])
+        x_child.append(upd["states"][i + 1][child][masks[-1]])
+    x = torch.cat([upd["states"][i][parents] for i, parents in segments])
     sigma = torch.cat([sigmas[i].expand(len(parents)) for i, parents in segments]).to(device)
-    cond = {key: val[tree_of] for key, val in grp["cond"].items()}
+    cond = {key: val[tree_of] for key, val in upd["cond"].items()}
     return x, sigma, cond, masks, torch.cat(x_child), torch.cat(old_log_prob), torch.cat(adv)
 
 
@@ -431,8 +376,8 @@ def policy_loss(log_prob, old_log_prob, adv, mean, mean_ref, std, *, clip_range,
     """The objective per sample (B,): the PPO-clipped surrogate max(-A r, -A clip(r, 1 - eps, 1 + eps)), r = exp(logp -
     logp_old), plus kl_beta * KL(N(mean, std^2) || N(mean_ref, std^2)) to the base model's step (per dimension, as the
     log-prob) if `mean_ref` is given; log_prob, old_log_prob, adv (B,), mean, mean_ref (B, *L), std (B,) or (B, 1..).
-    Returns it and its figures, logged as losses/<name> (common.logs.summarize). A fork's new term: a keyword argument
-    here (main() passes each from the flag of its name), a field of Args, and its figure."""
+    Returns it and its figures, logged as losses/<name> (common.logs.summarize). A fork's new term: one line adding it
+    to `loss`, its weight a keyword argument here (with a default) passed where main() calls this, a field of Args."""
     ratio = torch.exp(log_prob - old_log_prob)
     surrogate = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
     figures = {
@@ -445,8 +390,63 @@ def policy_loss(log_prob, old_log_prob, adv, mean, mean_ref, std, *, clip_range,
     loss = surrogate
     if mean_ref is not None:
         kl = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * std.flatten() ** 2)  # (B,)
-        loss, figures["kl"] = surrogate + kl_beta * kl, kl.mean()
+        loss = loss + kl_beta * kl  # term by term: a new term is one more such line
+        figures["kl"] = kl.mean()
     return loss, {k: v.detach() for k, v in figures.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
+# ---------------------------------------------------------------------------------------------------
+MODE_FLAGS = [  # a flag of another mode is an error unless left at its default (no dead flags)
+    *[(f, lambda a: a.fusion == "path", "--fusion path") for f in ("fusion_gamma", "fusion_temperature")],
+    ("width_mode", lambda a: a.pruning == "width", "--pruning width"),
+    ("width_keep_ratio", lambda a: a.width_mode == "extreme", "--pruning width --width-mode extreme"),
+    *[(f, lambda a: a.pruning in ("depth", "mix"), "--pruning depth or mix") for f in ("window", "window_shift_every")],
+]
+
+
+def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
+    """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
+    one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
+    check_mode_flags(args, MODE_FLAGS)
+    splits = split_steps(args.split_schedule, args.num_steps, args.num_splits)
+    if args.noise_level is None:
+        args.noise_level = 0.3 if args.sde_type == "dance" else 0.7
+    if args.window is None:  # depth: no post-split edge in the loss (docs/branchgrpo.md); mix: the paper's 4
+        args.window = max(1, args.num_steps - 2 - max(splits, default=0)) if args.pruning == "depth" else 4
+    args.exp_name = args.exp_name or Path(__file__).stem + ("" if args.pruning == "none" else f"_{args.pruning}")
+    need(args.num_steps >= 2, "--num-steps must be at least 2 (the last step is a deterministic Euler step)")
+    need(
+        len(splits) >= 1 and all(0 <= s <= args.num_steps - 2 for s in splits),
+        f"--split-schedule gives splits {splits}: they must lie in [0, {args.num_steps - 2}] (the last step is "
+        "deterministic); change --num-splits, --num-steps or --split-schedule",
+    )
+    need(args.num_splits >= 1 and args.branch_factor >= 2, "--num-splits >= 1 and --branch-factor >= 2")
+    need(
+        min(args.branch_s, args.noise_level, args.fusion_temperature, args.clip_range, args.adv_clip_max) > 0
+        and args.kl_beta >= 0,
+        "--branch-s, --noise-level, --fusion-temperature, --clip-range and --adv-clip-max must be > 0, --kl-beta >= 0",
+    )
+    need(0 < args.width_keep_ratio <= 1, "--width-keep-ratio must be in (0, 1]")
+    need(  # the window only where it is used
+        args.window_shift_every >= 1
+        and (args.pruning not in ("depth", "mix") or 1 <= args.window <= args.num_steps - 1),
+        f"--window must be in [1, {args.num_steps - 1}] and --window-shift-every >= 1",
+    )
+    after = args.num_steps - 2 - max(splits)  # trainable steps after the last split (T - 1 is deterministic)
+    need(
+        args.pruning not in ("depth", "width") or after >= 1,
+        f"--pruning {args.pruning}: the last split is step {max(splits)} = --num-steps - 2, so no trainable step follows "
+        "it; move the splits earlier (--split-schedule) or raise --num-steps",
+    )
+    need(args.trees_per_device % args.trees_per_update == 0, "--trees-per-update must divide --trees-per-device")
+    need(min(args.trees_per_device, args.rollout_batch_size) >= 1, "--trees-per-device, --rollout-batch-size >= 1")
+    if args.pruning == "depth" and after < args.window:
+        print(f"warning: --pruning depth: {after} trainable step(s) follow the last split {max(splits)}, so the "
+              f"{args.window}-step window shrinks to {after} and cannot slide; raise --num-steps or split earlier",
+              file=sys.stderr)  # fmt: skip
+    return check_run_args(args)
 
 
 def main(args: Args):
@@ -497,16 +497,16 @@ def main(args: Args):
     ]
     run.banner(model, params, lines)
     evaluate(start, final=start == args.iterations)  # at the start; resumed: what the interrupted run missed
-    n_groups = args.trees_per_device // args.trees_per_update
+    n_updates = args.trees_per_device // args.trees_per_update
     for it in run.iterations(start):
         # ------------------------------------------------------------ SAMPLING
         # The same prompt draw on every process; process r owns trees [r P, (r + 1) P), P = --trees-per-device
         drawn = draw_prompts(train_prompts, world * args.trees_per_device, args.seed, it)
         tree_ids = list(range(rank * args.trees_per_device, (rank + 1) * args.trees_per_device))
         sde_idx = sde_steps(tree, it)  # SDE steps; the rest (with --pruning mix) are Euler ODE steps
-        groups = []  # one dict per update group of trees: cond, states, log_probs, scores (then adv, keep)
+        updates = []  # per optimizer step, its --trees-per-update trees: cond, states, log_probs, request (then adv, keep)
         denoiser.eval()
-        for u in range(n_groups):
+        for u in range(n_updates):
             ids = tree_ids[u * args.trees_per_update : (u + 1) * args.trees_per_update]
             cond = model.encode_prompts([drawn[t] for t in ids])
             gens = [rng(args.seed, it, "root", t) for t in ids]
@@ -516,34 +516,35 @@ def main(args: Args):
                                              args.rollout_batch_size, args.guidance_scale, autocast)  # fmt: skip
             with torch.no_grad():  # the leaves' rewards asked now: a served reward answers while the next group samples
                 leaf_prompts = [drawn[t] for t in ids for _ in range(n_leaves)]
-                scores = reward_fn.request(model.decode(states[-1]).float(), leaf_prompts)
-            groups.append({"cond": cond, "states": states, "log_probs": log_probs, "scores": scores})
+                request = reward_fn.request(model.decode(states[-1]).float(), leaf_prompts)  # collect() scores it
+            updates.append({"cond": cond, "states": states, "log_probs": log_probs, "request": request})
         t_sample = time.perf_counter() - run.t_iter
 
         # ------------------------------------------------------------ REWARDS & ADVANTAGES
-        rewards, parts = reward_fn.collect([grp["scores"] for grp in groups])  # (trees * leaves,) and per component
+        rewards, parts = reward_fn.collect([upd["request"] for upd in updates])  # (trees * leaves,) and per component
         per_reward = args.advantage_aggregation == "per-reward"
         scores, weights = (parts, reward_fn.weights) if per_reward else ({"sum": rewards}, {"sum": 1.0})
-        for u, grp in enumerate(groups):
-            leaf = {k: scores[k].to(device).view(n_groups, -1, n_leaves)[u] for k in weights}  # (P_u, M) per score
+        for u, upd in enumerate(updates):
+            leaf = {k: scores[k].to(device).view(n_updates, -1, n_leaves)[u] for k in weights}  # (P_u, M) per score
             # per step i, the advantages of its children (P_u, n_{i+1}), clipped; then which edges are trained
-            grp["adv"] = tree_advantages(leaf, weights, grp["log_probs"], sizes, **flags_of(tree_advantages, args))
-            grp["keep"] = trained_edges(tree, sde_idx, grp["adv"], it)  # bool (P_u, n_{i+1}) per step
+            upd["adv"] = tree_advantages(leaf, weights, upd["log_probs"], sizes, fusion=args.fusion,
+                                         fusion_gamma=args.fusion_gamma, fusion_temperature=args.fusion_temperature,
+                                         adv_clip_max=args.adv_clip_max)  # fmt: skip
+            upd["keep"] = trained_edges(tree, sde_idx, upd["adv"], it)  # bool (P_u, n_{i+1}) per step
         all_rewards = accelerator.gather(rewards.float().to(device))
         parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
 
         # ------------------------------------------------------------ TRAINING
         model.park(), reward_fn.park()  # --offload-frozen: the VAE and the reward models leave the GPU
         denoiser.train()
-        stats = defaultdict(list)  # each figure policy_loss returns, one tensor per micro-batch
-        n_trained_edges, n_train_forwards = 0, 0
-        for grp in groups:  # one optimizer step per update group, over its trained edges
-            batches = pack_micro_batches(grp["keep"], tree, args.rollout_batch_size, device)
-            n_edges = sum(int(k.sum()) for k in grp["keep"])
+        stats, n_trained_edges, n_train_forwards = defaultdict(list), 0, 0  # stats: policy_loss's figures
+        for upd in updates:  # one optimizer step per update, over its trained edges
+            batches = pack_micro_batches(upd["keep"], tree, args.rollout_batch_size, device)
+            n_edges = sum(int(k.sum()) for k in upd["keep"])
             n_trained_edges += n_edges
             n_train_forwards += sum(len(parents) for segments in batches for _, parents in segments)
             for b, segments in enumerate(batches):
-                x, sig, cond, masks, x_child, old_lp, adv = micro_batch(grp, segments, sigmas, tree)
+                x, sig, cond, masks, x_child, old_lp, adv = micro_batch(upd, segments, sigmas, tree)
                 with accelerator.no_sync(denoiser) if b < len(batches) - 1 else nullcontext():
                     # each trained edge's log-prob under the current policy, then the clipped surrogate
                     with autocast():
@@ -555,9 +556,8 @@ def main(args: Args):
                         with autocast():  # the base model: frozen copy, or LoRA adapter off
                             v_ref = reference_velocity(model, ref, args.lora, x, sig, cond, args.guidance_scale)
                         mean_ref, _ = edge_gaussians(x, v_ref.float(), segments, masks, sigmas, g, tree)
-                    loss, figures = policy_loss(
-                        log_prob, old_lp, adv, mean, mean_ref, std, **flags_of(policy_loss, args)
-                    )
+                    loss, figures = policy_loss(log_prob, old_lp, adv, mean, mean_ref, std, clip_range=args.clip_range,
+                                                kl_beta=args.kl_beta)  # fmt: skip
                     accelerator.backward(loss.sum() / max(1, n_edges))  # the mean over this update's trained edges
                 for k, v in figures.items():
                     stats[k].append(v)

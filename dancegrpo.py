@@ -40,7 +40,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from common.evaluator import Evaluator
-from common.flags import ModeDefault, RunArgs, check_mode_flags, check_run_args, cli, flags_of, need
+from common.flags import ModeDefault, RunArgs, check_mode_flags, check_run_args, cli, need
 from common.logs import reward_stats, summarize
 from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser
 from common.prompts import draw_prompts
@@ -103,75 +103,6 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
 
 
 # ---------------------------------------------------------------------------------------------------
-# Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
-# ---------------------------------------------------------------------------------------------------
-MODE_FLAGS = [  # a flag of another mode is an error unless left at its default (no dead flags)
-    *[(f, lambda a: a.sde_window > 0, "--sde-window W > 0 (MixGRPO)") for f in ("window_shift_every", "ode_solver")],
-    ("post_window_compress", lambda a: a.ode_solver == "dpm2", "--ode-solver dpm2 (MixGRPO-Flash)"),
-    ("kl_mask_threshold", lambda a: a.objective == "dppo", "--objective dppo"),
-    *[(f, lambda a: a.objective != "dppo", "--objective clip or guard") for f in ("clip_range", "adv_clip_max")],
-]
-
-
-def title(args: Args) -> str:
-    """The method the flags make, for the banner."""
-    name = "MixGRPO-Flash" if args.ode_solver == "dpm2" else "MixGRPO" if args.sde_window else "DanceGRPO"
-    return (
-        name
-        + {"clip": "", "guard": " + GRPO-Guard", "dppo": " + Flow-DPPO"}[args.objective]
-        + (" (CPS)" if args.sde_type == "cps" else "")
-    )
-
-
-def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
-    """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
-    one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
-    check_mode_flags(args, MODE_FLAGS)
-    need(
-        args.sde_type != "cps" or args.objective == "clip",
-        f"--objective {args.objective} needs a Gaussian log-density: --sde-type cps's log-prob drops its constants "
-        "(the official GRPO-Guard and Flow-DPPO refuse it too); pass --sde-type flow or dance",
-    )
-    if args.noise_level is None:
-        args.noise_level = {"dance": 0.3, "flow": 0.7, "cps": 0.8}[args.sde_type]
-    if args.clip_range is None:
-        guard, cps = args.objective == "guard", args.sde_type == "cps"
-        args.clip_range = math.inf if args.objective == "dppo" else 2e-6 if guard else 1e-5 if cps else 1e-3
-    if args.adv_clip_max is None:
-        args.adv_clip_max = math.inf if args.objective == "dppo" else 5.0
-    if args.timestep_fraction is None:
-        args.timestep_fraction = 1.0 if args.sde_window else 0.6
-    mode = ("_flash" if args.ode_solver == "dpm2" else "_mix" if args.sde_window else "") + (
-        "" if args.objective == "clip" else f"_{args.objective}"
-    )
-    args.exp_name = args.exp_name or Path(__file__).stem + mode + ("_cps" if args.sde_type == "cps" else "")
-    T, S, G = args.num_steps, args.samples_per_device, args.group_size
-    need(T >= 2, "--num-steps must be at least 2 (the last step is a deterministic Euler step)")
-    need(0 <= args.sde_window <= T - 1, f"--sde-window must be in [0, {T - 1}] (= --num-steps - 1)")
-    need(0 < args.timestep_fraction <= 1, "--timestep-fraction must be in (0, 1]")
-    need(args.noise_level > 0 and args.window_shift_every >= 1, "--noise-level > 0 and --window-shift-every >= 1")
-    need(
-        args.sde_type != "cps" or args.noise_level < 1, "--noise-level must be < 1 with --sde-type cps (sin(eta pi/2))"
-    )
-    need(0 < args.post_window_compress <= 1, "--post-window-compress must be in (0, 1]")
-    need(
-        args.ode_solver != "dpm2" or args.shift != "pipeline",
-        "--ode-solver dpm2 re-grids the steps after the window with a static shift: pass a number as --shift",
-    )
-    need(G >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
-    need(S % args.rollout_batch_size == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
-    need(
-        args.samples_per_update % args.rollout_batch_size == 0 and S % args.samples_per_update == 0,
-        "--samples-per-update must be a multiple of --rollout-batch-size and divide --samples-per-device",
-    )
-    need(
-        args.kl_beta >= 0 and min(args.clip_range, args.adv_clip_max, args.kl_mask_threshold) > 0,
-        "--kl-beta >= 0, --clip-range, --adv-clip-max, --kl-mask-threshold > 0",
-    )
-    return check_run_args(args)
-
-
-# ---------------------------------------------------------------------------------------------------
 # ALGO LOGIC: schedule, SDE step with log-prob, advantages, loss
 # ---------------------------------------------------------------------------------------------------
 def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:
@@ -193,7 +124,8 @@ def noise_g(sigmas: torch.Tensor, sde_type: str, level: float) -> torch.Tensor:
 def sde_step(x, v, sigma, sigma_next, g, prev_sample=None, noise=None):
     """One Euler-Maruyama step of the reverse SDE dx = [v - g^2/2 score] ds + g dw (docs/math.md).
 
-    x, v: (B, *L) fp32; sigma, sigma_next, g: floats or (B,) tensors. Returns (x_next, log_prob (B,), mean, std).
+    x: (B, *L) fp32 at sigma, x = (1 - sigma) x0 + sigma eps; v: (B, *L) fp32, the model's velocity v = eps - x0 (every
+    model kind returns this convention, common/models); sigma, sigma_next, g: floats or (B,) tensors. Returns (x_next, log_prob (B,), mean, std).
     x0_hat = x - sigma v, score = -(x - (1 - sigma) x0_hat) / sigma^2, mean = x + d (v - g^2/2 score),
     std = g sqrt(-d) with d = sigma_next - sigma < 0. log_prob is the full Gaussian log-density of x_next,
     averaged (not summed) over the latent dimensions as the official code does.
@@ -265,8 +197,8 @@ def policy_loss(log_prob, old_log_prob, adv, mean, old_mean, mean_ref, std, dt, 
       dppo   Flow-DPPO (arXiv 2606.11025, Eq. 14, 18): -A r without clip, 0 for a sample with kl_old >= the threshold
              whose ratio moves away (r > 1 with A > 0, r < 1 with A < 0); corrective updates are kept.
     Plus kl_beta * KL(N(mean, std^2) || N(mean_ref, std^2)) to the base model's step if `mean_ref` is given.
-    Returns it and its figures, logged as losses/<name> (common.logs.summarize). A fork's new term: a keyword argument
-    here (main() passes each from the flag of its name), a field of Args, and its figure."""
+    Returns it and its figures, logged as losses/<name> (common.logs.summarize). A fork's new term: one line adding it
+    to `loss`, its weight a keyword argument here (with a default) passed where main() calls this, a field of Args."""
     std = std.flatten()
     kl_old = ((mean - old_mean) ** 2).flatten(1).mean(1) / (2 * std**2)  # (B,)
     log_ratio = log_prob - old_log_prob
@@ -293,7 +225,8 @@ def policy_loss(log_prob, old_log_prob, adv, mean, old_mean, mean_ref, std, dt, 
     loss = surrogate
     if mean_ref is not None:
         kl = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * std.flatten() ** 2)  # (B,)
-        loss, figures["kl"] = surrogate + kl_beta * kl, kl.mean()
+        loss = loss + kl_beta * kl  # term by term: a new term is one more such line
+        figures["kl"] = kl.mean()
     return loss, {k: v.detach() for k, v in figures.items()}
 
 
@@ -366,6 +299,75 @@ def rollout(model, denoiser, cond, x, step_noise, sigmas, g, sde_idx, guidance_s
     return torch.stack(latents, 1), log_probs, torch.stack(means, 1)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
+# ---------------------------------------------------------------------------------------------------
+MODE_FLAGS = [  # a flag of another mode is an error unless left at its default (no dead flags)
+    *[(f, lambda a: a.sde_window > 0, "--sde-window W > 0 (MixGRPO)") for f in ("window_shift_every", "ode_solver")],
+    ("post_window_compress", lambda a: a.ode_solver == "dpm2", "--ode-solver dpm2 (MixGRPO-Flash)"),
+    ("kl_mask_threshold", lambda a: a.objective == "dppo", "--objective dppo"),
+    *[(f, lambda a: a.objective != "dppo", "--objective clip or guard") for f in ("clip_range", "adv_clip_max")],
+]
+
+
+def title(args: Args) -> str:
+    """The method the flags make, for the banner."""
+    name = "MixGRPO-Flash" if args.ode_solver == "dpm2" else "MixGRPO" if args.sde_window else "DanceGRPO"
+    return (
+        name
+        + {"clip": "", "guard": " + GRPO-Guard", "dppo": " + Flow-DPPO"}[args.objective]
+        + (" (CPS)" if args.sde_type == "cps" else "")
+    )
+
+
+def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
+    """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
+    one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
+    check_mode_flags(args, MODE_FLAGS)
+    need(
+        args.sde_type != "cps" or args.objective == "clip",
+        f"--objective {args.objective} needs a Gaussian log-density: --sde-type cps's log-prob drops its constants "
+        "(the official GRPO-Guard and Flow-DPPO refuse it too); pass --sde-type flow or dance",
+    )
+    if args.noise_level is None:
+        args.noise_level = {"dance": 0.3, "flow": 0.7, "cps": 0.8}[args.sde_type]
+    if args.clip_range is None:
+        guard, cps = args.objective == "guard", args.sde_type == "cps"
+        args.clip_range = math.inf if args.objective == "dppo" else 2e-6 if guard else 1e-5 if cps else 1e-3
+    if args.adv_clip_max is None:
+        args.adv_clip_max = math.inf if args.objective == "dppo" else 5.0
+    if args.timestep_fraction is None:
+        args.timestep_fraction = 1.0 if args.sde_window else 0.6
+    mode = ("_flash" if args.ode_solver == "dpm2" else "_mix" if args.sde_window else "") + (
+        "" if args.objective == "clip" else f"_{args.objective}"
+    )
+    args.exp_name = args.exp_name or Path(__file__).stem + mode + ("_cps" if args.sde_type == "cps" else "")
+    T, S, G = args.num_steps, args.samples_per_device, args.group_size
+    need(T >= 2, "--num-steps must be at least 2 (the last step is a deterministic Euler step)")
+    need(0 <= args.sde_window <= T - 1, f"--sde-window must be in [0, {T - 1}] (= --num-steps - 1)")
+    need(0 < args.timestep_fraction <= 1, "--timestep-fraction must be in (0, 1]")
+    need(args.noise_level > 0 and args.window_shift_every >= 1, "--noise-level > 0 and --window-shift-every >= 1")
+    need(
+        args.sde_type != "cps" or args.noise_level < 1, "--noise-level must be < 1 with --sde-type cps (sin(eta pi/2))"
+    )
+    need(0 < args.post_window_compress <= 1, "--post-window-compress must be in (0, 1]")
+    need(
+        args.ode_solver != "dpm2" or args.shift != "pipeline",
+        "--ode-solver dpm2 re-grids the steps after the window with a static shift: pass a number as --shift",
+    )
+    need(G >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
+    need(S % args.rollout_batch_size == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
+    need(
+        args.samples_per_update % args.rollout_batch_size == 0 and S % args.samples_per_update == 0,
+        "--samples-per-update must be a multiple of --rollout-batch-size and divide --samples-per-device",
+    )
+    need(
+        args.kl_beta >= 0 and min(args.clip_range, args.adv_clip_max, args.kl_mask_threshold) > 0,
+        "--kl-beta >= 0, --clip-range, --adv-clip-max, --kl-mask-threshold > 0",
+    )
+    return check_run_args(args)
+
+
 def main(args: Args):
     # ---------------------------------------------------------------- SETUP
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
@@ -381,7 +383,7 @@ def main(args: Args):
     prompts_per_iter = world * args.samples_per_device // args.group_size
     micro_per_update = args.samples_per_update // args.rollout_batch_size  # rollout chunks, each a micro-batch
     updates_per_iter = args.samples_per_device // args.samples_per_update
-    step = cps_step if args.sde_type == "cps" else sde_step  # the trained Gaussian step, with its log-prob
+    policy_step = cps_step if args.sde_type == "cps" else sde_step  # the trained Gaussian step, with its log-prob
 
     # ---------------------------------------------------------------- MODELS
     model = load_model(args.model_id, device, frozen_dtype, args.resolution, args.num_frames, args.offload_frozen)
@@ -437,22 +439,24 @@ def main(args: Args):
             cond_c = {k: v[sl] for k, v in cond.items()}
             latents, log_probs, means = rollout(
                 model, denoiser, cond_c, init[sl].to(device), step_noise[sl], grid, g, sde_idx, args.guidance_scale,
-                autocast, step, dpm_after=sde_idx[-1] if flash else None,
+                autocast, policy_step, dpm_after=sde_idx[-1] if flash else None,
             )  # fmt: skip
             with torch.no_grad():  # the chunk's rewards asked now: a served reward answers while the next one samples
-                scores = reward_fn.request(model.decode(latents[:, -1]).float(), my_prompts[sl])
+                request = reward_fn.request(model.decode(latents[:, -1]).float(), my_prompts[sl])  # collect() scores it
             chunks.append(
-                {"cond": cond_c, "latents": latents, "log_probs": log_probs, "means": means, "scores": scores}
+                {"cond": cond_c, "latents": latents, "log_probs": log_probs, "means": means, "request": request}
             )
         t_sample = time.perf_counter() - run.t_iter
 
         # ------------------------------------------------------------ REWARDS & ADVANTAGES
-        rewards, parts = reward_fn.collect([ch["scores"] for ch in chunks])  # (S,), each component's (S,)
+        rewards, parts = reward_fn.collect([ch["request"] for ch in chunks])  # (S,), each component's (S,)
         all_rewards = accelerator.gather(rewards.float().to(device))  # (world * S,) in global sample order
         parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
         per_reward = args.advantage_aggregation == "per-reward"
         scores, weights = (parts, reward_fn.weights) if per_reward else ({"sum": all_rewards}, {"sum": 1.0})
-        all_adv = combined_advantages(scores, weights, **flags_of(combined_advantages, args))  # (world * S,)
+        all_adv = combined_advantages(
+            scores, weights, group_size=args.group_size, adv_clip_max=args.adv_clip_max
+        )  # (world * S,)
         adv = all_adv[rank * args.samples_per_device : (rank + 1) * args.samples_per_device]
 
         # ------------------------------------------------------------ TRAINING
@@ -466,29 +470,32 @@ def main(args: Args):
                 # trained steps of this chunk: a random subset of its SDE steps (DanceGRPO: per sample, here per chunk)
                 first_k = ci * args.rollout_batch_size + rank * args.samples_per_device
                 order = torch.randperm(len(sde_idx), generator=rng(args.seed, it, "steps", first_k), device="cpu")
-                steps = [sde_idx[j] for j in order[:n_train]]  # indices into the list sde_idx
-                for j, i in enumerate(steps):
-                    last = ci == (u + 1) * micro_per_update - 1 and j == len(steps) - 1
+                trained = [sde_idx[j] for j in order[:n_train]]  # step indices, drawn from sde_idx
+                for j, i in enumerate(trained):
+                    last = ci == (u + 1) * micro_per_update - 1 and j == len(trained) - 1
                     x, x_next = ch["latents"][:, i], ch["latents"][:, i + 1]
                     sig = sigmas[i].expand(len(x)).to(device)
                     with accelerator.no_sync(denoiser) if not last else nullcontext():
                         with autocast():
                             v = model.velocity(denoiser, x, sig, ch["cond"], args.guidance_scale)
-                        _, log_prob, mean, std = step(x, v.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=x_next)
+                        _, log_prob, mean, std = policy_step(
+                            x, v.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=x_next
+                        )
                         mean_ref = None
                         if args.kl_beta > 0:
                             with autocast():  # the base model: frozen copy, or LoRA adapter off
                                 v_ref = reference_velocity(
                                     model, ref, args.lora, x, sig, ch["cond"], args.guidance_scale
                                 )
-                            _, _, mean_ref, _ = step(
+                            _, _, mean_ref, _ = policy_step(
                                 x, v_ref.float(), sigmas[i], sigmas[i + 1], g[i], prev_sample=x_next
                             )
                         loss, figures = policy_loss(
                             log_prob, ch["log_probs"][:, i], adv[sl], mean, ch["means"][:, i], mean_ref, std,
-                            sigmas[i] - sigmas[i + 1], **flags_of(policy_loss, args),
+                            sigmas[i] - sigmas[i + 1], objective=args.objective, clip_range=args.clip_range,
+                            kl_mask_threshold=args.kl_mask_threshold, kl_beta=args.kl_beta,
                         )  # fmt: skip
-                        accelerator.backward(loss.mean() / (micro_per_update * len(steps)))
+                        accelerator.backward(loss.mean() / (micro_per_update * len(trained)))
                     for k, v in figures.items():
                         stats[k].append(v)
             lr = args.learning_rate * min(1.0, (run.optimizer_steps + 1) / max(1, args.lr_warmup))  # linear warmup

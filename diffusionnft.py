@@ -53,7 +53,7 @@ from accelerate.utils import DistributedType, set_seed
 
 from common.checkpoints import Carried
 from common.evaluator import Evaluator
-from common.flags import RunArgs, check_mode_flags, check_run_args, cli, flags_of, need
+from common.flags import RunArgs, check_mode_flags, check_run_args, cli, need
 from common.logs import reward_stats, summarize
 from common.models import (
     add_old_policy,
@@ -119,40 +119,6 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """evaluate and save (final/) the EMA of the trained weights, as the official code; --no-ema: the live weights"""
     ema_max_decay: float = 0.9
     """EMA decay after s optimizer steps: min((1 + s) / (10 + s), this) (official: 0.9)"""
-
-
-# ---------------------------------------------------------------------------------------------------
-# Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
-# ---------------------------------------------------------------------------------------------------
-MODE_FLAGS = [  # a flag of another mode is an error unless left at its default (no dead flags)
-    ("ema_max_decay", lambda a: a.ema, "--ema"),
-]
-
-
-def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
-    """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
-    one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
-    check_mode_flags(args, MODE_FLAGS)
-    args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
-    need(args.num_steps >= 1, "--num-steps must be >= 1")
-    need(
-        0 < args.timestep_fraction <= 1 and n_train_timesteps(args.num_steps, args.timestep_fraction) >= 1,
-        f"--timestep-fraction must be in (0, 1] and train at least one of the {args.num_steps} timesteps",
-    )
-    need(args.group_size >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
-    need(
-        args.samples_per_device % args.rollout_batch_size == 0,
-        "--samples-per-device must be a multiple of --rollout-batch-size",
-    )
-    need(
-        args.samples_per_update % args.train_batch_size == 0 and args.samples_per_device % args.samples_per_update == 0,
-        "--samples-per-update must be a multiple of --train-batch-size and divide --samples-per-device",
-    )
-    need(args.beta > 0, "--beta must be > 0 (the NFT beta; the KL weight is --kl-beta)")
-    need(args.kl_beta >= 0 and args.adv_clip_max > 0, "--kl-beta must be >= 0 and --adv-clip-max > 0")
-    need(0 <= args.ema_max_decay < 1, "--ema-max-decay must be in [0, 1)")
-    need(args.old_decay_speed > 0, "--old-decay-speed must be > 0")
-    return check_run_args(args, video=False)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -289,8 +255,43 @@ def policy_loss(v_theta, v_old, v_ref, x0, x_t, t, r, *, beta, adv_clip_max, kl_
     figures = {"policy": loss, "pos": pos, "neg": neg, "old_deviation": (v_theta - v_old).square().flatten(1).mean(1)}
     if v_ref is not None:
         kl = (v_theta - v_ref).square().flatten(1).mean(1)
-        loss, figures["kl"] = loss + kl_beta * kl, kl
+        loss = loss + kl_beta * kl  # term by term: a new term is one more such line
+        figures["kl"] = kl
     return loss, {k: v.detach() for k, v in figures.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
+# ---------------------------------------------------------------------------------------------------
+MODE_FLAGS = [  # a flag of another mode is an error unless left at its default (no dead flags)
+    ("ema_max_decay", lambda a: a.ema, "--ema"),
+]
+
+
+def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
+    """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
+    one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
+    check_mode_flags(args, MODE_FLAGS)
+    args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
+    need(args.num_steps >= 1, "--num-steps must be >= 1")
+    need(
+        0 < args.timestep_fraction <= 1 and n_train_timesteps(args.num_steps, args.timestep_fraction) >= 1,
+        f"--timestep-fraction must be in (0, 1] and train at least one of the {args.num_steps} timesteps",
+    )
+    need(args.group_size >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
+    need(
+        args.samples_per_device % args.rollout_batch_size == 0,
+        "--samples-per-device must be a multiple of --rollout-batch-size",
+    )
+    need(
+        args.samples_per_update % args.train_batch_size == 0 and args.samples_per_device % args.samples_per_update == 0,
+        "--samples-per-update must be a multiple of --train-batch-size and divide --samples-per-device",
+    )
+    need(args.beta > 0, "--beta must be > 0 (the NFT beta; the KL weight is --kl-beta)")
+    need(args.kl_beta >= 0 and args.adv_clip_max > 0, "--kl-beta must be >= 0 and --adv-clip-max > 0")
+    need(0 <= args.ema_max_decay < 1, "--ema-max-decay must be in [0, 1)")
+    need(args.old_decay_speed > 0, "--old-decay-speed must be > 0")
+    return check_run_args(args, video=False)
 
 
 def main(args: Args):
@@ -389,7 +390,7 @@ def main(args: Args):
         rewards, parts = reward_fn.collect(requests)  # (S,) the weighted sum of the components, each component's (S,)
         all_rewards = accelerator.gather(rewards.float().to(device))  # (world * S,) in global sample order
         parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
-        all_adv = nft_advantages(all_rewards, **flags_of(nft_advantages, args))  # (world * S,)
+        all_adv = nft_advantages(all_rewards, group_size=args.group_size)  # (world * S,)
         all_r = optimality(all_adv, args.adv_clip_max)  # (world * S,)
         r = all_r[rank * args.samples_per_device : (rank + 1) * args.samples_per_device]
 
@@ -420,8 +421,9 @@ def main(args: Args):
                         with autocast():
                             v_theta = model.velocity(denoiser, x_t, t, cond_sl, args.guidance_scale).float()
                         loss, figures = policy_loss(
-                            v_theta, v_old, v_ref, x0, x_t, t, r[sl.to(device)], **flags_of(policy_loss, args)
-                        )
+                            v_theta, v_old, v_ref, x0, x_t, t, r[sl.to(device)], beta=args.beta,
+                            adv_clip_max=args.adv_clip_max, kl_beta=args.kl_beta, self_normalize=args.self_normalize,
+                        )  # fmt: skip
                         accelerator.backward(loss.mean() / (micro_per_update * n_train))
                     for k, v in figures.items():
                         stats[k].append(v)

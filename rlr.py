@@ -52,7 +52,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
 from common.evaluator import Evaluator
-from common.flags import ModeDefault, RunArgs, check_mode_flags, check_run_args, cli, flags_of, need
+from common.flags import ModeDefault, RunArgs, check_mode_flags, check_run_args, cli, need
 from common.logs import reward_stats, summarize
 from common.models import check_model_id, load_model, trainable_denoiser
 from common.prompts import draw_prompts, load_dcot
@@ -104,78 +104,6 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
 
 
 # ---------------------------------------------------------------------------------------------------
-# Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
-# ---------------------------------------------------------------------------------------------------
-def sample_images(model, module, sched, cond, noise, guidance_scale, autocast):
-    """Deterministic samples (Euler ODE, or DDIM with eta 0) for evaluation and grids; noise (B, *L) -> (B, 3, H, W).
-    Adapted from common/sampling.py's sample_ode (any sampler of this file)."""
-    x = noise
-    for i in range(len(sched["eta" if model.kind == "sd1" else "g"])):
-        x, _ = transition(model, module, sched, i, x, cond, guidance_scale, autocast)
-    return model.decode(x).float()
-
-
-def grad_norm(params) -> float:
-    """The L2 norm of the accumulated gradients of this process (unclipped, fp64)."""
-    return math.sqrt(sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None))
-
-
-MODE_FLAGS = [  # a flag of another mode is an error unless left at its default (no dead flags)
-    *[(f, lambda a: a.memory_budget_gb is not None, "--memory-budget-gb") for f in ("ho_step_gb", "zo_step_gb", "variance_ratio")],
-    *[(f, lambda a: "ho" in a.terms, "--terms with ho") for f in ("subchain_len", "memory_budget_gb", "subchain_stage")],
-    *[(f, lambda a: "zo" in a.terms, "--terms with zo") for f in ("zo_scale", "zo_perturbations")],
-]  # fmt: skip
-
-
-def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
-    """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
-    one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
-    check_mode_flags(args, MODE_FLAGS)
-    need(
-        args.ho_step_gb > args.zo_step_gb > 0 and 0 <= args.variance_ratio < 1,
-        "--ho-step-gb > --zo-step-gb > 0 and --variance-ratio in [0, 1) are needed by the h* rule",
-    )
-    if args.memory_budget_gb is not None:  # h* from the flags just checked
-        need(args.subchain_len is None, "give --subchain-len or --memory-budget-gb, not both")
-        args.subchain_len = optimal_subchain_len(
-            args.memory_budget_gb, args.num_steps, args.ho_step_gb, args.zo_step_gb, args.variance_ratio
-        )
-    elif args.subchain_len is None:
-        args.subchain_len = min(2, args.num_steps - 1)
-    if args.zo_perturbations is None:
-        args.zo_perturbations = args.samples_per_device // max(1, args.rollout_batch_size)  # one per rollout chunk
-    args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
-    if args.noise_level is None:  # the model's kind from its model_index.json, before it loads
-        sd1 = check_model_id(args.model_id) == "sd1"
-        args.noise_level = 1.0 if sd1 else 0.3 if args.sde_type == "dance" else 0.7
-    T, h, S = args.num_steps, args.subchain_len, args.samples_per_device
-    B, n_blocks = args.rollout_batch_size, args.zo_perturbations
-    need(T >= 2, "--num-steps must be at least 2 (one stochastic step and the deterministic last step)")
-    if "ho" in args.terms:
-        budget = f" (h* of --memory-budget-gb {args.memory_budget_gb})" if args.memory_budget_gb is not None else ""
-        need(1 <= h <= T - 1, f"h = {h}{budget}: --subchain-len must be in [1, {T - 1}] (= --num-steps - 1)")
-        need(
-            window_starts(T, h, args.subchain_stage),
-            f"--subchain-stage {args.subchain_stage}: no window of {h} steps (--subchain-len) starts in that third of "
-            f"--num-steps {T} and ends before the last step",
-        )
-    need(args.noise_level is None or args.noise_level > 0, "--noise-level must be > 0 (the HO term needs noise)")
-    need(args.group_size >= 2, "--group-size must be >= 2 (the baseline is the mean of the other samples of a prompt)")
-    need(S % B == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
-    need(
-        n_blocks > 0 and S % n_blocks == 0 and S // n_blocks % B == 0,
-        "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size",
-    )
-    need(args.zo_scale > 0, "--zo-scale must be > 0")
-    # RLR's paper trains images; its first-order term backpropagates through the reward
-    train_prompts, eval_prompts, reward_spec = check_run_args(args, video=False, differentiable=True)
-    if args.dcot_prompts is not None:
-        need(args.prompts == "shapes-train", "--dcot-prompts replaces --prompts: give one of them")
-        train_prompts = list(load_dcot(args.dcot_prompts))
-    return train_prompts, eval_prompts, reward_spec
-
-
-# ---------------------------------------------------------------------------------------------------
 # ALGO LOGIC: schedules and Gaussian transitions
 # ---------------------------------------------------------------------------------------------------
 def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:  # same as in dancegrpo.py
@@ -197,7 +125,8 @@ def noise_g(sigmas: torch.Tensor, sde_type: str, level: float) -> torch.Tensor: 
 def sde_step(x, v, sigma, sigma_next, g, prev_sample=None, noise=None):  # same as in dancegrpo.py
     """One Euler-Maruyama step of the reverse SDE dx = [v - g^2/2 score] ds + g dw (docs/math.md).
 
-    x, v: (B, *L) fp32; sigma, sigma_next, g: floats or (B,) tensors. Returns (x_next, log_prob (B,), mean, std).
+    x: (B, *L) fp32 at sigma, x = (1 - sigma) x0 + sigma eps; v: (B, *L) fp32, the model's velocity v = eps - x0 (every
+    model kind returns this convention, common/models); sigma, sigma_next, g: floats or (B,) tensors. Returns (x_next, log_prob (B,), mean, std).
     x0_hat = x - sigma v, score = -(x - (1 - sigma) x0_hat) / sigma^2, mean = x + d (v - g^2/2 score),
     std = g sqrt(-d) with d = sigma_next - sigma < 0. log_prob is the full Gaussian log-density of x_next,
     averaged (not summed) over the latent dimensions as the official code does.
@@ -421,6 +350,78 @@ def zo_perturbed(params, key: tuple, scale: float, i: int):
     return perturbed(params, zo_noise(params, key_seed(*key, i), scale))
 
 
+def sample_images(model, module, sched, cond, noise, guidance_scale, autocast):
+    """Deterministic samples (Euler ODE, or DDIM with eta 0) for evaluation and grids; noise (B, *L) -> (B, 3, H, W).
+    Adapted from common/sampling.py's sample_ode (any sampler of this file)."""
+    x = noise
+    for i in range(len(sched["eta" if model.kind == "sd1" else "g"])):
+        x, _ = transition(model, module, sched, i, x, cond, guidance_scale, autocast)
+    return model.decode(x).float()
+
+
+def grad_norm(params) -> float:
+    """The L2 norm of the accumulated gradients of this process (unclipped, fp64)."""
+    return math.sqrt(sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
+# ---------------------------------------------------------------------------------------------------
+MODE_FLAGS = [  # a flag of another mode is an error unless left at its default (no dead flags)
+    *[(f, lambda a: a.memory_budget_gb is not None, "--memory-budget-gb") for f in ("ho_step_gb", "zo_step_gb", "variance_ratio")],
+    *[(f, lambda a: "ho" in a.terms, "--terms with ho") for f in ("subchain_len", "memory_budget_gb", "subchain_stage")],
+    *[(f, lambda a: "zo" in a.terms, "--terms with zo") for f in ("zo_scale", "zo_perturbations")],
+]  # fmt: skip
+
+
+def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
+    """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
+    one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
+    check_mode_flags(args, MODE_FLAGS)
+    need(
+        args.ho_step_gb > args.zo_step_gb > 0 and 0 <= args.variance_ratio < 1,
+        "--ho-step-gb > --zo-step-gb > 0 and --variance-ratio in [0, 1) are needed by the h* rule",
+    )
+    if args.memory_budget_gb is not None:  # h* from the flags just checked
+        need(args.subchain_len is None, "give --subchain-len or --memory-budget-gb, not both")
+        args.subchain_len = optimal_subchain_len(
+            args.memory_budget_gb, args.num_steps, args.ho_step_gb, args.zo_step_gb, args.variance_ratio
+        )
+    elif args.subchain_len is None:
+        args.subchain_len = min(2, args.num_steps - 1)
+    if args.zo_perturbations is None:
+        args.zo_perturbations = args.samples_per_device // max(1, args.rollout_batch_size)  # one per rollout chunk
+    args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
+    if args.noise_level is None:  # the model's kind from its model_index.json, before it loads
+        sd1 = check_model_id(args.model_id) == "sd1"
+        args.noise_level = 1.0 if sd1 else 0.3 if args.sde_type == "dance" else 0.7
+    T, h, S = args.num_steps, args.subchain_len, args.samples_per_device
+    B, n_blocks = args.rollout_batch_size, args.zo_perturbations
+    need(T >= 2, "--num-steps must be at least 2 (one stochastic step and the deterministic last step)")
+    if "ho" in args.terms:
+        budget = f" (h* of --memory-budget-gb {args.memory_budget_gb})" if args.memory_budget_gb is not None else ""
+        need(1 <= h <= T - 1, f"h = {h}{budget}: --subchain-len must be in [1, {T - 1}] (= --num-steps - 1)")
+        need(
+            window_starts(T, h, args.subchain_stage),
+            f"--subchain-stage {args.subchain_stage}: no window of {h} steps (--subchain-len) starts in that third of "
+            f"--num-steps {T} and ends before the last step",
+        )
+    need(args.noise_level is None or args.noise_level > 0, "--noise-level must be > 0 (the HO term needs noise)")
+    need(args.group_size >= 2, "--group-size must be >= 2 (the baseline is the mean of the other samples of a prompt)")
+    need(S % B == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
+    need(
+        n_blocks > 0 and S % n_blocks == 0 and S // n_blocks % B == 0,
+        "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size",
+    )
+    need(args.zo_scale > 0, "--zo-scale must be > 0")
+    # RLR's paper trains images; its first-order term backpropagates through the reward
+    train_prompts, eval_prompts, reward_spec = check_run_args(args, video=False, differentiable=True)
+    if args.dcot_prompts is not None:
+        need(args.prompts == "shapes-train", "--dcot-prompts replaces --prompts: give one of them")
+        train_prompts = list(load_dcot(args.dcot_prompts))
+    return train_prompts, eval_prompts, reward_spec
+
+
 def main(args: Args):
     # ---------------------------------------------------------------- SETUP
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
@@ -535,7 +536,7 @@ def main(args: Args):
                 zo_mask[gc * B : (gc + 1) * B, zo_steps_of(T, j, h)] = True
         # R - b and R - b' (N,), and the ZO coefficient of every (block, step) (blocks, T)
         w_ho, _, coef, figures = term_weights(
-            all_rewards, sample_block, zo_mask, world * n_blocks, **flags_of(term_weights, args)
+            all_rewards, sample_block, zo_mask, world * n_blocks, group_size=args.group_size
         )
         adv_ho = w_ho[rank * S : (rank + 1) * S]  # this process's samples
 

@@ -51,7 +51,7 @@ from accelerate.utils import DistributedType, set_seed
 
 from common.checkpoints import Carried
 from common.evaluator import Evaluator
-from common.flags import RunArgs, check_mode_flags, check_run_args, cli, flags_of, need
+from common.flags import RunArgs, check_mode_flags, check_run_args, cli, need
 from common.logs import reward_stats, summarize
 from common.models import base_weights, frozen_copy, load_model, trainable_denoiser, weights_swapped
 from common.prompts import draw_prompts
@@ -110,44 +110,6 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     the same kind of weights; off by default (the paper evaluates the trained weights)"""
     ema_max_decay: float = 0.9
     """EMA decay after s optimizer steps: min((1 + s) / (10 + s), this) (diffusionnft.py's default)"""
-
-
-# ---------------------------------------------------------------------------------------------------
-# Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
-# ---------------------------------------------------------------------------------------------------
-MODE_FLAGS = [  # a flag of another mode is an error unless left at its default (no dead flags)
-    ("kl_ref", lambda a: a.kl_beta > 0, "--kl-beta > 0"),
-    ("ema_max_decay", lambda a: a.ema, "--ema"),
-]
-
-
-def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
-    """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
-    one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
-    check_mode_flags(args, MODE_FLAGS)
-    args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
-    need(args.num_steps >= 1, "--num-steps must be >= 1")
-    need(args.n_mc >= 1, "--n-mc must be >= 1")
-    need(
-        not args.stratified or args.pair_times == "uniform" or args.n_mc <= args.num_steps,
-        f"--n-mc {args.n_mc} must be <= --num-steps {args.num_steps} with stratified timesteps on the rollout grid "
-        "(one per chunk of the schedule); pass --pair-times uniform or --no-stratified",
-    )
-    need(args.group_size >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
-    need(
-        args.samples_per_device % args.rollout_batch_size == 0,
-        "--samples-per-device must be a multiple of --rollout-batch-size",
-    )
-    need(
-        args.samples_per_update % args.train_batch_size == 0 and args.samples_per_device % args.samples_per_update == 0,
-        "--samples-per-update must be a multiple of --train-batch-size and divide --samples-per-device",
-    )
-    need(
-        args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0 and args.adv_soft_clip >= 0,
-        "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0, --adv-soft-clip >= 0",
-    )
-    need(0 <= args.ema_max_decay < 1, "--ema-max-decay must be in [0, 1)")
-    return check_run_args(args)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -240,8 +202,8 @@ def draw_pairs(grid, n_mc, latent_shape, key, sample_ids, stratified=True, share
 
 
 def pair_values(v, x, z, eps, t, prediction="x", self_normalize=True):
-    """Per-pair surrogate log-likelihood from the velocity v predicted at z = (1 - t) x + t eps. All (M, *L) fp32,
-    t (M,). Returns (values (M,), x0_hat (M, *L)).
+    """Per-pair surrogate log-likelihood from the velocity v predicted at z = (1 - t) x + t eps (every model kind's
+    convention: the exact velocity is eps - x). All (M, *L) fp32, t (M,). Returns (values (M,), x0_hat (M, *L)).
 
     error: x (paper): x0_hat - x with x0_hat = z - t v; v: v - (eps - x); eps: eps_hat - eps with eps_hat = z + (1 - t) v
     (the three differ by the factors -t and 1 - t). value = -mean(err^2) / sg(max(mean|err|, 1e-5)), or -mean(err^2)
@@ -295,8 +257,8 @@ def policy_loss(values, old_values, adv, x0_hat, ref_x0, *, clip_range, kl_beta)
     """The objective per image (B,): the PPO-clipped loss on the whole-image ratio, values and old_values (B, N)
     per-pair surrogates averaged over the pairs FIRST, then log rho = S_theta - S_old; plus kl_beta * D_simple, the
     mean squared distance of the policy's x0_hat (B, N, *L) on the pairs to the KL reference's ref_x0, if given.
-    Returns it and its figures, logged as losses/<name> (common.logs.summarize). A fork's new term: a keyword argument
-    here (main() passes each from the flag of its name), a field of Args, and its figure."""
+    Returns it and its figures, logged as losses/<name> (common.logs.summarize). A fork's new term: one line adding it
+    to `loss`, its weight a keyword argument here (with a default) passed where main() calls this, a field of Args."""
     log_ratio = values.mean(1) - old_values.mean(1)
     ratio = torch.exp(log_ratio)
     surrogate = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
@@ -311,7 +273,8 @@ def policy_loss(values, old_values, adv, x0_hat, ref_x0, *, clip_range, kl_beta)
     loss = surrogate
     if ref_x0 is not None:
         kl = (x0_hat - ref_x0).square().flatten(2).mean(2).mean(1)  # (B,)
-        loss, figures["kl"] = surrogate + kl_beta * kl, kl.mean()
+        loss = loss + kl_beta * kl  # term by term: a new term is one more such line
+        figures["kl"] = kl.mean()
     return loss, {k: v.detach() for k, v in figures.items()}
 
 
@@ -333,6 +296,44 @@ def coefficient_of_variation(s: torch.Tensor, group_size: int) -> tuple[float, f
     s = s.double()
     g = s.view(-1, group_size)
     return (s.std() / s.mean().abs()).item(), (g.std(1) / g.mean(1).abs()).mean().item()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
+# ---------------------------------------------------------------------------------------------------
+MODE_FLAGS = [  # a flag of another mode is an error unless left at its default (no dead flags)
+    ("kl_ref", lambda a: a.kl_beta > 0, "--kl-beta > 0"),
+    ("ema_max_decay", lambda a: a.ema, "--ema"),
+]
+
+
+def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
+    """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
+    one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
+    check_mode_flags(args, MODE_FLAGS)
+    args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
+    need(args.num_steps >= 1, "--num-steps must be >= 1")
+    need(args.n_mc >= 1, "--n-mc must be >= 1")
+    need(
+        not args.stratified or args.pair_times == "uniform" or args.n_mc <= args.num_steps,
+        f"--n-mc {args.n_mc} must be <= --num-steps {args.num_steps} with stratified timesteps on the rollout grid "
+        "(one per chunk of the schedule); pass --pair-times uniform or --no-stratified",
+    )
+    need(args.group_size >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
+    need(
+        args.samples_per_device % args.rollout_batch_size == 0,
+        "--samples-per-device must be a multiple of --rollout-batch-size",
+    )
+    need(
+        args.samples_per_update % args.train_batch_size == 0 and args.samples_per_device % args.samples_per_update == 0,
+        "--samples-per-update must be a multiple of --train-batch-size and divide --samples-per-device",
+    )
+    need(
+        args.kl_beta >= 0 and args.clip_range > 0 and args.adv_clip_max > 0 and args.adv_soft_clip >= 0,
+        "--kl-beta >= 0, --clip-range > 0, --adv-clip-max > 0, --adv-soft-clip >= 0",
+    )
+    need(0 <= args.ema_max_decay < 1, "--ema-max-decay must be in [0, 1)")
+    return check_run_args(args)
 
 
 def main(args: Args):
@@ -459,7 +460,13 @@ def main(args: Args):
         parts = {k: accelerator.gather(v.float().to(device)) for k, v in parts.items()}
         per_reward = args.advantage_aggregation == "per-reward"
         scores, weights = (parts, reward_fn.weights) if per_reward else ({"sum": all_rewards}, {"sum": 1.0})
-        all_adv = combined_advantages(scores, weights, **flags_of(combined_advantages, args))  # (world * S,)
+        all_adv = combined_advantages(  # (world * S,)
+            scores,
+            weights,
+            group_size=args.group_size,
+            adv_clip_max=args.adv_clip_max,
+            adv_soft_clip=args.adv_soft_clip,
+        )
         adv = all_adv[rank * args.samples_per_device : (rank + 1) * args.samples_per_device]
         all_old = accelerator.gather(old_values.mean(1))  # (world * S,) per-image behaviour surrogates, for logging
 
@@ -474,9 +481,8 @@ def main(args: Args):
                 with accelerator.no_sync(denoiser) if not last else nullcontext():
                     values, x0_hat = surrogate_of(x[sl], {k: v[sl] for k, v in cond.items()}, t_pairs[sl], eps[sl])
                     x0_ref = None if ref_x0 is None else ref_x0[sl]  # the --kl-ref policy's x0_hat on the same pairs
-                    loss, figures = policy_loss(
-                        values, old_values[sl], adv[sl], x0_hat, x0_ref, **flags_of(policy_loss, args)
-                    )
+                    loss, figures = policy_loss(values, old_values[sl], adv[sl], x0_hat, x0_ref, clip_range=args.clip_range,
+                                                kl_beta=args.kl_beta)  # fmt: skip
                     accelerator.backward(loss.mean() / micro_per_update)
                 for k, v in figures.items():
                     stats[k].append(v)

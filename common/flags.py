@@ -7,7 +7,6 @@ cli(main, Args)          parse the flags (tyro; parse_flags: a flag that does no
 check_run_args(args)     the shared flags, and every input that can be checked before a model loads: prompt
                          files, --output-dir, --model-id, the rewards (parsed once), --resume-from
 check_mode_flags(args, mode_flags)   a flag of a mode not in use refused (no dead flags)
-flags_of(fn, args)       the flags a function takes as keyword-only arguments, by name (the scripts' objectives)
 need(ok, message)        raise InputError(message) unless ok
 ModeDefault(text)        --help shows `text` as the default of a flag whose default depends on the mode
 """
@@ -15,9 +14,9 @@ ModeDefault(text)        --help shows `text` as the default of a flag whose defa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import importlib.util
-import inspect
 import io
 import os
 import sys
@@ -26,7 +25,6 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
 import diffusers
-import transformers
 import tyro
 
 from common import InputError, RunError
@@ -169,10 +167,13 @@ def cli(main, args_type) -> None:
     2; a RunError or a write refused by the file system (full disk, no permission) prints `error: ...` and exits with
     status 1; neither has a traceback. Every other exception is a bug and keeps its traceback."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars of every tiny part: noise
-    diffusers.utils.logging.disable_progress_bar()
     try:
-        main(parse_flags(args_type))
+        args = parse_flags(args_type)  # --help prints and exits here
+        import transformers  # heavy: imported once the flags parse, so that --help does not wait for it
+
+        transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars of every tiny part: noise
+        diffusers.utils.logging.disable_progress_bar()
+        main(args)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -191,13 +192,36 @@ def parse_flags(args_type, argv: list[str] | None = None):
     of the flag's type or choices) is one `error:` line naming the flag and what it takes, and exit status 2."""
     box = io.StringIO()
     try:
-        with contextlib.redirect_stderr(box):
+        with contextlib.redirect_stderr(box), own_flags_first():
             return tyro.cli(args_type, args=argv)
     except SystemExit as e:
         if e.code in (0, None):
             raise
         print(f"error: {tyro_message(box.getvalue())}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+@contextlib.contextmanager
+def own_flags_first():
+    """While parsing, a script's Args lists its own flags (the algorithm's) before the shared RunArgs ones, in --help
+    too: a dataclass orders a base class's fields first, and a reader looks for the algorithm's flags first."""
+    registry, busy = tyro.constructors.ConstructorRegistry(), []
+
+    @registry.struct_rule
+    def reorder(info):
+        if busy or not (isinstance(info.type, type) and issubclass(info.type, RunArgs)) or info.type is RunArgs:
+            return None
+        busy.append(True)  # ask tyro's own rules for the fields, without this one
+        try:
+            spec = tyro.constructors.ConstructorRegistry.get_struct_spec(info)
+        finally:
+            busy.pop()
+        scripts = info.type.__mro__[: info.type.__mro__.index(RunArgs)]  # Args, and the classes between it and RunArgs
+        own = {name for c in scripts for name in vars(c).get("__annotations__", {})}  # learning_rate's new default too
+        return dataclasses.replace(spec, fields=tuple(sorted(spec.fields, key=lambda f: f.name not in own)))
+
+    with registry:
+        yield
 
 
 def tyro_message(box: str) -> str:
@@ -309,11 +333,3 @@ def check_not_shapesbench(args) -> None:
             value not in SOURCES,
             f"{flag} {value}: these prompts are {where} pass {flag} FILE, one prompt per line ({HPDV2_HOWTO})",
         )
-
-
-def flags_of(fn, args) -> dict:
-    """{name: args.name} for every keyword-only parameter of `fn`: the scripts call their objective with
-    `**flags_of(policy_loss, args)`, so that a new term's flag is a field of Args and a keyword argument of the
-    objective, and the call stays as it is."""
-    names = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
-    return {name: getattr(args, name) for name in names}
