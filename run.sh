@@ -58,7 +58,7 @@
 #   rlr-sd15-1gpu          SD1.5 + HPSv2.1, DDIM eta 1, LoRA r4, 512 px, 1 GPU; 17 GB per GPU
 #   rlr-sd15-8gpu          SD1.5 + HPSv2.1, LoRA r4, 512 px, 8 GPUs (DDP); 17 GB per GPU
 #   rlr-sd15-multinode     LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
-#   compare                every method at its defaults, side by side (benchmarks/compare.py); add --quick
+#   compare                every method at its defaults, side by side (benchmarks/claims/compare.py); add --quick
 #   evaluate-flux          FLUX.1-dev base vs --weights runs/<run> on HPDv2's test prompts: HPSv2.1, PickScore, ImageReward
 #   evaluate-sd35          the same for SD3.5-Medium (add --guidance-scale 1 for V-GRPO's evaluation without CFG)
 #
@@ -68,7 +68,7 @@
 #   EVAL_PROMPTS  held-out prompts (default: PROMPTS); evaluation uses a fixed subset of 48 (--eval-max-prompts)
 #   HPS           HPS_v2.1_compressed.pt (default: downloaded from the hub, xswu/HPSv2, on first use)
 #   MODEL_ID      a local diffusers folder, if the hub is not reachable (default: the hub id of the recipe's model)
-# GB per GPU: the plan of benchmarks/memory.py (docs/gpu.md), not a measurement: no recipe has run at full size yet.
+# GB per GPU: the plan of benchmarks/gpu/memory.py (docs/gpu.md), not a measurement: no recipe has run at full size yet.
 # --print shows a recipe's command; multinode recipes have the per-GPU memory of their 8gpu one.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -408,7 +408,7 @@ case "$recipe" in
   rlr-sd15-1gpu) go "${LAUNCH[@]}" --num_processes 1 rlr.py "${SD15_RLR[@]}" "$@" ;;
   rlr-sd15-8gpu) go "${DDP8[@]}" rlr.py "${SD15_RLR[@]}" "$@" ;;
   rlr-sd15-multinode) multinode rlr.py "${SD15_RLR[@]}" "$@" ;;
-  compare) go "$PY" benchmarks/compare.py "$@" ;;
+  compare) go "$PY" benchmarks/claims/compare.py "$@" ;;
   evaluate-flux) go "${LAUNCH[@]}" -m common.evaluate "${EVAL_FLUX[@]}" "$@" ;;
   evaluate-sd35) go "${LAUNCH[@]}" -m common.evaluate "${EVAL_SD35[@]}" "$@" ;;
   *) echo "unknown recipe '$recipe'; bash run.sh --list names them (the top of run.sh says what each does)" >&2; exit 2 ;;

@@ -1,6 +1,7 @@
 """One place sets the attention kernels (common/attention.py): each choice enables exactly its torch switches, a
 choice the device cannot run stops at start-up naming the flag, and every entry point that can put a model on a GPU
-calls it (read from the code: removing the one call fails here)."""
+calls it (the training scripts: run until their first model loads; the other entry points: read from their code,
+so that removing the one call fails here)."""
 
 import ast
 from pathlib import Path
@@ -10,9 +11,10 @@ import torch
 
 from common import InputError
 from common.attention import ATTENTION_BACKENDS, SWITCHES, enabled_backends, set_attention_backend
+from tests.helpers import algorithm_scripts
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ("dancegrpo", "branchgrpo", "vgrpo", "rlr", "diffusionnft")
+SCRIPTS = tuple(name.removesuffix(".py") for name in algorithm_scripts())
 
 
 @pytest.fixture(autouse=True)
@@ -81,8 +83,8 @@ ENTRY_POINTS = [
     ("common/runs.py", "Run.__init__"),  # the five training scripts: each main() builds a Run (checked below)
     ("common/evaluate.py", "main"),  # python -m common.evaluate
     ("common/rewards.py", "serve_main"),  # python -m common.rewards serve
-    ("benchmarks/rlr_memory.py", "worker"),  # --device cuda
-    ("benchmarks/gpu_backward_check.py", "one"),  # each variant's child process
+    ("benchmarks/gpu/rlr_memory.py", "worker"),  # --device cuda
+    ("benchmarks/gpu/gpu_backward_check.py", "one"),  # each variant's child process
 ]
 
 
@@ -92,16 +94,27 @@ def test_every_entry_point_sets_the_attention_backend(path, function):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_every_script_builds_a_run_before_its_models(script):
-    """Run.__init__ sets the backends; a script's main() builds its Run before any model is loaded."""
-    tree = ast.parse((ROOT / f"{script}.py").read_text())
-    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
-    lines = {}
-    for c in ast.walk(main):
-        if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in ("Run", "load_model"):
-            lines.setdefault(c.func.id, c.lineno)
-    assert "Run" in lines, f"{script}.py: main() builds no Run"
-    assert lines["Run"] < lines.get("load_model", 10**9), f"{script}.py: a model is loaded before the Run"
+def test_every_script_sets_the_flag_before_its_models(script, monkeypatch, tmp_path):
+    """A script's main() (through the Run it builds) sets the backends before any model is loaded: its first
+    load_model call, here stopped, finds `--attention-backend math` in force."""
+    import importlib
+
+    import tyro
+
+    module = importlib.import_module(script)
+
+    class Loaded(Exception):
+        pass
+
+    def stop(*a, **kw):
+        raise Loaded(enabled_backends())
+
+    monkeypatch.setattr(module, "load_model", stop)
+    set_attention_backend("auto", "cpu")
+    args = tyro.cli(module.Args, args=["--attention-backend", "math", "--output-dir", str(tmp_path), "--no-save"])
+    with pytest.raises(Loaded) as e:
+        module.main(args)
+    assert e.value.args[0] == ["math"]
 
 
 def test_the_flag_reaches_the_run_and_its_banner(tmp_path):

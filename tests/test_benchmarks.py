@@ -13,7 +13,9 @@ from tests.test_vgrpo import TINY_RUN
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    """A benchmark module by its file name, from whichever sub-folder of benchmarks/ holds it."""
+    (path,) = ROOT.glob(f"benchmarks/*/{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -110,7 +112,7 @@ def test_gradient_agreement_runs_on_a_small_sample():
 
 
 def test_backward_check_runs_each_variant_and_gets_the_same_gradient():
-    """benchmarks/gpu_backward_check.py on tiny configs, in this process: the scripts' training step (LoRA on a bf16
+    """benchmarks/gpu/gpu_backward_check.py on tiny configs, in this process: the scripts' training step (LoRA on a bf16
     base under autocast, checkpointing) gives a finite gradient, and the variants that change only how it is computed
     (no checkpointing, math attention) give the same one; a failure is a result, not an exception."""
     import torch

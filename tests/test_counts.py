@@ -1,5 +1,5 @@
 """The forward counts the scripts log are the forwards that ran. Each script runs one iteration under
-benchmarks/gpu_timing.py, which counts the rows of every call of the denoiser's class (a hook, not a formula of the
+benchmarks/gpu/gpu_timing.py, which counts the rows of every call of the denoiser's class (a hook, not a formula of the
 flags): the logged forwards per image (BranchGRPO: per leaf, rollout and training) times the images must equal it."""
 
 import json
@@ -34,7 +34,7 @@ CASES = {  # script, flags, images per iteration
 def test_logged_forward_counts_are_the_forwards_that_ran(case, tmp_path):
     script, flags, images = CASES[case]
     timings = tmp_path / "timings.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_timing.py"), str(timings), script, *flags, *QUICK]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu" / "gpu_timing.py"), str(timings), script, *flags, *QUICK]
     cmd += ["--output-dir", str(tmp_path), "--exp-name", case]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -599,7 +599,7 @@ def test_samples_are_shuffled_before_the_split_into_optimizer_steps():
 def test_the_evaluation_swap_copies_one_tensor_at_a_time_and_restores_every_bit():
     """weights_swapped holds the EMA in the parameters inside its block and gives both back exactly; the memory it
     allocates is one tensor's (the largest), not a copy of all the weights (torch's memory tracker)."""
-    from benchmarks import memory
+    from benchmarks.gpu import memory
 
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (1000, 50_000, 20_000)]

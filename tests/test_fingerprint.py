@@ -1,7 +1,7 @@
-"""benchmarks/fingerprint.py's comparison: equal weights and every figure logged before equal after; a figure added
+"""benchmarks/testing/fingerprint.py's comparison: equal weights and every figure logged before equal after; a figure added
 is listed, a figure changed, missing or renamed without --renamed is a difference."""
 
-from benchmarks.fingerprint import compare
+from benchmarks.testing.fingerprint import compare
 
 
 def test_compare_allows_added_figures_and_declared_renames_only():

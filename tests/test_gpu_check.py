@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh, the prepared GPU check, rehearsed on the CPU: both calls end to end at tiny widths (every
+"""benchmarks/gpu/gpu_check.sh, the prepared GPU check, rehearsed on the CPU: both calls end to end at tiny widths (every
 model kind built on the device in this process, each script's main run on it, timed, released), the timing model's
 estimate of each call within its limit, a failing or overrunning case contained, bad flags refused at start-up; the
 weights built as from_pretrained leaves them (dtypes, fp32 modules); the FLOPs counted on the LoRA-wrapped
@@ -19,13 +19,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 def gpu_check(*flags, env=None):
     return subprocess.run(
-        ["bash", "benchmarks/gpu_check.sh", *flags], cwd=ROOT, capture_output=True, text=True, env=env or ENV,
+        ["bash", "benchmarks/gpu/gpu_check.sh", *flags], cwd=ROOT, capture_output=True, text=True, env=env or ENV,
         timeout=900,
     )  # fmt: skip
 
 
 def test_the_rehearsal_runs_both_calls_end_to_end_and_the_plan_fits_its_limits(tmp_path):
-    from benchmarks import gpu_check as G
+    from benchmarks.gpu import gpu_build
+    from benchmarks.gpu import gpu_check as G
 
     t = time.perf_counter()
     out = gpu_check("--rehearse", "--out", str(tmp_path / "work"), "--results", str(tmp_path / "results"))
@@ -34,7 +35,8 @@ def test_the_rehearsal_runs_both_calls_end_to_end_and_the_plan_fits_its_limits(t
     assert results["status"] == "done" and results["failures"] == [] and results["calls"] == [1, 2]
     cases = results["cases"]
     assert list(cases) == [f"{c.call}/{c.name}" for c in G.CASES[1] + G.CASES[2]]
-    assert {c.name for c in G.CASES[1] + G.CASES[2]} >= set(G.KINDS) | {s[:-3] for s in G.SCRIPTS}  # every kind
+    every = set(gpu_build.KINDS) | {s[:-3] for s in gpu_build.SCRIPTS}
+    assert {c.name for c in G.CASES[1] + G.CASES[2]} >= every  # every kind
     for key, r in cases.items():
         assert r["status"] == "ok" and r["released"], key  # ran, and its model was freed before the next case
         assert r["nograd_rows"] > 0 and r["grad_rows"] > 0 and r["backward_s"] > 0, key
@@ -68,24 +70,26 @@ def test_the_rehearsal_runs_both_calls_end_to_end_and_the_plan_fits_its_limits(t
 
 @pytest.fixture
 def quick(monkeypatch):
-    """benchmarks.gpu_check with the attention probe faked (its own tests run it)."""
-    from benchmarks import gpu_check as G
-    from benchmarks import sdpa_probe
+    """benchmarks.gpu.gpu_check with the attention probe faked (its own tests run it)."""
+    from benchmarks.gpu import gpu_check as G
+    from benchmarks.gpu import sdpa_probe
 
     monkeypatch.setattr(sdpa_probe, "probe", lambda *a, **k: [{"status": "ok"}])
     return G
 
 
 def test_a_failing_case_is_recorded_and_the_next_case_runs(tmp_path, quick, monkeypatch):
+    from benchmarks.gpu import gpu_build
+
     G = quick
-    build = G.build_model
+    build = gpu_build.build_model
 
     def broken(kind, *a, **k):
         if kind == "sd35":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nsecond line")
         return build(kind, *a, **k)
 
-    monkeypatch.setattr(G, "build_model", broken)
+    monkeypatch.setattr(gpu_build, "build_model", broken)  # what kit_weights builds with
     with pytest.raises(SystemExit, match="not every step ran: 1/sd35"):
         G.main(["--rehearse", "--call", "1", "--cases", "sd35,wan21", "--out", str(tmp_path / "w"), "--results",
                 str(tmp_path / "r")])  # fmt: skip
@@ -138,7 +142,7 @@ def test_a_case_that_overruns_the_call_is_ended_and_the_rest_skipped(tmp_path, q
     ],
 )
 def test_bad_flags_fail_at_start_up(tmp_path, capsys, flags, error, monkeypatch):
-    from benchmarks import gpu_check as G
+    from benchmarks.gpu import gpu_check as G
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as e:
@@ -170,14 +174,14 @@ def test_weights_are_made_in_the_dtypes_from_pretrained_gives(tmp_path):
     from diffusers import WanTransformer3DModel
     from transformers import UMT5EncoderModel
 
-    from benchmarks import gpu_check as G
+    from benchmarks.gpu import gpu_build
     from tests.tiny import build_wan
 
     build_wan(tmp_path)
     for cls, sub in ((WanTransformer3DModel, "transformer"), (UMT5EncoderModel, "text_encoder")):
         loaded = cls.from_pretrained(tmp_path / sub, dtype=torch.bfloat16)
         factory = cls.from_config if cls is WanTransformer3DModel else cls
-        built = G.made("cpu", torch.bfloat16, factory, loaded.config)
+        built = gpu_build.made("cpu", torch.bfloat16, factory, loaded.config)
         assert dtypes(built) == dtypes(loaded)
         assert torch.float32 in dtypes(built).values() or cls is UMT5EncoderModel
         assert all(torch.isfinite(p).all() for p in built.parameters())
@@ -187,13 +191,13 @@ def test_the_flops_are_counted_on_the_lora_wrapped_denoiser_forward_and_backward
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from benchmarks import gpu_check as G
-    from benchmarks import memory
+    from benchmarks.gpu import gpu_cases, memory
+    from benchmarks.gpu import gpu_check as G
     from common.models import add_lora
 
     case = G.CASES[1][0]  # FLUX.1-dev
-    counted = G.count_flops(case, "tiny")  # on the meta device
-    parts, shapes = G.parts_of("flux", "tiny"), G.shapes_of(case, "tiny")
+    counted = gpu_cases.count_flops(case, "tiny")  # on the meta device
+    parts, shapes = G.parts_of("flux", "tiny"), gpu_cases.shapes_of(case, "tiny")
     torch.manual_seed(0)
     module = memory.build_denoiser("flux", parts["denoiser"], torch.bfloat16).requires_grad_(False)
     x = torch.randn(1, *shapes.latent)
@@ -209,15 +213,15 @@ def test_the_flops_are_counted_on_the_lora_wrapped_denoiser_forward_and_backward
     base = flops(False)
     add_lora(module, 128, 256)
     assert (counted["forward_base"], counted["forward"], counted["train"]) == (base, flops(False), flops(True))
-    assert counted["forward"] == pytest.approx(G.expected_flops(case, "tiny"), rel=0.01)
+    assert counted["forward"] == pytest.approx(gpu_cases.expected_flops(case, "tiny"), rel=0.01)
     assert counted["train"] > 2 * counted["forward"]
 
 
 def test_the_committed_plan_is_current_and_every_case_fits_one_gpu():
-    """benchmarks/gpu_plan.json: an entry per case, made for its current parts, size and flags (else: `python
-    benchmarks/gpu_check.py --write-plan benchmarks/gpu_plan.json`), each planned within an 80 GB GPU; FLUX.1-dev at
+    """benchmarks/gpu/gpu_plan.json: an entry per case, made for its current parts, size and flags (else: `python
+    benchmarks/gpu/gpu_check.py --write-plan benchmarks/gpu/gpu_plan.json`), each planned within an 80 GB GPU; FLUX.1-dev at
     720 px counted as by hand."""
-    from benchmarks import gpu_check as G
+    from benchmarks.gpu import gpu_check as G
 
     plan = G.read_plan(G.PLAN)
     for call, cases in G.CASES.items():
@@ -239,33 +243,38 @@ def test_the_committed_plan_is_current_and_every_case_fits_one_gpu():
 def test_the_timing_model_adds_up():
     """estimate_case: the FLOPs of the rows at the assumed MFU, plus building and the fixed costs; more rows, more
     time; estimate_call adds the start-up (and call 1's probe)."""
-    from benchmarks import gpu_check as G
+    from benchmarks.gpu import gpu_cases
+    from benchmarks.gpu import gpu_check as G
 
     case = G.CASES[2][0]
     entry = G.plan_for(G.read_plan(G.PLAN), case, False)
     rows = {"nograd_rows": 32, "grad_rows": 8, "forwards": 20, "samples": 4, "prompts": 5}
     e = G.estimate_case(case, entry, rows)
-    peak = G.TIMING["peak_tflops"] * 1e12
-    assert e["rollout_s"] == pytest.approx(32 * entry["flops"]["forward"] / (G.TIMING["mfu_rollout"] * peak))
+    peak = gpu_cases.TIMING["peak_tflops"] * 1e12
+    assert e["rollout_s"] == pytest.approx(32 * entry["flops"]["forward"] / (gpu_cases.TIMING["mfu_rollout"] * peak))
     assert e["total_s"] == pytest.approx(sum(v for k, v in e.items() if k.endswith("_s") and k != "total_s"))
     more = G.estimate_case(case, entry, rows | {"grad_rows": 16})
     assert more["train_s"] > e["train_s"] and more["total_s"] > e["total_s"]
     call = G.estimate_call(1, {"a": e})
-    assert call["total_s"] == pytest.approx(e["total_s"] + call["fixed_s"]) and call["fixed_s"] > G.TIMING["probe_s"]
+    assert (
+        call["total_s"] == pytest.approx(e["total_s"] + call["fixed_s"])
+        and call["fixed_s"] > gpu_cases.TIMING["probe_s"]
+    )
 
 
 def test_every_gpu_case_builds_from_its_real_configs():
     """Every case of both calls built as on the GPU (the real widths, call 1's depths, the real text encoders, VAEs and
     pipelines), on the meta device: the configs, the pipeline and the model class fit together, and the denoiser has
     the parameters the plan counted (A14B: two experts)."""
-    from benchmarks import gpu_check as G
+    from benchmarks.gpu import gpu_build, gpu_cases
+    from benchmarks.gpu import gpu_check as G
 
     plan = G.read_plan(G.PLAN)
-    for case in G.CASES[1] + G.CASES[2][:1] + [c for c in G.CASES[2] if c.name in G.KINDS]:
-        size = G.size_of(case, False)
+    for case in G.CASES[1] + G.CASES[2][:1] + [c for c in G.CASES[2] if c.name in gpu_build.KINDS]:
+        size = gpu_cases.size_of(case, False)
         side = size.get("resolution") or (size["height"] if size["height"] == size["width"] else None)
         parts = G.parts_of(case.kind, case.scale)
-        model = G.build_model(case.kind, parts, "meta", torch.bfloat16, side, size.get("frames"), False)
+        model = gpu_build.build_model(case.kind, parts, "meta", torch.bfloat16, side, size.get("frames"), False)
         denoiser = model.unet if model.kind == "sd1" else model.transformer
         experts = 2 if case.kind == "wan22-a14b" else 1
         counted = G.plan_for(plan, case, False)["flops"]["params"]
@@ -276,12 +285,13 @@ def test_every_gpu_case_builds_from_its_real_configs():
 def test_the_kits_reward_scores_as_hpsv2_1_with_the_same_weights(tmp_path):
     """random_hps is common.rewards.hpsv2_1 without reading a checkpoint: with the weights the tiny checkpoint holds
     (the same seed), the same scores."""
-    from benchmarks import gpu_check as G
+    from benchmarks.gpu import gpu_build
+    from benchmarks.gpu import gpu_check as G
     from common.rewards import hpsv2_1
     from tests.tiny import build_tiny_hps
 
     checkpoint = build_tiny_hps(tmp_path)  # seed 0, open_clip config 'tiny-hps' registered
     images, prompts = torch.rand(3, 3, 40, 48), ["a red circle", "a green square", "a cat"]
     torch.manual_seed(0)
-    kit = G.random_hps("cpu", arch=G.TINY_HPS)
+    kit = gpu_build.random_hps("cpu", arch=G.TINY_HPS)
     assert torch.equal(kit(images, prompts), hpsv2_1("cpu", checkpoint, arch=G.TINY_HPS)(images, prompts))

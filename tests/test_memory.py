@@ -1,4 +1,4 @@
-"""benchmarks/memory.py: the per-GPU memory plan, on a tiny FLUX and a tiny Wan2.1 (fake tensors, a few seconds each).
+"""benchmarks/gpu/memory.py: the per-GPU memory plan, on a tiny FLUX and a tiny Wan2.1 (fake tensors, a few seconds each).
 
     .venv/bin/python -m pytest tests/test_memory.py -q                 # ~30 s on one thread
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_memory.py -q
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from benchmarks import memory
+from benchmarks.gpu import memory
 
 GB = memory.GB
 # dancegrpo.py on FLUX.1-dev's kind at 64 px (the tiny VAE halves it: 32 x 32 latents, 256 tokens), micro-batch 2

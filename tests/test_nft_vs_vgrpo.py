@@ -1,4 +1,4 @@
-"""benchmarks/nft_vs_vgrpo.py: steps to a threshold, censoring, the median's interval and the ratios on hand-made
+"""benchmarks/claims/nft_vs_vgrpo.py: steps to a threshold, censoring, the median's interval and the ratios on hand-made
 curves worked out by hand; each setting's flags (the papers' numbers) as the scripts parse them; the child process's
 evaluation flags and the paper's old-policy pace; vgrpo.py --ema by hand at a non-neutral decay, and the default
 run (no EMA) unchanged."""
@@ -21,7 +21,7 @@ from tests.test_flags_applied import QUIET, run_flags, train_rows
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("nft_vs_vgrpo", ROOT / "benchmarks" / "nft_vs_vgrpo.py")
+    spec = importlib.util.spec_from_file_location("nft_vs_vgrpo", ROOT / "benchmarks" / "claims" / "nft_vs_vgrpo.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -126,7 +126,7 @@ def test_the_child_evaluates_every_iteration_and_passes_the_papers_pace(monkeypa
     monkeypatch.setattr(sys, "argv", sys.argv)  # the child sets it; given back after the test
     monkeypatch.setattr(N, "main", lambda args: seen.update(args=args))
     argv = B.child_argv("diffusionnft_paper_ema", 10, 2, 16)
-    assert argv[:3] == ["benchmarks/nft_vs_vgrpo.py", "--train", "diffusionnft.py"]
+    assert argv[:3] == ["benchmarks/claims/nft_vs_vgrpo.py", "--train", "diffusionnft.py"]
     # what run_one appends after the argv: its own evaluation schedule, which the child's overrides
     B.train([*argv[2:], "--seed", "1", "--eval-every", "5", "--eval-samples-per-prompt", "4"])
     a = seen["args"]
@@ -192,7 +192,7 @@ def test_vgrpo_default_saves_the_live_weights_and_carries_nothing_more(monkeypat
 def test_the_report_lists_every_run_and_the_censored_cells():
     results = results_by_hand()
     shown = {k: B.describe(k, 30) for k in results}
-    text = B.report(results, [0, 1], [0.125], shown, "python benchmarks/nft_vs_vgrpo.py", 1, 1)
+    text = B.report(results, [0, 1], [0.125], shown, "python benchmarks/claims/nft_vs_vgrpo.py", 1, 1)
     assert "| `diffusionnft_paper_live` | `diffusionnft.py --samples-per-update 64" in text
     assert "--old-decay-speed 56.6667" in text and text.count("--old-decay-speed") == 2
     assert (
@@ -202,7 +202,12 @@ def test_the_report_lists_every_run_and_the_censored_cells():
 
 
 def test_the_results_section_is_spliced_in_place_of_the_old_one_and_compare_writes_the_same(tmp_path):
-    record = {"command": "python benchmarks/nft_vs_vgrpo.py", "commit": "abc1234", "seeds": [0, 1], "gains": [0.125]}
+    record = {
+        "command": "python benchmarks/claims/nft_vs_vgrpo.py",
+        "commit": "abc1234",
+        "seeds": [0, 1],
+        "gains": [0.125],
+    }
     record["curves"] = results_by_hand()
     section = B.results_section(record)
     assert section[0] == "## V-GRPO against DiffusionNFT" and "seeds 0, 1; made by" in section[2]
@@ -225,8 +230,9 @@ def test_the_results_section_is_spliced_in_place_of_the_old_one_and_compare_writ
     assert text.startswith("# Results\ntable\n## V-GRPO") and text.endswith("\n## Next\nkept")
     assert B.splice("# Results", section) == "\n".join(["# Results", "", *section])  # no section yet: appended
     assert B.splice(B.splice("# Results", section), section) == B.splice("# Results", section)  # idempotent
-    # benchmarks/compare.py, rewriting docs/results.md, writes the same section from the record on disk
-    compare = sys.modules["benchmarks.compare"]
+    # benchmarks/claims/compare.py, rewriting docs/results.md, writes the same section from the record on disk
+    from benchmarks.claims import compare
+
     assert compare.nft_vs_vgrpo_section(tmp_path) == []  # before the benchmark has run: no section
     (tmp_path / "nft_vs_vgrpo.json").write_text(json.dumps(record))
     assert compare.nft_vs_vgrpo_section(tmp_path) == ["", *section]

@@ -219,9 +219,9 @@ def test_a14b_takes_its_second_guidance_scale_on_the_low_noise_expert(tmp_path, 
 
 
 def test_the_schedules_benchmark_measures_the_static_grids_distance_from_each_pipelines():
-    """benchmarks/schedules.py (docs/models.md's table): Qwen-Image's 10-step grid at 512 px is 0.245 from the static
+    """benchmarks/claims/schedules.py (docs/models.md's table): Qwen-Image's 10-step grid at 512 px is 0.245 from the static
     shift 3's (0.429 vs 0.183 at step 8) and ends at 0.02; Z-Image-Turbo's static shift 3 is ours."""
-    from benchmarks.schedules import rows
+    from benchmarks.claims.schedules import rows
 
     found = {(r["model"], r["px"], r["steps"]): r for r in rows()}
     qwen = found["Qwen-Image", 512, 10]

@@ -1,5 +1,5 @@
 """diffusionnft.py's functions at values where a wrong constant, sign, bound or key shows: each against numbers worked
-out by hand here. Written for the mutants benchmarks/mutation.py generated that the other tests let pass."""
+out by hand here. Written for the mutants benchmarks/testing/mutation.py generated that the other tests let pass."""
 
 import warnings
 from contextlib import nullcontext

@@ -1,5 +1,5 @@
 """rlr.py's functions at values where a wrong constant, sign, bound or index shows: each against numbers worked
-out by hand here. Written for the mutants benchmarks/mutation.py generated that the other tests let pass."""
+out by hand here. Written for the mutants benchmarks/testing/mutation.py generated that the other tests let pass."""
 
 import sys
 from pathlib import Path

@@ -1,5 +1,5 @@
 """common/runs.py at values where a wrong constant, bound, sign or cadence shows: each against numbers or text worked
-out by hand here. Written for the mutants benchmarks/mutation.py generated that the other tests let pass."""
+out by hand here. Written for the mutants benchmarks/testing/mutation.py generated that the other tests let pass."""
 
 import types
 

@@ -1,5 +1,5 @@
 """vgrpo.py's functions at values where a wrong constant, sign, bound or index shows: each against numbers worked
-out by hand here. Written for the mutants benchmarks/mutation.py generated that the other tests let pass."""
+out by hand here. Written for the mutants benchmarks/testing/mutation.py generated that the other tests let pass."""
 
 from contextlib import nullcontext
 

@@ -334,7 +334,7 @@ def test_docs_show_each_gpu_command_as_run_sh_prints_it():
             assert command == recipe(name), f"{f.name}: the command under `bash run.sh --print {name}` is stale"
         shown += len(printed)
         for line in text.splitlines():  # any other launch line with a real model would be a hand copy
-            if "benchmarks/memory.py --command" in line:  # a memory plan of a setting, not a launch command
+            if "benchmarks/gpu/memory.py --command" in line:  # a memory plan of a setting, not a launch command
                 continue
             if re.search(r"--model-id (black-forest-labs|stabilityai|stable-diffusion-v1-5|Wan-AI)/", line):
                 assert line.strip() in printed.values(), f"{f.name}: a GPU command that is not a run.sh recipe: {line}"

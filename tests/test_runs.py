@@ -147,7 +147,7 @@ def test_summarize_takes_the_max_of_a_max_figure_and_the_mean_over_every_value_o
 
 def test_a_run_turns_off_cudnn_attention(make_run):
     """cuDNN's attention backward failed on an H200 with torch 2.11 (an illegal memory access at FLUX.1-dev's shapes,
-    benchmarks/gpu_backward_check.py): every training run uses flash / memory-efficient attention instead."""
+    benchmarks/gpu/gpu_backward_check.py): every training run uses flash / memory-efficient attention instead."""
     import torch
 
     torch.backends.cuda.enable_cudnn_sdp(True)

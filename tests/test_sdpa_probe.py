@@ -1,4 +1,4 @@
-"""benchmarks/sdpa_probe.py on the CPU at tiny sizes: the kernels the CPU has run and agree with the float32
+"""benchmarks/gpu/sdpa_probe.py on the CPU at tiny sizes: the kernels the CPU has run and agree with the float32
 reference, the ones it lacks are 'unsupported', a case that poisons or kills its process is recorded and the next case
 runs in a fresh one; the full-size shapes are the token counts the models train with."""
 
@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import memory, sdpa_probe  # noqa: E402
+from benchmarks.gpu import memory, sdpa_probe  # noqa: E402
 
 
 def test_tiny_probe_runs_every_kernel_and_agrees_with_the_reference():
@@ -76,7 +76,7 @@ def test_the_mask_pads_every_other_row_and_the_reference_uses_it():
 
 
 def tokens(kind: str, resolution, frames=None) -> int:
-    """Image or video tokens of one sample, from benchmarks/memory.py's shapes of the same model."""
+    """Image or video tokens of one sample, from benchmarks/gpu/memory.py's shapes of the same model."""
     shapes = memory.Shapes.of(kind, memory.MODELS[kind], resolution, frames)
     if kind in memory.VIDEO_KINDS:
         _, f, h, w = shapes.latent

@@ -59,7 +59,7 @@ def server(rewards):
     """jpeg, verifier and boom (a reward that raises RuntimeError); token 'secret', 4 images and 3 of 32x32 pixels
     a request at most, prompts of 100 characters, 4 connections at once, each request whole within 2 s. A server of
     its own for each test (a bind and a thread): no test sees what another left, and serve() is called inside each
-    test that uses it, so that a mutation tool sees which tests reach it (benchmarks/mutation.py)."""
+    test that uses it, so that a mutation tool sees which tests reach it (benchmarks/testing/mutation.py)."""
 
     def score(name, images, prompts):
         if name == "boom":

@@ -138,18 +138,18 @@ def count_on_meta(cls, config) -> int:
 
 def test_ltx23_has_its_published_size():
     """LTX-2.3 is published as a 22B audio-video model: its transformer and text connectors built from the
-    conversion configs benchmarks/memory.py keeps (LTX23, LTX23_TEXT_CONNECTORS: those of diffusers' LTX-2.3
+    conversion configs benchmarks/gpu/memory.py keeps (LTX23, LTX23_TEXT_CONNECTORS: those of diffusers' LTX-2.3
     conversion) on the meta device hold 18.99B + 3.17B = 22.16B, within 1% of 22B, and the memory plan's constants
     are these counts; Gemma 3 12B's config holds the published 12.19B."""
     from diffusers import LTX2VideoTransformer3DModel
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    from benchmarks import memory
+    from benchmarks.gpu import memory
 
     transformer = count_on_meta(LTX2VideoTransformer3DModel, memory.LTX23)
     connectors = count_on_meta(LTX2TextConnectors, memory.LTX23_TEXT_CONNECTORS)
-    # its text encoder as benchmarks/gpu_check.py builds it: Gemma 3 12B, 12.19B with its SigLIP tower
+    # its text encoder as benchmarks/gpu/gpu_build.py builds it: Gemma 3 12B, 12.19B with its SigLIP tower
     gemma = count_on_meta(lambda **c: Gemma3ForConditionalGeneration(Gemma3Config(**c)), memory.GEMMA3_12B)
     assert abs(gemma / 12.19e9 - 1) < 1e-3, gemma
     assert abs((transformer + connectors) / 22e9 - 1) < 0.01, (transformer, connectors)
@@ -168,7 +168,7 @@ def test_ltx2_recipe_follows_the_published_cps_setting_and_its_memory_plan_has_t
     import tyro
 
     import dancegrpo
-    from benchmarks import memory
+    from benchmarks.gpu import memory
     from tests.helpers import ROOT
 
     out = subprocess.run(["bash", "run.sh", "--print", "dancegrpo-ltx2-8gpu"], cwd=ROOT, capture_output=True, text=True,

@@ -1,7 +1,7 @@
 """What each training script's lines are for: a count by category, read from the scripts' own section banners.
 
-    python benchmarks/anatomy.py                 # the training scripts of this checkout
-    python benchmarks/anatomy.py --at REV        # the same at a git revision, e.g. to compare before and after
+    python benchmarks/claims/anatomy.py                 # the training scripts of this checkout
+    python benchmarks/claims/anatomy.py --at REV        # the same at a git revision, e.g. to compare before and after
 
 Categories: header (module docstring and imports), flags (`Args`), algorithm functions (the ALGO LOGIC section),
 checks (flag checks and defaults), main's algorithm (SAMPLING, REWARDS & ADVANTAGES, TRAINING), plumbing (SETUP,
@@ -16,7 +16,7 @@ import re
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("dancegrpo.py", "branchgrpo.py", "vgrpo.py", "rlr.py", "diffusionnft.py")
 COLUMNS = ("header", "flags", "algorithm functions", "checks", "main's algorithm", "plumbing", "logging")
 MAIN_SECTIONS = {"SAMPLING": "main's algorithm", "REWARDS & ADVANTAGES": "main's algorithm",

@@ -1,7 +1,7 @@
 """Does branching keep the diversity of independent sampling? (BranchGRPO, arXiv 2509.06040, section 3.1)
 
-    python benchmarks/branch_diversity.py                       # 16 held-out prompts, every configuration below
-    python benchmarks/branch_diversity.py --prompts 4 --out /tmp/div.json
+    python benchmarks/claims/branch_diversity.py                       # 16 held-out prompts, every configuration below
+    python benchmarks/claims/branch_diversity.py --prompts 4 --out /tmp/div.json
 
 For each held-out ShapesBench prompt, the M = 16 leaves of one tree of the shipped base model (20 steps, K = 2,
 Flow-GRPO SDE noise a = 0.7, as branchgrpo.py's defaults) are compared with 16 independent SDE samples of the same
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 CONFIGS = {  # name: (split schedule, branch noise, s); s = 0: siblings share their split-step noise (not later ones)

@@ -1,8 +1,8 @@
 """BranchGRPO speed benchmarks, on the shipped ShapesBench model, CPU.
 
-    python benchmarks/branchgrpo_speed.py rollout      # one 16-leaf tree: batched per depth vs one node at a time
-    python benchmarks/branchgrpo_speed.py iteration    # s/iteration vs dancegrpo.py at 16 samples per prompt, 20 steps
-    python benchmarks/branchgrpo_speed.py mixgrpo      # dancegrpo.py defaults: full SDE vs --sde-window 4
+    python benchmarks/claims/branchgrpo_speed.py rollout      # one 16-leaf tree: batched per depth vs one node at a time
+    python benchmarks/claims/branchgrpo_speed.py iteration    # s/iteration vs dancegrpo.py at 16 samples per prompt, 20 steps
+    python benchmarks/claims/branchgrpo_speed.py mixgrpo      # dancegrpo.py defaults: full SDE vs --sde-window 4
 
 `iteration` runs the real scripts back to back (subprocesses, no evaluation, KL off as in both papers) and
 reports the median seconds per iteration over the iterations after the first; it prints a JSON table.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from common.logs import read_metrics  # noqa: E402
 

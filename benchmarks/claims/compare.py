@@ -1,10 +1,10 @@
 """Every method side by side on ShapesBench with the learned reward, each at its default settings.
 
-    python benchmarks/compare.py             # 2 seeds at the defaults (hours on 2 CPU cores): docs/results.md,
+    python benchmarks/claims/compare.py             # 2 seeds at the defaults (hours on 2 CPU cores): docs/results.md,
                                              # docs/results.png, docs/results_grids/
-    python benchmarks/compare.py --quick     # 1 seed, 10 iterations each (~15 min): the same files in
-                                             # benchmarks/compare_out/quick/
-    python benchmarks/compare.py --tradeoff  # + the sweep of SWEEP (seed 0): docs/tradeoff.md, docs/tradeoff.png
+    python benchmarks/claims/compare.py --quick     # 1 seed, 10 iterations each (~15 min): the same files in
+                                             # benchmarks/claims/compare_out/quick/
+    python benchmarks/claims/compare.py --tradeoff  # + the sweep of SWEEP (seed 0): docs/tradeoff.md, docs/tradeoff.png
     bash run.sh compare [--quick]
 
 DanceGRPO, MixGRPO (--sde-window 4), BranchGRPO (no / width / depth / mix pruning), V-GRPO, RLR and DiffusionNFT
@@ -27,21 +27,19 @@ regulariser) as a line.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import platform
-import shutil
-import statistics
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from common.logs import read_metrics  # noqa: E402
+from benchmarks.claims.nft_vs_vgrpo import results_section  # noqa: E402
+from benchmarks.claims.training_runs import EVAL, curves, default_of, run_one  # noqa: E402
 
 METHODS = {  # key: (label, script and flags)
     "dancegrpo": ("DanceGRPO", ["dancegrpo.py"]),
@@ -61,7 +59,7 @@ METHODS = {  # key: (label, script and flags)
     "vgrpo": ("V-GRPO", ["vgrpo.py"]),
     "rlr": ("RLR", ["rlr.py"]),
     "diffusionnft": ("DiffusionNFT", ["diffusionnft.py"]),
-    # V-GRPO and DiffusionNFT at the papers' 1 optimizer step per iteration (benchmarks/nft_vs_vgrpo.py compares them)
+    # V-GRPO and DiffusionNFT at the papers' 1 optimizer step per iteration (benchmarks/claims/nft_vs_vgrpo.py compares them)
     "vgrpo_1step": ("V-GRPO, 1 step / it.", ["vgrpo.py", "--samples-per-update", "64"]),
     "diffusionnft_1step": ("DiffusionNFT, 1 step / it.", ["diffusionnft.py", "--samples-per-update", "64"]),
 }
@@ -86,20 +84,6 @@ BARS = {
     "diversity kept >= 70%": lambda a, b, t: b["diversity_kept"] >= 0.70,
     "<= 8 min": lambda a, b, t: t <= 8.0,
 }
-EVAL = ["shape_acc", "all_acc", "clean_acc", "reward_mean", "diversity", "diversity_kept"]
-# forward passes and trained transitions per image, whichever the script logs
-FORWARDS = ["perf/nfe_per_image", "tree/rollout_forwards_per_leaf"]
-TRAINED = [
-    "perf/trained_steps_per_image",
-    "tree/trained_edges_per_leaf",
-    "perf/trained_pairs_per_image",
-    "rlr/subchain_len",
-    "perf/trained_timesteps_per_image",
-]
-
-
-def default_of(script: str, field: str):
-    return importlib.import_module(Path(script).stem).Args.__dataclass_fields__[field].default
 
 
 def sweep_runs(methods: list[str]) -> dict:
@@ -122,68 +106,6 @@ def missed(cs: list[dict]) -> list[str]:
     return [name for name, ok in BARS.items() if not ok(first, last, minutes)]
 
 
-def run_one(key: str, argv: list[str], seed: int, out: Path, quick: bool, threads: int) -> Path:
-    """Train one (method, seed) unless it has finished; resume it if it has a checkpoint. Returns its run folder."""
-    runs = out / "runs"
-    folders = sorted(runs.glob(f"{key}__{seed}__*"))
-    done = [f for f in folders if (f / "final").is_dir()]
-    if done:
-        return done[-1]
-    resumable = [f for f in folders if any((f / "checkpoints").glob("iter_*"))]
-    for f in folders:  # a run that died before its first checkpoint starts again
-        if f not in resumable:
-            shutil.rmtree(f)
-    given = [int(argv[k + 1]) for k, flag in enumerate(argv) if flag == "--iterations"]  # a method's own length
-    iterations = 10 if quick else (given or [default_of(argv[0], "iterations")])[-1]
-    every = iterations if quick else max(5, iterations // 4)
-    cmd = [sys.executable, *argv, "--seed", str(seed), "--exp-name", key, "--output-dir", str(runs)]
-    cmd += ["--iterations", str(iterations), "--eval-every", str(every), "--sample-every", str(iterations)]
-    cmd += ["--save-every", "5", "--eval-samples-per-prompt", "2" if quick else "4"]
-    if resumable:
-        cmd += ["--resume-from", str(resumable[-1])]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    with open(out / "logs" / f"{key}__{seed}.log", "a") as log:
-        status = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    if status != 0:
-        raise SystemExit(f"{key} seed {seed} failed (exit {status}); see {out / 'logs' / f'{key}__{seed}.log'}")
-    print(f"  {key} seed {seed}: {time.perf_counter() - t0:.0f} s", flush=True)
-    return sorted(runs.glob(f"{key}__{seed}__*"))[-1]
-
-
-def curves(run: Path) -> dict:
-    """Evaluation points (iteration, training seconds so far, metrics) and per-iteration figures of one run."""
-    rows = read_metrics(run)
-    train = {r["iteration"]: r for r in rows if "perf/iteration_s" in r}
-    elapsed, total = {0: 0.0}, 0.0
-    for it in sorted(train):
-        total += train[it]["perf/iteration_s"]
-        elapsed[it] = total
-    steps = {0: 0, **{it: r.get("charts/optimizer_steps", float("nan")) for it, r in train.items()}}
-    evals = [
-        {
-            "iteration": r["iteration"],
-            "time": elapsed.get(r["iteration"], total),
-            "steps": steps.get(r["iteration"], float("nan")),  # optimizer steps so far
-            **{k: r[f"eval/{k}"] for k in EVAL},
-        }
-        for r in rows
-        if "eval/shape_acc" in r
-    ]
-    last = train[max(train)]
-    forwards = next((last[k] for k in FORWARDS if k in last), float("nan"))
-    if "tree/train_forwards_per_leaf" in last:
-        forwards += last["tree/train_forwards_per_leaf"]
-    return {
-        "evals": evals,
-        "s_per_iteration": statistics.median(r["perf/iteration_s"] for r in train.values()),
-        "train_time": total,
-        "forwards": forwards,
-        "trained": next((last[k] for k in TRAINED if k in last), float("nan")),
-    }
-
-
 def reach(c: dict, target: float) -> dict | None:
     """The first evaluation (iteration, training seconds, optimizer steps, metrics) whose learned reward reaches
     target."""
@@ -201,13 +123,11 @@ def mean(xs) -> float:
 
 
 def nft_vs_vgrpo_section(docs: Path) -> list[str]:
-    """docs/results.md's section on V-GRPO against DiffusionNFT: benchmarks/nft_vs_vgrpo.py's, from its record
+    """docs/results.md's section on V-GRPO against DiffusionNFT: benchmarks/claims/nft_vs_vgrpo.py's, from its record
     docs/nft_vs_vgrpo.json (which that benchmark splices into this file when it runs), or none before it has run."""
     record = docs / "nft_vs_vgrpo.json"
     if not record.exists():
         return []
-    from benchmarks.nft_vs_vgrpo import results_section  # that file imports this one: imported when needed
-
     return ["", *results_section(json.loads(record.read_text()))]
 
 
@@ -394,16 +314,18 @@ def main():
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets --threads threads)")
     parser.add_argument("--threads", type=int, help="threads per run (default: the cores divided by --jobs)")
-    parser.add_argument("--out", type=Path, help="runs, logs and (--quick) results; default benchmarks/compare_out/")
+    parser.add_argument(
+        "--out", type=Path, help="runs, logs and (--quick) results; default benchmarks/claims/compare_out/"
+    )
     a = parser.parse_args()
     if a.jobs < 1 or (a.threads is not None and a.threads < 1):
         parser.error("--jobs and --threads must be >= 1")
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.jobs)
     seeds = a.seeds or ([0] if a.quick else [0, 1])
-    out = a.out or ROOT / "benchmarks" / "compare_out" / ("quick" if a.quick else "full")
+    out = a.out or ROOT / "benchmarks" / "claims" / "compare_out" / ("quick" if a.quick else "full")
     docs = out if a.quick else ROOT / "docs"
     command = (
-        "python benchmarks/compare.py"
+        "python benchmarks/claims/compare.py"
         + (" --quick" if a.quick else "")
         + (f" --jobs {a.jobs}" if a.jobs > 1 else "")
         + (" --tradeoff" if a.tradeoff else "")

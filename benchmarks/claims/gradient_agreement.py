@@ -1,9 +1,9 @@
 """How much signal is in one iteration's policy gradient? DanceGRPO's and BranchGRPO's per-step likelihood ratios
 against V-GRPO's ELBO surrogate.
 
-    python benchmarks/gradient_agreement.py                  # 3 draws of 128 images (16 prompts x 8), ~4 min
-    python benchmarks/gradient_agreement.py --draws 5 --images 64
-    python benchmarks/gradient_agreement.py --same-noise --steps 0,1,2 --noise-level 1.5   # DanceGRPO variants
+    python benchmarks/claims/gradient_agreement.py                  # 3 draws of 128 images (16 prompts x 8), ~4 min
+    python benchmarks/claims/gradient_agreement.py --draws 5 --images 64
+    python benchmarks/claims/gradient_agreement.py --same-noise --steps 0,1,2 --noise-level 1.5   # DanceGRPO variants
 
 On the shipped ShapesBench base model with a fresh LoRA adapter (rank 32, as the V-GRPO default), one iteration
 is sampled for each method as its script does by default (DanceGRPO: Flow-GRPO SDE, 10 steps, a = 0.7, every SDE
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 GROUP = 8
 METHODS = ("DanceGRPO", "V-GRPO", "BranchGRPO")

@@ -1,10 +1,10 @@
 """The measured effect of diffusionnft.py's remaining differences from the official DiffusionNFT code (its docstring's
 numbered list; docs/diffusionnft.md explains each), on ShapesBench:
 
-    python benchmarks/nft_deviations.py               # every part (about 25 min on one thread)
-    python benchmarks/nft_deviations.py --part loss   # 2. the loss in fp32, not float64
-    python benchmarks/nft_deviations.py --part eval   # 5. the shared 20-step Euler evaluation, not the official 40
-    python benchmarks/nft_deviations.py --part lora   # peft's default LoRA initialisation, not the official Gaussian
+    python benchmarks/claims/nft_deviations.py               # every part (about 25 min on one thread)
+    python benchmarks/claims/nft_deviations.py --part loss   # 2. the loss in fp32, not float64
+    python benchmarks/claims/nft_deviations.py --part eval   # 5. the shared 20-step Euler evaluation, not the official 40
+    python benchmarks/claims/nft_deviations.py --part lora   # peft's default LoRA initialisation, not the official Gaussian
 
 2. The loss in fp32 (the official code computes its errors and weights in float64): diffusionnft.py's default run, its
    first --iterations iterations, with policy_loss computed a second and a third time on the same tensors (the
@@ -36,7 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 

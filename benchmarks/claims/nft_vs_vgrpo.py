@@ -1,14 +1,14 @@
 """V-GRPO against DiffusionNFT on ShapesBench: optimizer steps to a held-out reward, both on the same weights.
 
-    python benchmarks/nft_vs_vgrpo.py --jobs 2    # 3 seeds x 8 runs: about 7 h of one core (3.5-4 h on 2 idle
+    python benchmarks/claims/nft_vs_vgrpo.py --jobs 2    # 3 seeds x 8 runs: about 7 h of one core (3.5-4 h on 2 idle
                                                   # cores): docs/nft_vs_vgrpo.md, .png and .json
-    python benchmarks/nft_vs_vgrpo.py --quick     # smoke test: seed 0, 3 iterations, a small evaluation; the same
-                                                  # files in benchmarks/nft_vs_vgrpo_out/quick/
+    python benchmarks/claims/nft_vs_vgrpo.py --quick     # smoke test: seed 0, 3 iterations, a small evaluation; the same
+                                                  # files in benchmarks/claims/nft_vs_vgrpo_out/quick/
 
 V-GRPO's paper (arXiv 2604.23380, Sec. 5) reports that it reaches in about 580 gradient steps what DiffusionNFT
 (arXiv 2509.16117) needs about 1.7k for on SD3.5-M. This benchmark measures the same thing on ShapesBench with the
 learned reward: each method at two settings, each evaluated on two kinds of weights, every iteration, over seeds.
-It replaces the head-to-head of benchmarks/compare.py (docs/results.md), which evaluated every 7 iterations, compared
+It replaces the head-to-head of benchmarks/claims/compare.py (docs/results.md), which evaluated every 7 iterations, compared
 DiffusionNFT's EMA weights with V-GRPO's live ones and left out the runs that missed its threshold.
 
 Settings (SETTINGS; the batch stays ShapesBench's, 8 prompts x 8 images per iteration, for both methods):
@@ -59,7 +59,7 @@ distribution, and censored values only make its upper end >N. The step ratio is 
 iteration (its perf/iteration_s, evaluations excluded) over its optimizer steps per iteration, the ratio DiffusionNFT / V-GRPO of the means
 over seeds with the range of the ratios seed by seed.
 
-Runs keep their folders under <out>/runs/ and their logs under <out>/logs/ (benchmarks/compare.py's run_one):
+Runs keep their folders under <out>/runs/ and their logs under <out>/logs/ (benchmarks/claims/training_runs.py's run_one):
 rerunning the command skips finished runs and resumes interrupted ones from their last checkpoint (every 5
 iterations). --jobs 2 runs two at a time. Each run is a child process of this file (--train SCRIPT ... -- FLAGS),
 which adds the evaluation flags last, so that they override run_one's.
@@ -79,9 +79,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from benchmarks.compare import curves, run_one  # noqa: E402
+from benchmarks.claims.training_runs import curves, run_one  # noqa: E402
 
 LABELS = {"vgrpo": "V-GRPO", "diffusionnft": "DiffusionNFT"}
 SETTINGS = {  # setting -> (label, method -> flags)
@@ -129,7 +129,7 @@ def child_argv(key: str, iterations: int, eval_samples: int, eval_prompts: int) 
     """run_one's argv of one run kind: this file as the child (--train) and the script's flags after `--`."""
     method, setting, weights = configs()[key]
     return [
-        *("benchmarks/nft_vs_vgrpo.py", "--train", f"{method}.py"),
+        *("benchmarks/claims/nft_vs_vgrpo.py", "--train", f"{method}.py"),
         *("--eval-samples", str(eval_samples), "--eval-prompts", str(eval_prompts), "--"),
         *flags_of(method, setting, weights, iterations),
         *("--iterations", str(iterations)),
@@ -384,7 +384,7 @@ def report(results: dict, seeds: list[int], gains: list[float], argvs: dict, com
         "",
         f"Made by `{command}` on {platform.machine()} with {os.cpu_count()} cores ({threads} thread(s) per run, "
         + ("one run at a time" if jobs == 1 else f"{jobs} runs at a time")
-        + f"), {time.strftime('%Y-%m-%d')}, seeds {', '.join(map(str, seeds))}. benchmarks/nft_vs_vgrpo.py's "
+        + f"), {time.strftime('%Y-%m-%d')}, seeds {', '.join(map(str, seeds))}. benchmarks/claims/nft_vs_vgrpo.py's "
         "docstring says why each flag expresses each paper's settings (V-GRPO: arXiv 2604.23380; DiffusionNFT: "
         "arXiv 2509.16117) and how the statistics are made. V-GRPO's paper reports about 580 gradient steps for "
         "what DiffusionNFT needs about 1.7k for (arXiv 2604.23380, Sec. 5): a step ratio of about 2.9.",
@@ -442,7 +442,9 @@ def main():
     parser.add_argument("--eval-samples", type=int, help="samples per held-out prompt (default 4; --quick: 1)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets --threads threads)")
     parser.add_argument("--threads", type=int, help="threads per run (default: the cores divided by --jobs)")
-    parser.add_argument("--out", type=Path, help="runs and logs (default benchmarks/nft_vs_vgrpo_out/full or /quick)")
+    parser.add_argument(
+        "--out", type=Path, help="runs and logs (default benchmarks/claims/nft_vs_vgrpo_out/full or /quick)"
+    )
     a = parser.parse_args()
     if a.jobs < 1 or (a.threads is not None and a.threads < 1):
         parser.error("--jobs and --threads must be >= 1")
@@ -458,9 +460,9 @@ def main():
     seeds = a.seeds or ([0] if a.quick else [0, 1, 2])
     iterations = a.iterations or (3 if a.quick else 30)
     eval_samples, eval_prompts = a.eval_samples or (1 if a.quick else 4), 16 if a.quick else 48
-    out = a.out or ROOT / "benchmarks" / "nft_vs_vgrpo_out" / ("quick" if a.quick else "full")
+    out = a.out or ROOT / "benchmarks" / "claims" / "nft_vs_vgrpo_out" / ("quick" if a.quick else "full")
     docs = out if a.quick else ROOT / "docs"
-    command = "python benchmarks/nft_vs_vgrpo.py" + " ".join(["", *sys.argv[1:]])
+    command = "python benchmarks/claims/nft_vs_vgrpo.py" + " ".join(["", *sys.argv[1:]])
     argvs = {k: child_argv(k, iterations, eval_samples, eval_prompts) for k in configs()}
     todo = [(k, s) for s in seeds for k in configs()]  # seed by seed: an interrupted campaign has whole seeds
     with ThreadPoolExecutor(a.jobs) as pool:  # each job waits on its subprocess
@@ -475,7 +477,9 @@ def main():
     (docs / "nft_vs_vgrpo.md").write_text(report(results, seeds, a.gains, shown, command, a.jobs, threads))
     plot(results, seeds, a.gains, docs / "nft_vs_vgrpo.png")
     written = [docs / "nft_vs_vgrpo.md", docs / "nft_vs_vgrpo.png", docs / "nft_vs_vgrpo.json"]
-    if not a.quick:  # docs/results.md's section (benchmarks/compare.py writes the same when it rewrites the file)
+    if (
+        not a.quick
+    ):  # docs/results.md's section (benchmarks/claims/compare.py writes the same when it rewrites the file)
         md = docs / "results.md"
         md.write_text(splice(md.read_text() if md.exists() else "", results_section(record)))
         written.append(md)

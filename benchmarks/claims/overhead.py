@@ -1,7 +1,7 @@
 """Where a training iteration's time goes: the transformer's forward and backward, or the rest (the overhead).
 
-    python benchmarks/overhead.py                                  # each script's default iteration, ShapesBench
-    python benchmarks/overhead.py --scripts vgrpo.py --iterations 4
+    python benchmarks/claims/overhead.py                                  # each script's default iteration, ShapesBench
+    python benchmarks/claims/overhead.py --scripts vgrpo.py --iterations 4
 
 Each script runs in this process at its defaults, with --iterations N and no evaluation, grids or checkpoints, and
 timers around: every forward of the trained denoiser (a forward pre-hook and hook on the top-level module: rollouts,
@@ -28,7 +28,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 SCRIPTS = ["dancegrpo.py", "branchgrpo.py", "vgrpo.py", "rlr.py"]
 PARTS = ["forward", "backward", "reward", "decode", "encode_prompts", "optimizer", "logging", "zo_noise"]

@@ -1,7 +1,7 @@
 """RLR's zero-order term against its first- and half-order terms on ShapesBench: signal and noise per reward evaluation.
 
-    python benchmarks/rlr_zo_noise.py                       # 12 draws of 32 samples (~3 min on one CPU thread)
-    python benchmarks/rlr_zo_noise.py --draws 24 -- --zo-scale 1e-2   # flags after -- go to rlr.py
+    python benchmarks/claims/rlr_zo_noise.py                       # 12 draws of 32 samples (~3 min on one CPU thread)
+    python benchmarks/claims/rlr_zo_noise.py --draws 24 -- --zo-scale 1e-2   # flags after -- go to rlr.py
 
 Runs rlr.py's own main() with the full estimator (--terms fo+ho+zo --subchain-stage any, the other flags at their
 defaults) at a learning rate too small to move a weight (1e-30), so that every iteration is an independent draw of
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
@@ -82,7 +82,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--draws", type=int, default=12, help="independent estimates at the same parameters")
     parser.add_argument("--samples", type=int, default=32, help="samples per estimate (rlr.py --samples-per-device)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "rlr_zo_noise_out")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "claims" / "rlr_zo_noise_out")
     parser.add_argument("extra", nargs="*", help="more rlr.py flags, after --")
     a = parser.parse_args()
     if a.draws < 2:

@@ -1,7 +1,7 @@
 """How far the default static `--shift` grid is from each model's own pipeline schedule (`--shift pipeline`), at the
 recipes' sizes and step counts, with the published checkpoints' scheduler configs (no weights needed).
 
-    OMP_NUM_THREADS=1 python benchmarks/schedules.py
+    OMP_NUM_THREADS=1 python benchmarks/claims/schedules.py
 
 Each pipeline grid is built as its diffusers pipeline builds it (the scheduler's set_timesteps with the pipeline's
 sigmas and mu); tests/test_pipeline_schedules.py shows that FlowModel.sigmas gives exactly the stock pipelines' grids.
@@ -20,7 +20,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common.sampling import sigma_schedule  # noqa: E402
 
 FLUX1_DEV = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,

@@ -4,7 +4,7 @@ of the 48 held-out prompts x 8 on the shipped ShapesBench model, with independen
 and wrong shapes. If one initial noise per group leaves the groups as mixed as independent ones, the per-step noise
 that DanceGRPO's likelihood ratios credit is what decides the shape.
 
-    python benchmarks/sde_noise_decides.py        # ~1 min on one thread
+    python benchmarks/claims/sde_noise_decides.py        # ~1 min on one thread
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main():

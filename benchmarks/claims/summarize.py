@@ -1,7 +1,7 @@
 """Summarise finished runs from their metrics.jsonl: iterations, median s/iteration, training wall time, and the
 held-out evaluation (ShapesBench verifier shape accuracy, learned reward, ...) at the first and the last evaluation.
 
-    python benchmarks/summarize.py runs/dancegrpo__0__1796000000 runs/branchgrpo__0__1796000000 [...]   (run folders)
+    python benchmarks/claims/summarize.py runs/dancegrpo__0__1796000000 runs/branchgrpo__0__1796000000 [...]   (run folders)
 """
 
 import json
@@ -9,7 +9,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common.logs import read_metrics  # noqa: E402
 
 KEYS = ["eval/shape_acc", "eval/colour_acc", "eval/clean_acc", "eval/all_acc", "eval/reward_mean", "eval/diversity"]

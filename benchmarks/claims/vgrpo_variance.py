@@ -10,8 +10,8 @@ per-image surrogate S(x) = mean over N_MC pairs of the per-pair values (vgrpo.py
   mc_cv     std / |mean| of S across draws for one image, averaged over images (the estimator's own noise)
 The paper does not define its population precisely; docs/vgrpo.md says what we take and why.
 
-    python benchmarks/vgrpo_variance.py                                   # 16 prompts x 8 images, 8 draws (minutes)
-    python benchmarks/vgrpo_variance.py --prompts 4 --group-size 4 --draws 3   # a quick look
+    python benchmarks/claims/vgrpo_variance.py                                   # 16 prompts x 8 images, 8 draws (minutes)
+    python benchmarks/claims/vgrpo_variance.py --prompts 4 --group-size 4 --draws 3   # a quick look
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Literal, Optional
 import torch
 import tyro
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import vgrpo as V
 from common.models import load_model
 from common.prompts import load_prompts

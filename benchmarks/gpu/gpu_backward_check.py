@@ -3,8 +3,8 @@ full-width denoiser (FLUX.1-dev's or Wan2.1-T2V-1.3B's blocks at their real size
 LoRA r128 in fp32 on a bf16 base, autocast bf16, gradient checkpointing: the scripts' training step), once per
 variant, each variant in its own process (a CUDA error ends its process's context).
 
-    python benchmarks/gpu_backward_check.py [--out DIR]     # every variant; a table and DIR/backward_check.json
-    python benchmarks/gpu_backward_check.py --tiny          # the same on tiny configs, on the CPU (the harness)
+    python benchmarks/gpu/gpu_backward_check.py [--out DIR]     # every variant; a table and DIR/backward_check.json
+    python benchmarks/gpu/gpu_backward_check.py --tiny          # the same on tiny configs, on the CPU (the harness)
 
 Variants (each changes one thing from `flux`):
   flux             the scripts' setting: FLUX.1-dev at 512 px, 2 double + 2 single blocks, batch 1
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 VARIANTS = ["flux", "flux-full", "flux-blocking", "no-ckpt", "ckpt-no-rng", "no-cudnn-sdpa", "math-sdpa", "no-lora", "bf16-lora",
@@ -52,7 +52,7 @@ def build(kind: str, tiny: bool, device, full: bool = False):
 
 
 def _build(kind: str, tiny: bool, full: bool):
-    from benchmarks import memory
+    from benchmarks.gpu import memory
 
     if kind == "flux":
         from diffusers import FluxTransformer2DModel

@@ -1,8 +1,8 @@
-"""Time a training script's denoiser work on the GPU: benchmarks/gpu_check.py runs each of its cases, in the kit's
+"""Time a training script's denoiser work on the GPU: benchmarks/gpu/gpu_check.py runs each of its cases, in the kit's
 process, under `timing(clock)`; the command line times any run of a script (a real one, loading its weights from
 --model-id).
 
-    python benchmarks/gpu_timing.py TIMINGS.json dancegrpo.py --model-id ... (the script's own flags)
+    python benchmarks/gpu/gpu_timing.py TIMINGS.json dancegrpo.py --model-id ... (the script's own flags)
 
 `timing(clock)` patches, while it is open, the forward of the diffusers denoiser classes and accelerate's
 Accelerator.backward to record a CUDA event before and after each call, and common.runs.Run.end_iteration to count
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Clock:
@@ -76,11 +76,11 @@ def hidden_rows(a, k) -> int:
 
 
 def denoisers() -> list[str]:
-    """Every denoiser class common.models runs: benchmarks/memory.py's plan of each model kind names it (Wan2.2-A14B's
+    """Every denoiser class common.models runs: benchmarks/gpu/memory.py's plan of each model kind names it (Wan2.2-A14B's
     two experts are two WanTransformer3DModel)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from benchmarks.memory import PLANS
+    from benchmarks.gpu.memory import PLANS
 
     return sorted({plan.denoiser for plan in PLANS.values()})
 

@@ -3,9 +3,9 @@ through all sampling steps, on ShapesBench (or any --model-id). Each configurati
 its peak is its own: CUDA allocator peak on a GPU, max resident set size (getrusage) on a CPU, reported both
 absolute and above the same process's level after loading and one sampling pass without a graph.
 
-    python benchmarks/rlr_memory.py                                   # ShapesBench, T = 10, batch 8, CPU
-    python benchmarks/rlr_memory.py --num-steps 20 --batch 16 --reps 5 --out rlr_memory.json
-    python benchmarks/rlr_memory.py --device cuda --model-id /path/to/sd15 --reward hpsv2.1 ...
+    python benchmarks/gpu/rlr_memory.py                                   # ShapesBench, T = 10, batch 8, CPU
+    python benchmarks/gpu/rlr_memory.py --num-steps 20 --batch 16 --reps 5 --out rlr_memory.json
+    python benchmarks/gpu/rlr_memory.py --device cuda --model-id /path/to/sd15 --reward hpsv2.1 ...
 
 One "step" is one gradient of the batch: for RLR the rollout (ZO steps perturbed), the FO backward through the last
 step, decoder and reward, the HO recompute and backward through h steps, and the ZO regeneration; for full BP a
@@ -25,7 +25,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def peak_gb(device) -> float:

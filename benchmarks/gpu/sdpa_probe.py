@@ -1,9 +1,9 @@
 """scaled_dot_product_attention alone, forward + backward, per kernel, at the shapes each model kind trains with:
 which kernel fails, at which shapes, how far each is from the reference, and what each costs.
 
-    python benchmarks/sdpa_probe.py                          # one CUDA GPU, every kind and kernel (about a minute)
-    python benchmarks/sdpa_probe.py --kinds flux,qwen --json probe.json
-    python benchmarks/sdpa_probe.py --tiny --device cpu      # the same harness at tiny sizes on the CPU (tests run it)
+    python benchmarks/gpu/sdpa_probe.py                          # one CUDA GPU, every kind and kernel (about a minute)
+    python benchmarks/gpu/sdpa_probe.py --kinds flux,qwen --json probe.json
+    python benchmarks/gpu/sdpa_probe.py --tiny --device cpu      # the same harness at tiny sizes on the CPU (tests run it)
 
 Each row is one (case, kernel): `ok`, `error` (the exception's first line), `non-finite` (a NaN or inf in the output
 or a gradient), `unsupported` (torch has no such kernel for these inputs: flash with a mask, anything but flash and
@@ -17,7 +17,7 @@ diffusers' attention dispatch does (FLUX.1 is also run contiguous, to tell a str
 
 Each kernel runs in its own process: an illegal memory access leaves the CUDA context unusable, so after one the
 process ends, the failing case is recorded, and a fresh process goes on with the next case. `probe()` is the
-function the GPU check calls first (benchmarks/gpu_check.py).
+function the GPU check calls first (benchmarks/gpu/gpu_check.py).
 
 The shapes (tokens of a training forward; batch = the recipe's micro-batch, doubled where the recipe uses CFG):
   flux        FLUX.1-dev, 720 px: (720/16)^2 = 2025 image + 512 T5 tokens, 24 heads of 128, batch 1 (guidance
@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,12 @@
 hash of its final trained tensors and every logged number but timings and memory), so that a restructuring of the
 code can be shown to change nothing, bitwise.
 
-    python benchmarks/fingerprint.py --out /tmp/before.json            # at the old commit
-    python benchmarks/fingerprint.py --out /tmp/after.json             # at the new one
-    python benchmarks/fingerprint.py --compare /tmp/before.json /tmp/after.json
+    python benchmarks/testing/fingerprint.py --out /tmp/before.json            # at the old commit
+    python benchmarks/testing/fingerprint.py --out /tmp/after.json             # at the new one
+    python benchmarks/testing/fingerprint.py --compare /tmp/before.json /tmp/after.json
 
 Each command runs --iterations iterations (default 4) with an evaluation every 2 (and at the start), on one thread;
-all else is the command's default. About a minute a command on one thread (benchmarks/compare.py's METHODS: one per
+all else is the command's default. About a minute a command on one thread (benchmarks/claims/compare.py's METHODS: one per
 method and mode). A figure renamed on purpose is compared under its new name:
 `--compare BEFORE AFTER --renamed losses/old_name=losses/new_name`.
 """
@@ -24,12 +24,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from benchmarks.compare import METHODS  # noqa: E402  (the default commands: one per method and mode)
+from benchmarks.claims.compare import METHODS  # noqa: E402  (the default commands: one per method and mode)
 from common.logs import read_metrics  # noqa: E402
 
 

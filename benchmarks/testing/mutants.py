@@ -4,8 +4,8 @@ normalisation); it is applied to a copy of the repository, the tests meant to ca
 KILLED (they failed) or SURVIVED (they passed: the suite cannot see that bug). The same tests run first on the
 unmutated copy, which they must pass.
 
-    python benchmarks/mutants.py                  # every mutant, one after another, one thread: about 20 minutes
-    python benchmarks/mutants.py --only 3,7,50-61 # some of them (numbers as the table prints them)
+    python benchmarks/testing/mutants.py                  # every mutant, one after another, one thread: about 20 minutes
+    python benchmarks/testing/mutants.py --only 3,7,50-61 # some of them (numbers as the table prints them)
 
 A mutant whose text is not found exactly once is reported as STALE (the code it targets has changed).
 """
@@ -21,13 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # (file, text, mutated text, tests that must fail, what the bug is)
 MUTANTS = [
     ("dancegrpo.py", 'log_prob, ch["log_probs"][:, i], adv[sl],', 'log_prob, ch["log_probs"][:, i], -adv[sl],',
      "tests/test_direction.py -k dancegrpo_update", "DanceGRPO: the advantage's sign flipped where main() passes it"),
-    ("dancegrpo.py", 'figures["kl"] = surrogate + kl_beta * kl,', 'figures["kl"] = surrogate - kl_beta * kl,',
+    ("dancegrpo.py", 'loss = loss + kl_beta * kl', 'loss = loss - kl_beta * kl',
      "tests/test_direction.py -k kl_term", "DanceGRPO: the KL term's sign flipped"),
     ("dancegrpo.py", "mean = x + d * (v - g**2 / 2 * score)", "mean = x + d * (v - g**2 * score)",
      "tests/test_dancegrpo.py -k sde_step_log_prob", "DanceGRPO: the SDE drift's g^2/2 as g^2"),
@@ -52,7 +52,7 @@ MUTANTS = [
      "tests/test_branchgrpo.py -k depth_advantages_by_hand", "BranchGRPO: the biased std of the depth advantages"),
     ("branchgrpo.py", "math.sqrt(1 - rho) * own", "math.sqrt(rho) * own",
      "tests/test_branchgrpo.py -k branch_noise", "BranchGRPO: correlated branch noise of the wrong variance"),
-    ("vgrpo.py", "values, old_values[sl], adv[sl], x0_hat,", "values, old_values[sl], -adv[sl], x0_hat,",
+    ("vgrpo.py", "values, old_values[sl], adv[sl], x0_hat, x0_ref,", "values, old_values[sl], -adv[sl], x0_hat, x0_ref,",
      "tests/test_direction.py -k vgrpo", "V-GRPO: the advantage's sign flipped where main() passes it"),
     ("vgrpo.py", "value = value / err.detach().abs()", "value = value / err.abs()",
      "tests/test_vgrpo.py -k pair_values_by_hand", "V-GRPO: a gradient through the self-normaliser"),
@@ -76,9 +76,9 @@ MUTANTS = [
      "CFG 0.1% too strong (Wan2.1, SD3)"),
     ("common/rewards.py", "total = total + w * r", "total = total + r", "tests/test_rewards.py -k composite_weights",
      "rewards: a component's weight ignored"),
-    ("branchgrpo.py", 'figures["kl"] = surrogate + kl_beta * kl,', 'figures["kl"] = surrogate - kl_beta * kl,',
+    ("branchgrpo.py", 'loss = loss + kl_beta * kl', 'loss = loss - kl_beta * kl',
      "tests/test_direction.py -k branchgrpo_kl", "BranchGRPO: the KL term's sign flipped"),
-    ("vgrpo.py", 'figures["kl"] = surrogate + kl_beta * kl,', 'figures["kl"] = surrogate - kl_beta * kl,',
+    ("vgrpo.py", 'loss = loss + kl_beta * kl', 'loss = loss - kl_beta * kl',
      "tests/test_direction.py -k vgrpo_kl", "V-GRPO: the KL term's sign flipped"),
     ("dancegrpo.py", "len(grid) - 1 + n_train * (2 if args.kl_beta > 0 else 1)", "len(grid) - 1 + n_train",
      "tests/test_counts.py -k dancegrpo", "DanceGRPO: the KL reference's forwards left out of the logged count"),

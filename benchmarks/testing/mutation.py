@@ -1,22 +1,23 @@
 """Generated mutants: mutmut 3 mutates every algorithm function of a file (each comparison, operator, constant, argument
 and call it can change, one at a time) and runs the tests that reach that function against each mutant. A mutant the
 tests let pass SURVIVED: either the suite cannot see that change (a test to write) or the change does not alter what
-the code computes (an equivalent mutant, listed with its reason in docs/testing.md). benchmarks/mutants.py keeps the
-hand-written ones.
+the code computes (an equivalent mutant, listed with its reason on the target's page in docs/mutation/).
+benchmarks/testing/mutants.py keeps the hand-written ones.
 
-    python benchmarks/mutation.py                       # every target below, one after another (hours on 2 cores)
-    python benchmarks/mutation.py diffusionnft.py       # one file
-    python benchmarks/mutation.py dancegrpo.py --functions group_advantages,policy_loss
-    python benchmarks/mutation.py dancegrpo.py --survivors  # the last run's survivors again, after new tests
-    python benchmarks/mutation.py rlr.py --resume --ref 8ab4aab   # go on with an interrupted run (its copy kept)
-    python benchmarks/mutation.py dancegrpo.py --survivors --ref afe9141 --overlay tests/test_properties_dancegrpo.py
+    python benchmarks/testing/mutation.py                       # every target below, one after another (hours on 2 cores)
+    python benchmarks/testing/mutation.py diffusionnft.py       # one file
+    python benchmarks/testing/mutation.py dancegrpo.py --functions group_advantages,policy_loss
+    python benchmarks/testing/mutation.py dancegrpo.py --survivors  # the last run's survivors again, after new tests
+    python benchmarks/testing/mutation.py rlr.py --resume --ref 8ab4aab   # go on with an interrupted run (its copy kept)
+    python benchmarks/testing/mutation.py dancegrpo.py --survivors --ref afe9141 --overlay tests/test_properties_dancegrpo.py
 
 Each file is mutated in a fresh copy of the commit (`--ref`, default HEAD) under /tmp/mutation/<file>, never in this
 working tree; mutmut forks one test process per mutant (one at a time, niced, one thread) and stops a mutant's tests
 at the first failure or at its time limit (15 x the tests' own time + 5 s of CPU, and --wall-limit
 240 s of wall-clock time for a process that blocks: either counts as killed). The scores
-go to benchmarks/mutation_out/<file>.json and .md, survivors with their diffs. The tool is pinned in
-benchmarks/requirements-mutation.txt (`pip install -r benchmarks/requirements-mutation.txt`).
+go to benchmarks/testing/mutation_out/<file>.json and to the target's page in docs/mutation/ (dancegrpo.md,
+dancegrpo_flags.md, common_runs.md, ...: survivors with their diffs; the page's notes, below its NOTES line, are kept). The tool is pinned in
+benchmarks/testing/requirements-mutation.txt (`pip install -r benchmarks/testing/requirements-mutation.txt`).
 
 What is mutated: for the five scripts, the module-level functions and the methods of the classes above main() (not
 main(), not the flags class Args); for common/runs.py, common/remote.py and common/evaluate.py every function but an
@@ -40,8 +41,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks" / "mutation_out"
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / "benchmarks" / "testing" / "mutation_out"
+PAGES = ROOT / "docs" / "mutation"  # one page per target: its report, then the notes kept from the page it replaces
+NOTES = "<!-- the notes below are kept when benchmarks/testing/mutation.py writes this page again -->"
 WORK = Path("/tmp/mutation")
 
 # tests that reach every script's main() in this process
@@ -323,7 +326,7 @@ def run_target(key: str, args) -> dict:
     }
     OUT.mkdir(exist_ok=True)
     (OUT / f"{slug}.json").write_text(json.dumps(result, indent=1, ensure_ascii=False))
-    (OUT / f"{slug}.md").write_text(markdown(result))
+    write_page(page_of(key), markdown(result))
     left = f", {untested} mutants not reached (an interrupted run)" if untested else ""
     print(f"{key}: {killed}/{len(codes)} killed ({100 * killed / len(codes):.1f}%) in {seconds / 60:.1f} min{left}")
     return result
@@ -403,6 +406,20 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def page_of(key: str) -> Path:
+    """A target's page: docs/mutation/dancegrpo.md, dancegrpo_flags.md (dancegrpo.py:flags), common_runs.md, ..."""
+    return PAGES / (key.replace(".py", "").replace("/", "_").replace(":", "_") + ".md")
+
+
+def write_page(path: Path, report: str) -> None:
+    """The run's report, then the notes of the page it replaces (from NOTES on: the tests written for its survivors,
+    the equivalent ones and why), which a person writes and a run keeps."""
+    old = path.read_text() if path.exists() else ""
+    notes = old[old.index(NOTES) :] if NOTES in old else NOTES + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(report + "\n" + notes)
+
+
 def _glob(pattern: str) -> str:
     return re.escape(pattern).replace(r"\*", ".*")
 
@@ -434,7 +451,7 @@ def cli() -> None:
     p.add_argument(
         "--survivors",
         action="store_true",
-        help="run only the last run's survivors (benchmarks/mutation_out/<file>.json) against this commit's tests; "
+        help="run only the last run's survivors (benchmarks/testing/mutation_out/<file>.json) against this commit's tests; "
         "the file's source must be unchanged; the others keep their verdicts and the times add up",
     )
     p.add_argument(
