@@ -15,7 +15,7 @@ decides which of them are enabled, for the whole process.
 
 Why cuDNN is off by default: the one run of this code on a GPU (torch 2.11, cuDNN 9.19, an H200) failed at the first
 backward of every FLUX.1-dev script with an illegal memory access inside cuDNN's attention backward
-(docs/gpu.md, "First run on an H200"); `benchmarks/sdpa_probe.py` runs each backend alone at each model kind's
+(docs/gpu.md, "First run on an H200"); `benchmarks/gpu/sdpa_probe.py` runs each backend alone at each model kind's
 training shapes and is the measurement that decides the default (docs/gpu.md, "Attention backends").
 
 The choice also changes results in the last bits: two kernels sum in another order, so a run and an evaluation that

@@ -31,7 +31,6 @@ import torch
 import tyro
 from accelerate import Accelerator, init_empty_weights
 from accelerate.utils import gather_object
-from peft import LoraConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm import tqdm
@@ -39,8 +38,7 @@ from tqdm import tqdm
 from common import InputError, RunError, shapesbench
 from common.attention import set_attention_backend
 from common.flags import check_guidance_scale_2, check_shift, need
-from common.models import check_model_id, has_two_experts, is_video
-from common.models.wan import LOW_NOISE_LORA, WanExperts
+from common.models import LOW_NOISE_LORA, check_model_id, has_two_experts, is_video
 from common.prompts import HPDV2_STYLES, evenly_spaced, hpdv2_prompts, load_prompts
 from common.remote import RESUME, STOPS
 from common.rewards import build_reward, check_rewards, parse_rewards
@@ -188,6 +186,8 @@ def check_weights(model, spec: str, folder: Path) -> None:
     """Check that `folder` (weights_folder's) loads into model.transformer before anything is sampled: its configs
     and the headers of its safetensors files (names and shapes), never its tensors; model is left as it was. An
     InputError naming --weights and the folder otherwise."""
+    from common.models.wan import WanExperts  # heavy (WanPipeline): imported once a model is loaded
+
     transformer = model.transformer
     cls = type(transformer).__name__
     own = {k: tuple(v.shape) for k, v in transformer.state_dict().items()}
@@ -253,6 +253,8 @@ def check_weights(model, spec: str, folder: Path) -> None:
 def _with_adapter(spec: str, transformer, config_path: Path) -> dict[str, tuple[int, ...]]:
     """{name: shape} of `transformer`'s state dict with the LoRA adapter of `config_path` added, computed on an empty
     (meta) copy, so that the model itself is not touched."""
+    from peft import LoraConfig  # heavy: imported when an adapter is read
+
     try:
         config = LoraConfig(**_read_json(spec, config_path))
         with init_empty_weights():
@@ -291,6 +293,8 @@ def load_weights(model, folder: Path) -> None:
     as diffusers' loader reads it, a checkpoint's trained tensors (LoRA: with its adapter_config.json; full
     fine-tuning: every weight), or a full transformer's state dict (into the loaded module, which keeps the model's
     processors)."""
+    from peft import LoraConfig  # heavy: imported when an adapter is read
+
     kind = weights_kind(folder)
     if kind == "checkpoint":
         state = {k.removeprefix("module."): v for k, v in load_file(folder / "model.safetensors").items()}  # DDP's

@@ -16,15 +16,17 @@ import os
 import resource
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from PIL import Image
-from tensorboard.compat.proto.summary_pb2 import Summary
-from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from common.viz import save_grid, save_video_grid
+
+if TYPE_CHECKING:  # for the annotation; at run time imported with the first writer (tensorboard: slow to import)
+    from torch.utils.tensorboard import SummaryWriter
 
 
 def read_metrics(path) -> list[dict]:
@@ -119,6 +121,8 @@ class Logs:
 
     def _writers(self) -> SummaryWriter:
         if self.tb is None:
+            from torch.utils.tensorboard import SummaryWriter  # heavy: imported when a run first logs
+
             self.dir.mkdir(parents=True, exist_ok=True)
             # resumed at iteration N: TensorBoard hides the interrupted run's events after N (as drop_records_after
             # drops them from metrics.jsonl), so each step is shown once
@@ -189,6 +193,8 @@ class Logs:
     def video_grid(self, videos, captions, step: int, title: str) -> None:
         """samples/samples_N.gif, logged to TensorBoard as an animated image (what its add_video writes, without
         the moviepy it needs) and to W&B as a video."""
+        from tensorboard.compat.proto.summary_pb2 import Summary  # heavy: imported when a video is first logged
+
         path = save_video_grid(self.dir / "samples" / f"samples_{step:06d}.gif", videos, captions, title=title)
         with Image.open(path) as gif:
             width, height = gif.size

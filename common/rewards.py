@@ -32,8 +32,6 @@ import huggingface_hub
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from transformers import AutoTokenizer, BlipTextConfig, BlipVisionConfig, BlipVisionModel, CLIPModel, CLIPProcessor
-from transformers.models.blip.modeling_blip_text import BlipTextModel
 
 from common import InputError, RunError, hub_reachable
 from common.attention import ATTENTION_BACKENDS, set_attention_backend
@@ -258,6 +256,8 @@ def clip_pixels(images: torch.Tensor, processor) -> torch.Tensor:
 
 
 def _load_clip(name, device, checkpoint, model_id, processor_id):
+    from transformers import CLIPModel, CLIPProcessor  # heavy: imported when a CLIP reward is built
+
     if checkpoint is None:
         _hub_file(name, download=False)  # fails at once, with how to get the weights, when offline and not cached
     try:  # a --reward-ckpt folder holds model, tokenizer and preprocessor config together
@@ -394,6 +394,10 @@ def imagereward(device, checkpoint=None) -> Reward:
     preprocessing (shortest side to 224, bicubic, centre crop, CLIP normalisation) on tensors, so it is
     differentiable. `checkpoint`: a folder with ImageReward.pt and med_config.json (and optionally the BERT
     tokenizer's files); None = the hub (THUDM/ImageReward, tokenizer bert-base-uncased)."""
+    # heavy: imported when the reward is built
+    from transformers import AutoTokenizer, BlipTextConfig, BlipVisionConfig, BlipVisionModel
+    from transformers.models.blip.modeling_blip_text import BlipTextModel
+
     if checkpoint is not None and not os.path.isdir(checkpoint):
         raise InputError(
             f"--reward-ckpt imagereward={checkpoint}: not a folder (expected ImageReward.pt, med_config.json)"
@@ -554,6 +558,14 @@ def register_reward(
     if name in REWARDS or name in ALIASES:
         raise ValueError(f"reward {name!r} is registered already")
     REWARDS[name] = RewardKind(factory, differentiable, video, judge, shapesbench)
+
+
+def unregister_reward(name: str) -> RewardKind:
+    """Take `name` out of the registry and return its entry (a test that registered a reward ends with this; a fork
+    replacing a reward of common/ unregisters it, then registers its own under the same name)."""
+    if name not in REWARDS:
+        raise ValueError(f"reward {name!r} is not registered")
+    return REWARDS.pop(name)
 
 
 def _judge(name: str) -> Callable[..., Reward]:

@@ -3,7 +3,7 @@
 same sampler, so a model gets one held-out figure from both.
 
 The training scripts keep their own readable copies of the schedule (and of their stochastic samplers); blocks
-marked `# same as in X.py` are checked against X's by tests/test_layout.py.
+marked `# same as in X.py` are checked against X's by scripts/check.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Helpers shared by the script tests: run a script or a run.sh recipe in a subprocess, read its metrics,
 compare the final weights of two runs, stop a run with a signal at a chosen moment."""
 
+import ast
 import os
 import resource
 import signal
@@ -18,6 +19,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "common" / "shapesbench" / "assets" / "latent"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 WEIGHTS = Path("transformer") / "diffusion_pytorch_model.safetensors"  # a full fine-tuning run's final weights
+
+
+def algorithm_scripts(root: Path = ROOT) -> list[str]:
+    """The training scripts' file names, sorted: the top-level *.py files that define `class Args` and `def main` at
+    module level (found by ast, so a copy such as `cp dancegrpo.py mygrpo.py` is one as soon as it is there)."""
+    found = []
+    for path in sorted(root.glob("*.py")):
+        body = ast.parse(path.read_bytes()).body
+        classes = {n.name for n in body if isinstance(n, ast.ClassDef)}
+        functions = {n.name for n in body if isinstance(n, ast.FunctionDef)}
+        if "Args" in classes and "main" in functions:
+            found.append(path.name)
+    return found
 
 
 def run_script(script, args, tmp_path, launcher=(sys.executable,), env=None, check=True):

@@ -27,6 +27,7 @@ class Tape:
 
     def __init__(self, monkeypatch, module, *names):
         self.calls = {name: [] for name in names}
+        self.functions = {name: getattr(module, name) for name in names}  # the originals, before wrapping
         for name in names:
             monkeypatch.setattr(module, name, self.wrap(name, getattr(module, name)))
 

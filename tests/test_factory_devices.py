@@ -10,15 +10,11 @@ import ast
 import io
 import re
 import tokenize
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT, algorithm_scripts
+
 TRAINING_PATH = [
-    "dancegrpo.py",
-    "branchgrpo.py",
-    "vgrpo.py",
-    "diffusionnft.py",
-    "rlr.py",
+    *algorithm_scripts(),  # the training scripts, found (a fork's own included)
     *(
         f"common/{name}.py"
         for name in (
@@ -140,9 +136,7 @@ t = x.new_zeros(2)
 
 
 KNOWN = [  # (file, function or None for the whole file, assigned name): calls that must keep their device=
-    ("dancegrpo.py", "rollout", "log_probs"),  # the old log-probs of a rollout, filled with device values
     ("common/models/flux.py", None, "guidance"),  # FLUX's embedded guidance, an input of the transformer
-    ("vgrpo.py", "main", "old_values"),  # the Monte-Carlo values, filled with device values
 ]
 
 
@@ -189,3 +183,19 @@ def test_scanner_finds_the_known_calls_and_flags_them_without_device():
         mutated = without_device(source, call)
         assert call.lineno in offending_lines(mutated), f"{rel}:{call.lineno}: not flagged without device="
         assert len(offending_lines(mutated)) == len(offending_lines(source)) + 1
+
+
+def test_scanner_flags_each_call_of_the_training_scripts_without_its_device():
+    """In every training script, each factory call that passes device= (and gives no `# cpu:` reason) is flagged once
+    its device= is taken out, and only it (whatever the calls are and wherever they are: a fork's are checked the same way)."""
+    seen = 0
+    for rel in algorithm_scripts():
+        source = (ROOT / rel).read_text()
+        before = offending_lines(source)
+        lines = source.splitlines()
+        for call, _, _ in factory_calls(source):
+            if has_device(call) and not CPU_REASON.search(lines[call.lineno - 1]):  # a `# cpu:` line stays allowed
+                seen += 1
+                after = offending_lines(without_device(source, call))
+                assert call.lineno in after and len(after) == len(before) + 1, f"{rel}:{call.lineno}"
+    assert seen >= 10, seen

@@ -3,6 +3,8 @@ each against a figure worked out here by hand. Pure functions first; then one in
 tiny ShapesBench settings, with wrappers recording what main() passed (tests/test_direction.py's Tape), so that one
 run checks several flags."""
 
+import dataclasses
+import inspect
 import math
 import sys
 import types
@@ -243,11 +245,26 @@ def run_flags(module, monkeypatch, tmp_path, argv, names=()):
 
     monkeypatch.setattr(module, "load_model", load_model)
     monkeypatch.setattr(torch.optim, "AdamW", RecordingAdamW)
-    module.main(tyro.cli(module.Args, args=[*argv, "--output-dir", str(tmp_path)]))
+    record["args"] = args = tyro.cli(module.Args, args=[*argv, "--output-dir", str(tmp_path)])
+    module.main(args)
     runs = sorted(Path(tmp_path).glob("*__*__*"))
     record["metrics"] = read_metrics(runs[-1]) if runs else []
     record["runs"] = runs
+    assert_flags_passed_by_name(tape, record["args"])
     return tape, record
+
+
+def assert_flags_passed_by_name(tape, args):
+    """Every call main() made of a recorded function passed each of its keyword-only parameters named like a flag
+    with that flag's value (the flags resolved by main()): the rule docs/forking.md states and the flag inventory
+    relies on, whatever else the call passes and however main() spells it."""
+    fields = {f.name for f in dataclasses.fields(args)}
+    for name, fn in tape.functions.items():
+        calls = tape.calls[name]
+        keywords = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+        for _, kw, _ in calls:
+            for key in [k for k in keywords if k in fields]:
+                assert key in kw and kw[key] == getattr(args, key), (name, key, kw.get(key), getattr(args, key))
 
 
 def train_rows(record):
@@ -280,7 +297,7 @@ def test_dancegrpo_main_applies_the_sampling_and_training_flags(monkeypatch, tmp
     assert row["perf/trained_steps_per_image"] == 2  # int(5 SDE steps x 0.5)
     assert len(tape.calls["policy_loss"]) == 4 * 2  # 4 chunks x 2 trained steps
     (scores, weights), flags, _ = tape.calls["combined_advantages"][0]
-    assert flags == {"group_size": 4, "adv_clip_max": 0.5}
+    assert (flags["group_size"], flags["adv_clip_max"]) == (4, 0.5)
     all_adv = D.combined_advantages(scores, weights, group_size=4, adv_clip_max=math.inf)  # unclipped
     assert all_adv.abs().max() > 0.5  # the clip acts
     for k, (a, _, _) in enumerate(tape.calls["policy_loss"]):
@@ -387,8 +404,8 @@ def test_vgrpo_main_applies_the_batch_and_advantage_flags(monkeypatch, tmp_path)
     assert len(record["steps"]) == 2
     ((scores, weights), flags, _) = tape.calls["combined_advantages"][0]
     assert weights == {"sum": 1.0} and list(scores) == ["sum"]
-    assert flags == {"group_size": 4, "adv_clip_max": 0.5, "adv_soft_clip": 2.0}
-    assert all(kw == {"clip_range": 0.01, "kl_beta": 0.1} for _, kw, _ in tape.calls["policy_loss"])
+    assert (flags["group_size"], flags["adv_clip_max"], flags["adv_soft_clip"]) == (4, 0.5, 2.0)
+    assert all((kw["clip_range"], kw["kl_beta"]) == (0.01, 0.1) for _, kw, _ in tape.calls["policy_loss"])
     (row,) = train_rows(record)
     assert row["perf/trained_pairs_per_image"] == 2 and row["perf/nfe_per_image"] == 4 + 2 * 2
 
@@ -407,7 +424,7 @@ def test_rlr_main_applies_the_estimator_flags(monkeypatch, tmp_path):
     names = ["term_weights", "zo_noise", "add_zo_grad", "subchain_log_prob", "make_schedule"]
     tape, record = run_flags(R, monkeypatch, tmp_path / "out", argv, names)
     ((r, block, zo_mask, n_blocks), flags, (w_ho, _, _, _)) = tape.calls["term_weights"][0]
-    assert flags == {"group_size": 2} and n_blocks == 1 and block.tolist() == [0, 0, 0, 0]
+    assert flags["group_size"] == 2 and n_blocks == 1 and block.tolist() == [0, 0, 0, 0]
     torch.testing.assert_close(w_ho, torch.stack([r[0] - r[1], r[1] - r[0], r[2] - r[3], r[3] - r[2]]))
     assert tape.calls["zo_noise"] and all(c[0][2] == 0.01 for c in tape.calls["zo_noise"])
     assert tape.calls["add_zo_grad"] and all(c[0][3] == 0.01 for c in tape.calls["add_zo_grad"])
@@ -491,7 +508,7 @@ def test_diffusionnft_main_applies_the_sampling_and_training_flags(monkeypatch, 
     prompts = record["encode"][0]
     assert len(prompts) == 8 and all(prompts[k] == prompts[4 * (k // 4)] for k in range(8))  # groups of 4
     ((rewards_in,), flags, _) = tape.calls["nft_advantages"][0]
-    assert flags == {"group_size": 4}
+    assert flags["group_size"] == 4
     rw = rewards_in.double().tolist()
     mean, means = sum(rw) / 8, [sum(rw[:4]) / 4, sum(rw[4:]) / 4]
     std = math.sqrt(sum((x - mean) ** 2 for x in rw) / 8)
@@ -502,7 +519,8 @@ def test_diffusionnft_main_applies_the_sampling_and_training_flags(monkeypatch, 
     assert len(losses) == 4 * 2  # 4 micro-batches of 2 x 2 trained timesteps
     order = N.sample_order(8, 0, 0, 0).tolist()  # the samples in the order they are trained (seed 0, iteration 0)
     for k, (a, kw, _) in enumerate(losses):
-        assert kw == {"beta": 0.5, "adv_clip_max": 0.5, "kl_beta": 0.1, "self_normalize": False} and a[2] is not None
+        assert (kw["beta"], kw["adv_clip_max"], kw["kl_beta"], kw["self_normalize"]) == (0.5, 0.5, 0.1, False)
+        assert a[2] is not None
         mine = order[2 * (k // 2) : 2 * (k // 2) + 2]  # micro-batch k // 2
         assert len(a[0]) == 2 and a[6].tolist() == pytest.approx([r[i] for i in mine], abs=1e-6)
         assert all(any(abs(t - s) < 1e-6 for s in SHIFT2_4[:4]) for t in a[5].tolist())  # the shift-2 grid

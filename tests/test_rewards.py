@@ -113,6 +113,13 @@ def test_register_reward_adds_a_name_once_and_says_whether_it_is_differentiable(
     )
     with pytest.raises(ValueError, match="registered with differentiable=False"):
         build("liar")
+    assert not rewards.unregister_reward("dark").differentiable  # its entry back, and the name free again
+    with pytest.raises(rewards.InputError, match="unknown reward 'dark'"):
+        parse_rewards("dark")
+    with pytest.raises(ValueError, match="'dark' is not registered"):
+        rewards.unregister_reward("dark")
+    rewards.register_reward("dark", rewards.jpeg, False)  # registered again, now as another reward
+    assert rewards.REWARDS["dark"].factory is rewards.jpeg
 
 
 def test_composite_weights_and_components(dummy):
@@ -337,10 +344,15 @@ def test_each_refusal_of_check_rewards_by_hand(monkeypatch, tmp_path):
     assert refused(spec=spec("jpeg:0,verifier:0")) == (
         "--reward jpeg:0,verifier:0: every weight is 0, so no reward trains the model (weight 0 logs only)"
     )
+    # the differentiable rewards of images, as the registry has them now (a fork's own registered from its script
+    # joins them): common/'s own, each once, in the order they were registered, and no other kind of reward
+    good = [name for name, kind in REWARDS.items() if kind.differentiable and not kind.video]
+    own = ["shapes", "hpsv2.1", "pickscore", "clip", "aesthetic", "imagereward", "hpsv3"]
+    assert [name for name in good if name in own] == own and not {"jpeg", "verifier", "temporal"} & set(good)
     assert refused(spec=spec("shapes,verifier:0.5,jpeg"), differentiable=True) == (
         "--reward shapes,verifier:0.5,jpeg: verifier, jpeg is not differentiable, and this script backpropagates "
-        "through the reward (RLR's first-order term); use a differentiable one (shapes, hpsv2.1, pickscore, clip, "
-        "aesthetic, imagereward, hpsv3, not served over --reward-url) or give it weight 0 to log it"
+        f"through the reward (RLR's first-order term); use a differentiable one ({', '.join(good)}, not served over "
+        "--reward-url) or give it weight 0 to log it"
     )
     check_rewards(spec("shapes,verifier:0"), differentiable=True)  # weight 0: logged only, no gradient needed
     check_rewards(spec("jpeg"))  # not asked to be differentiable

@@ -125,7 +125,7 @@ def copy_commit(ref: str, dest: Path, worktree: bool) -> None:
 def mutated_names(source: str, scope, exclude=()) -> list[str]:
     """mutmut's mangled names (x_fn, xǁClassǁmethod) of the functions to mutate. A function marked `# same as in
     X.py` is left out: it is mutated in X.py against X.py's tests, and any change of the copy fails
-    tests/test_layout.py's copy check."""
+    scripts/check.py's copy check."""
     tree = ast.parse(source)
     lines = source.splitlines()
     main_line = next((n.lineno for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"), float("inf"))

@@ -15,78 +15,128 @@ weights) and saves. A new kind is its module and one REGISTRY entry (docs/forkin
 
 The trainable denoiser is passed *into* `velocity`/`eps` rather than read from the object, so scripts
 can hand in a LoRA'd, DDP/FSDP-wrapped or reference copy of it. Everything else is frozen.
+
+Importing this package imports no model family's module: each imports its diffusers pipeline and through it
+transformers, seconds that `--help` and the checks of the flags need not wait for. A wrapper class is imported the
+first time it is asked for (`common.models.FluxModel`, a REGISTRY entry's `cls`: WRAPPERS).
 """
+
+from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import json
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from huggingface_hub import hf_hub_download
-from peft import LoraConfig, get_peft_model_state_dict
 
 from common import InputError, hub_reachable
 from common.models.base import FlowModel, _cfg, _Parts, check_num_frames
-from common.models.flux import FluxModel
-from common.models.flux2 import Flux2Model
-from common.models.hunyuan15 import HunyuanVideo15Model
-from common.models.ltx2 import LTX2Model
-from common.models.qwenimage import QwenImageModel
-from common.models.sd1 import DDIMModel
-from common.models.sd3 import SD3Model, ShapesModel
-from common.models.wan import WanExperts, WanModel
-from common.models.zimage import ZImageModel
 from common.shapesbench.builders import LATENT_PATH, SHAPESBENCH_KEY
+
+if TYPE_CHECKING:  # for the annotations; at run time __getattr__ imports it on first use
+    from common.models.sd1 import DDIMModel
 
 __all__ = [  # the interface the scripts, common/ and the tests use
     "FlowModel", "SD3Model", "ShapesModel", "FluxModel", "Flux2Model", "QwenImageModel", "ZImageModel", "WanModel", "DDIMModel",
-    "Kind", "REGISTRY", "KINDS", "VIDEO_KINDS", "registered", "is_video",
+    "Kind", "REGISTRY", "KINDS", "VIDEO_KINDS", "registered", "is_video", "register_kind", "unregister_kind",
     "check_model_id", "has_two_experts", "check_num_frames", "load_model", "LORA_TARGETS", "trainable_denoiser", "frozen_copy",
-    "base_weights", "reference_velocity", "add_lora", "save_trained_weights", "_cfg", "_Parts",
+    "base_weights", "reference_velocity", "add_lora", "save_trained_weights", "LOW_NOISE_LORA", "_cfg", "_Parts",
 ]  # fmt: skip
 SHAPESBENCH_DIR = LATENT_PATH  # what --model-id shapesbench loads
+# final/'s adapter of Wan2.2-T2V-A14B's low-noise expert (common/models/wan.py writes it, common.evaluate reads it)
+LOW_NOISE_LORA = "pytorch_lora_weights_transformer_2.safetensors"
+
+# Each wrapper class (and Wan's two experts) and the module of its family, imported on first use by __getattr__. A
+# kind of common/ is its module, its line here and its REGISTRY entry by name; a fork's entry may give its class.
+WRAPPERS = {
+    "FluxModel": "flux", "Flux2Model": "flux2", "QwenImageModel": "qwenimage", "ZImageModel": "zimage",
+    "SD3Model": "sd3", "ShapesModel": "sd3", "DDIMModel": "sd1", "WanModel": "wan", "WanExperts": "wan",
+    "LTX2Model": "ltx2", "HunyuanVideo15Model": "hunyuan15",
+}  # fmt: skip
+
+
+def __getattr__(name: str):
+    """common.models.FluxModel and the other WRAPPERS: their module is imported the first time one is read."""
+    if name not in WRAPPERS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    wrapper = getattr(importlib.import_module(f"{__name__}.{WRAPPERS[name]}"), name)
+    globals()[name] = wrapper  # later reads find it without this function
+    return wrapper
 
 
 @dataclass(frozen=True)
 class Kind:
     """A model kind: its wrapper class in common/models/<family>.py (`cls.kind` names it; `cls.pipeline` and
     `cls.from_folder` load a folder; `cls.lora_targets`, if set, is what --lora adapts instead of LORA_TARGETS) and the
-    model_index.json `_class_name`s that load as it. A new kind is its module and one entry of REGISTRY."""
+    model_index.json `_class_name`s that load as it. A new kind is its module and one entry of REGISTRY.
 
-    cls: type
+    `wrapper` is the class, or its name in WRAPPERS with the kind's `name` beside it: then its module is imported
+    the first time `cls` is read, and the checks of --model-id, which read the names alone, import none."""
+
+    wrapper: type | str
     pipelines: tuple[str, ...]
     video: bool = False  # decodes (B, F, 3, H, W): takes --num-frames and the rewards of videos
+    name: str = ""  # the kind, `cls.kind` ('flux', 'wan', ...): read from the class when `wrapper` is one
+
+    def __post_init__(self):
+        if not self.name:
+            object.__setattr__(self, "name", self.wrapper.kind)
+
+    @property
+    def cls(self) -> type:
+        return getattr(sys.modules[__name__], self.wrapper) if isinstance(self.wrapper, str) else self.wrapper
 
 
 REGISTRY = [  # read at each call (not copied at import), so an entry added at run time counts
-    Kind(FluxModel, ("FluxPipeline",)),
-    Kind(QwenImageModel, ("QwenImagePipeline",)),
-    Kind(Flux2Model, ("Flux2Pipeline", "Flux2KleinPipeline")),
-    Kind(ZImageModel, ("ZImagePipeline",)),
-    Kind(SD3Model, ("StableDiffusion3Pipeline",)),  # ShapesModel: such a folder with the key "_shapesbench" (_kind)
-    Kind(ShapesModel, ()),
-    Kind(DDIMModel, ("StableDiffusionPipeline",)),
-    Kind(WanModel, ("WanPipeline",), video=True),
-    Kind(LTX2Model, ("LTX2Pipeline",), video=True),
-    Kind(HunyuanVideo15Model, ("HunyuanVideo15Pipeline",), video=True),
+    Kind("FluxModel", ("FluxPipeline",), name="flux"),
+    Kind("QwenImageModel", ("QwenImagePipeline",), name="qwen"),
+    Kind("Flux2Model", ("Flux2Pipeline", "Flux2KleinPipeline"), name="flux2"),
+    Kind("ZImageModel", ("ZImagePipeline",), name="zimage"),
+    Kind("SD3Model", ("StableDiffusion3Pipeline",), name="sd3"),  # ShapesModel: such a folder with "_shapesbench"
+    Kind("ShapesModel", (), name="shapes"),
+    Kind("DDIMModel", ("StableDiffusionPipeline",), name="sd1"),
+    Kind("WanModel", ("WanPipeline",), video=True, name="wan"),
+    Kind("LTX2Model", ("LTX2Pipeline",), video=True, name="ltx2"),
+    Kind("HunyuanVideo15Model", ("HunyuanVideo15Pipeline",), video=True, name="hunyuan15"),
 ]
 
 
 def registered(kind: str) -> Kind:
     """The REGISTRY entry of the kind named `kind` ('flux', 'wan', ...)."""
-    return next(k for k in REGISTRY if k.cls.kind == kind)
+    return next(k for k in REGISTRY if k.name == kind)
 
 
 def is_video(kind: str) -> bool:
     return registered(kind).video
 
 
+def register_kind(entry: Kind) -> None:
+    """Add a model kind at run time (a fork's own kind, from its file; a test's): `--model-id` then loads a folder
+    whose model_index.json names one of `entry.pipelines` as that kind. A kind's name is registered once."""
+    if any(k.name == entry.name for k in REGISTRY):
+        raise ValueError(f"model kind {entry.name!r} is registered already")
+    REGISTRY.append(entry)
+
+
+def unregister_kind(kind: str) -> Kind:
+    """Take the kind named `kind` out of REGISTRY and return its entry (a test that registered one ends with this)."""
+    entry = next((k for k in REGISTRY if k.name == kind), None)
+    if entry is None:
+        raise ValueError(f"model kind {kind!r} is not registered")
+    REGISTRY.remove(entry)
+    return entry
+
+
 # model_index.json `_class_name` -> kind, and the video kinds, as REGISTRY has them at import
-KINDS = {name: k.cls.kind for k in REGISTRY for name in k.pipelines}
-VIDEO_KINDS = tuple(k.cls.kind for k in REGISTRY if k.video)
+KINDS = {name: k.name for k in REGISTRY for name in k.pipelines}
+VIDEO_KINDS = tuple(k.name for k in REGISTRY if k.video)
 HOW_TO_GET_WEIGHTS = (
     "To run without hub access: on a machine with internet run `hf download <hub-id> --local-dir /path` "
     "(e.g. black-forest-labs/FLUX.1-dev; gated models need their licence accepted and `hf auth login`), copy /path "
@@ -144,7 +194,7 @@ def has_two_experts(model_id: str) -> bool:
 
 def _kind(index: dict, model_id: str) -> str:
     name = index.get("_class_name")
-    names = {p: k.cls.kind for k in REGISTRY for p in k.pipelines}
+    names = {p: k.name for k in REGISTRY for p in k.pipelines}
     if name not in names:
         raise InputError(f"--model-id {model_id}: unsupported model class {name!r}; supported: {', '.join(names)}")
     return "shapes" if index.get(SHAPESBENCH_KEY) and name == "StableDiffusion3Pipeline" else names[name]
@@ -201,13 +251,20 @@ def trainable_denoiser(model: FlowModel | DDIMModel, args):
                 p.data = p.data.float()
     else:
         denoiser.float()
-    if isinstance(denoiser, WanExperts) and args.experts != "both":  # --experts: the other one stays frozen
+    if _wan_experts(denoiser) and args.experts != "both":  # --experts: the other one stays frozen
         getattr(denoiser, "low" if args.experts == "high" else "high").requires_grad_(False)
-    if isinstance(denoiser, WanExperts):
+    if _wan_experts(denoiser):
         model.guidance_scale_2 = args.guidance_scale_2
     if args.gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
     return denoiser.train()
+
+
+def _wan_experts(module) -> bool:
+    """isinstance(module, WanExperts) (Wan2.2-T2V-A14B's two experts), importing nothing: without wan.py imported
+    there is no WanExperts."""
+    wan = sys.modules.get(f"{__name__}.wan")
+    return wan is not None and isinstance(module, wan.WanExperts)
 
 
 def frozen_copy(module, dtype):
@@ -306,6 +363,8 @@ def reference_velocity(model, ref, lora: bool, x, sigma, cond, guidance_scale):
 def add_lora(transformer, rank: int, alpha: float, target_modules: list[str] | str | None = None):
     """Add a LoRA adapter (B = 0 at init, so outputs are unchanged) in place; base weights are frozen.
     `target_modules`: module-name suffixes or one regex of whole names (peft's); None: LORA_TARGETS."""
+    from peft import LoraConfig  # heavy: imported when an adapter is added
+
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules or LORA_TARGETS)
     transformer.requires_grad_(False)
     transformer.add_adapter(config)  # diffusers PeftAdapterMixin: only the new lora_A/lora_B require grad
@@ -322,19 +381,21 @@ def save_trained_weights(model: FlowModel | DDIMModel, transformer, out_dir, lor
     """
     transformer = getattr(transformer, "module", transformer)
     out_dir = Path(out_dir)
-    experts = isinstance(
-        transformer, WanExperts
-    )  # Wan2.2-T2V-A14B: each expert's weights where the pipeline reads them
+    experts = _wan_experts(transformer)  # Wan2.2-T2V-A14B: each expert's weights where the pipeline reads them
     if not lora:
         if experts:
             return transformer.save_full(out_dir, state_dict)
         transformer.save_pretrained(out_dir / ("unet" if model.kind == "sd1" else "transformer"), state_dict=state_dict)
         return
+    from peft import get_peft_model_state_dict  # heavy: imported when an adapter is saved
+
     layers = get_peft_model_state_dict(transformer, state_dict=state_dict)
     metadata = transformer.peft_config["default"].to_dict()  # keeps lora_alpha, so the scale survives reloading
     if experts:
         transformer.save_lora(out_dir, layers, metadata)
     elif model.kind == "sd1":
+        from common.models.sd1 import DDIMModel  # imported already: an SD1.x model was loaded
+
         DDIMModel.pipeline.save_lora_weights(out_dir, unet_lora_layers=layers, unet_lora_adapter_metadata=metadata)
     else:
         model.pipeline.save_lora_weights(

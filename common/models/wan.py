@@ -8,9 +8,8 @@ from diffusers import ModelMixin, WanPipeline
 from diffusers.loaders import PeftAdapterMixin
 
 from common import InputError
+from common.models import LOW_NOISE_LORA
 from common.models.base import FlowModel, _cfg, _check_multiple, _unnormalise, check_num_frames
-
-LOW_NOISE_LORA = "pytorch_lora_weights_transformer_2.safetensors"  # final/'s adapter of A14B's low-noise expert
 
 
 class WanExperts(ModelMixin, PeftAdapterMixin):

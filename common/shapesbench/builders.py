@@ -1,7 +1,8 @@
 """Builders of the tiny ShapesBench model components, randomly initialised here: the StableDiffusion3Pipeline's parts
 (tokenizers, CLIP text encoders, the null T5, the SD3 transformer; the VAE is train_vae.build_vae) and the CLIP
 reward model, trained by `python -m common.shapesbench.train_latent` / `.train_vae` / `.train_reward`; and the
-attention processor with which ShapesBench computes the pipeline's 256 zero T5 tokens as one."""
+attention processor with which ShapesBench computes the pipeline's 256 zero T5 tokens as one. Importing it is cheap, as
+the scripts read its constants at start-up: diffusers and transformers are imported inside the builders."""
 
 from __future__ import annotations
 
@@ -11,18 +12,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
-from transformers import (
-    CLIPConfig,
-    CLIPModel,
-    CLIPTextConfig,
-    CLIPTextModelWithProjection,
-    CLIPVisionConfig,
-    PreTrainedTokenizerFast,
-    T5Config,
-    T5EncoderModel,
-)
 
 from common.shapesbench.world import COLOUR_NAMES, SHAPES, SIZE
 
@@ -80,12 +69,19 @@ class RepeatedLastTokenJointAttention:
 
 def make_pipeline(vae, parts: dict):
     """A StableDiffusion3Pipeline of the VAE, build_latent_components' parts and SD3's scheduler (shift 3)."""
+    # heavy: imported when a part is built
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SHIFT)
     return StableDiffusion3Pipeline(vae=vae, scheduler=scheduler, **parts)
 
 
 def build_tokenizer():
     """A word-level tokenizer over the ShapesBench vocabulary, built offline in memory (no merges to clash)."""
+    # heavy: imported when a part is built
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
     words = ["a", "an", "on", "background", *SHAPES, *COLOUR_NAMES]
     vocab = {t: i for i, t in enumerate([BOS, EOS, UNK, *words])}
     tk = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
@@ -98,6 +94,9 @@ def build_tokenizer():
 
 
 def _text_config(vocab_size: int, hidden: int):
+    # heavy: imported when a part is built
+    from transformers import CLIPTextConfig
+
     # eos_token_id != 2 makes CLIP pool at the first EOS (pad == EOS, so that is the real end of the prompt)
     return CLIPTextConfig(
         vocab_size=vocab_size,
@@ -115,6 +114,9 @@ def _text_config(vocab_size: int, hidden: int):
 
 def build_reward_components(seed: int = 0):
     """Randomly initialised (tokenizer, CLIPModel) for the learned reward: ViT patch 4 on 32x32, width 64."""
+    # heavy: imported when a part is built
+    from transformers import CLIPConfig, CLIPModel, CLIPVisionConfig
+
     torch.manual_seed(seed)
     tok = build_tokenizer()
     text = _text_config(len(tok), 64)
@@ -143,6 +145,10 @@ def build_latent_components(vae_channels: int = 4, seed: int = 0, heads: int = 3
     many as the pixel model's patch-4 tokens; sample_size 8 is in latent pixels (the pipeline multiplies by the
     VAE's factor 4 for its default 32x32 output).
     """
+    # heavy: imported when a part is built
+    from diffusers import SD3Transformer2DModel
+    from transformers import CLIPTextModelWithProjection
+
     torch.manual_seed(seed)
     parts = {"tokenizer": build_tokenizer(), "tokenizer_2": build_tokenizer(), "tokenizer_3": build_null_tokenizer()}
     parts["text_encoder"] = CLIPTextModelWithProjection(_text_config(len(parts["tokenizer"]), 64))
@@ -168,6 +174,10 @@ def build_latent_components(vae_channels: int = 4, seed: int = 0, heads: int = 3
 def build_null_tokenizer():
     """The T5 slot's tokenizer: every text becomes no tokens, so the pipeline's T5 input is max_sequence_length
     paddings whatever the prompt (the null T5 ignores it anyway), and encode_prompt never warns that it truncated."""
+    # heavy: imported when a part is built
+    from tokenizers import Regex, Tokenizer, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
     tk = Tokenizer(models.WordLevel({UNK: 0, "<pad>": 1}, unk_token=UNK))
     tk.normalizer = normalizers.Replace(Regex(r"[\s\S]+"), "")
     return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token=UNK, model_max_length=T5_TOKENS)
@@ -181,6 +191,9 @@ def build_null_t5(vocab_size: int, width: int):
     tokenizer_3=None` passed explicitly; with this one `StableDiffusion3Pipeline.from_pretrained(dir)` loads as is
     and conditions exactly as without a T5. Its parameters must stay frozen (an optimizer would move the norm).
     """
+    # heavy: imported when a part is built
+    from transformers import T5Config, T5EncoderModel
+
     config = T5Config(
         vocab_size=vocab_size,
         d_model=width,

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, CLIPModel
 
 from common import InputError
 from common.shapesbench import world
@@ -49,6 +48,8 @@ def load_reward_model(path: str | Path | None = None, device="cpu") -> ShapesRew
             f"--reward-ckpt shapes={path}: no ShapesBench reward model there (expected model/ and tokenizer/); "
             "retrain it with `python -m common.shapesbench.train_reward`"
         )
+    from transformers import AutoTokenizer, CLIPModel  # heavy: imported when the reward model is loaded
+
     try:
         return ShapesReward(
             AutoTokenizer.from_pretrained(path / "tokenizer"), CLIPModel.from_pretrained(path / "model"), device
