@@ -38,27 +38,31 @@ from common import InputError, RunError
 from common.offload import Offloaded
 
 RETRIED = (429, 500, 502, 503, 504)
+# the longest wait a server's Retry-After (in seconds) is granted before a retry: a server that asks for more is
+# asked again sooner, so that a call still ends in bounded time
+MAX_RETRY_AFTER = 30.0
 MAX_ANSWER = 64 * 2**20  # bytes of an answer, at most (a reward server's scores or a judge's completion: far less)
 # what a training run does after a served reward fails (common.evaluate says its own: it takes no --resume-from)
 STOPS = "the run stops here, its last checkpoint intact"
 RESUME = f"{STOPS}: once the server answers well, run the same command with --resume-from latest"
 
 
-def _exchange(url: str, data: bytes | None, headers: dict, timeout: float) -> tuple[int, str, bytes]:
-    """One HTTP request to `url` (POST `data`, or GET): (status, Location header, body). Every phase (connect,
+def _exchange(url: str, data: bytes | None, headers: dict, timeout: float) -> tuple[int, str, str, bytes]:
+    """One HTTP request to `url` (POST `data`, or GET): (status, Location header, Retry-After header, body). Every
+    phase (connect,
     send, the answer's head and body) within `timeout` seconds of the start, all together: a timer shuts the socket
     down at the deadline, so that an answer trickling in a byte at a time is cut off too (TimeoutError). Redirects
     are answers like any other (http.client follows none); a body over MAX_ANSWER bytes is a ValueError."""
     parts = urllib.parse.urlsplit(url)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     connection = kind(parts.hostname, parts.port, timeout=timeout)
-    expired = threading.Event()
+    expired, opened = threading.Event(), []
 
     def expire():
-        expired.set()  # before reading .sock: either this sees the socket, or the caller sees the flag
-        if connection.sock is not None:
+        expired.set()  # before reading `opened`: either this sees the socket, or the caller sees the flag
+        for sock in opened:
             try:
-                connection.sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
 
@@ -67,6 +71,9 @@ def _exchange(url: str, data: bytes | None, headers: dict, timeout: float) -> tu
     timer.start()
     try:
         connection.connect()
+        # the socket itself, kept here: an answer that closes its connection (HTTP/1.0, Connection: close) takes it
+        # over, and http.client then sets connection.sock to None while the body is still being read from it
+        opened.append(connection.sock)
         if expired.is_set():
             raise TimeoutError
         target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
@@ -81,7 +88,7 @@ def _exchange(url: str, data: bytes | None, headers: dict, timeout: float) -> tu
             raise TimeoutError
         if len(body) > MAX_ANSWER:
             raise ValueError(f"an answer of more than {MAX_ANSWER:,} bytes")
-        return answer.status, answer.getheader("Location", ""), body
+        return answer.status, answer.getheader("Location", ""), answer.getheader("Retry-After", ""), body
     except (OSError, http.client.HTTPException):
         if expired.is_set():
             raise TimeoutError(f"no whole answer within {timeout:g} s (the deadline of one try)") from None
@@ -102,7 +109,8 @@ def request_json(
     """GET (payload None) or POST JSON to `url`, the answer's JSON object. Each try must end within `timeout`
     seconds, all of it (connect, send, the whole answer), so one call lasts at most tries x timeout plus the
     backoff waits. Retries what may pass next time (no connection, a reset, an answer cut short, a try past its
-    deadline, HTTP 429 and 5xx) `tries` times in all, waiting backoff, 2 backoff, 4 backoff ... seconds; RunError
+    deadline, HTTP 429 and 5xx) `tries` times in all, waiting backoff, 2 backoff, 4 backoff ... seconds
+    (longer where a 429 or 503 asks for it with Retry-After, up to MAX_RETRY_AFTER); RunError
     when it still fails, and at once for a redirect (never followed: the token goes to `url` alone), another 4xx or
     an answer that is not a JSON object."""
     data = None if payload is None else json.dumps(payload).encode()
@@ -118,12 +126,13 @@ def request_json(
         ok = False
     if not ok or any(c.isspace() or not c.isprintable() for c in url):  # not worth a retry
         raise RunError(f"{url} is not an http:// or https:// URL (ASCII, with a host)")
-    why = ""
+    why, asked = "", 0.0
     for attempt in range(tries):
         if attempt:
-            time.sleep(backoff * 2 ** (attempt - 1))
+            time.sleep(max(backoff * 2 ** (attempt - 1), asked))
+        asked = 0.0
         try:
-            status, location, raw = _exchange(url, data, headers, timeout)
+            status, location, retry_after, raw = _exchange(url, data, headers, timeout)
         except TimeoutError as e:  # may pass
             why = str(e) or f"TimeoutError after {timeout:g} s"
             continue
@@ -145,6 +154,9 @@ def request_json(
             why = f"HTTP {status}: {raw[:300].decode(errors='replace')}"
             if status not in RETRIED:
                 break
+            # a busy server says when to come back (delta-seconds; an HTTP date is ignored): heeded, bounded
+            if status in (429, 503) and re.fullmatch(r"[0-9]{1,9}", retry_after.strip()):
+                asked = min(float(retry_after), MAX_RETRY_AFTER)
             continue
         try:
             answer = json.loads(raw)
@@ -473,55 +485,87 @@ def parse_request(raw: bytes, names: list[str], max_batch: int, max_pixels: int,
     return name, prompts, images
 
 
+HEADER_BYTES = 2**17  # bytes read of a connection before its headers have ended, at most
+OPEN_PER_TURN = 16  # connections open at once (sending headers, or waiting their turn) per --max-connections
+
+
 class _DeadlineReader(io.RawIOBase):
     """A connection's socket, read under a deadline (time.monotonic()): each read waits at most `read_timeout`
-    seconds and none waits past the deadline, so that a request trickling in a byte at a time is cut off too.
-    TimeoutError says which ran out, and `why` keeps it."""
+    seconds and none waits past the deadline, so that a request trickling in a byte at a time is cut off too. Until
+    headers_in() is called the deadline is `header_seconds` from the connection (when shorter than `seconds`), and
+    at most HEADER_BYTES are read; then it is `seconds` from the connection, plus the time the request waited for
+    its turn. TimeoutError says what ran out, `why` keeps it and `code` is the answer's status (408, or 431 for
+    headers too long)."""
 
-    def __init__(self, sock, read_timeout: float, seconds: float):
-        self.sock, self.read_timeout, self.seconds = sock, read_timeout, seconds
-        self.deadline, self.why = time.monotonic() + seconds, None
+    def __init__(self, sock, read_timeout: float, seconds: float, header_seconds: float = math.inf):
+        self.sock, self.read_timeout, self.seconds, self.code = sock, read_timeout, seconds, 408
+        self.started, self.why = time.monotonic(), None
+        self.limit = min(seconds, header_seconds)
+        self.deadline, self.allowed = self.started + self.limit, HEADER_BYTES
+        self.phase = "headers did not arrive whole" if header_seconds < seconds else "did not arrive whole"
+        self.flag = "the header timeout" if header_seconds < seconds else "--request-deadline"
+
+    def headers_in(self, waited: float) -> None:
+        """The headers have ended: from now on the request's own deadline holds, the wait for a turn not counted."""
+        self.limit, self.allowed = self.seconds, math.inf
+        self.deadline = self.started + self.seconds + waited
+        self.phase, self.flag = "did not arrive whole", "--request-deadline"
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
+        if self.allowed <= 0:
+            self.why, self.code = f"headers ran past {HEADER_BYTES:,} bytes", 431
+            raise TimeoutError(self.why)
         left = self.deadline - time.monotonic()
         if left > 0:
             self.sock.settimeout(min(self.read_timeout, left))
             try:
-                return self.sock.recv_into(buffer)
+                view = memoryview(buffer)
+                n = self.sock.recv_into(view[: min(len(view), self.allowed)])
+                self.allowed -= n
+                return n
             except TimeoutError:
                 pass
         if left <= self.read_timeout:
-            self.why = f"did not arrive whole within {self.seconds:g} s (--request-deadline)"
+            self.why = f"{self.phase} within {self.limit:g} s ({self.flag})"
         else:
             self.why = f"stopped arriving for {self.read_timeout:g} s"
         raise TimeoutError(self.why)
 
 
 class _Server(ThreadingHTTPServer):
-    """One daemon thread per connection, `max_connections` at once: one more is answered 429 at once (its client
-    retries) and closed. A client that stalls holds its own thread until its deadline, no one else's, and never
-    keeps the process from exiting."""
+    """One daemon thread per connection. A request takes one of `max_connections` turns once its headers are in
+    (reading its body, decoding, scoring: what costs memory), waiting for one up to the read timeout (else 503,
+    Retry-After: 1: serve()'s handler); a connection still sending its headers holds no turn, only its thread and at most
+    HEADER_BYTES, and its headers have a deadline of their own. OPEN_PER_TURN x max_connections connections may be
+    open at once: one more is answered 503 at once and closed. A client that stalls holds its own thread until its
+    deadline, no one else's, and never keeps the process from exiting."""
 
     daemon_threads = True
+    # connections the kernel holds until the server accepts them: a burst of clients at once waits there instead of
+    # being dropped or reset, as past socketserver's 5
+    request_queue_size = 128
 
     def __init__(self, address, handler, max_connections: int):
         super().__init__(address, handler)
-        self.max_connections, self.open, self.counting = max_connections, 0, threading.Lock()
+        self.max_connections, self.max_open = max_connections, OPEN_PER_TURN * max_connections
+        self.open, self.counting, self.turns = 0, threading.Lock(), threading.BoundedSemaphore(max_connections)
 
     def process_request(self, request, client_address):
         with self.counting:
-            full = self.open >= self.max_connections
+            full = self.open >= self.max_open
             self.open += not full
         if not full:
             return super().process_request(request, client_address)
-        data = json.dumps({"error": f"{self.max_connections} connections at once already (--max-connections)"})
-        head = f"HTTP/1.0 429 Too Many Requests\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+        data = json.dumps(
+            {"error": f"{self.max_open} connections open at once already ({OPEN_PER_TURN} x --max-connections)"}
+        )
+        head = f"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
         try:
             request.settimeout(1.0)
-            request.sendall(f"{head}Connection: close\r\n\r\n{data}".encode())
+            request.sendall(f"{head}Retry-After: 1\r\nConnection: close\r\n\r\n{data}".encode())
         except OSError:
             pass
         self.shutdown_request(request)
@@ -553,12 +597,16 @@ def serve(
     max_prompt_chars: int = 2000,
     max_connections: int = 8,
     request_deadline: float = 60.0,
+    header_timeout: float = 5.0,
 ) -> ThreadingHTTPServer:
     """An HTTP server (not yet serving: call .serve_forever()) for the rewards `names`, scoring with
     score(name, images, prompts). GET /health -> {"rewards": names}; POST /score {"reward", "prompts", "images"} ->
-    {"scores"}. Only that JSON is read (nothing unpickled, no paths). Each connection is read on its own thread,
-    `max_connections` at once; a request must arrive whole within `request_deadline` seconds of its connection, and
-    no read may wait more than `read_timeout`. Two requests at once are parsed and decoded, and one scored (one model
+    {"scores"}. Only that JSON is read (nothing unpickled, no paths). Each connection is read on its own thread; its
+    request line and headers must arrive whole within `header_timeout` seconds of its connection (at most
+    HEADER_BYTES), and then the request takes one of `max_connections` turns (body, decoding, scoring), waiting up to
+    `read_timeout` for one; the request must arrive whole within `request_deadline` seconds of its connection, not
+    counting that wait, and no read may wait more than `read_timeout`. A connection sending its headers holds no
+    turn: a client that stalls there locks no one out. Two requests at once are parsed and decoded, and one scored (one model
     on one device): memory is bounded by the caps (docs/models.md gives the figure).
 
     Anything else is answered {"error": reason}, and the server goes on: 400 a malformed request (Content-Length,
@@ -567,8 +615,9 @@ def serve(
     no Content-Length, 413 a body over `max_mb`, images over `max_pixels` (each image, and all of a request together;
     read from the PNG headers, before decoding) or a prompt over `max_prompt_chars`, 415 a body that is not
     application/json, 422 the reward's own refusal (a ValueError, e.g. the verifier given a prompt that is not
-    ShapesBench's), 429 a connection over `max_connections`, 500 any other failure of the reward (its type and first
-    line; its traceback on stderr)."""
+    ShapesBench's), 431 headers over HEADER_BYTES, 500 any other failure of the reward (its type and first line; its
+    traceback on stderr), 503 (Retry-After: 1) a request that found no turn within `read_timeout`, or a connection
+    over OPEN_PER_TURN x `max_connections` open at once."""
     scoring, decoding = threading.Lock(), threading.BoundedSemaphore(2)
     max_bytes = int(max_mb * 1e6)
     expected = None if token is None else token.encode()  # compared as bytes: the client sends it UTF-8 encoded
@@ -576,23 +625,42 @@ def serve(
     class Handler(BaseHTTPRequestHandler):
         def setup(self):
             super().setup()
-            self.reader = _DeadlineReader(self.connection, read_timeout, request_deadline)
-            self.rfile, self.answered = io.BufferedReader(self.reader, 1 << 16), False
+            self.reader = _DeadlineReader(self.connection, read_timeout, request_deadline, header_timeout)
+            self.rfile, self.answered, self.turn = io.BufferedReader(self.reader, 1 << 16), False, False
 
         def handle_one_request(self):
-            super().handle_one_request()  # a timeout while reading the request line or headers ends it unanswered
+            try:
+                super().handle_one_request()  # a timeout while reading the request line or headers ends it unanswered
+            finally:
+                if self.turn:
+                    self.server.turns.release()
+                    self.turn = False
             if self.reader.why and not self.answered:
                 # there may be no request line: what send_response reads of it
                 self.request_version, self.command, self.requestline = self.protocol_version, "", ""
-                self._send(408, {"error": f"the request {self.reader.why}"})
+                self._send(self.reader.code, {"error": f"the request {self.reader.why}"})
 
-        def _send(self, code: int, body: dict) -> None:
+        def parse_request(self) -> bool:
+            if not super().parse_request():  # the headers, read under their own deadline; False: answered
+                return False
+            waiting = time.monotonic()
+            self.turn = self.server.turns.acquire(timeout=read_timeout)
+            if not self.turn:
+                busy = f"no turn within {read_timeout:g} s: {self.server.max_connections} requests at once already"
+                self._send(503, {"error": f"{busy} (--max-connections)"}, {"Retry-After": "1"})
+                return False
+            self.reader.headers_in(time.monotonic() - waiting)
+            return True
+
+        def _send(self, code: int, body: dict, headers: dict | None = None) -> None:
             data = json.dumps(body).encode()
             self.connection.settimeout(read_timeout)  # the reads may have left it at the deadline's last moment
             self.answered = True
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
+            for name, value in {"Content-Type": "application/json", "Content-Length": str(len(data))}.items():
+                self.send_header(name, value)
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.end_headers()
             self.wfile.write(data)
 

@@ -18,10 +18,12 @@ reward (`video = True`, e.g. 'temporal') sees the whole video. docs/video.md say
 
 import argparse
 import ctypes
+import errno
 import io
 import json
 import math
 import os
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -930,6 +932,19 @@ def serve_main(argv: list[str] | None = None) -> None:
     for flag in ("max_batch", "max_mb", "max_pixels", "max_prompt_chars", "max_connections", "request_deadline"):
         if not getattr(a, flag) > 0:  # NaN too
             parser.error(f"--{flag.replace('_', '-')} must be positive, not {getattr(a, flag)}")
+        if not math.isfinite(getattr(a, flag)):  # inf MB would be an endless body, and no int
+            parser.error(f"--{flag.replace('_', '-')} must be finite, not {getattr(a, flag)}")
+    if not 0 <= a.port <= 65535:
+        parser.error(f"--port must be 0 to 65535 (0: any free port), not {a.port}")
+    try:
+        device = torch.device(a.device)
+    except (RuntimeError, ValueError) as e:
+        parser.error(f"--device {a.device!r} is not a device ({str(e).splitlines()[0][:200]})")
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu...: whether this machine has it
+    if backend is not None and hasattr(backend, "is_available") and not backend.is_available():
+        parser.error(f"--device {a.device}: this machine has no {device.type} device")
+    if device.index is not None and hasattr(backend, "device_count") and device.index >= backend.device_count():
+        parser.error(f"--device {a.device}: this machine has {backend.device_count()} {device.type} devices")
     from common.remote import serve  # here, not at the top: tests patch common.remote.serve
 
     try:
@@ -939,24 +954,36 @@ def serve_main(argv: list[str] | None = None) -> None:
         bad = [c.name for c in spec.components if c.kind.judge or c.kind.video]
         if bad:
             raise InputError(f"--reward {a.reward}: {', '.join(bad)} cannot be served here (judges and video rewards)")
-        rewards = {c.name: c.kind.factory(a.device, c.path) for c in spec.components}
     except InputError as e:
         raise SystemExit(f"error: {e}") from None
     token = os.environ.get("REWARD_API_KEY")
+    rewards = {}  # loaded below, once the address is bound: a port in use is told before minutes of loading
+    try:
+        server = serve(
+            lambda n, im, p: rewards[n](im.to(a.device), p),
+            names,
+            a.host,
+            a.port,
+            token,
+            a.max_batch,
+            a.max_mb,
+            a.max_pixels,
+            max_prompt_chars=a.max_prompt_chars,
+            max_connections=a.max_connections,
+            request_deadline=a.request_deadline,
+        )
+    except socket.gaierror as e:
+        parser.exit(2, f"error: --host {a.host}: no such address ({e.strerror})\n")
+    except OSError as e:
+        if e.errno in (errno.EADDRINUSE, errno.EACCES):  # a right flag; the port is taken, or needs privileges
+            hint = "another server there? --port 0 takes a free one" if e.errno == errno.EADDRINUSE else "under 1024?"
+            parser.exit(1, f"error: --port {a.port}: {e.strerror} ({hint})\n")
+        parser.exit(2, f"error: --host {a.host} --port {a.port}: cannot listen there ({e.strerror or e})\n")
+    try:
+        rewards.update({c.name: c.kind.factory(a.device, c.path) for c in spec.components})
+    except InputError as e:
+        raise SystemExit(f"error: {e}") from None
     _give_back_freed_buffers()
-    server = serve(
-        lambda n, im, p: rewards[n](im.to(a.device), p),
-        names,
-        a.host,
-        a.port,
-        token,
-        a.max_batch,
-        a.max_mb,
-        a.max_pixels,
-        max_prompt_chars=a.max_prompt_chars,
-        max_connections=a.max_connections,
-        request_deadline=a.request_deadline,
-    )
     print(
         f"serving {names} at http://{a.host}:{server.server_port} (GET /health, POST /score); token: {token is not None}",
         flush=True,  # a log or a pipe reads it now, not when the buffer fills

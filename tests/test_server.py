@@ -130,15 +130,15 @@ def read_answer(sock: socket.socket) -> tuple[int | None, dict | None]:
 
 
 def ask(url: str, raw: bytes, wait: float = 5.0) -> tuple[int | None, dict | None]:
-    """(status, JSON body) of `raw` sent on a new connection. A 429 is asked again for up to 5 s, as the real
+    """(status, JSON body) of `raw` sent on a new connection. A 503 is asked again for up to 5 s, as the real
     client does (remote.RETRIED): the server counts a connection open until its thread has seen the close, which
     on a loaded machine lags the client's close by a scheduling slice, so a quick run of requests can meet the
-    limit for a moment. The test of the 429 itself reads its answer without this."""
+    limit for a moment. The tests of the 503 itself read their answer without this."""
     for _ in range(100):
         with socket.create_connection(("127.0.0.1", port(url)), timeout=wait) as sock:
             sock.sendall(raw)
             status, answer = read_answer(sock)
-        if status != 429:
+        if status not in (429, 503):
             return status, answer
         time.sleep(0.05)
     return status, answer
@@ -321,24 +321,65 @@ def test_a_request_trickling_in_gets_a_408_at_its_deadline_not_after_each_read(s
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_a_connection_over_the_limit_gets_a_429_at_once_and_the_server_serves_again_after(server):
-    held = [socket.create_connection(("127.0.0.1", port(server)), timeout=5) for _ in range(CONNECTIONS)]
-    for sock in held:
-        sock.sendall(b"POST /score HTTP/1.1\r\n")  # each holds its connection, up to the deadline
-    time.sleep(0.2)
-    for sock in held:  # all CONNECTIONS of them are let in: none is answered (a 429) before its deadline
-        sock.settimeout(0.05)
-        with pytest.raises(TimeoutError):
-            sock.recv(1)
-    started = time.monotonic()
-    with socket.create_connection(("127.0.0.1", port(server)), timeout=2) as sock:  # answered before it sends
+def test_a_request_that_goes_quiet_inside_the_last_read_timeout_gets_its_408_at_the_deadline(server):
+    # body bytes every 0.2 s up to 0.2 s before the deadline (2 s), then nothing: the last read may wait only what
+    # is left of the deadline, not a whole read timeout (1 s), which would answer 0.8 s late
+    whole = request(body([png()]))
+    head = whole.index(b"\r\n\r\n") + 4
+    with socket.create_connection(("127.0.0.1", port(server)), timeout=5) as sock:
+        started = time.monotonic()
+        sock.sendall(whole[:head])
+        for k in range(head, len(whole) - 1):
+            if time.monotonic() - started > DEADLINE - 0.15:
+                break
+            sock.sendall(whole[k : k + 1])
+            quiet = time.monotonic() - started  # the last byte sent
+            time.sleep(0.2)
         status, answer = read_answer(sock)
-    assert status == 429 and answer == {"error": f"{CONNECTIONS} connections at once already (--max-connections)"}
-    assert time.monotonic() - started < 1.0
-    for sock in held:
-        sock.close()
-    status, _ = ask(server, request(body([png()])))  # asked again while their threads see the close and end
-    assert status == 200
+        seconds = time.monotonic() - started
+    assert DEADLINE - 0.45 < quiet < DEADLINE - 0.15, quiet  # the 408 of a whole last read would come 0.55 s late
+    assert (
+        status == 408 and answer["error"] == f"the body did not arrive whole within {DEADLINE:g} s (--request-deadline)"
+    )
+    assert DEADLINE - 0.05 < seconds < DEADLINE + 0.35, seconds
+
+
+def test_a_request_past_its_headers_takes_a_turn_and_one_more_waits_the_read_timeout_then_gets_a_503(capsys):
+    """4 turns, each held by a request being scored (the scorer waits on an event): a fifth request waits its read
+    timeout (0.5 s) for a turn, then gets a 503 asking it to come back in 1 s, and is served once a turn is free."""
+    release, scored = threading.Event(), []
+
+    def score(name, images, prompts):
+        release.wait(10)
+        scored.append(len(images))
+        return images.mean((1, 2, 3))
+
+    httpd = remote.serve(score, ["slow"], "127.0.0.1", 0, read_timeout=0.5, max_connections=4, request_deadline=30)
+    url = serve_on_a_thread(httpd)
+    held = [socket.create_connection(("127.0.0.1", port(url)), timeout=10) for _ in range(4)]
+    try:
+        for sock in held:
+            sock.sendall(request(body([png(4)], reward="slow"), Authorization=None))
+        time.sleep(0.3)  # all four read and waiting to be scored, each holding its turn
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", port(url)), timeout=5) as sock:
+            sock.sendall(request(method="GET", path="/health", Authorization=None))
+            data = sock.recv(1 << 16)
+            waited = time.monotonic() - started
+        busy = "no turn within 0.5 s: 4 requests at once already (--max-connections)"
+        assert data.startswith(b"HTTP/1.0 503 ") and b"\r\nRetry-After: 1\r\n" in data, data
+        assert json.loads(data.partition(b"\r\n\r\n")[2]) == {"error": busy}
+        assert 0.45 < waited < 1.5, waited
+        release.set()
+        assert [read_answer(sock)[0] for sock in held] == [200] * 4 and scored == [1] * 4
+        assert ask(url, request(method="GET", path="/health", Authorization=None)) == (200, {"rewards": ["slow"]})
+        assert "Traceback" not in capsys.readouterr().err
+    finally:
+        release.set()
+        for sock in held:
+            sock.close()
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def test_a_client_gone_is_not_reported_and_any_other_failure_is_with_its_address(capsys):
@@ -519,8 +560,10 @@ def test_the_request_parser_answers_any_body_with_scores_input_or_a_4xx(raw):
 # ---------------------------------------------------------------- the client
 class Fake:
     """A reward server whose POST /score answers are `answers`, one a request, the last one repeated: (status, raw
-    body[, Location]), "cut" (Content-Length 100, 10 bytes, closed), "drop" (closed with no answer) or "trickle" (a
-    good answer, a byte every 0.2 s). GET /health answers `health`. `posts` counts the requests, `tokens` keeps the
+    body[, Location]), "cut" (Content-Length 100, 10 bytes, closed), "drop" (closed with no answer), "trickle" (a
+    good answer, a byte every 0.2 s), "trickle body" or "trickle to the close" (its HTTP/1.0 head at once, with or
+    without a Content-Length, its body a byte every 0.2 s) or "busy CODE SECONDS" (that status, with Retry-After:
+    SECONDS). GET /health answers `health`. `posts` counts the requests, `tokens` keeps the
     Authorization header of each request (GET and POST)."""
 
     def __init__(self):
@@ -547,6 +590,22 @@ class Fake:
                 answer = fake.answers.pop(0) if len(fake.answers) > 1 else fake.answers[0]
                 if answer == "cut":
                     self._raw(200, b'{"scores":', length=100)
+                elif isinstance(answer, str) and answer.startswith("busy "):  # "busy CODE RETRY-AFTER"
+                    code, _, after = answer[5:].partition(" ")
+                    self.send_response(int(code))
+                    self.send_header("Retry-After", after)
+                    self.send_header("Content-Length", "2")
+                    self.end_headers()
+                    self.wfile.write(b"{}")
+                elif answer in ("trickle body", "trickle to the close"):
+                    length = f"Content-Length: {len(GOOD[1])}\r\n" if answer == "trickle body" else ""
+                    try:
+                        self.wfile.write(f"HTTP/1.0 200 OK\r\n{length}\r\n".encode())
+                        for k in range(len(GOOD[1])):  # 4.6 s in all, unless the client hangs up first
+                            self.wfile.write(GOOD[1][k : k + 1])
+                            time.sleep(0.2)
+                    except OSError:
+                        pass
                 elif answer == "trickle":
                     raw = b"HTTP/1.0 200 OK\r\nContent-Length: 23\r\n\r\n" + GOOD[1]
                     try:
@@ -665,6 +724,38 @@ def test_the_client_gives_up_on_a_trickling_answer_at_its_deadline(fake):
     with pytest.raises(RunError, match=re.escape("failed after 2 tries (no whole answer within 1 s (the deadline")):
         remote.request_json(f"{fake.url}/score", {"x": 1}, timeout=1.0, tries=2, backoff=0.01)
     assert 2.0 <= time.monotonic() - started < 3.5 and fake.posts == 2  # not 13 s: the trickle's end
+
+
+def test_the_client_gives_up_on_an_http_1_0_answer_whose_body_trickles_at_its_deadline(fake):
+    # the head arrives at once and the answer closes its connection (HTTP/1.0): http.client hands the socket to the
+    # answer, and the deadline must still shut it
+    for answer in ("trickle body", "trickle to the close"):
+        fake.reset(answer)
+        started = time.monotonic()
+        with pytest.raises(RunError, match=re.escape("failed after 1 tries (no whole answer within 1 s (the deadline")):
+            remote.request_json(f"{fake.url}/score", {"x": 1}, timeout=1.0, tries=1)
+        assert 1.0 <= time.monotonic() - started < 1.5, answer  # not 4.6 s: the trickle's end
+
+
+def test_the_client_waits_what_a_busy_servers_retry_after_asks_up_to_30_s(fake, monkeypatch):
+    waits, here, sleep = [], threading.current_thread(), time.sleep
+    # this thread's waits recorded, not made; another (a fake server's handler still trickling) sleeps as before
+    monkeypatch.setattr(
+        remote.time, "sleep", lambda s: waits.append(s) if threading.current_thread() is here else sleep(s)
+    )
+    for busy, backoff, waited in [
+        ("busy 503 3", 1.0, 3.0),  # longer than the backoff: heeded
+        ("busy 429 2", 1.0, 2.0),
+        ("busy 503 1000", 1.0, remote.MAX_RETRY_AFTER),  # bounded
+        ("busy 503 1", 5.0, 5.0),  # shorter than the backoff: the backoff
+        ("busy 503 Wed, 21 Oct 2065 07:28:00 GMT", 1.0, 1.0),  # a date: not read
+        ("busy 500 9", 1.0, 1.0),  # Retry-After is a 429's or a 503's
+    ]:
+        fake.reset(busy, GOOD)
+        waits.clear()
+        assert remote.request_json(f"{fake.url}/score", {}, backoff=backoff) == {"scores": [0.5, 0.25]}
+        assert waits == [waited] and fake.posts == 2, busy
+    assert remote.MAX_RETRY_AFTER == 30.0
 
 
 def test_a_server_that_is_not_a_reward_server_is_refused_at_start_up(fake):
@@ -806,29 +897,40 @@ def test_the_client_sends_its_images_clamped_and_rounded_to_8_bits():
     assert sent.shape == (2, 3, 3) and sent[..., 0].tolist() == [[0, 51, 128], [255, 255, 255]]  # 127.5 to 128
 
 
-def test_a_closed_connection_frees_exactly_its_place(capsys):
-    httpd = remote.serve(lambda n, x, p: x.mean((1, 2, 3)), ["jpeg"], "127.0.0.1", 0, max_connections=3)
+def test_a_closed_connection_frees_exactly_its_place_and_one_past_sixteen_per_turn_gets_a_503(capsys):
+    httpd = remote.serve(lambda n, x, p: x.mean((1, 2, 3)), ["jpeg"], "127.0.0.1", 0, max_connections=1)
     url = serve_on_a_thread(httpd)
+    full = remote.OPEN_PER_TURN  # connections open at once, per turn: 16
+    held = []
     try:
-        held = [socket.create_connection(("127.0.0.1", port(url)), timeout=5) for _ in range(2)]
+        held = [socket.create_connection(("127.0.0.1", port(url)), timeout=5) for _ in range(full - 2)]
         for sock in held:
-            sock.sendall(b"POST /score HTTP/1.1\r\n")
-        assert ask(url, request(body([png(4)], prompts=["p"]), Authorization=None))[0] == 200
+            sock.sendall(b"POST /score HTTP/1.1\r\n")  # headers begun, never ended: no turn held
+        assert ask(url, request(body([png(4)], prompts=["p"]), Authorization=None))[0] == 200  # the one turn is free
         for _ in range(100):  # the finished connection's thread ends a moment after its answer
-            if httpd.open == 2:
+            if httpd.open == full - 2:
                 break
             time.sleep(0.02)
-        assert httpd.open == 2  # the held ones
+        assert httpd.open == full - 2  # the held ones
         with socket.create_connection(("127.0.0.1", port(url)), timeout=5) as second:
             second.sendall(b"POST /score HTTP/1.1\r\n")
-            time.sleep(0.2)
-            assert httpd.open == 3
-            with socket.create_connection(("127.0.0.1", port(url)), timeout=5) as third:
-                assert read_answer(third)[0] == 429
+            with socket.create_connection(("127.0.0.1", port(url)), timeout=5) as last:
+                last.sendall(b"POST /score HTTP/1.1\r\n")
+                time.sleep(0.2)
+                assert httpd.open == full
+                started = time.monotonic()
+                with socket.create_connection(("127.0.0.1", port(url)), timeout=5) as third:
+                    status, answer = read_answer(third)  # answered before it sends
+                assert (status, answer) == (503, {"error": f"{full} connections open at once already "
+                                                           f"({full} x --max-connections)"})  # fmt: skip
+                assert time.monotonic() - started < 1.0
         for sock in held:
             sock.close()
-        assert "Traceback" not in capsys.readouterr().err  # the 429's connection closed without an error
+        assert ask(url, request(method="GET", path="/health", Authorization=None))[0] == 200
+        assert "Traceback" not in capsys.readouterr().err  # the 503's connection closed without an error
     finally:
+        for sock in held:
+            sock.close()
         httpd.shutdown()
         httpd.server_close()
 
