@@ -3,7 +3,8 @@
 Algorithm logic (samplers with log-probs, advantages, losses) deliberately lives in the scripts. The modules form
 layers, each importing only from those above it in this list (tests/test_layout.py checks it):
 
-    common (this file)          the errors the scripts print as one line; whether the Hugging Face hub is reachable
+    common (this file)          the errors the scripts print as one line; whether the Hugging Face hub is reachable;
+                                write_atomically, the one way the project writes a file
     common.offload, .viz, .remote, .signals   parking frozen parts on the CPU; sample grids; rewards over HTTP;
                                 SIGTERM and Ctrl-C during training
     common.logs                 metrics.jsonl, TensorBoard, W&B and sample grids of a run; the logged reductions
@@ -18,8 +19,11 @@ The command-line tools sit on top: the evaluation of trained weights (`python -m
 (`python -m common.shapesbench eval`, its trainers). They may use every layer, and no library module imports them. Nothing in common/ imports a top-level script.
 """
 
+import contextlib
 import os
 import socket
+from collections.abc import Callable
+from pathlib import Path
 
 
 class InputError(ValueError):
@@ -41,3 +45,64 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return True
     except OSError:
         return False
+
+
+def in_the_way(path: Path, within: Path | None = None) -> str:
+    """'' when a file may be written at `path`; else what is in the way: a folder or anything but a file at `path`, a
+    symbolic link there or on the folders between `within` and `path` (written through, the file would land outside
+    `within`), a file where one of `path`'s folders goes."""
+    path = Path(path)
+    below = [] if within is None else [p for p in reversed(path.parents) if Path(within) in p.parents]
+    for folder in below:
+        if folder.is_symlink():
+            return f"{folder} is a symbolic link"
+    for folder in reversed(path.parents):
+        if folder.exists() and not folder.is_dir():
+            return f"{folder} is not a folder"
+    if path.is_symlink():
+        return f"{path} is a symbolic link"
+    if path.exists() and not path.is_file():
+        return f"{path} is {'a folder' if path.is_dir() else 'not a file'}"
+    return ""
+
+
+def write_atomically(
+    path: Path, data: str | bytes | Callable[[Path], object], flag: str, writer: str, within: Path | None = None
+) -> Path:
+    """Write `data` (text, bytes, or a function that writes the file at the path it is given, such as torch.save) at
+    `path` whole or not at all: under a temporary name in the same folder, then renamed over `path`, so that a crash
+    never leaves a partial file. What is in the way (in_the_way: a folder, a symbolic link this function never made,
+    a file where a folder goes) is an InputError naming `flag`, e.g. `--out: X is a folder, where the report writes
+    results.md; remove it, or give another --out`; a failed write (full disk, quota, no permission, torch.save's
+    RuntimeError) is a RunError naming the file. Neither leaves a temporary file behind."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+    def refuse(why: str) -> InputError:
+        return InputError(f"{flag}: {why}, where {writer} writes {path.name}; remove it, or give another {flag}")
+
+    if why := in_the_way(path, within):
+        raise refuse(why)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.unlink(missing_ok=True)  # a leftover, or a link planted under the temporary name
+        if callable(data):
+            data(tmp)
+        else:
+            raw = data.encode() if isinstance(data, str) else data
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(raw)
+        if tmp.is_symlink():  # the writer's own library never makes one: refused rather than renamed into place
+            raise OSError(f"{tmp} became a symbolic link while written")
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if why := in_the_way(path, within):
+            raise refuse(why) from None
+        msg = (str(e).splitlines() or [""])[0][:200]
+        raise RunError(
+            f"cannot write {path} ({type(e).__name__}: {msg}); free some space or fix the folder's permissions"
+        ) from None
+    return path

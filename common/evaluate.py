@@ -22,7 +22,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
@@ -35,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from common import InputError, RunError, shapesbench
+from common import InputError, RunError, in_the_way, shapesbench, write_atomically
 from common.attention import set_attention_backend
 from common.flags import check_guidance_scale_2, check_shift, need
 from common.models import LOW_NOISE_LORA, check_model_id, has_two_experts, is_video
@@ -434,27 +433,25 @@ def load_batch(path: Path, expect: dict) -> tuple[dict | None, str]:
     return (None, problem) if problem else (record, "")
 
 
-def save_atomically(obj, path: Path) -> None:
-    """torch.save (dict: JSON) under a temporary name in the same folder, then renamed: a crash never leaves a partial
-    file under `path`, and a failed write leaves no temporary file. A folder (or any other non-file) where `path`
-    or its folder goes: InputError naming --out."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.suffix == ".json":
-            tmp.write_text(json.dumps(obj, indent=1))
-        else:
-            torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        for p in (path, *path.parents):  # the file a folder, or a folder on its way a file
-            if p.exists() and not (p.is_file() if p == path else p.is_dir()):
-                what = "a folder" if p.is_dir() else "not a folder"
-                raise InputError(f"--out: {p} is {what}, where the cache writes {path.name}; remove it, or give "
-                                 "another --out") from None  # fmt: skip
-        raise
+def save_atomically(obj, path: Path, within: Path | None = None, writer: str = "the cache") -> None:
+    """torch.save (dict: JSON) through the project's atomic writer (common.write_atomically): a crash never leaves a
+    partial file under `path`, a failed write (a full disk: torch.save's RuntimeError too) is one RunError line and
+    leaves no temporary file, and what is in the way (a folder, a symbolic link at `path` or below `within`, a file
+    where a folder goes) is an InputError naming --out."""
+    if path.suffix == ".json":
+        data = json.dumps(obj, indent=1)
+    else:
+        data = lambda tmp: torch.save(obj, tmp)  # noqa: E731
+    write_atomically(path, data, "--out", writer, within)
+
+
+def check_row_name(name: str, spec: str) -> None:
+    """A row's name names its cache folder (cache/NAME, a checkpoint's RUN/iter_N): relative parts that are each a
+    name, so that the cache stays inside --out."""
+    parts = name.split("/")
+    ok = all(p not in ("", ".", "..") and "\\" not in p and "\0" not in p for p in parts)
+    need(ok, f"--weights {spec}: the row name {json.dumps(name)} is not a name (no empty part, no . or .., no \\); "
+         "give NAME=PATH")  # fmt: skip
 
 
 def score_model(args, model, reward_fn, prompts, accelerator, cache: Path, grid: list[int], keep_images: bool,
@@ -496,7 +493,7 @@ def score_model(args, model, reward_fn, prompts, accelerator, cache: Path, grid:
             "images": images.cpu() if keep_images else torch.zeros(0),
         }
         record["checksum"] = record_digest(record)  # checked before the record is used again (batch_problem)
-        save_atomically(record, path)
+        save_atomically(record, path, within=cache.parent.parent)
         out.append(record)
     return out
 
@@ -542,6 +539,8 @@ def main(args: EvalArgs) -> None:
     )
     prompt_list, styles = load_prompt_set(args.prompts, args.max_prompts)
     models = [("base", None)] + [weights_folder(w) for w in args.weights]
+    for spec, (name, _) in zip(args.weights, models[1:]):
+        check_row_name(name, spec)
     need(len({m for m, _ in models}) == len(models), "--weights: two rows with one name; give NAME=PATH")
     with stops_as_an_evaluation():
         check_rewards(reward_spec, video=is_video(kind))
@@ -593,7 +592,7 @@ def main(args: EvalArgs) -> None:
         check_weights(base, spec, folder)
     accelerator.wait_for_everyone()  # every process has read settings.json before the main one writes it
     if accelerator.is_main_process:
-        save_atomically({"settings": setting, "weights": cached["weights"] | sources}, saved)
+        save_atomically({"settings": setting, "weights": cached["weights"] | sources}, saved, within=out)
 
     # ---------------------------------------------------------------- each model in turn, sharded over processes
     records = {}
@@ -643,13 +642,20 @@ def report(args, setting, records, prompt_list, styles, prompts, grid, out: Path
             deltas[m].update(
                 {f"{k}/{style}": paired((per_prompt[m][k] - per_prompt["base"][k])[rows]) for k in rewards}
             )
-    (out / "results.json").write_text(json.dumps({"settings": setting, "models": {m: str(f) for m, f in zip(names, [None, *args.weights])},
-                                                   "figures": figures, "deltas": deltas}, indent=1))  # fmt: skip
-    with open(out / "scores.jsonl", "w") as f:
-        for i, p in enumerate(prompt_list):
-            row = {"prompt": p, "style": styles[i]}
-            row |= {m: {k: round(v[i].item(), 6) for k, v in per_prompt[m].items()} for m in names}
-            f.write(json.dumps(row) + "\n")
+    # every report file is checked before any is written: a folder or a link in the way of the last one must not
+    # leave the first ones of this evaluation beside the others' of an earlier one
+    for name in ("results.json", "scores.jsonl", "results.md", "grid.png"):
+        if why := in_the_way(out / name, out):
+            raise InputError(f"--out: {why}, where the report writes {name}; remove it, or give another --out")
+    report_file = lambda name, data: write_atomically(out / name, data, "--out", "the report", out)  # noqa: E731
+    report_file("results.json", json.dumps({"settings": setting, "models": {m: str(f) for m, f in zip(names, [None, *args.weights])},
+                                            "figures": figures, "deltas": deltas}, indent=1))  # fmt: skip
+    rows = []
+    for i, p in enumerate(prompt_list):
+        row = {"prompt": p, "style": styles[i]}
+        row |= {m: {k: round(v[i].item(), 6) for k, v in per_prompt[m].items()} for m in names}
+        rows.append(json.dumps(row) + "\n")
+    report_file("scores.jsonl", "".join(rows))
     lines = [f"{len(prompt_list)} prompts x {S} samples, {args.num_steps}-step Euler ODE (shift {args.shift}), "
              f"guidance {args.guidance_scale}, seed {args.seed}; mean per model, trained - base +- paired standard "
              "error over prompts", "", "| model | " + " | ".join(rewards) + " |", "|---" * (len(rewards) + 1) + "|"]  # fmt: skip
@@ -669,7 +675,7 @@ def report(args, setting, records, prompt_list, styles, prompts, grid, out: Path
                   "| model | reward | " + " | ".join(styled) + " |", "|---" * (len(styled) + 2) + "|"]  # fmt: skip
         lines += [f"| {m} | {k} | " + " | ".join(f"{deltas[m][f'{k}/{s}'][0]:+.4f} +- {deltas[m][f'{k}/{s}'][1]:.4f}" for s in styled) + " |"
                   for m in names[1:] for k in rewards]  # fmt: skip
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    report_file("results.md", "\n".join(lines) + "\n")
     images = torch.cat([torch.cat([r["grid"] for r in records[m]]) for m in names])  # a row per model
     images = images[:, images.shape[1] // 2] if images.ndim == 5 else images  # videos: the middle frame
     captions = [f"{m}\n{prompts[j]}" for m in names for j in grid]
@@ -678,7 +684,13 @@ def report(args, setting, records, prompt_list, styles, prompts, grid, out: Path
     if records["base"][0]["images"].numel():  # ShapesBench: the verifier's verdict under each image
         ok = shapesbench.verify(images, [prompts[j] for _ in names for j in grid])["all"].tolist()
         title += "; badge: the verifier's verdict"
-    save_grid(out / "grid.png", images, captions, ok, ncol=len(grid), title=title)
+    try:  # in place, after in_the_way found no link or folder there: save_grid takes its format from the name
+        save_grid(out / "grid.png", images, captions, ok, ncol=len(grid), title=title)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            (out / "grid.png").unlink(missing_ok=True)  # not a partial picture under the final name
+        raise RunError(f"cannot write {out / 'grid.png'} ({type(e).__name__}: {e.strerror or e}); free some space or "
+                       "fix the folder's permissions, then run the same command again: its cache keeps every batch") from None  # fmt: skip
     print("\n".join(lines))
     print(f"written: {out / 'results.md'}, results.json, scores.jsonl, grid.png")
 

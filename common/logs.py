@@ -3,7 +3,7 @@ sample grids; and the small reductions the scripts log.
 
     Logs(args, run_dir, is_main)     log(scalars, step), grid(images, captions, ok, step, title), headline, close;
                                      after a resume, drop_records_after(it) and on_record(step, key)
-    read_metrics(path)               the records of a metrics.jsonl
+    read_metrics(path)               the records of a metrics.jsonl (read_records: and how many lines are not one)
     summarize(figures, prefix)       an iteration's figures (each micro-batch's tensors) -> logged floats
     reward_stats(rewards, parts)     rewards/mean, rewards/std and each component's mean
     peak_memory_gb(device)           the peak memory of this iteration (CUDA) or of the run (CPU)
@@ -23,24 +23,37 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from common import InputError, in_the_way, write_atomically
 from common.viz import save_grid, save_video_grid
 
 if TYPE_CHECKING:  # for the annotation; at run time imported with the first writer (tensorboard: slow to import)
     from torch.utils.tensorboard import SummaryWriter
 
 
-def read_metrics(path) -> list[dict]:
-    """The records of a metrics.jsonl (a file or its run folder), in order. A last line cut short by a crash or a
-    full disk is skipped; after a resume the file holds each iteration once (Logs.drop_records_after)."""
+def read_records(path) -> tuple[list[dict], int]:
+    """(the records of a metrics.jsonl, how many of its lines are not one): a record is a JSON object with an integer
+    "iteration"; anything else (a last line cut short by a crash or a full disk, a line edited by hand, bytes that are
+    not UTF-8) is skipped. A run folder stands for its metrics.jsonl; what is not a file holds no records."""
     path = Path(path)
     path = path / "metrics.jsonl" if path.is_dir() else path
-    records = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
+    records, skipped = [], 0
+    for line in path.read_bytes().splitlines() if path.is_file() else []:
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+            record = json.loads(line.decode())
+            it = record["iteration"] if isinstance(record, dict) else None
+        except (ValueError, KeyError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            it = None
+        if type(it) is int:
+            records.append(record)
+        elif line.strip():
+            skipped += 1
+    return records, skipped
+
+
+def read_metrics(path) -> list[dict]:
+    """The records of a metrics.jsonl (a file or its run folder), in order (read_records: other lines are skipped);
+    after a resume the file holds each iteration once (Logs.drop_records_after)."""
+    return read_records(path)[0]
 
 
 def summarize(figures: dict, prefix: str) -> dict[str, float]:
@@ -98,18 +111,27 @@ class Logs:
         step). Returns the keys on record at `it`, and 'samples' if its sample grid was written."""
         self.resumed_at = it
         path = self.dir / "metrics.jsonl"
-        records = read_metrics(path)
+        if why := in_the_way(path, self.dir):
+            raise InputError(f"{self.flag()}: {why}, where the run keeps metrics.jsonl; remove it, or give another run")
+        records, skipped = read_records(path)
         kept = [r for r in records if r["iteration"] <= it]
         if path.is_file():
-            partial = path.with_name(".metrics.jsonl.partial")
-            partial.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(partial, path)
+            text = "".join(json.dumps(r) + "\n" for r in kept)
+            write_atomically(path, text, self.flag(), "the run", within=self.dir)
+        if skipped:
+            print(
+                f"metrics.jsonl: dropped {skipped} line(s) that are not a record (not a JSON object with an iteration)"
+            )
         if len(kept) < len(records):
             print(
                 f"metrics.jsonl: dropped {len(records) - len(kept)} record(s) of the interrupted run after iteration {it}"
             )
         grid = any((self.dir / "samples").glob(f"samples_{it:06d}.*"))  # .png, or .gif for videos
         return {k for r in kept if r["iteration"] == it for k in r} | ({"samples"} if grid else set())
+
+    def flag(self) -> str:
+        """The flag that named the run folder, for what is in the way inside it."""
+        return "--resume-from" if self.args.resume_from else "--output-dir"
 
     def set_on_record(self, it: int, keys: set[str]) -> None:
         """The keys the interrupted run had logged at the resume iteration `it` (the same on every process)."""
@@ -141,7 +163,7 @@ class Logs:
         # repetition is bitwise)
         id_file = self.dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
-        id_file.write_text(run_id)
+        write_atomically(id_file, run_id, self.flag(), "the run", within=self.dir)
         self.wandb = wandb.init(
             project=self.args.wandb_project_name,
             name=self.dir.name,
@@ -160,7 +182,9 @@ class Logs:
             tb.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
-        with open(self.dir / "metrics.jsonl", "a") as f:
+        # appended (one line an iteration, a line cut short by a crash is skipped when read), never through a link
+        fd = os.open(self.dir / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "a") as f:
             f.write(json.dumps({"iteration": step, **scalars}) + "\n")
         if echo:
             tqdm.write(self.headline(scalars, step))

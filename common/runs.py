@@ -21,6 +21,7 @@ run with one `error:` line and leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
@@ -30,7 +31,7 @@ import torch
 from accelerate.utils import DistributedType, broadcast_object_list
 from tqdm import tqdm
 
-from common import RunError
+from common import InputError, RunError
 from common.attention import set_attention_backend
 from common.checkpoints import Checkpoints, resolve_resume
 from common.flags import need
@@ -38,6 +39,30 @@ from common.logs import Logs, peak_memory_gb
 from common.signals import StopSignals
 
 STALLED = 3  # iterations in a row with every update skipped (non-finite gradient norms) that stop a run
+# the settings that shape what a checkpoint holds or how its iterations are drawn: a checkpoint resumes only under its
+# own (checkpoint.json records them); --iterations, the cadences and the like may change across a resume
+CHECKPOINT_SETTINGS = ("seed", "model_id", "lora", "lora_rank", "lora_alpha", "experts", "resolution", "num_frames")
+
+
+def check_name(value, flag: str) -> None:
+    """A name that becomes a file or folder name (--exp-name): one path component, so that what is written under it
+    stays inside the folder it is meant for."""
+    ok = isinstance(value, str) and value not in ("", ".", "..") and not any(c in value for c in "/\\\0")
+    if not ok:
+        raise InputError(
+            f"{flag} {json.dumps(value)}: a name, not a path (no /, no \\, not empty, not . or ..), for it names a "
+            "folder"
+        )
+
+
+def script_name(args) -> str:
+    """The training script whose flags `args` are: its file name without .py (its Args class's module), also when it
+    runs as __main__."""
+    module = type(args).__module__
+    main = sys.modules.get("__main__")
+    if module == "__main__" and getattr(main, "__file__", None):
+        return Path(main.__file__).stem
+    return module
 
 
 def all_finite(value: torch.Tensor, accelerator) -> bool:
@@ -69,15 +94,26 @@ class Run:
             "--kl-beta > 0 with full fine-tuning keeps an unsharded frozen copy on every GPU; "
             "under FSDP pass --kl-beta 0 or use --lora",
         )
+        check_name(args.exp_name, "--exp-name")
+        out = Path(args.output_dir)
+        need(
+            not out.is_symlink() or out.is_dir(),
+            f"--output-dir {args.output_dir}: a symbolic link to no folder (dangling or looping); give a folder",
+        )
         if args.resume_from:
-            self.dir, self.resume_path = resolve_resume(args.output_dir, args.exp_name, args.resume_from)
+            self.dir, self.resume_path = resolve_resume(args.output_dir, args.exp_name, args.resume_from, args.seed)
         else:  # one name for all processes: the main process's clock
             stamp = broadcast_object_list([int(time.time())])[0]
-            self.dir, self.resume_path = Path(args.output_dir) / f"{args.exp_name}__{args.seed}__{stamp}", None
+            self.dir, self.resume_path = out / f"{args.exp_name}__{args.seed}__{stamp}", None
             need(
-                not self.dir.exists(), f"{self.dir} exists already: pass another --exp-name or --resume-from {self.dir}"
+                not self.dir.exists() and not self.dir.is_symlink(),
+                f"{self.dir} exists already: pass another --exp-name or --resume-from {self.dir}",
             )
-        self.ckpt = Checkpoints(accelerator, self.dir, args.lora, args.checkpoints_total_limit)
+        settings = {k: getattr(args, k) for k in CHECKPOINT_SETTINGS if hasattr(args, k)}
+        if not args.lora:  # a full fine-tune's checkpoint does not depend on the adapter's shape
+            settings = {k: v for k, v in settings.items() if not k.startswith("lora_")}
+        owner = {"script": script_name(args), "run": self.dir.name, "settings": settings}
+        self.ckpt = Checkpoints(accelerator, self.dir, args.lora, args.checkpoints_total_limit, owner, args.iterations)
         self.logs = Logs(args, self.dir, self.is_main)
         self.stop = StopSignals(accelerator)
         self.grad_norms, self.skipped, self.lr = [], 0, args.learning_rate  # this iteration's optimizer steps

@@ -107,7 +107,7 @@ def test_a_truncated_or_another_batchs_cache_file_is_computed_again(tmp_path, mo
         f"cache: {cache / 'batch_00002.pt'} holds batch 1, not batch 2, computed again",
     ]
     assert len(calls) == 3 and json.loads((out / "results.json").read_text()) == clean
-    assert not list(cache.glob(".*.tmp"))  # written under a temporary name, then renamed
+    assert not [p for p in cache.iterdir() if ".tmp" in p.name]  # written under a temporary name, then renamed
 
     E.main(tyro.cli(E.EvalArgs, args=[*SMALL, "--out", str(out)]))  # now every batch is a good one
     assert len(calls) == 3 and "cache:" not in capsys.readouterr().out
@@ -847,13 +847,50 @@ def test_a_cache_file_that_cannot_be_written_names_what_is_in_the_way(tmp_path, 
     E.save_atomically({"a": 1}, tmp_path / "ok" / "x.json")
     assert json.loads((tmp_path / "ok" / "x.json").read_text()) == {"a": 1}
 
-    def full(*a, **kw):
-        raise OSError(28, "No space left on device")
+    def full(obj, f):  # a full disk: torch.save's RuntimeError after part of the file
+        open(f, "wb").write(b"part")
+        raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
 
-    monkeypatch.setattr(E.torch, "save", full)  # any other failure of the write is raised as it is
-    with pytest.raises(OSError, match="No space left"):
+    monkeypatch.setattr(E.torch, "save", full)  # any failure of the write: one line naming the file
+    with pytest.raises(RunError, match=r"cannot write .*batch_00000.pt \(RuntimeError: PytorchStreamWriter failed"):
         E.save_atomically({"a": torch.zeros(1)}, tmp_path / "ok" / "batch_00000.pt")
     assert sorted(p.name for p in (tmp_path / "ok").iterdir()) == ["x.json"]  # no temporary file left
+
+
+def test_a_row_name_that_is_a_path_is_one_error_naming_weights(tmp_path, monkeypatch, capsys):
+    """--weights NAME=PATH: the name names the row's cache folder, so ../ in it would write outside --out."""
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text("{}")
+    out = tmp_path / "a" / "b" / "eval"
+    for name in ("../../../X", "a//b", "."):
+        code, errors, err = cli([*SMALL, "--out", str(out), "--weights", f"{name}={tmp_path / 'cfg'}"], monkeypatch,
+                                capsys)  # fmt: skip
+        assert code == 2 and "Traceback" not in err and len(errors) == 1, err
+        assert errors[0].startswith(f"error: --weights {name}={tmp_path / 'cfg'}: the row name "), errors
+    assert not (tmp_path / "X").exists() and not out.exists()
+
+
+@pytest.mark.parametrize("what", ["folder", "link"])
+def test_a_report_file_that_is_a_folder_or_a_link_is_one_error_and_nothing_is_written_through(
+    tmp_path, monkeypatch, capsys, what
+):
+    out, outside = tmp_path / "eval", tmp_path / "outside.md"
+    E.main(tyro.cli(E.EvalArgs, args=[*SMALL, "--out", str(out)]))
+    for name in ("results.md", "grid.png"):
+        (out / name).unlink()
+        if what == "folder":
+            (out / name / "inside").mkdir(parents=True)
+        else:
+            outside.write_text("theirs")
+            (out / name).symlink_to(outside)
+        code, errors, err = cli([*SMALL, "--out", str(out)], monkeypatch, capsys)
+        kind = "a folder" if what == "folder" else "a symbolic link"
+        assert code == 2 and "Traceback" not in err and errors == [
+            f"error: --out: {out / name} is {kind}, where the report writes {name}; remove it, or give another --out"]  # fmt: skip
+        assert what == "folder" or outside.read_text() == "theirs"
+        shutil.rmtree(out / name) if what == "folder" else (out / name).unlink()
+        E.main(tyro.cli(E.EvalArgs, args=[*SMALL, "--out", str(out)]))
+    assert not [p for p in out.rglob("*") if ".tmp" in p.name]
 
 
 def test_a_config_is_compared_value_by_value_whatever_its_key_order_and_types(tmp_path):
