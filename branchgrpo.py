@@ -40,7 +40,7 @@ from accelerate.utils import set_seed
 
 from common import InputError
 from common.evaluator import Evaluator
-from common.flags import ModeDefault, RunArgs, check_mode_flags, check_run_args, cli, need
+from common.flags import Ge, Gt, Le, ModeDefault, RunArgs, check_flags, check_run_args, cli, divides, need
 from common.logs import reward_stats, summarize
 from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser
 from common.prompts import draw_prompts
@@ -51,53 +51,53 @@ from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> 
 
 @dataclass
 class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/flags.py
-    learning_rate: float = 6e-4
+    learning_rate: Annotated[float, Gt(0), Le(1)] = 6e-4
     """AdamW learning rate (constant after --lr-warmup); 2x the shared default, as dancegrpo.py (docs/branchgrpo.md)"""
-    num_steps: int = 20
+    num_steps: Annotated[int, Ge(2), Le(1000)] = 20
     """sampling steps T of a rollout (shifted sigma schedule), as the paper"""
     sde_type: Literal["dance", "flow"] = "flow"
     """noise schedule g(sigma): 'dance' = constant eta (DanceGRPO, the release), 'flow' = a sqrt(sigma / (1 - sigma))"""
-    noise_level: Annotated[Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow")] = None
+    noise_level: Annotated[Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow"), Gt(0)] = None
     """eta for 'dance', a for 'flow'"""
     split_schedule: str = "dense"
     """split steps: 'dense' (0,3,6,...), 'sparse' (evenly spread), 'late' (second half) or a list like '0,3,6,9'"""
-    num_splits: int = 4
+    num_splits: Annotated[int, Ge(1), Le(64)] = 4
     """number of split steps m for the named schedules"""
-    branch_factor: int = 2
+    branch_factor: Annotated[int, Ge(2), Le(64)] = 2
     """children per split K; leaves per tree M = K ** m"""
     branch_noise: Literal["correlated", "scaled"] = "correlated"
     """'correlated': siblings share part of their noise, each child is an exact SDE step (paper); 'scaled': independent noise times s (release)"""
-    branch_s: float = 4.0
+    branch_s: Annotated[float, Gt(0)] = 4.0
     """correlated: ratio s of branch-specific to shared noise variance, rho = 1 / (1 + s); scaled: the noise multiplier"""
-    trees_per_device: int = 4
+    trees_per_device: Annotated[int, Ge(1)] = 4
     """prompts (trees) per process per iteration"""
-    trees_per_update: int = 2
+    trees_per_update: Annotated[int, Ge(1)] = 2
     """trees whose edges are accumulated into one optimizer step"""
-    rollout_batch_size: int = 16
+    rollout_batch_size: Annotated[int, Ge(1)] = 16
     """nodes per denoiser forward (batched per depth); also the training micro-batch of parents"""
     fusion: Literal["uniform", "path"] = "uniform"
     """node value from its leaves: 'uniform' mean, or 'path' softmax of gamma * path log-prob / temperature"""
     fusion_gamma: float = 1.0
     """--fusion path: weight gamma of the path log-prob (0 gives uniform)"""
-    fusion_temperature: float = 1.0
+    fusion_temperature: Annotated[float, Gt(0)] = 1.0
     """--fusion path: softmax temperature"""
     pruning: Literal["none", "width", "depth", "mix"] = "none"
     """which edges are trained: all, width-pruned, depth-pruned, or only SDE edges of a sliding Mix window"""
     width_mode: Literal["parent-top1", "extreme"] = "parent-top1"
     """--pruning width: each last-split parent keeps its best child's chain, or the extreme chains"""
-    width_keep_ratio: float = 0.5
+    width_keep_ratio: Annotated[float, Gt(0), Le(1)] = 0.5
     """--width-mode extreme: fraction of post-split chains kept, half best and half worst"""
-    window: Annotated[Optional[int], ModeDefault("the steps after the last split for depth, 4 for mix")] = None
+    window: Annotated[Optional[int], ModeDefault("the steps after the last split for depth, 4 for mix"), Ge(1)] = None
     """--pruning depth / mix: window size W in steps"""
-    window_shift_every: int = 30
+    window_shift_every: Annotated[int, Ge(1)] = 30
     """--pruning depth / mix: the window moves one step deeper every E iterations"""
-    clip_range: float = 1e-3
+    clip_range: Annotated[float, Gt(0)] = 1e-3
     """PPO clip epsilon on the ratio (log-probs are means over latent dimensions, hence small)"""
-    adv_clip_max: float = 5.0
+    adv_clip_max: Annotated[float, Gt(0)] = 5.0
     """advantages are clipped to +-this"""
     advantage_aggregation: Literal["sum", "per-reward"] = "sum"
     """several rewards: 'sum' fuses their weighted sum (release); 'per-reward' fuses and normalises each, then sums with the weights"""
-    kl_beta: float = 0.0
+    kl_beta: Annotated[float, Ge(0)] = 0.0
     """weight beta of the per-step Gaussian KL to the frozen base model (0 = off, as the release)"""
 
 
@@ -409,7 +409,7 @@ MODE_FLAGS = [  # a flag of another mode is an error unless left at its default 
 def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
     one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
-    check_mode_flags(args, MODE_FLAGS)
+    check_flags(args, MODE_FLAGS)  # every float finite first, then no dead flags
     splits = split_steps(args.split_schedule, args.num_steps, args.num_splits)
     if args.noise_level is None:
         args.noise_level = 0.3 if args.sde_type == "dance" else 0.7
@@ -440,7 +440,7 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
         f"--pruning {args.pruning}: the last split is step {max(splits)} = --num-steps - 2, so no trainable step follows "
         "it; move the splits earlier (--split-schedule) or raise --num-steps",
     )
-    need(args.trees_per_device % args.trees_per_update == 0, "--trees-per-update must divide --trees-per-device")
+    need(divides(args.trees_per_update, args.trees_per_device), "--trees-per-update must divide --trees-per-device")
     need(min(args.trees_per_device, args.rollout_batch_size) >= 1, "--trees-per-device, --rollout-batch-size >= 1")
     if args.pruning == "depth" and after < args.window:
         print(f"warning: --pruning depth: {after} trainable step(s) follow the last split {max(splits)}, so the "

@@ -40,7 +40,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from common.evaluator import Evaluator
-from common.flags import ModeDefault, RunArgs, check_mode_flags, check_run_args, cli, need
+from common.flags import AllowInf, Ge, Gt, Le, ModeDefault, RunArgs, check_flags, check_run_args, cli, divides, need
 from common.logs import reward_stats, summarize
 from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser
 from common.prompts import draw_prompts
@@ -52,53 +52,53 @@ from common.sampling import keyed_randn
 
 @dataclass
 class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/flags.py
-    learning_rate: float = 6e-4
+    learning_rate: Annotated[float, Gt(0), Le(1)] = 6e-4
     """AdamW learning rate (constant after --lr-warmup); 2x the shared default: the per-step estimator's update
     direction is mostly noise (docs/dancegrpo.md)"""
-    num_steps: int = 10
+    num_steps: Annotated[int, Ge(2), Le(1000)] = 10
     """sampling steps T of a rollout (shifted sigma schedule)"""
     sde_type: Literal["dance", "flow", "cps"] = "flow"
     """the SDE step: 'dance' = noise g = eta (DanceGRPO), 'flow' = g = a sqrt(sigma / (1 - sigma)) (Flow-GRPO), 'cps' =
     the coefficient-preserving step, std sigma' sin(eta pi / 2) (arXiv 2509.05952), with its constant-free log-prob"""
-    noise_level: Annotated[Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow, 0.8 with cps")] = (
-        None
-    )
+    noise_level: Annotated[
+        Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow, 0.8 with cps"), Gt(0)
+    ] = None
     """eta for 'dance' and 'cps', a for 'flow'"""
-    group_size: int = 8
+    group_size: Annotated[int, Ge(2)] = 8
     """images per prompt (G); a group may span processes"""
-    samples_per_device: int = 64
+    samples_per_device: Annotated[int, Ge(1)] = 64
     """images sampled per process per iteration; prompts per iteration = processes * this / group size"""
-    rollout_batch_size: int = 32
+    rollout_batch_size: Annotated[int, Ge(1)] = 32
     """images per denoiser forward in sampling; also the training micro-batch"""
     same_noise: bool = False
     """one shared initial noise per prompt group (DanceGRPO --init_same_noise)"""
-    timestep_fraction: Annotated[Optional[float], ModeDefault("0.6; 1.0 with --sde-window")] = None
+    timestep_fraction: Annotated[Optional[float], ModeDefault("0.6; 1.0 with --sde-window"), Gt(0), Le(1)] = None
     """fraction of a trajectory's SDE steps trained (MixGRPO trains its whole window)"""
-    samples_per_update: int = 32
+    samples_per_update: Annotated[int, Ge(1)] = 32
     """trajectories (per process) whose gradients are accumulated into one optimizer step"""
     objective: Literal["clip", "guard", "dppo"] = "clip"
     """'clip': the PPO-clipped ratio (DanceGRPO, Flow-GRPO); 'guard': GRPO-Guard's normalised ratio in the clip and
     1/step-size reweighting (arXiv 2510.22319); 'dppo': Flow-DPPO's unclipped ratio with a KL mask (arXiv 2606.11025)"""
     clip_range: Annotated[
-        Optional[float], ModeDefault("1e-3; 1e-5 with --sde-type cps, 2e-6 with --objective guard")
+        Optional[float], ModeDefault("1e-3; 1e-5 with --sde-type cps, 2e-6 with --objective guard"), AllowInf, Gt(0)
     ] = None
     """PPO clip epsilon on the ratio (log-probs are means over latent dimensions, hence small; CPS's constant-free
     log-prob shrinks the ratio's log by 2 std^2, GRPO-Guard's normalisation by std: the official ranges follow)"""
-    adv_clip_max: Annotated[Optional[float], ModeDefault("5; none with --objective dppo")] = None
+    adv_clip_max: Annotated[Optional[float], ModeDefault("5; none with --objective dppo"), AllowInf, Gt(0)] = None
     """advantages are clipped to +-this (Flow-DPPO leaves them unclipped)"""
-    kl_mask_threshold: float = 1e-5
+    kl_mask_threshold: Annotated[float, Gt(0)] = 1e-5
     """--objective dppo: a sample whose step KL to the rollout policy is >= this is dropped where its ratio moves away"""
     advantage_aggregation: Literal["sum", "per-reward"] = "sum"
     """several rewards: 'sum' normalises their weighted sum (DanceGRPO); 'per-reward' normalises each, then sums with the weights (MixGRPO)"""
-    kl_beta: float = 0.0
+    kl_beta: Annotated[float, Ge(0)] = 0.0
     """weight of the per-step Gaussian KL to the frozen base model (0 = off, as upstream DanceGRPO and ShapesBench)"""
-    sde_window: int = 0
+    sde_window: Annotated[int, Ge(0)] = 0
     """MixGRPO: SDE (and training) only inside a window of W steps, ODE elsewhere; 0 = SDE everywhere"""
-    window_shift_every: int = 25
+    window_shift_every: Annotated[int, Ge(1)] = 25
     """MixGRPO: the window moves one step deeper every N iterations"""
     ode_solver: Literal["euler", "dpm2"] = "euler"
     """MixGRPO: the ODE after the window; 'dpm2' = DPM-Solver++(2M) on a coarser grid (MixGRPO-Flash)"""
-    post_window_compress: float = 0.4
+    post_window_compress: Annotated[float, Gt(0), Le(1)] = 0.4
     """--ode-solver dpm2: the steps after the window are re-gridded to max(int((T - last) x this), 2) points"""
 
 
@@ -323,7 +323,7 @@ def title(args: Args) -> str:
 def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
     one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
-    check_mode_flags(args, MODE_FLAGS)
+    check_flags(args, MODE_FLAGS)  # every float finite first, then no dead flags
     need(
         args.sde_type != "cps" or args.objective == "clip",
         f"--objective {args.objective} needs a Gaussian log-density: --sde-type cps's log-prob drops its constants "
@@ -356,9 +356,9 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
         "--ode-solver dpm2 re-grids the steps after the window with a static shift: pass a number as --shift",
     )
     need(G >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
-    need(S % args.rollout_batch_size == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
+    need(divides(args.rollout_batch_size, S), "--samples-per-device must be a multiple of --rollout-batch-size")
     need(
-        args.samples_per_update % args.rollout_batch_size == 0 and S % args.samples_per_update == 0,
+        divides(args.rollout_batch_size, args.samples_per_update) and divides(args.samples_per_update, S),
         "--samples-per-update must be a multiple of --rollout-batch-size and divide --samples-per-device",
     )
     need(

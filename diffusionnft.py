@@ -45,7 +45,7 @@ from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from accelerate import Accelerator
@@ -53,7 +53,7 @@ from accelerate.utils import DistributedType, set_seed
 
 from common.checkpoints import Carried
 from common.evaluator import Evaluator
-from common.flags import RunArgs, check_mode_flags, check_run_args, cli, need
+from common.flags import Ge, Gt, Le, Lt, RunArgs, check_flags, check_run_args, cli, divides, need
 from common.logs import reward_stats, summarize
 from common.models import (
     add_old_policy,
@@ -74,37 +74,37 @@ from common.sampling import keyed_randn
 
 @dataclass
 class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/flags.py
-    iterations: int = 30
+    iterations: Annotated[int, Ge(1)] = 30
     """training iterations; 30, not the shared 40: an iteration takes about 12 s on one CPU thread here, so 40 and
     their evaluations would pass ShapesBench's 8 minutes (docs/diffusionnft.md)"""
-    num_steps: int = 10
+    num_steps: Annotated[int, Ge(1), Le(1000)] = 10
     """sampling steps T of a rollout (shifted sigma schedule); training timesteps come from this grid (official: 10)"""
     solver: Literal["dpm2", "euler"] = "dpm2"
     """deterministic ODE solver of the rollouts: 'dpm2' = DPM-Solver-2 multistep in x0 (first and last steps first
     order; official), or Euler"""
-    group_size: int = 8
+    group_size: Annotated[int, Ge(2)] = 8
     """images per prompt (G); a group may span processes (official: 24)"""
-    samples_per_device: int = 64
+    samples_per_device: Annotated[int, Ge(1)] = 64
     """images sampled per process per iteration; prompts per iteration = processes * this / group size (official:
     144 per GPU on 8 GPUs = 48 prompts x 24)"""
-    rollout_batch_size: int = 16
+    rollout_batch_size: Annotated[int, Ge(1)] = 16
     """images per denoiser forward in sampling (official: 9)"""
-    train_batch_size: int = 16
+    train_batch_size: Annotated[int, Ge(1)] = 16
     """images per training micro-batch: one forward each of the old, the trained (and the base) policy per timestep
     (official: 9)"""
-    samples_per_update: int = 32
+    samples_per_update: Annotated[int, Ge(1)] = 32
     """images (per process) whose gradients are accumulated into one optimizer step (official: all of them, 1 step per
     iteration; OCR: 2)"""
-    timestep_fraction: float = 0.4
+    timestep_fraction: Annotated[float, Gt(0), Le(1)] = 0.4
     """each image is trained at the first int(this * T) timesteps of its own random permutation of the grid (official:
     0.99, so 9 of 10)"""
-    beta: float = 1.0
+    beta: Annotated[float, Gt(0)] = 1.0
     """NFT beta: v+ = (1 - beta) v_old + beta v_theta, v- = (1 + beta) v_old - beta v_theta, loss / beta (official:
     1.0; 0.1 for OCR and multi-reward); not the KL weight"""
-    kl_beta: float = 1e-4
+    kl_beta: Annotated[float, Ge(0)] = 1e-4
     """weight of the velocity MSE to the base model (LoRA adapters off, or a frozen copy); 0 = off (official: 1e-4,
     its `train.beta`)"""
-    adv_clip_max: float = 5.0
+    adv_clip_max: Annotated[float, Gt(0)] = 5.0
     """advantages are clipped to +-c and r = 1/2 + clip(A) / (2 c); c also multiplies the NFT term (official: 5)"""
     self_normalize: bool = True
     """divide each squared x0 error by its stop-gradient mean absolute error, clamped at 1e-5 (official adaptive
@@ -112,12 +112,12 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     old_decay: Literal["linear", "delayed"] = "linear"
     """old-policy soft update old <- eta old + (1 - eta) theta after s optimizer steps: 'linear' eta = min(0.001 s,
     0.5) (official default), 'delayed' eta = 0 for s < 75, then min(0.0075 (s - 75), 0.999) (official OCR)"""
-    old_decay_speed: float = 1.0
+    old_decay_speed: Annotated[float, Gt(0)] = 1.0
     """the schedule read at this many times the step count, eta(s) = schedule(k s) (official: 1): a short run keeps the
     official run's pace relative to its length with k = its steps / the run's (about 1,700 / N on SD3.5-M)"""
     ema: bool = True
     """evaluate and save (final/) the EMA of the trained weights, as the official code; --no-ema: the live weights"""
-    ema_max_decay: float = 0.9
+    ema_max_decay: Annotated[float, Ge(0), Lt(1)] = 0.9
     """EMA decay after s optimizer steps: min((1 + s) / (10 + s), this) (official: 0.9)"""
 
 
@@ -271,7 +271,7 @@ MODE_FLAGS = [  # a flag of another mode is an error unless left at its default 
 def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
     one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
-    check_mode_flags(args, MODE_FLAGS)
+    check_flags(args, MODE_FLAGS)  # every float finite first, then no dead flags
     args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
     need(args.num_steps >= 1, "--num-steps must be >= 1")
     need(
@@ -280,11 +280,12 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     )
     need(args.group_size >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
     need(
-        args.samples_per_device % args.rollout_batch_size == 0,
+        divides(args.rollout_batch_size, args.samples_per_device),
         "--samples-per-device must be a multiple of --rollout-batch-size",
     )
     need(
-        args.samples_per_update % args.train_batch_size == 0 and args.samples_per_device % args.samples_per_update == 0,
+        divides(args.train_batch_size, args.samples_per_update)
+        and divides(args.samples_per_update, args.samples_per_device),
         "--samples-per-update must be a multiple of --train-batch-size and divide --samples-per-device",
     )
     need(args.beta > 0, "--beta must be > 0 (the NFT beta; the KL weight is --kl-beta)")

@@ -52,7 +52,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
 from common.evaluator import Evaluator
-from common.flags import ModeDefault, RunArgs, check_mode_flags, check_run_args, cli, need
+from common.flags import Ge, Gt, Le, Lt, ModeDefault, RunArgs, check_flags, check_run_args, cli, divides, need
 from common.logs import reward_stats, summarize
 from common.models import check_model_id, load_model, trainable_denoiser
 from common.prompts import draw_prompts, load_dcot
@@ -64,39 +64,39 @@ from common.sampling import keyed_randn
 
 @dataclass
 class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/flags.py
-    num_steps: int = 10
+    num_steps: Annotated[int, Ge(2), Le(1000)] = 10
     """sampling steps T of a rollout (shifted sigma schedule for flow models, DDIM timesteps for SD1.x)"""
     sde_type: Literal["dance", "flow"] = "flow"
     """flow models' noise schedule g(sigma): 'dance' = constant eta, 'flow' = a sqrt(sigma / (1 - sigma)); unused for SD1.x"""
-    noise_level: Annotated[Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow, 1.0 for SD1.x")] = (
-        None
-    )
+    noise_level: Annotated[
+        Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow, 1.0 for SD1.x"), Gt(0)
+    ] = None
     """eta for 'dance', a for 'flow', DDIM eta for SD1.x"""
-    group_size: int = 4
+    group_size: Annotated[int, Ge(2)] = 4
     """images per prompt; the others' mean reward is each sample's baseline (a group may span processes)"""
-    learning_rate: float = 1.2e-3
+    learning_rate: Annotated[float, Gt(0), Le(1)] = 1.2e-3
     """AdamW learning rate (constant after --lr-warmup); 4x the shared ShapesBench default (docs/rlr.md says why)"""
-    samples_per_device: int = 32
+    samples_per_device: Annotated[int, Ge(1)] = 32
     """images sampled per process per iteration; prompts per iteration = processes * this / group size"""
-    rollout_batch_size: int = 4
+    rollout_batch_size: Annotated[int, Ge(1)] = 4
     """images per denoiser forward; also the unit that shares one sub-chain window"""
-    subchain_len: Annotated[Optional[int], ModeDefault("2, the paper's")] = None
+    subchain_len: Annotated[Optional[int], ModeDefault("2, the paper's"), Ge(1)] = None
     """h, the number of denoising steps back-propagated in the half-order sub-chain"""
-    memory_budget_gb: Optional[float] = None
+    memory_budget_gb: Annotated[Optional[float], Gt(0)] = None
     """choose h by the paper's h* rule for this memory budget instead of --subchain-len"""
-    ho_step_gb: float = 8.0
+    ho_step_gb: Annotated[float, Gt(0)] = 8.0
     """B_h of the h* rule: memory of one back-propagated step (8 GB for SD1.4, paper Table 9)"""
-    zo_step_gb: float = 0.24
+    zo_step_gb: Annotated[float, Gt(0)] = 0.24
     """B_z of the h* rule: memory of one zero-order step (0.24 GB for SD1.4, paper Table 9)"""
-    variance_ratio: float = 0.0
+    variance_ratio: Annotated[float, Ge(0), Lt(1)] = 0.0
     """V_h / V_z of the h* rule (per-step variance of HO over ZO; 0 = negligible, as the paper assumes)"""
     subchain_stage: Literal["any", "coarse", "medium", "fine"] = "coarse"
     """window starts allowed: anywhere, or in the first / middle / last third of the steps (diffusion chain of thought)"""
     dcot_prompts: Optional[str] = None
     """diffusion chain-of-thought prompt file (TSV: prompt, coarse, medium, fine); replaces --prompts"""
-    zo_scale: float = 1e-3
+    zo_scale: Annotated[float, Gt(0)] = 1e-3
     """sigma, std of the Gaussian parameter perturbation zeta_i of the zero-order steps"""
-    zo_perturbations: Annotated[Optional[int], ModeDefault("one per rollout chunk")] = None
+    zo_perturbations: Annotated[Optional[int], ModeDefault("one per rollout chunk"), Ge(1)] = None
     """independent parameter perturbations per process and iteration (samples split into that many blocks)"""
     terms: Literal["fo+ho+zo", "fo+ho", "fo+zo", "fo"] = "fo+ho"
     """estimator terms: fo+ho+zo = RLR (unbiased); the paper's ablations fo+ho = V2 (biased), fo+zo = V3
@@ -377,7 +377,7 @@ MODE_FLAGS = [  # a flag of another mode is an error unless left at its default 
 def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
     one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
-    check_mode_flags(args, MODE_FLAGS)
+    check_flags(args, MODE_FLAGS)  # every float finite first, then no dead flags
     need(
         args.ho_step_gb > args.zo_step_gb > 0 and 0 <= args.variance_ratio < 1,
         "--ho-step-gb > --zo-step-gb > 0 and --variance-ratio in [0, 1) are needed by the h* rule",
@@ -408,7 +408,7 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
         )
     need(args.noise_level is None or args.noise_level > 0, "--noise-level must be > 0 (the HO term needs noise)")
     need(args.group_size >= 2, "--group-size must be >= 2 (the baseline is the mean of the other samples of a prompt)")
-    need(S % B == 0, "--samples-per-device must be a multiple of --rollout-batch-size")
+    need(divides(B, S), "--samples-per-device must be a multiple of --rollout-batch-size")
     need(
         n_blocks > 0 and S % n_blocks == 0 and S // n_blocks % B == 0,
         "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size",

@@ -43,7 +43,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from accelerate import Accelerator
@@ -51,7 +51,7 @@ from accelerate.utils import DistributedType, set_seed
 
 from common.checkpoints import Carried
 from common.evaluator import Evaluator
-from common.flags import RunArgs, check_mode_flags, check_run_args, cli, need
+from common.flags import Ge, Gt, Le, Lt, RunArgs, check_flags, check_run_args, cli, divides, need
 from common.logs import reward_stats, summarize
 from common.models import base_weights, frozen_copy, load_model, trainable_denoiser, weights_swapped
 from common.prompts import draw_prompts
@@ -63,24 +63,24 @@ from common.sampling import keyed_randn
 
 @dataclass
 class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/flags.py
-    iterations: int = 30
+    iterations: Annotated[int, Ge(1)] = 30
     """training iterations; 30, not the shared 40: by 40 V-GRPO's ShapesBench run collapses each prompt toward one
     image (docs/vgrpo.md has the figures)"""
-    num_steps: int = 10
+    num_steps: Annotated[int, Ge(1), Le(1000)] = 10
     """sampling steps T of a rollout (shifted sigma schedule); the surrogate's timesteps are drawn from this grid"""
     solver: Literal["dpm++2m", "euler"] = "dpm++2m"
     """deterministic ODE solver of the rollouts: DPM-Solver++(2M) for flow models (paper), or Euler"""
-    group_size: int = 8
+    group_size: Annotated[int, Ge(2)] = 8
     """images per prompt (G); a group may span processes"""
-    samples_per_device: int = 64
+    samples_per_device: Annotated[int, Ge(1)] = 64
     """images sampled per process per iteration; prompts per iteration = processes * this / group size"""
-    rollout_batch_size: int = 16
+    rollout_batch_size: Annotated[int, Ge(1)] = 16
     """images per denoiser forward in sampling"""
-    train_batch_size: int = 8
+    train_batch_size: Annotated[int, Ge(1)] = 8
     """images per surrogate micro-batch: one forward of this x --n-mc rows (behaviour values and training alike)"""
-    samples_per_update: int = 32
+    samples_per_update: Annotated[int, Ge(1)] = 32
     """images (per process) whose gradients are accumulated into one optimizer step"""
-    n_mc: int = 4
+    n_mc: Annotated[int, Ge(1)] = 4
     """(t, eps) pairs per image in the surrogate (N_MC)"""
     pair_times: Literal["grid", "uniform"] = "grid"
     """where the surrogate's timesteps live: 'grid' = the rollout schedule sigma_0 .. sigma_{T-1}; 'uniform' = (0, 1) (paper)"""
@@ -92,15 +92,15 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """divide each pair's squared error by its stop-gradient mean absolute error (clamped at 1e-5)"""
     prediction: Literal["x", "v", "eps"] = "x"
     """space of the surrogate's error: x0 (paper), velocity or noise"""
-    clip_range: float = 6e-3
+    clip_range: Annotated[float, Gt(0)] = 6e-3
     """PPO clip epsilon on the whole-image ratio exp(S_theta - S_old)"""
-    adv_clip_max: float = 5.0
+    adv_clip_max: Annotated[float, Gt(0)] = 5.0
     """advantages are clipped to +-this (before the optional soft clip)"""
-    adv_soft_clip: float = 0.0
+    adv_soft_clip: Annotated[float, Ge(0)] = 0.0
     """eta of the tanh advantage soft clip A -> eta tanh(A / eta); 0 = off"""
     advantage_aggregation: Literal["sum", "per-reward"] = "per-reward"
     """several rewards: 'per-reward' normalises each, then sums with the weights (MixGRPO lineage); 'sum' normalises their weighted sum"""
-    kl_beta: float = 0.0
+    kl_beta: Annotated[float, Ge(0)] = 0.0
     """weight of D_simple, the x0-prediction MSE to the --kl-ref policy on the stored pairs (0 = off)"""
     kl_ref: Literal["behaviour", "base"] = "base"
     """KL reference: 'behaviour' = the policy that sampled this iteration (paper); 'base' = the model before training
@@ -108,7 +108,7 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     ema: bool = False
     """evaluate and save (final/) an EMA of the trained weights, as diffusionnft.py does, so that the two compare on
     the same kind of weights; off by default (the paper evaluates the trained weights)"""
-    ema_max_decay: float = 0.9
+    ema_max_decay: Annotated[float, Ge(0), Lt(1)] = 0.9
     """EMA decay after s optimizer steps: min((1 + s) / (10 + s), this) (diffusionnft.py's default)"""
 
 
@@ -310,7 +310,7 @@ MODE_FLAGS = [  # a flag of another mode is an error unless left at its default 
 def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
     one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
-    check_mode_flags(args, MODE_FLAGS)
+    check_flags(args, MODE_FLAGS)  # every float finite first, then no dead flags
     args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
     need(args.num_steps >= 1, "--num-steps must be >= 1")
     need(args.n_mc >= 1, "--n-mc must be >= 1")
@@ -321,11 +321,12 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     )
     need(args.group_size >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
     need(
-        args.samples_per_device % args.rollout_batch_size == 0,
+        divides(args.rollout_batch_size, args.samples_per_device),
         "--samples-per-device must be a multiple of --rollout-batch-size",
     )
     need(
-        args.samples_per_update % args.train_batch_size == 0 and args.samples_per_device % args.samples_per_update == 0,
+        divides(args.train_batch_size, args.samples_per_update)
+        and divides(args.samples_per_update, args.samples_per_device),
         "--samples-per-update must be a multiple of --train-batch-size and divide --samples-per-device",
     )
     need(

@@ -6,8 +6,11 @@ cli(main, Args)          parse the flags (tyro; parse_flags: a flag that does no
                          write one `error:` line and exit status 1
 check_run_args(args)     the shared flags, and every input that can be checked before a model loads: prompt
                          files, --output-dir, --model-id, the rewards (parsed once), --resume-from
-check_mode_flags(args, mode_flags)   a flag of a mode not in use refused (no dead flags)
-need(ok, message)        raise InputError(message) unless ok
+check_flags(args, mode_flags)        every float flag finite (nan and inf refused before any check reads them), and
+                         a flag of a mode not in use refused (no dead flags: check_mode_flags)
+check_ranges(args)       every flag within the range its declaration gives (Ge, Gt, Le, Lt of annotated-types,
+                         written beside the flag: `clip_range: Annotated[float, Gt(0)] = 1e-3`)
+need(ok, message)        raise InputError(message) unless ok; divides(d, n): a check of a batch size that takes 0
 ModeDefault(text)        --help shows `text` as the default of a flag whose default depends on the mode
 """
 
@@ -18,19 +21,26 @@ import dataclasses
 import errno
 import importlib.util
 import io
+import math
 import os
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
 import diffusers
 import tyro
+from annotated_types import Ge, Gt, Le, Lt  # the range of a flag, declared beside it; check_ranges reads them
 
 from common import InputError, RunError
 from common.models import check_model_id, check_num_frames, has_two_experts, is_video
 from common.prompts import HPDV2_HOWTO, SOURCES, load_prompts
 from common.rewards import RewardSpec, check_rewards, parse_rewards
+
+
+class AllowInf:
+    """Annotated[float, AllowInf, Gt(0)]: a float flag whose inf means something (no clip at all); nan never does."""
 
 
 def ModeDefault(text: str):
@@ -51,7 +61,7 @@ class RunArgs:
     exp_name: Annotated[Optional[str], ModeDefault("the script's file name and mode")] = None
     """run name, e.g. dancegrpo_mix, branchgrpo_depth (a copied script is its own run family); the run folder is
     {output_dir}/{exp_name}__{seed}__{unix time}"""
-    seed: int = 0
+    seed: Annotated[int, Ge(0), Lt(2**63)] = 0
     """seed of every random draw (prompts, noise, trained steps, initial weights of LoRA)"""
     output_dir: str = "runs"
     """parent folder of the run folder (TensorBoard logs, sample grids, checkpoints, final weights)"""
@@ -59,12 +69,12 @@ class RunArgs:
     """'shapesbench' (shipped, CPU-sized), or a diffusers FLUX.1 / SD3.5 / Wan2.1 text-to-video (SD1.x for rlr.py)
     folder or hub id; any other model needs --prompts, --eval-prompts and --reward (the ShapesBench defaults are
     refused)"""
-    resolution: Annotated[Optional[int], ModeDefault("the model's native size")] = None
+    resolution: Annotated[Optional[int], ModeDefault("the model's native size"), Ge(8), Le(8192)] = None
     """square image side in pixels (native video sizes: Wan2.1 and A14B 480 x 832, Wan2.2-TI2V-5B 704 x 1280)"""
-    num_frames: Annotated[Optional[int], ModeDefault("the model's own")] = None
+    num_frames: Annotated[Optional[int], ModeDefault("the model's own"), Ge(1), Le(1025)] = None
     """video models (Wan) only: frames per video, 4k + 1 (Wan2.1's own: 81 = 5 s at 16 fps; Wan2.2-TI2V-5B's: 121 =
     5 s at 24 fps)"""
-    reward_frames: int = 4
+    reward_frames: Annotated[int, Ge(1)] = 4
     """video models only: an image reward (hpsv2.1, clip, ...) scores this many evenly spaced frames of each video,
     the first and the last among them, and gives their mean"""
     lora: bool = True
@@ -72,9 +82,9 @@ class RunArgs:
     experts: Literal["both", "high", "low"] = "both"
     """Wan2.2-T2V-A14B only: the expert(s) trained, each on the steps the pipeline gives it (high: sigma >= 0.875,
     `transformer`; low: the rest, `transformer_2`); with one, the other stays frozen and its steps carry no gradient"""
-    lora_rank: int = 32
+    lora_rank: Annotated[int, Ge(1), Le(4096)] = 32
     """LoRA rank (with --lora)"""
-    lora_alpha: float = 64.0
+    lora_alpha: Annotated[float, Gt(0)] = 64.0
     """LoRA alpha (with --lora)"""
     mixed_precision: Literal["no", "bf16"] = "no"
     """'bf16' runs forwards under autocast and loads the frozen weights in bf16 (with --lora only the adapter is
@@ -103,46 +113,46 @@ class RunArgs:
     (HPDv2's: `python -m common.prompts hpdv2 FILE`)"""
     eval_prompts: str = "shapes-eval"
     """held-out prompts: 'shapes-eval' (--model-id shapesbench only) or a text file, one prompt per line"""
-    eval_max_prompts: int = 48
+    eval_max_prompts: Annotated[int, Ge(1)] = 48
     """evaluate on at most N held-out prompts, evenly spaced through the list: a fixed subset (ShapesBench's split
     has exactly 48)"""
-    iterations: int = 40
+    iterations: Annotated[int, Ge(1)] = 40
     """training iterations (one rollout + its updates each)"""
-    learning_rate: float = 3e-4
+    learning_rate: Annotated[float, Gt(0), Le(1)] = 3e-4
     """AdamW learning rate (constant after --lr-warmup)"""
-    lr_warmup: int = 10
+    lr_warmup: Annotated[int, Ge(0)] = 10
     """linear learning-rate warmup over the first N optimizer steps (0 = none): Adam's first steps move every weight
     by about the learning rate whatever the gradient, which can knock a small model out of its skills"""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, Ge(0)] = 0.0
     """AdamW weight decay; with LoRA it pulls the adapter towards 0, i.e. the model towards the base model (0 = off)"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, Gt(0)] = 1.0
     """gradient clipping norm per optimizer step"""
-    guidance_scale: float = 1.0
+    guidance_scale: Annotated[float, Ge(0)] = 1.0
     """CFG scale for ShapesBench / SD3.5 (1 = off), embedded guidance for FLUX.1-dev (3.5 there); same in training"""
-    guidance_scale_2: Annotated[Optional[float], ModeDefault("the same as --guidance-scale")] = None
+    guidance_scale_2: Annotated[Optional[float], ModeDefault("the same as --guidance-scale"), Ge(0)] = None
     """Wan2.2-T2V-A14B only: the CFG scale of the low-noise expert (WanPipeline's guidance_scale_2; Wan's own setting
     is 4 for the high-noise expert, 3 for the low-noise one); needs --guidance-scale > 1, as the pipeline's CFG"""
-    shift: Union[float, Literal["pipeline"]] = 3.0
+    shift: Annotated[Union[float, Literal["pipeline"]], Gt(0)] = 3.0
     """the sigma schedule of the flow models' rollouts and evaluation: a number k warps linspace(1, 0, T + 1) by the
     SD3 time shift s' = k s / (1 + (k - 1) s) (3: SD3.5's scheduler, DanceGRPO's and BranchGRPO's FLUX.1 setting);
     'pipeline' is the grid the model's own diffusers pipeline builds for this size and step count: mu by the image's
     tokens for FLUX.1 and Qwen-Image (whose last sigma is 0.02), by tokens and steps for FLUX.2, the static shift of
     Z-Image's, Wan's and SD3's configs (docs/models.md); the Qwen-Image, FLUX.2 and DiffusionNFT recipes use it;
     not for ShapesBench or SD1.x"""
-    eval_every: int = 50
+    eval_every: Annotated[int, Ge(0)] = 50
     """evaluate on --eval-prompts every N iterations (and at the start and the end); 0 = never"""
-    eval_samples_per_prompt: int = 4
+    eval_samples_per_prompt: Annotated[int, Ge(1)] = 4
     """samples per held-out prompt in evaluation (fixed seeds, ODE)"""
-    eval_steps: int = 20
+    eval_steps: Annotated[int, Ge(1), Le(10000)] = 20
     """Euler ODE steps in evaluation"""
-    sample_every: int = 25
+    sample_every: Annotated[int, Ge(0)] = 25
     """write a fixed-seed sample grid PNG every N iterations; 0 = never"""
-    save_every: int = 25
+    save_every: Annotated[int, Ge(0)] = 25
     """accelerate save_state checkpoint every N iterations; 0 = only at the end"""
     save: bool = True
     """write checkpoints and the final weights (--no-save: neither, for benchmarks and checks; such a run cannot be
     resumed)"""
-    checkpoints_total_limit: int = 2
+    checkpoints_total_limit: Annotated[int, Ge(1)] = 2
     """keep only the newest N checkpoints"""
     resume_from: Optional[str] = None
     """'latest' (the newest run of --exp-name in --output-dir), a run folder, or one of its checkpoints/iter_* folders"""
@@ -268,6 +278,10 @@ def check_run_args(args, video: bool = True, differentiable: bool = False) -> tu
     need(args.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1")
     out = Path(args.output_dir).expanduser()
     need(not out.exists() or out.is_dir(), f"--output-dir {args.output_dir}: exists and is not a folder")
+    need(
+        not out.is_symlink() or out.is_dir(),
+        f"--output-dir {args.output_dir}: a symbolic link to no folder (dangling or looping); give a folder",
+    )
     if args.track:
         need(importlib.util.find_spec("wandb") is not None, "--track needs wandb: pip install wandb")
     if args.resume_from not in (None, "latest"):
@@ -294,6 +308,7 @@ def check_run_args(args, video: bool = True, differentiable: bool = False) -> tu
     need(args.reward_frames >= 1, "--reward-frames must be >= 1")
     if args.num_frames is not None:
         check_num_frames(args.num_frames)
+    check_ranges(args)  # every flag's declared range, the script's and the shared ones, after their own checks
     rewards = parse_rewards(args.reward, args.reward_ckpt, args.reward_url)  # parsed once; every later step reads it
     check_rewards(rewards, moving, None if kind == "shapes" else args.model_id, args.num_frames, differentiable)
     return load_prompts(args.prompts, "--prompts"), load_prompts(args.eval_prompts, "--eval-prompts"), rewards
@@ -322,6 +337,52 @@ def check_mode_flags(args, mode_flags) -> None:
     for flag, applies, mode in mode_flags:
         default = type(args).__dataclass_fields__[flag].default
         need(getattr(args, flag) == default or applies(args), f"--{flag.replace('_', '-')} only applies with {mode}")
+
+
+def flag_metadata(args_type) -> dict[str, tuple]:
+    """{field: the metadata of its Annotated declaration} of a flags dataclass (a fork's or a test's too)."""
+    hints = {}
+    for c in reversed(args_type.__mro__[:-1]):  # each class's annotations in its own module's names
+        module = vars(sys.modules[c.__module__]) if c.__module__ in sys.modules else {}
+        hints |= typing.get_type_hints(c, globalns={**globals(), **module}, include_extras=True)
+    return {f.name: getattr(hints.get(f.name), "__metadata__", ()) for f in dataclasses.fields(args_type)}
+
+
+def divides(d: int, n: int) -> bool:
+    """Whether the whole number d >= 1 divides n (a batch size of 0 divides nothing, and raises nothing)."""
+    return d >= 1 and n % d == 0
+
+
+def check_flags(args, mode_flags) -> None:
+    """First of a script's checks: every float flag a finite number (inf where its declaration has AllowInf), so that
+    nan, which fails every comparison and which min() skips unless it comes first, and inf, which passes `> 0`,
+    reach no other check; then no dead flags (check_mode_flags)."""
+    meta = flag_metadata(type(args))
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            need(
+                math.isinf(value) and AllowInf in meta[f.name],
+                f"--{f.name.replace('_', '-')} must be a finite number (got {value})",
+            )
+    check_mode_flags(args, mode_flags)
+
+
+def check_ranges(args) -> None:
+    """Every number a flag holds within the bounds its declaration gives (annotated-types' Ge, Gt, Le, Lt): one
+    `error:` line naming the flag, its bound and the value. Flags still None (a mode's default not filled in) and
+    the words of a Union (`--shift pipeline`) are not numbers and pass."""
+    tests = {Ge: (">=", lambda v, b: v >= b), Gt: (">", lambda v, b: v > b), Le: ("<=", lambda v, b: v <= b)}
+    tests[Lt] = ("<", lambda v, b: v < b)
+    for name, meta in flag_metadata(type(args)).items():
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        for m in meta:
+            if type(m) in tests:
+                sign, ok = tests[type(m)]
+                bound = getattr(m, type(m).__name__.lower())  # Ge(0).ge, Gt(0).gt, ...
+                need(ok(value, bound), f"--{name.replace('_', '-')} must be {sign} {bound} (got {value})")
 
 
 def check_not_shapesbench(args) -> None:
