@@ -271,7 +271,7 @@ def _lora_differences(state: dict, transformer) -> str:
     """'' when the tensors of a diffusers LoRA file ({name: shape}) all belong to modules of `transformer`
     ('transformer.<module>.lora_A.weight' ...) with their in / out sizes; else a short account of the first one."""
     modules = dict(transformer.named_modules())
-    ranks = {}
+    ranks, halves = {}, {}
     for key, shape in sorted(state.items()):
         inner = key.removeprefix("transformer.")
         module, sep, part = inner.rpartition(".lora_")  # the last: a module's own name may hold ".lora_"
@@ -280,10 +280,14 @@ def _lora_differences(state: dict, transformer) -> str:
         weight = getattr(modules[module], "weight", None)
         if part in ("A.weight", "B.weight"):
             side = 1 if part == "A.weight" else 0  # A: (rank, in, ...); B: (out, rank, ...)
-            if weight is None or min(len(shape), weight.ndim) < 2 or shape[side] != weight.shape[side]:
+            bad = weight is None or weight.ndim < 2 or len(shape) != weight.ndim  # as many dims as the module's weight
+            if bad or shape[side] != weight.shape[side]:
                 return f"{key}: {shape}, not for a {tuple(weight.shape) if weight is not None else 'weightless'} module"
             if ranks.setdefault(module, shape[1 - side]) != shape[1 - side]:
                 return f"{module}: lora_A and lora_B of other ranks"
+            halves.setdefault(module, set()).add(part[0])
+    if lone := next((m for m, h in halves.items() if h != {"A", "B"}), None):  # a product needs both of its factors
+        return f"{lone}: lora_{next(iter(halves[lone]))} without lora_{'B' if 'A' in halves[lone] else 'A'}"
     return "" if any(k.endswith(".lora_A.weight") for k in state) else "no lora_A tensors"
 
 

@@ -380,7 +380,9 @@ def test_a_lora_file_is_checked_against_each_modules_in_and_out_sizes_and_one_ra
             {T + "proj.lora_A.weight": (2, 4), T + "proj.lora_B.weight": (6, 3)},
             "proj: lora_A and lora_B of other ranks",
         ),
-        ({T + "proj.lora_B.weight": (6, 2)}, "no lora_A tensors"),
+        ({T + "proj.lora_A.weight": (2, 4, 1)}, "transformer.proj.lora_A.weight: (2, 4, 1), not for a (6, 4) module"),
+        ({T + "proj.lora_A.weight": (2, 4)}, "proj: lora_A without lora_B"),  # diffusers would fail after scoring
+        ({T + "proj.lora_B.weight": (6, 2)}, "proj: lora_B without lora_A"),
         ({}, "no lora_A tensors"),
     ]
     for state, expected in cases:
