@@ -40,7 +40,7 @@ from common.flags import check_guidance_scale_2, check_shift, need
 from common.models import LOW_NOISE_LORA, check_model_id, has_two_experts, is_video
 from common.prompts import HPDV2_STYLES, evenly_spaced, hpdv2_prompts, load_prompts
 from common.remote import RESUME, STOPS
-from common.rewards import build_reward, check_rewards, parse_rewards
+from common.rewards import build_reward, check_reward_prompts, check_rewards, parse_rewards
 from common.sampling import fixed_noise, ode_sampler, sample_prompts, schedule
 from common.viz import save_grid
 
@@ -542,6 +542,7 @@ def main(args: EvalArgs) -> None:
         "hpsv2.1,pickscore,imagereward) and --prompts (hpdv2 or a file)",
     )
     prompt_list, styles = load_prompt_set(args.prompts, args.max_prompts)
+    check_reward_prompts(reward_spec, prompt_list, "--prompts")
     models = [("base", None)] + [weights_folder(w) for w in args.weights]
     for spec, (name, _) in zip(args.weights, models[1:]):
         check_row_name(name, spec)

@@ -36,7 +36,7 @@ from annotated_types import Ge, Gt, Le, Lt  # the range of a flag, declared besi
 from common import InputError, RunError
 from common.models import check_model_id, check_num_frames, has_two_experts, is_video
 from common.prompts import HPDV2_HOWTO, SOURCES, load_prompts
-from common.rewards import RewardSpec, check_rewards, parse_rewards
+from common.rewards import RewardSpec, check_reward_prompts, check_rewards, parse_rewards
 
 
 class AllowInf:
@@ -311,7 +311,9 @@ def check_run_args(args, video: bool = True, differentiable: bool = False) -> tu
     check_ranges(args)  # every flag's declared range, the script's and the shared ones, after their own checks
     rewards = parse_rewards(args.reward, args.reward_ckpt, args.reward_url)  # parsed once; every later step reads it
     check_rewards(rewards, moving, None if kind == "shapes" else args.model_id, args.num_frames, differentiable)
-    return load_prompts(args.prompts, "--prompts"), load_prompts(args.eval_prompts, "--eval-prompts"), rewards
+    train, held_out = load_prompts(args.prompts, "--prompts"), load_prompts(args.eval_prompts, "--eval-prompts")
+    check_reward_prompts(rewards, train, "--prompts"), check_reward_prompts(rewards, held_out, "--eval-prompts")
+    return train, held_out, rewards
 
 
 def check_guidance_scale_2(args, two_experts: bool) -> None:

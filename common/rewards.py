@@ -23,6 +23,7 @@ import io
 import json
 import math
 import os
+import re
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -687,6 +688,25 @@ def parse_rewards(spec: str, ckpts=(), urls=()) -> RewardSpec:
         path, url = (value, None) if flag == "--reward-ckpt" else (None, value)
         components.append(Component(name, w, path, url))
     return RewardSpec(spec, tuple(components))
+
+
+# HPSv3 reads the prompt inside Qwen2-VL's chat template: a special token written in a prompt (<|image_pad|>, ...)
+# shifts the image's slots, and the decoder's time grows with the prompt's length (200k characters: minutes a batch)
+SPECIAL_TOKEN = re.compile(r"<\|[^<>|\s]*\|>")
+PROMPT_CHARS = {"hpsv3": 2000}
+
+
+def check_reward_prompts(spec: RewardSpec, prompts: list[str], flag: str) -> None:
+    """Prompts every weighted reward of `spec` can read, before anything loads: for HPSv3, none holding a special
+    token of its chat template and none over 2,000 characters; one `error:` line naming the flag and the prompt."""
+    for name, cap in PROMPT_CHARS.items():
+        if not spec.weights.get(name):
+            continue
+        for i, prompt in enumerate(prompts, 1):
+            if token := SPECIAL_TOKEN.search(prompt):
+                raise InputError(f"{flag}: prompt {i} holds {token.group()}, a special token of {name}'s chat template")
+            if len(prompt) > cap:
+                raise InputError(f"{flag}: prompt {i} has {len(prompt):,} characters; {name} reads at most {cap:,}")
 
 
 def check_rewards(

@@ -378,3 +378,30 @@ def test_dancegrpo_trains_and_the_evaluator_scores_with_reward_hpsv3(official, t
     E.main(tyro.cli(E.EvalArgs, args=argv))  # `python -m common.evaluate`: the trained weights against the base
     figures = json.loads((tmp_path / "eval" / "results.json").read_text())["figures"]
     assert len(figures) == 2 and all(math.isfinite(f["reward_hpsv3"]) for f in figures.values()), figures
+
+
+def test_a_prompt_hpsv3_cannot_read_is_refused_at_start_up(tmp_path, monkeypatch):
+    """A prompt holding a special token of HPSv3's chat template broke its image slots mid-run (a traceback in
+    training and evaluation); one of 200k characters ran for minutes. Both are one line before anything loads."""
+    from common import InputError
+    from common.rewards import check_reward_prompts, parse_rewards
+
+    spec = parse_rewards("hpsv3", [], [])
+    check_reward_prompts(spec, ["a red circle", "x" * 2000], "--prompts")  # fine: at the cap
+    with pytest.raises(InputError) as e:
+        check_reward_prompts(spec, ["a red circle", "a cat <|image_pad|> on a mat"], "--prompts")
+    assert str(e.value) == "--prompts: prompt 2 holds <|image_pad|>, a special token of hpsv3's chat template"
+    with pytest.raises(InputError) as e:
+        check_reward_prompts(spec, ["y" * 2001], "--eval-prompts")
+    assert str(e.value) == "--eval-prompts: prompt 1 has 2,001 characters; hpsv3 reads at most 2,000"
+    check_reward_prompts(parse_rewards("shapes", [], []), ["<|image_pad|>" * 300], "--prompts")  # no HPSv3: any text
+    # through a script's start-up: the prompt file is read and checked before a model or the reward loads
+    import common.flags
+    import dancegrpo
+
+    monkeypatch.setattr(common.flags, "check_rewards", lambda *a, **k: None)  # no hub here: the weights' check
+    monkeypatch.setattr(common.flags, "check_not_shapesbench", lambda args: None)
+    (tmp_path / "p.txt").write_text("a dog\n<|vision_start|> a cat\n")
+    args = dancegrpo.Args(reward="hpsv3", prompts=str(tmp_path / "p.txt"), eval_prompts=str(tmp_path / "p.txt"))
+    with pytest.raises(InputError, match=r"^--prompts: prompt 2 holds <\|vision_start\|>"):
+        dancegrpo.resolve_and_check(args)
