@@ -692,7 +692,7 @@ def parse_rewards(spec: str, ckpts=(), urls=()) -> RewardSpec:
 
 # HPSv3 reads the prompt inside Qwen2-VL's chat template: a special token written in a prompt (<|image_pad|>, ...)
 # shifts the image's slots, and the decoder's time grows with the prompt's length (200k characters: minutes a batch)
-SPECIAL_TOKEN = re.compile(r"<\|[^<>|\s]*\|>")
+CHAT_TOKEN = re.compile(r"<\|[^<>|\s]*\|>")
 PROMPT_CHARS = {"hpsv3": 2000}
 
 
@@ -703,7 +703,7 @@ def check_reward_prompts(spec: RewardSpec, prompts: list[str], flag: str) -> Non
         if not spec.weights.get(name):
             continue
         for i, prompt in enumerate(prompts, 1):
-            if token := SPECIAL_TOKEN.search(prompt):
+            if token := CHAT_TOKEN.search(prompt):
                 raise InputError(f"{flag}: prompt {i} holds {token.group()}, a special token of {name}'s chat template")
             if len(prompt) > cap:
                 raise InputError(f"{flag}: prompt {i} has {len(prompt):,} characters; {name} reads at most {cap:,}")

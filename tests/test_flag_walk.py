@@ -36,7 +36,7 @@ def outside(meta, integer: bool) -> list:
         if isinstance(m, Ge):
             out.append(m.ge - step)
         elif isinstance(m, Gt):
-            out.append(m.gt if integer or m.gt == 0 else m.gt)  # the bound itself is outside
+            out.append(m.gt)  # the bound itself is outside
         elif isinstance(m, Le):
             out.append(m.le + step)
         elif isinstance(m, Lt):
@@ -52,7 +52,7 @@ def test_every_numeric_flag_outside_its_range_is_one_line(script, name, integer,
     )
     assert values, f"{script}: --{name} declares no range"
     for value in values:
-        with pytest.raises(InputError, match="^--|--") as e:
+        with pytest.raises(InputError, match="--") as e:
             module.resolve_and_check(module.Args(**{name: value}))
         assert "\n" not in str(e.value)
 
@@ -68,3 +68,31 @@ def test_the_shared_flags_that_ended_in_tracebacks_or_trained_the_wrong_way_are_
             with pytest.raises(InputError) as e:
                 D.resolve_and_check(D.Args(**{name: value}))
             assert str(e.value).startswith(f"--{name.replace('_', '-')} must be"), str(e.value)
+
+
+def test_check_ranges_takes_each_bound_and_refuses_the_next_value_past_it():
+    """Each kind of bound by hand: Ge(1) takes 1 and refuses 0, Gt(0.5) refuses 0.5, Le(5) takes 5 and refuses 6,
+    Lt(2.0) refuses 2.0; a flag still None (a mode's default) is no number and passes."""
+    from dataclasses import dataclass
+    from typing import Annotated, Optional
+
+    from common.flags import check_ranges
+
+    @dataclass
+    class Flags:
+        count: Annotated[int, Ge(1), Le(5)] = 1
+        rate: Annotated[float, Gt(0.5), Lt(2.0)] = 1.0
+        later: Annotated[Optional[int], Ge(3)] = None
+
+    check_ranges(Flags(count=1, rate=1.999))
+    check_ranges(Flags(count=5, rate=0.501))
+    refused = {
+        (0, 1.0): "--count must be >= 1 (got 0)",
+        (6, 1.0): "--count must be <= 5 (got 6)",
+        (1, 0.5): "--rate must be > 0.5 (got 0.5)",
+        (1, 2.0): "--rate must be < 2.0 (got 2.0)",
+    }
+    for (count, rate), message in refused.items():
+        with pytest.raises(InputError) as e:
+            check_ranges(Flags(count=count, rate=rate))
+        assert str(e.value) == message
