@@ -3,18 +3,19 @@
 (common/models/zimage.py: time reversed, output negated, captions of their own lengths). Our velocity,
 Euler sampler and decode give each pipeline's own images and latents with guidance on and off; Qwen-Image's padded,
 masked CFG batch equals two separate forwards; the LoRA targets exist in each transformer; and every script trains on
-each kind, its final/ read by the pipeline's load_lora_weights."""
+each kind, its final/ read by the pipeline's load_lora_weights. In bf16 the transformer of each image kind (FLUX.1's
+too) gets the pipeline's timestep bit for bit."""
 
 import pytest
 import torch
 import tyro
-from diffusers import Flux2KleinPipeline, QwenImagePipeline, ZImagePipeline
+from diffusers import Flux2KleinPipeline, Flux2Pipeline, FluxPipeline, QwenImagePipeline, ZImagePipeline
 
 from common import InputError
 from common.models import LORA_TARGETS, load_model
 from common.sampling import sample_ode
 from tests.helpers import find_run, metrics, run_in_process
-from tests.tiny import RES, build_flux2_klein, build_qwen, build_zimage
+from tests.tiny import RES, build_flux, build_flux2_dev, build_flux2_klein, build_qwen, build_zimage
 
 # of different lengths: Qwen-Image's mask matters. A tuple: ZImagePipeline writes its chat template into the prompt list
 # it is given, and each call below gets its own list
@@ -115,6 +116,66 @@ def test_flux2_dev_embeds_its_guidance_and_samples_what_the_stock_pipeline_sampl
     run_in_process("dancegrpo.py", flags, tmp_path)
     pipe.load_lora_weights(str(find_run(tmp_path / "dev") / "final"))
     assert pipe.transformer.peft_config
+
+
+def forwards(module) -> list:
+    """Every forward of `module` from now on, as (args, kwargs, output)."""
+    calls = []
+    module.register_forward_hook(lambda m, args, kwargs, out: calls.append((args, kwargs, out)), with_kwargs=True)
+    return calls
+
+
+# kind: builder, pipeline class, step count, the call's guidance (no CFG: one forward a step), our guidance scale, and
+# the sigma of that step count's grid (found by a search over step counts) where rounding sigma itself (sigma.to(bf16);
+# Z-Image: 1 - sigma in float32) is one step off the pipeline's timestep
+TIMESTEP_CASES = {
+    "qwen": (build_qwen, QwenImagePipeline, 3, dict(true_cfg_scale=1.0), 1.0, 0.5823),  # 0.58203125, not 0.5859375
+    "flux2": (build_flux2_klein, Flux2KleinPipeline, 4, dict(guidance_scale=1.0), 1.0, 0.9547),  # 0.953125, 0.95703125
+    "flux2-dev": (build_flux2_dev, Flux2Pipeline, 4, dict(guidance_scale=4.0), 4.0, 0.9547),  # the same
+    "flux": (build_flux, FluxPipeline, 4, dict(guidance_scale=3.5), 3.5, 0.75),  # 0.75, not 0.75390625
+    "zimage": (build_zimage, ZImagePipeline, 4, dict(guidance_scale=0.0), 1.0, 0.9),  # 0.10000002, not 0.1
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", TIMESTEP_CASES)
+def test_the_transformer_gets_the_pipelines_timestep_bit_for_bit_in_bf16(kind, tmp_path):
+    """FluxPipeline, QwenImagePipeline, Flux2Pipeline and Flux2KleinPipeline round the scheduler's float32 t = 1000 sigma
+    to the latents' dtype and pass t / 1000; ZImagePipeline passes (1000 - t) / 1000 in float32. At every step of the
+    pipeline's grid, on the pipeline's own latents, our velocity passes the same bits in the same dtype and the
+    transformer returns the same bits; the grid holds a sigma where rounding sigma itself would be one step off
+    (Qwen-Image's velocity was 5.7e-2 off there, FLUX.2's 6.1e-2, Z-Image's 1.2e-2)."""
+    build, pipe_cls, steps, guidance, scale, off_sigma = TIMESTEP_CASES[kind]
+    build(tmp_path)
+    bf16 = torch.bfloat16
+    model = load_model(str(tmp_path), dtype=bf16, resolution=RES)
+    pipe = pipe_cls.from_pretrained(tmp_path, dtype=bf16)
+    pipe.set_progress_bar_config(disable=True)
+    theirs, ours = forwards(pipe.transformer), forwards(model.transformer)
+    pipe(prompt=list(PROMPTS), height=RES, width=RES, num_inference_steps=steps, output_type="latent",
+         generator=torch.Generator().manual_seed(0), **guidance)  # fmt: skip
+    sigmas = pipe.scheduler.sigmas[:-1]
+    assert len(theirs) == len(sigmas) == steps
+    cond = model.encode_prompts(list(PROMPTS))
+    with torch.no_grad():
+        for sigma, (args, kwargs, _) in zip(sigmas, theirs):
+            x = torch.stack(args[0]).squeeze(2) if kind == "zimage" else kwargs["hidden_states"]  # Z-Image: a list
+            model.velocity(model.transformer, x, sigma.expand(len(x)), cond, scale)
+
+    def timestep(args, kwargs):
+        return args[1] if kind == "zimage" else kwargs["timestep"]  # ZImagePipeline passes it by position
+
+    def output(out):
+        return torch.stack(out[0]) if kind == "zimage" else out[0]
+
+    for (args, kwargs, out), (our_args, our_kwargs, our_out) in zip(theirs, ours):
+        t, our_t = timestep(args, kwargs), timestep(our_args, our_kwargs)
+        assert our_t.dtype == t.dtype == (torch.float32 if kind == "zimage" else bf16)
+        assert torch.equal(our_t, t), (our_t, t)
+        assert torch.equal(output(our_out), output(out))
+    i = min(range(steps), key=lambda i: abs(sigmas[i].item() - off_sigma))
+    assert sigmas[i].item() == pytest.approx(off_sigma, abs=1e-4)
+    rounded_alone = 1 - sigmas[i] if kind == "zimage" else sigmas[i].to(bf16)
+    assert rounded_alone != timestep(*theirs[i][:2])[0]
 
 
 def test_a_distilled_flux2_klein_samples_without_cfg_and_refuses_a_guidance_scale(tmp_path):

@@ -1,6 +1,7 @@
 """LTX-2.3 (video only) and HunyuanVideo-1.5 text-to-video on tiny random-weight pipelines built from configs
 (tests/tiny.py): our Euler sampler on the kind's velocity equals the stock diffusers pipeline with the same noise
-(CFG on and off, a non-square size), `--shift pipeline` is the pipeline's own sigma grid, the LoRA targets exist,
+(CFG on and off, a non-square size; HunyuanVideo-1.5 at CFG 0.5 too), in bf16 the transformer gets the pipeline's
+timestep bit for bit, `--shift pipeline` is the pipeline's own sigma grid, the LoRA targets exist,
 dancegrpo.py, branchgrpo.py and vgrpo.py train one iteration and final/ loads back into the pipeline; the real
 transformers' parameter counts, built from their published configs on the meta device, against the published
 sizes."""
@@ -201,7 +202,8 @@ def hy_dir(tmp_path_factory):
 def test_hunyuan15_samples_what_the_stock_pipeline_samples(hy_dir):
     """At 32 x 64 px and 9 frames (latents (8, 3, 8, 16)), one prompt with quoted text (the ByT5 glyph path): the sigma
     grid (static shift 5) is --shift pipeline's; our Euler latents equal HunyuanVideo15Pipeline's exactly without CFG
-    and within 1e-5 with its guider at CFG 4 (measured 1.7e-6: two forwards there, one batch here); its decoded frames
+    and within 1e-5 with its guider at CFG 4 (measured 1.7e-6: two forwards there, one batch here) and at CFG 0.5,
+    where its guider guides as well (measured 4e-7; 1.1e-2 when a scale below 1 meant no CFG here); its decoded frames
     (one video: the stock VAE's attention fails on a batch of two) exactly and within 1e-5 (measured 1e-6)."""
     from diffusers import HunyuanVideo15Pipeline
     from diffusers.guiders import ClassifierFreeGuidance
@@ -214,7 +216,7 @@ def test_hunyuan15_samples_what_the_stock_pipeline_samples(hy_dir):
     pipe.set_progress_bar_config(disable=True)
     prompts, noise = ["a cat walks", 'a sign that says "hi"'], torch.randn(2, *model.latent_shape())
     cond = model.encode_prompts(prompts)
-    for scale in (1.0, 4.0):
+    for scale in (1.0, 4.0, 0.5):
         pipe.guider = ClassifierFreeGuidance(guidance_scale=scale)
         kw = dict(height=32, width=64, num_frames=FRAMES, num_inference_steps=3)
         stock = pipe(prompts, latents=noise.clone(), output_type="latent", **kw).frames
@@ -222,11 +224,60 @@ def test_hunyuan15_samples_what_the_stock_pipeline_samples(hy_dir):
         torch.testing.assert_close(model.sigmas(3), sigmas, atol=1e-6, rtol=0)
         ours = sample_ode(no_decode(model), model.transformer, cond, noise, sigmas, scale)
         del model.decode
-        torch.testing.assert_close(ours, stock, atol=1e-5 if scale > 1 else 0, rtol=0)
+        torch.testing.assert_close(ours, stock, atol=1e-5 if scale != 1 else 0, rtol=0)
         frames = pipe(prompts[:1], latents=noise[:1].clone(), output_type="pt", **kw).frames
         ours = sample_ode(model, model.transformer, model.encode_prompts(prompts[:1]), noise[:1], sigmas, scale)
         assert ours.shape == frames.shape == (1, FRAMES, 3, 32, 64)
         torch.testing.assert_close(ours, frames, atol=1e-5, rtol=0)
+
+
+def forwards(module) -> list:
+    """Every forward of `module` from now on, as (args, kwargs, output)."""
+    calls = []
+    module.register_forward_hook(lambda m, args, kwargs, out: calls.append((args, kwargs, out)), with_kwargs=True)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["ltx2", "hunyuan15"])
+def test_the_transformer_gets_the_pipelines_timestep_bit_for_bit_in_bf16(kind, ltx2_dir, hy_dir):
+    """In bf16, at every step of the pipeline's grid (32 x 32 px, 9 frames, 3 steps, no CFG), on the pipeline's own
+    latents, our velocity passes the transformer the pipeline's timestep, bit for bit and in its dtype: LTX2Pipeline's
+    float32 t = 1000 sigma uncast (as `timestep` and `sigma`; a bf16 cast here rounded 635.5 to 636 and put the
+    velocity 4.7e-2 off), HunyuanVideo15Pipeline's t cast to the latents' bf16."""
+    from diffusers import HunyuanVideo15Pipeline, LTX2Pipeline
+
+    bf16 = torch.bfloat16
+    folder, pipe_cls = (ltx2_dir, LTX2Pipeline) if kind == "ltx2" else (hy_dir, HunyuanVideo15Pipeline)
+    model = load_model(str(folder), dtype=bf16, resolution=32, num_frames=FRAMES)
+    pipe = pipe_cls.from_pretrained(folder, dtype=bf16)
+    pipe.set_progress_bar_config(disable=True)
+    theirs, ours = forwards(pipe.transformer), forwards(model.transformer)
+    kw = dict(height=32, width=32, num_frames=FRAMES, num_inference_steps=3, output_type="latent")
+    if kind == "ltx2":
+        kw |= dict(guidance_scale=1.0, audio_guidance_scale=1.0, **LTX_PLAIN_CFG)
+    else:
+        from diffusers.guiders import ClassifierFreeGuidance
+
+        pipe.guider = ClassifierFreeGuidance(guidance_scale=1.0)
+    pipe(list(PROMPTS), generator=torch.Generator().manual_seed(0), **kw)
+    sigmas = pipe.scheduler.sigmas[:-1]
+    assert len(theirs) == len(sigmas) == 3
+    cond, channels = model.encode_prompts(list(PROMPTS)), model.latent_shape()[0]
+    with torch.no_grad():
+        for sigma, (_, k, _) in zip(sigmas, theirs):  # ltx2: the video and audio tokens; hunyuan15: the latents
+            if kind == "ltx2":
+                x = torch.cat([k["hidden_states"], k["audio_hidden_states"]], 1)
+            else:
+                x = k["hidden_states"][:, :channels]  # then the condition latents and mask, zero
+            model.velocity(model.transformer, x, sigma.expand(len(x)), cond)
+    dtype = torch.float32 if kind == "ltx2" else bf16
+    for (_, k, _), (_, our_k, _) in zip(theirs, ours):
+        assert our_k["timestep"].dtype == k["timestep"].dtype == dtype
+        assert torch.equal(our_k["timestep"], k["timestep"]), (our_k["timestep"], k["timestep"])
+        if kind == "ltx2":
+            assert torch.equal(our_k["sigma"], k["sigma"])
+    # 1000 sigma is no bf16 number on this grid: a cast changes LTX-2's timestep, and is HunyuanVideo-1.5's own
+    assert any((s * 1000).to(bf16).float() != s * 1000 for s in sigmas)
 
 
 def test_hunyuan15_lora_lands_on_every_attention():

@@ -272,7 +272,8 @@ def estimate(
     fsdp_config = fsdp_config or {}
     checkpointing = args.gradient_checkpointing or (fsdp and bool(fsdp_config.get("fsdp_activation_checkpointing")))
     offload, ddp = args.offload_frozen, num_processes > 1 and not fsdp
-    cfg = PLANS[kind].cfg and args.guidance_scale > 1  # FLUX.1-dev's guidance is embedded
+    # FLUX.1-dev's guidance is embedded; HunyuanVideo-1.5's guider, as its pipeline's, guides at every scale but 1
+    cfg = PLANS[kind].cfg and (args.guidance_scale != 1 if kind == "hunyuan15" else args.guidance_scale > 1)
     work = workload(script, args, shapes, cfg, esize)
     if fsdp and work.copies:
         raise ValueError(f"{script}.py refuses FSDP: it keeps the old policy and the EMA beside the trained weights")

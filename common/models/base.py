@@ -1,16 +1,20 @@
 """The interface every model kind implements (common/models/__init__.py has the convention): the frozen parts and
 their device, the batched classifier-free guidance, the VAE decode, and the checks of a size or a frame count."""
 
+import math
+
 import torch
 
 from common import InputError
 from common.offload import Offloaded
 
 
-def _cfg(forward, x, t, cond, get_uncond, scale):
-    """Classifier-free guidance as diffusers does it: one batched forward on [uncond; cond] when scale > 1 (a tensor
-    `scale`, one per row, always guides)."""
-    if not torch.is_tensor(scale) and scale <= 1.0:
+def _cfg(forward, x, t, cond, get_uncond, scale, guide_below_one: bool = False):
+    """Classifier-free guidance as diffusers does it: one batched forward on [uncond; cond] when scale > 1 (the
+    pipelines' `do_classifier_free_guidance`), or with `guide_below_one` at every scale but 1 (diffusers'
+    ClassifierFreeGuidance guider: its `_is_cfg_enabled` is `not math.isclose(scale, 1.0)`, so at 0.5 it returns the
+    mean of the two predictions); a tensor `scale`, one per row, always guides."""
+    if not torch.is_tensor(scale) and (math.isclose(scale, 1.0) if guide_below_one else scale <= 1.0):
         return forward(x, t, cond)
     B, uncond = x.shape[0], get_uncond()
     both = {k: torch.cat([uncond[k].expand(B, *uncond[k].shape[1:]), cond[k]]) for k in cond}

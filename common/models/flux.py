@@ -47,7 +47,9 @@ class FluxModel(FlowModel):
         embeds = cond["prompt_embeds"].to(dt)
         return transformer(
             hidden_states=x.to(dt),
-            timestep=sigma.to(dt),
+            # `t.expand(B).to(latents.dtype) / 1000` as FluxPipeline, t the scheduler's float32 1000 sigma: rounded to
+            # the io dtype at 1000 sigma, then divided in it (in bf16, sigma.to(dt) is one bf16 step off at some sigmas)
+            timestep=(sigma.float() * 1000).to(dt) / 1000,
             guidance=guidance,
             pooled_projections=cond["pooled_prompt_embeds"].to(dt),
             encoder_hidden_states=embeds,

@@ -69,7 +69,10 @@ class Flux2Model(FlowModel):
             txt_ids[:, 3] = torch.arange(embeds.shape[1], device=x.device)  # (t, h, w, l) = (0, 0, 0, token)
             return transformer(
                 hidden_states=x.to(dt),
-                timestep=sigma.to(dt),  # the pipelines pass timestep / 1000 = sigma
+                # Flux2Pipeline and Flux2KleinPipeline pass `t.expand(B).to(latents.dtype) / 1000`, t the scheduler's
+                # float32 1000 sigma: rounded to the io dtype at 1000 sigma, then divided in it (in bf16, sigma.to(dt)
+                # is one bf16 step off that at some sigmas: 0.95703125 at 0.9547, where sigma.to(dt) is 0.953125)
+                timestep=(sigma.float() * 1000).to(dt) / 1000,
                 guidance=guidance,
                 encoder_hidden_states=embeds,
                 txt_ids=txt_ids,

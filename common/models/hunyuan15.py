@@ -24,7 +24,8 @@ class HunyuanVideo15Model(FlowModel):
     prompt's quoted text (zeros and a zero mask when there is none), 256 tokens. CFG: the pipeline's guider
     (ClassifierFreeGuidance, v_u + w (v_c - v_u), negative prompt ""), one batched forward here, two there; the
     folder's guider must be plain CFG (no rescale, the Imagen formulation, on every step). --guidance-scale replaces
-    the guider's scale (1 = no CFG)."""
+    the guider's scale: 1 = no CFG, and any other scale guides, below 1 too (the guider, unlike the other kinds'
+    pipelines, is off only at 1)."""
 
     kind = "hunyuan15"
     pipeline = HunyuanVideo15LoraPipeline  # loads the folder; saves and loads a LoRA adapter (save_lora_weights)
@@ -86,7 +87,8 @@ class HunyuanVideo15Model(FlowModel):
                 return_dict=False,
             )[0]
 
-        return _cfg(forward, x, sigma, cond, self.uncond, guidance_scale).to(x.dtype)
+        # ClassifierFreeGuidance._is_cfg_enabled: off only where math.isclose(scale, 1.0), so 0.5 guides there too
+        return _cfg(forward, x, sigma, cond, self.uncond, guidance_scale, guide_below_one=True).to(x.dtype)
 
     def _pipeline_timesteps(self, num_steps):
         """HunyuanVideo15Pipeline: sigmas linspace(1, 0, T + 1)[:-1] through the scheduler's static shift."""

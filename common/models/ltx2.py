@@ -107,7 +107,9 @@ class LTX2Model(FlowModel):
         frames, rows, cols = self.video_grid()
 
         def forward(x, sigma, cond):
-            t = (sigma * 1000).to(dt)  # (rows,) the pipeline's scheduler timesteps, already x 1000
+            # (rows,) the scheduler's float32 timesteps 1000 sigma, uncast: LTX2Pipeline casts its latents to the
+            # prompt embeddings' dtype but passes t as it is (a bf16 cast would round 788.4 to 788)
+            t = sigma.float() * 1000
             video, audio = transformer(
                 hidden_states=x[:, :n_video].to(dt),  # (rows, S_v, C)
                 audio_hidden_states=x[:, n_video:].to(dt),  # (rows, S_a, C)

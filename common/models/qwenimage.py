@@ -57,7 +57,10 @@ class QwenImageModel(FlowModel):
         def forward(x, sigma, embeds, mask):
             return transformer(
                 hidden_states=x.to(dt),
-                timestep=sigma.to(dt),  # QwenImagePipeline passes timestep / 1000 = sigma
+                # QwenImagePipeline passes `t.expand(B).to(latents.dtype) / 1000`, t the scheduler's float32 1000 sigma:
+                # rounded to the io dtype at 1000 sigma, then divided in it. In bf16, sigma.to(dt) would be one bf16
+                # step off that at some sigmas (0.5823 of a 3-step grid: 0.58203125 where the pipeline has 0.5859375)
+                timestep=(sigma.float() * 1000).to(dt) / 1000,
                 encoder_hidden_states=embeds.to(dt),
                 encoder_hidden_states_mask=mask,
                 img_shapes=[[self.img_shape]] * len(x),

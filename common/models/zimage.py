@@ -54,7 +54,10 @@ class ZImageModel(FlowModel):
             return [e[m.bool()].to(dt) for e, m in zip(c["prompt_embeds"], c["prompt_embeds_mask"])]
 
         def output(x, sigma, caps):  # x0 - eps, (rows, 16, h, w) fp32
-            out = transformer(list(x.to(dt).unsqueeze(2).unbind(0)), 1 - sigma, caps, return_dict=False)[0]
+            # ZImagePipeline's time (1000 - t) / 1000, t the scheduler's float32 1000 sigma: 1 - sigma is one float32
+            # step off that at about half of the sigmas (0.9: 0.10000002 where the pipeline has 0.1)
+            time = (1000 - sigma.float() * 1000) / 1000
+            out = transformer(list(x.to(dt).unsqueeze(2).unbind(0)), time, caps, return_dict=False)[0]
             return torch.stack([o.float() for o in out]).squeeze(2)
 
         if guidance_scale <= 1.0:
