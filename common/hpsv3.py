@@ -16,14 +16,16 @@ same. The image preprocessing runs on tensors (differentiable); tests/test_hpsv3
 and HPSv3.
 
 Weights: `HPSv3.safetensors` (MizzenAI/HPSv3) holds the whole model in the key layout of the transformers it was
-trained with (`model.*` the decoder, `visual.*` the vision tower, `rm_head.*`, `lm_head.*`); load_weights maps it
+trained with (`model.*` the decoder, `visual.*` the vision tower, `rm_head.*`, `lm_head.*`); match_weights maps it
 onto ours (the LM head is not needed: the reward reads hidden states). The config and the processor (tokenizer, chat
 template, image statistics) are Qwen/Qwen2-VL-7B-Instruct's; its weights are not needed.
 """
 
 import math
+from contextlib import contextmanager
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig, AutoProcessor, Qwen2VLModel
@@ -190,48 +192,119 @@ def _our_name(key: str) -> str | None:
     return None
 
 
-def load_weights(model: HPSv3, path: str, where: str) -> None:
-    """Copy HPSv3.safetensors at `path` into `model`, after checking every tensor's name and shape: InputError naming
-    the first key missing, unknown or of another shape than the config (`where`, for the message) gives. The LM head
-    (`lm_head.*`) is skipped: the reward reads hidden states, never next-token logits (1 GB less in bf16)."""
-    expected = model.state_dict()  # our key -> tensor; copying into these fills the model
+def check_config(config, source: str, tensors: int) -> None:
+    """InputError naming `source` (the folder's config.json) and the field, for a config that cannot describe an
+    HPSv3 whose weights hold `tensors` tensors: a size the construction uses that is not a positive integer, a width
+    its heads cannot share, a rotary section that does not fit the head, or more layers than the weights have
+    tensors. Checked before any model is built: Qwen2-VL's construction divides by the head counts, allocates every
+    size it is given, and builds one module per layer, so a wrong size is a traceback there or a large allocation,
+    and the forward's checks come only when the first batch is scored."""
+    text, vision = config.text_config, config.vision_config
+    sizes = {name: getattr(text, name, None) for name in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    )}  # fmt: skip
+    sizes |= {f"vision_config.{name}": getattr(vision, name, None) for name in (
+        "embed_dim", "hidden_size", "depth", "num_heads", "mlp_ratio", "in_channels", "patch_size",
+        "temporal_patch_size", "spatial_merge_size")}  # fmt: skip
+    for name, value in sizes.items():
+        if type(value) is not int or value <= 0:  # type(): True is an int to isinstance
+            raise InputError(f"{source}: {name} is {value!r}, not a positive integer")
+    width, heads, kv = text.hidden_size, text.num_attention_heads, text.num_key_value_heads
+    shares = (
+        (width, "hidden_size", heads, "num_attention_heads"),  # each head takes width / heads
+        (heads, "num_attention_heads", kv, "num_key_value_heads"),  # each key-value head serves heads / kv
+        (vision.embed_dim, "vision_config.embed_dim", vision.num_heads, "vision_config.num_heads"),
+    )
+    for total, name, parts, by in shares:
+        if total % parts:
+            raise InputError(f"{source}: {name} {total} is not divisible by {by} {parts}")
+    # the vision rotary turns each head's width in four quarters (row and column positions, cosine and sine pairs)
+    if vision.embed_dim // vision.num_heads % 4:
+        raise InputError(
+            f"{source}: vision_config.embed_dim / vision_config.num_heads = {vision.embed_dim // vision.num_heads} "
+            "is not divisible by 4 (the vision rotary's quarters)"
+        )
+    # M-RoPE splits the head's rotary half in the sections of the three position axes
+    section = (text.rope_parameters or {}).get("mrope_section", [16, 24, 24])  # transformers' default
+    if not isinstance(section, list) or any(type(v) is not int or v < 0 for v in section) or (
+        2 * sum(section) != width // heads
+    ):  # fmt: skip
+        raise InputError(f"{source}: mrope_section {section!r} does not sum to half the head width {width // heads}")
+    if vision.hidden_size != width:  # the merged image tokens take the place of text embeddings
+        raise InputError(f"{source}: vision_config.hidden_size {vision.hidden_size} is not hidden_size {width}")
+    # each layer and block has tensors of its own: more than the weights hold cannot match them, and a build on the
+    # meta device still makes one module per layer (minutes and gigabytes of Python objects for millions)
+    if text.num_hidden_layers + vision.depth > tensors:
+        raise InputError(
+            f"{source}: num_hidden_layers {text.num_hidden_layers} and vision_config.depth {vision.depth} are more "
+            f"layers than the {tensors} tensors of the weights"
+        )
+
+
+@contextmanager
+def _safetensors(path: str):
+    """safe_open on the CPU, a file that is not safetensors (or a truncated one) as InputError."""
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
-            names = {}  # our key -> the file's key
-            for name in f.keys():
-                if name.startswith("lm_head."):
-                    continue
-                key = _our_name(name)
-                if key not in expected:
-                    raise InputError(f"{path}: tensor {name!r} is not part of HPSv3 on {where}'s config")
-                names[key] = name
-            for key, tensor in expected.items():
-                if key not in names:
-                    raise InputError(
-                        f"{path}: no tensor {_old_name(key)!r} (expected shape {tuple(tensor.shape)} from {where}'s "
-                        "config): not a whole HPSv3 checkpoint"
-                    )
-                shape = tuple(f.get_slice(names[key]).get_shape())
-                if shape != tuple(tensor.shape):
-                    raise InputError(
-                        f"{path}: tensor {names[key]!r} has shape {shape}, expected {tuple(tensor.shape)} from "
-                        f"{where}'s config (HPSv3 is Qwen2-VL-7B-Instruct with {REWARD_TOKEN} added)"
-                    )
-            with torch.no_grad():
-                for key, tensor in expected.items():
-                    tensor.copy_(f.get_tensor(names[key]))  # cast to the model's dtype on the way
+            yield f
     except (SafetensorError, OSError) as e:
         raise InputError(f"{path}: not a safetensors file ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def read_header(path: str) -> dict[str, tuple[int, ...]]:
+    """The name and shape of every tensor in the safetensors file at `path`, from its header (nothing is read)."""
+    with _safetensors(path) as f:
+        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+
+
+def match_weights(header: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]], path: str, where: str):
+    """Our key -> the name of its tensor in HPSv3.safetensors at `path` (`header`: read_header's), after checking
+    every tensor's name and shape against `shapes` (our key -> shape, of the model built on the meta device from
+    `where`, the config.json): InputError naming the first key missing, unknown or of another shape. The LM head
+    (`lm_head.*`) is skipped: the reward reads hidden states, never next-token logits (1 GB less in bf16)."""
+    names = {}  # our key -> the file's key
+    for name in header:
+        if name.startswith("lm_head."):
+            continue
+        key = _our_name(name)
+        if key not in shapes:
+            raise InputError(f"{path}: tensor {name!r} is not part of HPSv3 as {where} describes it")
+        names[key] = name
+    for key, shape in shapes.items():
+        if key not in names:
+            raise InputError(
+                f"{path}: no tensor {_old_name(key)!r} (expected shape {shape} from {where}): not a whole HPSv3 "
+                "checkpoint"
+            )
+        if header[names[key]] != shape:
+            raise InputError(
+                f"{path}: tensor {names[key]!r} has shape {header[names[key]]}, expected {shape} from {where} (HPSv3 "
+                f"is Qwen2-VL-7B-Instruct with {REWARD_TOKEN} added)"
+            )
+    return names
+
+
+def load_weights(model: HPSv3, path: str, names: dict[str, str]) -> None:
+    """Copy the tensors of HPSv3.safetensors at `path` into `model`, `names` (match_weights') mapping our keys to
+    the file's."""
+    with _safetensors(path) as f, torch.no_grad():
+        for key, tensor in model.state_dict().items():
+            tensor.copy_(f.get_tensor(names[key]))  # cast to the model's dtype on the way
 
 
 def load_hpsv3(weights: str, qwen: str, device, dtype: torch.dtype = torch.bfloat16, missing: str | None = None):
     """(model, processor): the processor and config of Qwen2-VL-7B-Instruct at `qwen` (a folder or a hub id) with
     the reward token added, the model built from them (the embeddings resized to the tokenizer, as the official) and
     HPSv3.safetensors at `weights` loaded into it; eval mode, no gradients to the weights. `missing`: the message
-    when `qwen`'s files cannot be read (default: names the folder)."""
+    when `qwen`'s files cannot be read (default: names the folder). The config is checked (check_config) and the
+    model built on the meta device (no memory) and matched against the weights' header before the real one is
+    built: a wrong config.json is one InputError, never a traceback or an allocation of the size it describes."""
+    source = f"{qwen}/config.json"
     try:
         processor = AutoProcessor.from_pretrained(qwen, padding_side="right")
         config = AutoConfig.from_pretrained(qwen, attn_implementation="sdpa")
+    except StrictDataclassError as e:  # transformers' own checks of the config's types and some of its sizes
+        raise InputError(f"{source}: {' '.join(str(e).split())[:300]}") from None
     except (OSError, ValueError) as e:
         raise InputError(
             missing or f"{qwen}: not the config and processor files of {QWEN} ({type(e).__name__}: {str(e)[:200]})"
@@ -241,7 +314,20 @@ def load_hpsv3(weights: str, qwen: str, device, dtype: torch.dtype = torch.bfloa
     processor.tokenizer.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
     reward_id = processor.tokenizer.convert_tokens_to_ids(REWARD_TOKEN)
     config.text_config.vocab_size = len(processor.tokenizer)  # the official resize_token_embeddings
+    header = read_header(weights)
+    check_config(config, source, len(header))
+    try:
+        with torch.device("meta"):  # shapes only: no memory, whatever sizes the config gives
+            shapes = {key: tuple(t.shape) for key, t in HPSv3(config, reward_id, dtype).state_dict().items()}
+    # whatever check_config lets through that Qwen2-VL still cannot build (e.g. a pad id past the vocabulary)
+    except Exception as e:
+        raise InputError(
+            f"{source}: HPSv3 cannot be built from it ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        ) from None
+    names = match_weights(header, shapes, weights, source)
+    # built for real only now, as before: the same construction (initialised, non-persistent buffers such as the
+    # rotary frequencies computed) then the checked tensors copied in
     with torch.device(device):
         model = HPSv3(config, reward_id, dtype)
-    load_weights(model, weights, str(qwen))
+    load_weights(model, weights, names)
     return model.eval().requires_grad_(False), processor

@@ -305,6 +305,88 @@ def test_a_missing_key_or_a_wrong_shape_is_one_error_line_naming_it(official, tm
         load_hpsv3(str(tmp_path / "bad.safetensors"), str(official.folder), "cpu")
 
 
+def folder_with_config(official, path: Path, text: dict, vision: dict | None = None) -> Path:
+    """A copy of the tiny Qwen2-VL folder's config and processor files at `path`, its config.json's top-level (text)
+    fields updated with `text` and its vision_config's with `vision`."""
+    import json
+    import shutil
+
+    shutil.copytree(official.folder, path, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config.update(text)
+    config["vision_config"].update(vision or {})
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    "text, vision, words",
+    [
+        ({"num_attention_heads": 0}, {}, "num_attention_heads is 0, not a positive integer"),
+        ({"hidden_size": -32}, {}, "hidden_size is -32, not a positive integer"),
+        ({"hidden_size": 33}, {}, "hidden_size 33 is not divisible by num_attention_heads 2"),
+        ({"num_key_value_heads": 0}, {}, "num_key_value_heads is 0, not a positive integer"),
+        ({}, {"num_heads": 0}, "vision_config.num_heads is 0, not a positive integer"),
+        ({}, {"num_heads": 3}, "vision_config.embed_dim 16 is not divisible by vision_config.num_heads 3"),
+        ({}, {"embed_dim": 24, "num_heads": 4}, "vision_config.embed_dim / vision_config.num_heads = 6"),
+        ({}, {"hidden_size": 48}, "vision_config.hidden_size 48 is not hidden_size 32"),
+        ({"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 4]}}, {}, "mrope_section [2, 3, 4]"),
+        ({"hidden_size": 32.5}, {}, "'hidden_size'"),  # transformers' own type check
+        ({"pad_token_id": 10**6}, {}, "HPSv3 cannot be built from it"),  # the embedding's padding row
+    ],
+    ids=["no heads", "negative width", "width not divisible by heads", "no key-value heads", "no vision heads",
+         "vision width not divisible by heads", "vision head not in quarters", "vision width not the text width",
+         "mrope sections not half the head", "fractional width", "pad id past the vocabulary"],
+)  # fmt: skip
+def test_a_config_json_hpsv3_cannot_be_built_from_is_one_error_line_naming_it(official, tmp_path, text, vision, words):
+    """A config.json whose sizes Qwen2-VL divides by zero, allocates negative, splits unevenly or cannot pair with
+    the weights (a traceback while building the model, or while scoring the first batch) is one InputError naming
+    that file and the field, before a model is built."""
+    folder = folder_with_config(official, tmp_path / "qwen", text, vision)
+    with pytest.raises(InputError) as e:
+        load_hpsv3(str(official.folder / "HPSv3.safetensors"), str(folder), "cpu", torch.float32)
+    message = str(e.value)
+    assert message.startswith(f"{folder}/config.json: ") and words in message and "\n" not in message, message
+
+
+WIDER = {"hidden_size": 3200, "intermediate_size": 6400, "num_attention_heads": 200, "num_key_value_heads": 100}
+VISION_WIDER = {"embed_dim": 1600, "num_heads": 200, "hidden_size": 3200}
+
+
+@pytest.mark.parametrize(
+    "text, vision, words",
+    [
+        (WIDER, VISION_WIDER, "'visual.patch_embed.proj.weight' has shape (16, 3, 2, 14, 14), expected (1600, 3,"),
+        ({**WIDER, "num_hidden_layers": 200}, {**VISION_WIDER, "depth": 100}, "num_hidden_layers 200"),
+    ],
+    ids=["100x wider", "100x deeper and wider"],
+)
+def test_a_config_json_of_a_large_model_is_refused_before_it_is_built(official, tmp_path, monkeypatch, text, vision,
+                                                                      words):  # fmt: skip
+    """The tiny weights (0.46 MB) with a config.json that describes a model 100x as wide (272M parameters, 1.1 GB in
+    fp32: every width and head count x100, the head widths kept) or also 100x as deep (20.6B, 82 GB): one InputError
+    naming that config.json, and Qwen2-VL is never built on a real device. A build outside the meta device would
+    allocate the model the config describes: the wrapper refuses it (so such a loader fails here at once, instead of
+    exhausting the memory) and records it."""
+    import common.hpsv3
+
+    builds, build = [], common.hpsv3.Qwen2VLModel
+
+    def on_meta_only(config):
+        builds.append(torch.get_default_device())
+        if builds[-1].type != "meta":
+            raise AssertionError(f"Qwen2-VL built on {builds[-1]} from a config.json the weights do not fit")
+        return build(config)
+
+    monkeypatch.setattr(common.hpsv3, "Qwen2VLModel", on_meta_only)
+    folder = folder_with_config(official, tmp_path / "qwen", text, vision)
+    with pytest.raises(InputError) as e:
+        load_hpsv3(str(official.folder / "HPSv3.safetensors"), str(folder), "cpu", torch.float32)
+    message = str(e.value)
+    assert f"{folder}/config.json" in message and words in message and "\n" not in message, message
+    assert all(device.type == "meta" for device in builds), builds
+
+
 def test_reward_hpsv3_scores_images_and_frames_in_a_composite(official):
     """`--reward jpeg:1,hpsv3:0.5 --reward-ckpt hpsv3=FOLDER` (bf16 as a run): a batch of images, then videos, whose
     hpsv3 score is the mean over --reward-frames 2 frames (the first and the last); gradients reach the pixels."""
@@ -394,7 +476,7 @@ def test_a_prompt_hpsv3_cannot_read_is_refused_at_start_up(tmp_path, monkeypatch
     with pytest.raises(InputError) as e:
         check_reward_prompts(spec, ["y" * 2001], "--eval-prompts")
     assert str(e.value) == "--eval-prompts: prompt 1 has 2,001 characters; hpsv3 reads at most 2,000"
-    check_reward_prompts(parse_rewards("shapes", [], []), ["<|image_pad|>" * 300], "--prompts")  # no HPSv3: any text
+    check_reward_prompts(parse_rewards("jpeg", [], []), ["<|image_pad|>" * 300], "--prompts")  # no HPSv3: any text
     # through a script's start-up: the prompt file is read and checked before a model or the reward loads
     import common.flags
     import dancegrpo
