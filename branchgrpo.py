@@ -57,38 +57,42 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """sampling steps T of a rollout (shifted sigma schedule), as the paper"""
     sde_type: Literal["dance", "flow"] = "flow"
     """noise schedule g(sigma): 'dance' = constant eta (DanceGRPO, the release), 'flow' = a sqrt(sigma / (1 - sigma))"""
-    noise_level: Annotated[Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow"), Gt(0)] = None
-    """eta for 'dance', a for 'flow'"""
+    noise_level: Annotated[Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow"), Gt(0), Le(10)] = (
+        None
+    )
+    """eta for 'dance', a for 'flow' (at most 10, ten times the published values: beyond, noise drowns the sample)"""
     split_schedule: str = "dense"
     """split steps: 'dense' (0,3,6,...), 'sparse' (evenly spread), 'late' (second half) or a list like '0,3,6,9'"""
     num_splits: Annotated[int, Ge(1), Le(64)] = 4
     """number of split steps m for the named schedules"""
     branch_factor: Annotated[int, Ge(2), Le(64)] = 2
-    """children per split K; leaves per tree M = K ** m"""
+    """children per split K; leaves per tree M = K ** m, at most 65536"""
     branch_noise: Literal["correlated", "scaled"] = "correlated"
     """'correlated': siblings share part of their noise, each child is an exact SDE step (paper); 'scaled': independent noise times s (release)"""
-    branch_s: Annotated[float, Gt(0)] = 4.0
+    branch_s: Annotated[float, Gt(0), Le(1000)] = 4.0  # 1000: rho < 1e-3 already; a 1000-fold noise samples nothing
     """correlated: ratio s of branch-specific to shared noise variance, rho = 1 / (1 + s); scaled: the noise multiplier"""
-    trees_per_device: Annotated[int, Ge(1)] = 4
+    trees_per_device: Annotated[int, Ge(1), Le(65536)] = 4  # counts of trees and nodes: at most 2**16
     """prompts (trees) per process per iteration"""
-    trees_per_update: Annotated[int, Ge(1)] = 2
+    trees_per_update: Annotated[int, Ge(1), Le(65536)] = 2
     """trees whose edges are accumulated into one optimizer step"""
-    rollout_batch_size: Annotated[int, Ge(1)] = 16
+    rollout_batch_size: Annotated[int, Ge(1), Le(65536)] = 16
     """nodes per denoiser forward (batched per depth); also the training micro-batch of parents"""
     fusion: Literal["uniform", "path"] = "uniform"
     """node value from its leaves: 'uniform' mean, or 'path' softmax of gamma * path log-prob / temperature"""
-    fusion_gamma: float = 1.0
+    fusion_gamma: Annotated[float, Ge(-1000), Le(1000)] = 1.0  # gamma x a path's log-prob stays finite in the softmax
     """--fusion path: weight gamma of the path log-prob (0 gives uniform)"""
-    fusion_temperature: Annotated[float, Gt(0)] = 1.0
-    """--fusion path: softmax temperature"""
+    fusion_temperature: Annotated[float, Gt(0), Le(1000)] = 1.0
+    """--fusion path: softmax temperature (at most 1000: a hotter softmax is --fusion uniform)"""
     pruning: Literal["none", "width", "depth", "mix"] = "none"
     """which edges are trained: all, width-pruned, depth-pruned, or only SDE edges of a sliding Mix window"""
     width_mode: Literal["parent-top1", "extreme"] = "parent-top1"
     """--pruning width: each last-split parent keeps its best child's chain, or the extreme chains"""
     width_keep_ratio: Annotated[float, Gt(0), Le(1)] = 0.5
     """--width-mode extreme: fraction of post-split chains kept, half best and half worst"""
-    window: Annotated[Optional[int], ModeDefault("the steps after the last split for depth, 4 for mix"), Ge(1)] = None
-    """--pruning depth / mix: window size W in steps"""
+    window: Annotated[
+        Optional[int], ModeDefault("the steps after the last split for depth, 4 for mix"), Ge(1), Le(999)
+    ] = None
+    """--pruning depth / mix: window size W in steps (at most --num-steps - 1)"""
     window_shift_every: Annotated[int, Ge(1)] = 30
     """--pruning depth / mix: the window moves one step deeper every E iterations"""
     clip_range: Annotated[float, Gt(0)] = 1e-3
@@ -409,30 +413,27 @@ MODE_FLAGS = [  # a flag of another mode is an error unless left at its default 
 def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
     one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
-    check_flags(args, MODE_FLAGS)  # every float finite first, then no dead flags
+    check_flags(args, MODE_FLAGS)  # floats finite, every flag in its declared range, no dead flags
     splits = split_steps(args.split_schedule, args.num_steps, args.num_splits)
     if args.noise_level is None:
         args.noise_level = 0.3 if args.sde_type == "dance" else 0.7
     if args.window is None:  # depth: no post-split edge in the loss (docs/branchgrpo.md); mix: the paper's 4
-        args.window = max(1, args.num_steps - 2 - max(splits, default=0)) if args.pruning == "depth" else 4
+        args.window = max(1, args.num_steps - 2 - max(splits)) if args.pruning == "depth" else 4
     args.exp_name = args.exp_name or Path(__file__).stem + ("" if args.pruning == "none" else f"_{args.pruning}")
-    need(args.num_steps >= 2, "--num-steps must be at least 2 (the last step is a deterministic Euler step)")
     need(
-        len(splits) >= 1 and all(0 <= s <= args.num_steps - 2 for s in splits),
-        f"--split-schedule gives splits {splits}: they must lie in [0, {args.num_steps - 2}] (the last step is "
-        "deterministic); change --num-splits, --num-steps or --split-schedule",
+        all(0 <= s <= args.num_steps - 2 for s in splits) and len(set(splits)) == len(splits),  # sparse 30 of 20
+        f"--split-schedule gives splits {splits}: they must be distinct steps in [0, {args.num_steps - 2}] (the last "
+        "step is deterministic); change --num-splits, --num-steps or --split-schedule",
     )
-    need(args.num_splits >= 1 and args.branch_factor >= 2, "--num-splits >= 1 and --branch-factor >= 2")
+    K, m = args.branch_factor, len(set(splits))  # a tree's leaves K ** m size every rollout: at most 2**16
     need(
-        min(args.branch_s, args.noise_level, args.fusion_temperature, args.clip_range, args.adv_clip_max) > 0
-        and args.kl_beta >= 0,
-        "--branch-s, --noise-level, --fusion-temperature, --clip-range and --adv-clip-max must be > 0, --kl-beta >= 0",
+        K**m <= 65536,
+        f"--branch-factor {K} at {m} split steps makes {K}^{m} leaves per tree, more than 65536; lower --branch-factor "
+        "or the splits (--num-splits, --split-schedule)",
     )
-    need(0 < args.width_keep_ratio <= 1, "--width-keep-ratio must be in (0, 1]")
     need(  # the window only where it is used
-        args.window_shift_every >= 1
-        and (args.pruning not in ("depth", "mix") or 1 <= args.window <= args.num_steps - 1),
-        f"--window must be in [1, {args.num_steps - 1}] and --window-shift-every >= 1",
+        args.pruning not in ("depth", "mix") or args.window <= args.num_steps - 1,
+        f"--window must be in [1, {args.num_steps - 1}] (= --num-steps - 1)",
     )
     after = args.num_steps - 2 - max(splits)  # trainable steps after the last split (T - 1 is deterministic)
     need(
@@ -441,7 +442,6 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
         "it; move the splits earlier (--split-schedule) or raise --num-steps",
     )
     need(divides(args.trees_per_update, args.trees_per_device), "--trees-per-update must divide --trees-per-device")
-    need(min(args.trees_per_device, args.rollout_batch_size) >= 1, "--trees-per-device, --rollout-batch-size >= 1")
     if args.pruning == "depth" and after < args.window:
         print(f"warning: --pruning depth: {after} trainable step(s) follow the last split {max(splits)}, so the "
               f"{args.window}-step window shrinks to {after} and cannot slide; raise --num-steps or split earlier",

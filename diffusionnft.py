@@ -74,7 +74,7 @@ from common.sampling import keyed_randn
 
 @dataclass
 class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ...) are in common/flags.py
-    iterations: Annotated[int, Ge(1)] = 30
+    iterations: Annotated[int, Ge(1), Le(1_000_000)] = 30  # a loop count: a million iterations are years of GPU time
     """training iterations; 30, not the shared 40: an iteration takes about 12 s on one CPU thread here, so 40 and
     their evaluations would pass ShapesBench's 8 minutes (docs/diffusionnft.md)"""
     num_steps: Annotated[int, Ge(1), Le(1000)] = 10
@@ -82,25 +82,26 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     solver: Literal["dpm2", "euler"] = "dpm2"
     """deterministic ODE solver of the rollouts: 'dpm2' = DPM-Solver-2 multistep in x0 (first and last steps first
     order; official), or Euler"""
-    group_size: Annotated[int, Ge(2)] = 8
+    group_size: Annotated[int, Ge(2), Le(65536)] = 8  # counts of images: at most 2**16, far above any GPU's batch
     """images per prompt (G); a group may span processes (official: 24)"""
-    samples_per_device: Annotated[int, Ge(1)] = 64
+    samples_per_device: Annotated[int, Ge(1), Le(65536)] = 64
     """images sampled per process per iteration; prompts per iteration = processes * this / group size (official:
     144 per GPU on 8 GPUs = 48 prompts x 24)"""
-    rollout_batch_size: Annotated[int, Ge(1)] = 16
+    rollout_batch_size: Annotated[int, Ge(1), Le(65536)] = 16
     """images per denoiser forward in sampling (official: 9)"""
-    train_batch_size: Annotated[int, Ge(1)] = 16
+    train_batch_size: Annotated[int, Ge(1), Le(65536)] = 16
     """images per training micro-batch: one forward each of the old, the trained (and the base) policy per timestep
     (official: 9)"""
-    samples_per_update: Annotated[int, Ge(1)] = 32
+    samples_per_update: Annotated[int, Ge(1), Le(65536)] = 32
     """images (per process) whose gradients are accumulated into one optimizer step (official: all of them, 1 step per
     iteration; OCR: 2)"""
     timestep_fraction: Annotated[float, Gt(0), Le(1)] = 0.4
     """each image is trained at the first int(this * T) timesteps of its own random permutation of the grid (official:
     0.99, so 9 of 10)"""
-    beta: Annotated[float, Gt(0)] = 1.0
+    beta: Annotated[float, Gt(0), Le(100)] = 1.0
     """NFT beta: v+ = (1 - beta) v_old + beta v_theta, v- = (1 + beta) v_old - beta v_theta, loss / beta (official:
-    1.0; 0.1 for OCR and multi-reward); not the KL weight"""
+    1.0; 0.1 for OCR and multi-reward; at most 100: v+ and v- are then a hundredfold extrapolation); not the KL
+    weight"""
     kl_beta: Annotated[float, Ge(0)] = 1e-4
     """weight of the velocity MSE to the base model (LoRA adapters off, or a frozen copy); 0 = off (official: 1e-4,
     its `train.beta`)"""
@@ -271,14 +272,13 @@ MODE_FLAGS = [  # a flag of another mode is an error unless left at its default 
 def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
     one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
-    check_flags(args, MODE_FLAGS)  # every float finite first, then no dead flags
+    check_flags(args, MODE_FLAGS)  # floats finite, every flag in its declared range, no dead flags
     args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
-    need(args.num_steps >= 1, "--num-steps must be >= 1")
+    T, fraction = args.num_steps, args.timestep_fraction
     need(
-        0 < args.timestep_fraction <= 1 and n_train_timesteps(args.num_steps, args.timestep_fraction) >= 1,
-        f"--timestep-fraction must be in (0, 1] and train at least one of the {args.num_steps} timesteps",
+        n_train_timesteps(T, fraction) >= 1,
+        f"--timestep-fraction {fraction} trains int({T} x {fraction}) = 0 of the --num-steps {T} timesteps; raise it",
     )
-    need(args.group_size >= 2, "--group-size must be >= 2 (advantages are relative within a group)")
     need(
         divides(args.rollout_batch_size, args.samples_per_device),
         "--samples-per-device must be a multiple of --rollout-batch-size",
@@ -288,10 +288,6 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
         and divides(args.samples_per_update, args.samples_per_device),
         "--samples-per-update must be a multiple of --train-batch-size and divide --samples-per-device",
     )
-    need(args.beta > 0, "--beta must be > 0 (the NFT beta; the KL weight is --kl-beta)")
-    need(args.kl_beta >= 0 and args.adv_clip_max > 0, "--kl-beta must be >= 0 and --adv-clip-max > 0")
-    need(0 <= args.ema_max_decay < 1, "--ema-max-decay must be in [0, 1)")
-    need(args.old_decay_speed > 0, "--old-decay-speed must be > 0")
     return check_run_args(args, video=False)
 
 

@@ -56,7 +56,7 @@ from common.flags import Ge, Gt, Le, Lt, ModeDefault, RunArgs, check_flags, chec
 from common.logs import reward_stats, summarize
 from common.models import check_model_id, load_model, trainable_denoiser
 from common.prompts import draw_prompts, load_dcot
-from common.rewards import RewardSpec, build_reward
+from common.rewards import RewardSpec, build_reward, check_reward_prompts
 from common.runs import Run, all_finite
 from common.sampling import keyed_generator as rng  # (seed, iteration, ...) -> a generator
 from common.sampling import keyed_randn
@@ -69,24 +69,25 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     sde_type: Literal["dance", "flow"] = "flow"
     """flow models' noise schedule g(sigma): 'dance' = constant eta, 'flow' = a sqrt(sigma / (1 - sigma)); unused for SD1.x"""
     noise_level: Annotated[
-        Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow, 1.0 for SD1.x"), Gt(0)
+        Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow, 1.0 for SD1.x"), Gt(0), Le(10)
     ] = None
-    """eta for 'dance', a for 'flow', DDIM eta for SD1.x"""
-    group_size: Annotated[int, Ge(2)] = 4
+    """eta for 'dance', a for 'flow', DDIM eta for SD1.x (at most 10, ten times the published values: beyond, noise
+    drowns the sample)"""
+    group_size: Annotated[int, Ge(2), Le(65536)] = 4  # counts of images: at most 2**16, far above any GPU's batch
     """images per prompt; the others' mean reward is each sample's baseline (a group may span processes)"""
     learning_rate: Annotated[float, Gt(0), Le(1)] = 1.2e-3
     """AdamW learning rate (constant after --lr-warmup); 4x the shared ShapesBench default (docs/rlr.md says why)"""
-    samples_per_device: Annotated[int, Ge(1)] = 32
+    samples_per_device: Annotated[int, Ge(1), Le(65536)] = 32
     """images sampled per process per iteration; prompts per iteration = processes * this / group size"""
-    rollout_batch_size: Annotated[int, Ge(1)] = 4
+    rollout_batch_size: Annotated[int, Ge(1), Le(65536)] = 4
     """images per denoiser forward; also the unit that shares one sub-chain window"""
-    subchain_len: Annotated[Optional[int], ModeDefault("2, the paper's"), Ge(1)] = None
-    """h, the number of denoising steps back-propagated in the half-order sub-chain"""
-    memory_budget_gb: Annotated[Optional[float], Gt(0)] = None
+    subchain_len: Annotated[Optional[int], ModeDefault("2, the paper's"), Ge(1), Le(999)] = None
+    """h, the number of denoising steps back-propagated in the half-order sub-chain (at most --num-steps - 1)"""
+    memory_budget_gb: Annotated[Optional[float], Gt(0), Le(1e6)] = None
     """choose h by the paper's h* rule for this memory budget instead of --subchain-len"""
-    ho_step_gb: Annotated[float, Gt(0)] = 8.0
+    ho_step_gb: Annotated[float, Ge(1e-6), Le(1e6)] = 8.0  # a kilobyte to a petabyte: h* stays a finite number
     """B_h of the h* rule: memory of one back-propagated step (8 GB for SD1.4, paper Table 9)"""
-    zo_step_gb: Annotated[float, Gt(0)] = 0.24
+    zo_step_gb: Annotated[float, Ge(1e-6), Le(1e6)] = 0.24
     """B_z of the h* rule: memory of one zero-order step (0.24 GB for SD1.4, paper Table 9)"""
     variance_ratio: Annotated[float, Ge(0), Lt(1)] = 0.0
     """V_h / V_z of the h* rule (per-step variance of HO over ZO; 0 = negligible, as the paper assumes)"""
@@ -94,9 +95,10 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """window starts allowed: anywhere, or in the first / middle / last third of the steps (diffusion chain of thought)"""
     dcot_prompts: Optional[str] = None
     """diffusion chain-of-thought prompt file (TSV: prompt, coarse, medium, fine); replaces --prompts"""
-    zo_scale: Annotated[float, Gt(0)] = 1e-3
-    """sigma, std of the Gaussian parameter perturbation zeta_i of the zero-order steps"""
-    zo_perturbations: Annotated[Optional[int], ModeDefault("one per rollout chunk"), Ge(1)] = None
+    zo_scale: Annotated[float, Gt(0), Le(1)] = 1e-3
+    """sigma, std of the Gaussian parameter perturbation zeta_i of the zero-order steps (at most 1: a perturbation of
+    that size already swamps the trained weights)"""
+    zo_perturbations: Annotated[Optional[int], ModeDefault("one per rollout chunk"), Ge(1), Le(65536)] = None
     """independent parameter perturbations per process and iteration (samples split into that many blocks)"""
     terms: Literal["fo+ho+zo", "fo+ho", "fo+zo", "fo"] = "fo+ho"
     """estimator terms: fo+ho+zo = RLR (unbiased); the paper's ablations fo+ho = V2 (biased), fo+zo = V3
@@ -377,10 +379,10 @@ MODE_FLAGS = [  # a flag of another mode is an error unless left at its default 
 def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     """The mode's defaults filled in, this script's flags and the shared ones (common/flags.py) checked: a bad flag is
     one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
-    check_flags(args, MODE_FLAGS)  # every float finite first, then no dead flags
+    check_flags(args, MODE_FLAGS)  # floats finite, every flag in its declared range, no dead flags
     need(
-        args.ho_step_gb > args.zo_step_gb > 0 and 0 <= args.variance_ratio < 1,
-        "--ho-step-gb > --zo-step-gb > 0 and --variance-ratio in [0, 1) are needed by the h* rule",
+        args.ho_step_gb > args.zo_step_gb,
+        "--ho-step-gb must be > --zo-step-gb: the h* rule divides by their difference",
     )
     if args.memory_budget_gb is not None:  # h* from the flags just checked
         need(args.subchain_len is None, "give --subchain-len or --memory-budget-gb, not both")
@@ -390,14 +392,13 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     elif args.subchain_len is None:
         args.subchain_len = min(2, args.num_steps - 1)
     if args.zo_perturbations is None:
-        args.zo_perturbations = args.samples_per_device // max(1, args.rollout_batch_size)  # one per rollout chunk
+        args.zo_perturbations = args.samples_per_device // args.rollout_batch_size  # one per rollout chunk
     args.exp_name = args.exp_name or Path(__file__).stem  # a fork: its own name
     if args.noise_level is None:  # the model's kind from its model_index.json, before it loads
         sd1 = check_model_id(args.model_id) == "sd1"
         args.noise_level = 1.0 if sd1 else 0.3 if args.sde_type == "dance" else 0.7
     T, h, S = args.num_steps, args.subchain_len, args.samples_per_device
     B, n_blocks = args.rollout_batch_size, args.zo_perturbations
-    need(T >= 2, "--num-steps must be at least 2 (one stochastic step and the deterministic last step)")
     if "ho" in args.terms:
         budget = f" (h* of --memory-budget-gb {args.memory_budget_gb})" if args.memory_budget_gb is not None else ""
         need(1 <= h <= T - 1, f"h = {h}{budget}: --subchain-len must be in [1, {T - 1}] (= --num-steps - 1)")
@@ -406,19 +407,17 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
             f"--subchain-stage {args.subchain_stage}: no window of {h} steps (--subchain-len) starts in that third of "
             f"--num-steps {T} and ends before the last step",
         )
-    need(args.noise_level is None or args.noise_level > 0, "--noise-level must be > 0 (the HO term needs noise)")
-    need(args.group_size >= 2, "--group-size must be >= 2 (the baseline is the mean of the other samples of a prompt)")
     need(divides(B, S), "--samples-per-device must be a multiple of --rollout-batch-size")
     need(
-        n_blocks > 0 and S % n_blocks == 0 and S // n_blocks % B == 0,
+        divides(n_blocks, S) and divides(B, S // n_blocks),
         "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size",
     )
-    need(args.zo_scale > 0, "--zo-scale must be > 0")
     # RLR's paper trains images; its first-order term backpropagates through the reward
     train_prompts, eval_prompts, reward_spec = check_run_args(args, video=False, differentiable=True)
     if args.dcot_prompts is not None:
         need(args.prompts == "shapes-train", "--dcot-prompts replaces --prompts: give one of them")
         train_prompts = list(load_dcot(args.dcot_prompts))
+        check_reward_prompts(reward_spec, train_prompts, "--dcot-prompts")  # as check_run_args checks --prompts
     return train_prompts, eval_prompts, reward_spec
 
 

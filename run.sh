@@ -112,9 +112,9 @@ GPU_COMMON=("${GPU_MEMORY[@]}" --reward hpsv2.1 "${HPS_CKPT[@]}" "${GPU_PROMPTS[
 
 # DanceGRPO's FLUX setting (https://github.com/XueZeyue/DanceGRPO, scripts/finetune/finetune_flux_grpo*.sh), LoRA
 # variant: 720 px, 16 steps, constant eta 0.3, 12 images per prompt sharing their initial noise, rollout batch 1,
-# clip 1e-4, no KL, embedded guidance 3.5. The schedule is the official code's static shift 3 (the default --shift),
-# not FluxPipeline's by-resolution one (--shift pipeline: docs/models.md).
-FLUX_DANCE=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 "${GPU_COMMON[@]}"
+# clip 1e-4, no KL, embedded guidance 3.5. The schedule is the official code's static shift 3 (--shift 3), not
+# FluxPipeline's by-resolution one (the default --shift pipeline: docs/models.md).
+FLUX_DANCE=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 "${GPU_COMMON[@]}" --shift 3
   --num-steps 16 --sde-type dance --noise-level 0.3 --guidance-scale 3.5 --group-size 12 --samples-per-device 12
   --rollout-batch-size 1 --samples-per-update 4 --same-noise --clip-range 1e-4 --kl-beta 0 --iterations 300
   --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
@@ -123,22 +123,22 @@ FLUX_FULL=(--no-lora --learning-rate 1e-5 --offload-frozen)
 # BranchGRPO's FLUX setting (https://github.com/Fredreic1849/BranchGRPO, scripts/finetune/finetune_flux_branchgrpo_8gpus.sh):
 # 20 steps, dense splits 0,3,6,9, K = 2 (16 leaves), constant eta 0.3, 2 prompts per GPU, no KL, lr 1e-5 (full
 # fine-tuning); clip 1e-4, DanceGRPO's, which the paper's appendix A says all methods share (the release's launcher: 1e-3).
-# The official code's static shift 3, as DanceGRPO's (the default --shift; FluxPipeline's own: --shift pipeline).
-FLUX_BRANCH=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 "${GPU_COMMON[@]}"
+# The official code's static shift 3, as DanceGRPO's (--shift 3; FluxPipeline's own is the default, --shift pipeline).
+FLUX_BRANCH=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 "${GPU_COMMON[@]}" --shift 3
   --num-steps 20 --split-schedule dense --num-splits 4 --branch-factor 2 --sde-type dance --noise-level 0.3
   --guidance-scale 3.5 --trees-per-device 2 --trees-per-update 1 --rollout-batch-size 8 --clip-range 1e-4
   --kl-beta 0 --iterations 300 --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10
   --save-every 20 --pruning depth --window 4)
 # V-GRPO's FLUX setting (arXiv 2604.23380, experiments and appendix): 720 px, 16-step DPM-Solver++ ODE, N_MC 4, 12
 # images per prompt (one prompt per GPU), clip 6e-3, no KL, embedded guidance 3.5, 3 optimizer steps per iteration;
-# the static shift 3 of the DanceGRPO code it builds on (the default --shift; FluxPipeline's own: --shift pipeline).
-FLUX_VGRPO=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 "${GPU_COMMON[@]}"
+# the static shift 3 of the DanceGRPO code it builds on (--shift 3; FluxPipeline's own is the default, --shift pipeline).
+FLUX_VGRPO=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 720 "${GPU_COMMON[@]}" --shift 3
   --num-steps 16 --solver dpm++2m --n-mc 4 --guidance-scale 3.5 --group-size 12 --samples-per-device 12
   --rollout-batch-size 1 --train-batch-size 1 --samples-per-update 4 --clip-range 6e-3 --kl-beta 0 --iterations 300
   --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
 # Flow-GRPO's SD3.5-Medium setting (arXiv 2505.05470, config/grpo.py), which dancegrpo.py's flow SDE is: 512 px,
 # 10 steps, a = 0.7, CFG 4.5 in training, 24 images per prompt, LoRA r32 alpha 64, lr 3e-4, clip 1e-4, KL 0.04.
-SD35_DANCE=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 "${GPU_COMMON[@]}"
+SD35_DANCE=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 "${GPU_COMMON[@]}" --shift 3
   --num-steps 10 --sde-type flow --noise-level 0.7 --guidance-scale 4.5 --group-size 24 --samples-per-device 24
   --rollout-batch-size 8 --samples-per-update 24 --timestep-fraction 1.0 --clip-range 1e-4 --kl-beta 0.04
   --lora --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --iterations 300
@@ -146,7 +146,7 @@ SD35_DANCE=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --
 # GRPO-Guard's SD3.5-Medium setting (arXiv 2510.22319; flow_grpo's config/grpo_guard.py, general_ocr_sd3_rationorm):
 # Flow-GRPO's sampling (512 px, 10 steps, a = 0.7, CFG 4.5, 24 images per prompt), its 9 of 10 steps trained (here the
 # 9 trainable SDE steps), the normalised ratio in a 2e-6 clip, lr 1e-4, no KL. Not here: its EMA and fp16.
-SD35_GUARD=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 "${GPU_COMMON[@]}"
+SD35_GUARD=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 "${GPU_COMMON[@]}" --shift 3
   --num-steps 10 --sde-type flow --noise-level 0.7 --guidance-scale 4.5 --group-size 24 --samples-per-device 24
   --rollout-batch-size 8 --samples-per-update 24 --timestep-fraction 1.0 --objective guard --kl-beta 0
   --lora --lora-rank 32 --lora-alpha 64 --learning-rate 1e-4 --iterations 300
@@ -155,7 +155,7 @@ SD35_GUARD=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --
 # per prompt, 3 SDE steps in the first half of the trajectory (here a 3-step window that slides from step 0 to 2 over
 # 300 iterations), 2 updates per batch, KL mask 1e-5, lr 3e-4, no KL term. Its advantages use the batch's std, here
 # the group's.
-SD35_DPPO=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 "${GPU_COMMON[@]}"
+SD35_DPPO=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 "${GPU_COMMON[@]}" --shift 3
   --num-steps 10 --sde-type flow --noise-level 0.7 --guidance-scale 1 --group-size 16 --samples-per-device 16
   --rollout-batch-size 8 --samples-per-update 8 --sde-window 3 --window-shift-every 100 --objective dppo
   --kl-mask-threshold 1e-5 --kl-beta 0 --lora --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --iterations 300
@@ -172,7 +172,7 @@ FLUX_FLASH=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 
 # V-GRPO's SD3.5-Medium stage 1 (arXiv 2604.23380, appendix): 512 px, 40-step ODE without CFG, N_MC 4, 24 images per
 # prompt, one optimizer step per iteration, advantage soft clip eta 3, no ratio clip in effect, no KL, LoRA r32 alpha 64,
 # lr 3e-4 (the paper's reward is HPSv2.1 + PickScore + CLIP score; HPSv2.1 alone here).
-SD35_VGRPO=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 "${GPU_COMMON[@]}"
+SD35_VGRPO=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 "${GPU_COMMON[@]}" --shift 3
   --num-steps 40 --solver dpm++2m --n-mc 4 --guidance-scale 1 --group-size 24 --samples-per-device 24
   --rollout-batch-size 8 --train-batch-size 2 --samples-per-update 24 --adv-soft-clip 3 --kl-beta 0
   --lora --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --iterations 300

@@ -36,11 +36,22 @@ from tqdm import tqdm
 
 from common import InputError, RunError, in_the_way, shapesbench, write_atomically
 from common.attention import set_attention_backend
-from common.flags import check_guidance_scale_2, check_shift, need
+from common.flags import (
+    Ge,
+    Gt,
+    Le,
+    Lt,
+    ModeDefault,
+    check_flags,
+    check_guidance_scale_2,
+    check_shift,
+    default_shift,
+    need,
+)
 from common.models import LOW_NOISE_LORA, check_model_id, has_two_experts, is_video
 from common.prompts import HPDV2_STYLES, evenly_spaced, hpdv2_prompts, load_prompts
 from common.remote import RESUME, STOPS
-from common.rewards import build_reward, check_reward_prompts, check_rewards, parse_rewards
+from common.rewards import build_reward, check_reward_prompts, check_rewards, check_shapesbench_prompts, parse_rewards
 from common.sampling import fixed_noise, ode_sampler, sample_prompts, schedule
 from common.viz import save_grid
 
@@ -56,7 +67,7 @@ class EvalArgs:
     prompts: str = "shapes-eval"
     """shapes-eval, shapes-train, hpdv2 (HPDv2's 3200 test prompts with their styles, from the hub cache), hpdv2=FOLDER
     (its benchmark/*.json), or a text file with one prompt per line"""
-    max_prompts: int = 0
+    max_prompts: Annotated[int, Ge(0)] = 0
     """at most this many prompts, evenly spaced through the list (0 = all): the training scripts' --eval-max-prompts"""
     reward: str = "shapes,verifier"
     """rewards to report (name:weight,...; the weights only form the total): any registered reward, local or served"""
@@ -64,26 +75,28 @@ class EvalArgs:
     """NAME=PATH per reward model, as the training scripts'"""
     reward_url: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
     """NAME=URL per reward scored by another process, as the training scripts'"""
-    samples_per_prompt: int = 4
-    num_steps: int = 20
+    samples_per_prompt: Annotated[int, Ge(1), Le(10000)] = 4
+    num_steps: Annotated[int, Ge(1), Le(10000)] = 20
     """Euler ODE steps on the shifted schedule"""
-    shift: Union[float, Literal["pipeline"]] = 3.0
+    shift: Annotated[
+        Optional[Union[float, Literal["pipeline"]]], ModeDefault("'pipeline'; 3 on ShapesBench"), Gt(0), Le(100)
+    ] = None
     """the sigma grid, as the training scripts' flag: a number k is the SD3 shift of linspace(1, 0, T + 1), 'pipeline'
     the grid of the model's own diffusers pipeline at this size and step count (docs/models.md)"""
-    guidance_scale: float = 1.0
-    guidance_scale_2: Optional[float] = None
+    guidance_scale: Annotated[float, Ge(0), Le(100)] = 1.0
+    guidance_scale_2: Annotated[Optional[float], Ge(0), Le(100)] = None
     """Wan2.2-T2V-A14B only: the low-noise expert's CFG scale, as the training scripts' flag (None: --guidance-scale)"""
-    resolution: Optional[int] = None
-    num_frames: Optional[int] = None
+    resolution: Annotated[Optional[int], Ge(8), Le(8192)] = None
+    num_frames: Annotated[Optional[int], Ge(1), Le(1025)] = None
     """video models only"""
-    seed: int = 0
-    batch_size: int = 16
+    seed: Annotated[int, Ge(0), Lt(2**63)] = 0
+    batch_size: Annotated[int, Ge(1), Le(4096)] = 16
     """images per sampler call (a batch is also the unit of the cache)"""
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     attention_backend: Literal["auto", "flash", "efficient", "math", "cudnn"] = "auto"
     """attention kernels (common/attention.py), as the training scripts' flag: the run's choice reproduces its
     evaluation exactly"""
-    grid_prompts: int = 8
+    grid_prompts: Annotated[int, Ge(1), Le(1024)] = 8
     out: str = "eval_out"
     """folder for the table, the figures, the per-prompt scores, the grid and the cache"""
 
@@ -525,12 +538,10 @@ def main(args: EvalArgs) -> None:
     from common.models import load_model  # here, not at the top: tests patch common.models.load_model
 
     # ---------------------------------------------------------------- inputs, checked before anything loads
-    need(
-        min(args.samples_per_prompt, args.num_steps, args.batch_size) >= 1,
-        "--samples-per-prompt, --num-steps, --batch-size >= 1",
-    )
+    check_flags(args, [])  # every number finite and within the range declared beside it (EvalArgs)
     kind = check_model_id(args.model_id)
     need(kind != "sd1", f"--model-id {args.model_id}: SD1.x (DDIM) is not evaluated here; flow models only")
+    args.shift = default_shift(kind) if args.shift is None else args.shift
     check_shift(args.shift, kind)
     check_guidance_scale_2(args, is_video(kind) and has_two_experts(args.model_id))
     reward_spec = parse_rewards(args.reward, args.reward_ckpt, args.reward_url)  # parsed once
@@ -543,6 +554,8 @@ def main(args: EvalArgs) -> None:
     )
     prompt_list, styles = load_prompt_set(args.prompts, args.max_prompts)
     check_reward_prompts(reward_spec, prompt_list, "--prompts")
+    if kind == "shapes":  # the report's verifier figures and the grid's badges read every prompt
+        check_shapesbench_prompts(prompt_list, "--prompts")
     models = [("base", None)] + [weights_folder(w) for w in args.weights]
     for spec, (name, _) in zip(args.weights, models[1:]):
         check_row_name(name, spec)
@@ -689,13 +702,7 @@ def report(args, setting, records, prompt_list, styles, prompts, grid, out: Path
     if records["base"][0]["images"].numel():  # ShapesBench: the verifier's verdict under each image
         ok = shapesbench.verify(images, [prompts[j] for _ in names for j in grid])["all"].tolist()
         title += "; badge: the verifier's verdict"
-    try:  # in place, after in_the_way found no link or folder there: save_grid takes its format from the name
-        save_grid(out / "grid.png", images, captions, ok, ncol=len(grid), title=title)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            (out / "grid.png").unlink(missing_ok=True)  # not a partial picture under the final name
-        raise RunError(f"cannot write {out / 'grid.png'} ({type(e).__name__}: {e.strerror or e}); free some space or "
-                       "fix the folder's permissions, then run the same command again: its cache keeps every batch") from None  # fmt: skip
+    save_grid(out / "grid.png", images, captions, ok, ncol=len(grid), title=title, flag="--out", within=out)
     print("\n".join(lines))
     print(f"written: {out / 'results.md'}, results.json, scores.jsonl, grid.png")
 

@@ -6,8 +6,9 @@ cli(main, Args)          parse the flags (tyro; parse_flags: a flag that does no
                          write one `error:` line and exit status 1
 check_run_args(args)     the shared flags, and every input that can be checked before a model loads: prompt
                          files, --output-dir, --model-id, the rewards (parsed once), --resume-from
-check_flags(args, mode_flags)        every float flag finite (nan and inf refused before any check reads them), and
-                         a flag of a mode not in use refused (no dead flags: check_mode_flags)
+check_flags(args, mode_flags)        every float flag finite (nan and inf refused before any check reads them),
+                         every number in its declared range, --shift's default by model, and a flag of a mode not
+                         in use refused (no dead flags: check_mode_flags)
 check_ranges(args)       every flag within the range its declaration gives (Ge, Gt, Le, Lt of annotated-types,
                          written beside the flag: `clip_range: Annotated[float, Gt(0)] = 1e-3`)
 need(ok, message)        raise InputError(message) unless ok; divides(d, n): a check of a batch size that takes 0
@@ -36,7 +37,7 @@ from annotated_types import Ge, Gt, Le, Lt  # the range of a flag, declared besi
 from common import InputError, RunError
 from common.models import check_model_id, check_num_frames, has_two_experts, is_video
 from common.prompts import HPDV2_HOWTO, SOURCES, load_prompts
-from common.rewards import RewardSpec, check_reward_prompts, check_rewards, parse_rewards
+from common.rewards import RewardSpec, check_reward_prompts, check_rewards, check_shapesbench_prompts, parse_rewards
 
 
 class AllowInf:
@@ -74,7 +75,7 @@ class RunArgs:
     num_frames: Annotated[Optional[int], ModeDefault("the model's own"), Ge(1), Le(1025)] = None
     """video models (Wan) only: frames per video, 4k + 1 (Wan2.1's own: 81 = 5 s at 16 fps; Wan2.2-TI2V-5B's: 121 =
     5 s at 24 fps)"""
-    reward_frames: Annotated[int, Ge(1)] = 4
+    reward_frames: Annotated[int, Ge(1), Le(1025)] = 4
     """video models only: an image reward (hpsv2.1, clip, ...) scores this many evenly spaced frames of each video,
     the first and the last among them, and gives their mean"""
     lora: bool = True
@@ -116,32 +117,35 @@ class RunArgs:
     eval_max_prompts: Annotated[int, Ge(1)] = 48
     """evaluate on at most N held-out prompts, evenly spaced through the list: a fixed subset (ShapesBench's split
     has exactly 48)"""
-    iterations: Annotated[int, Ge(1)] = 40
+    iterations: Annotated[int, Ge(1), Le(1_000_000)] = 40
     """training iterations (one rollout + its updates each)"""
     learning_rate: Annotated[float, Gt(0), Le(1)] = 3e-4
     """AdamW learning rate (constant after --lr-warmup)"""
     lr_warmup: Annotated[int, Ge(0)] = 10
     """linear learning-rate warmup over the first N optimizer steps (0 = none): Adam's first steps move every weight
     by about the learning rate whatever the gradient, which can knock a small model out of its skills"""
-    weight_decay: Annotated[float, Ge(0)] = 0.0
+    weight_decay: Annotated[float, Ge(0), Le(1)] = 0.0
     """AdamW weight decay; with LoRA it pulls the adapter towards 0, i.e. the model towards the base model (0 = off)"""
     max_grad_norm: Annotated[float, Gt(0)] = 1.0
     """gradient clipping norm per optimizer step"""
-    guidance_scale: Annotated[float, Ge(0)] = 1.0
-    """CFG scale for ShapesBench / SD3.5 (1 = off), embedded guidance for FLUX.1-dev (3.5 there); same in training"""
-    guidance_scale_2: Annotated[Optional[float], ModeDefault("the same as --guidance-scale"), Ge(0)] = None
+    guidance_scale: Annotated[float, Ge(0), Le(100)] = 1.0
+    """CFG scale for ShapesBench / SD3.5 (<= 1 = off; HunyuanVideo-1.5 guides at every scale but 1, as its pipeline),
+    embedded guidance for FLUX.1-dev (3.5 there); same in training"""
+    guidance_scale_2: Annotated[Optional[float], ModeDefault("the same as --guidance-scale"), Ge(0), Le(100)] = None
     """Wan2.2-T2V-A14B only: the CFG scale of the low-noise expert (WanPipeline's guidance_scale_2; Wan's own setting
     is 4 for the high-noise expert, 3 for the low-noise one); needs --guidance-scale > 1, as the pipeline's CFG"""
-    shift: Annotated[Union[float, Literal["pipeline"]], Gt(0)] = 3.0
+    shift: Annotated[
+        Optional[Union[float, Literal["pipeline"]]], ModeDefault("'pipeline'; 3 on ShapesBench"), Gt(0), Le(100)
+    ] = None
     """the sigma schedule of the flow models' rollouts and evaluation: a number k warps linspace(1, 0, T + 1) by the
     SD3 time shift s' = k s / (1 + (k - 1) s) (3: SD3.5's scheduler, DanceGRPO's and BranchGRPO's FLUX.1 setting);
     'pipeline' is the grid the model's own diffusers pipeline builds for this size and step count: mu by the image's
     tokens for FLUX.1 and Qwen-Image (whose last sigma is 0.02), by tokens and steps for FLUX.2, the static shift of
-    Z-Image's, Wan's and SD3's configs (docs/models.md); the Qwen-Image, FLUX.2 and DiffusionNFT recipes use it;
-    not for ShapesBench or SD1.x"""
+    Z-Image's, Wan's and SD3's configs (docs/models.md). The default: the pipeline's grid, which the model was trained
+    to sample on; ShapesBench, which has no pipeline of its own, the static 3; not for SD1.x (DDIM timesteps)"""
     eval_every: Annotated[int, Ge(0)] = 50
     """evaluate on --eval-prompts every N iterations (and at the start and the end); 0 = never"""
-    eval_samples_per_prompt: Annotated[int, Ge(1)] = 4
+    eval_samples_per_prompt: Annotated[int, Ge(1), Le(10000)] = 4
     """samples per held-out prompt in evaluation (fixed seeds, ODE)"""
     eval_steps: Annotated[int, Ge(1), Le(10000)] = 20
     """Euler ODE steps in evaluation"""
@@ -197,17 +201,18 @@ def cli(main, args_type) -> None:
         sys.exit(1)
 
 
-def parse_flags(args_type, argv: list[str] | None = None):
+def parse_flags(args_type, argv: list[str] | None = None, command: str | None = None):
     """tyro.cli(args_type): --help as tyro prints it; a flag that does not parse (an unknown flag, a value that is not
-    of the flag's type or choices) is one `error:` line naming the flag and what it takes, and exit status 2."""
+    of the flag's type or choices) is one `error:` line naming the flag and what it takes, and exit status 2.
+    `command`: how --help's usage and the error name the command (default: the script's, from sys.argv[0])."""
     box = io.StringIO()
     try:
         with contextlib.redirect_stderr(box), own_flags_first():
-            return tyro.cli(args_type, args=argv)
+            return tyro.cli(args_type, args=argv, prog=command)
     except SystemExit as e:
         if e.code in (0, None):
             raise
-        print(f"error: {tyro_message(box.getvalue())}", file=sys.stderr)
+        print(f"error: {tyro_message(box.getvalue(), command)}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
@@ -234,7 +239,7 @@ def own_flags_first():
         yield
 
 
-def tyro_message(box: str) -> str:
+def tyro_message(box: str, command: str | None = None) -> str:
     """tyro's error box (drawn in Unicode or ASCII) in one line: its first section, and the flag's usage it suggests."""
     sections, current = [], []
     for raw in box.splitlines():
@@ -254,7 +259,7 @@ def tyro_message(box: str) -> str:
         if lead in rest and rest.index(lead) + 1 < len(rest):
             message += f" ({say} {rest[rest.index(lead) + 1]})"
     script = Path(sys.argv[0])
-    command = f"python -m common.{script.stem}" if script.parent.name == "common" else script.name
+    command = command or (f"python -m common.{script.stem}" if script.parent.name == "common" else script.name)
     return message + f"; `{command} --help` lists every flag"
 
 
@@ -266,16 +271,7 @@ def check_run_args(args, video: bool = True, differentiable: bool = False) -> tu
     it backpropagates through the reward. Returns (training
     prompts, held-out prompts, the parsed --reward), read here so that a bad prompt file or reward fails before a
     model loads (the Evaluator takes its --eval-max-prompts subset)."""
-    need(args.iterations >= 1, f"--iterations must be >= 1 (got {args.iterations})")
-    need(args.learning_rate > 0, f"--learning-rate must be > 0 (got {args.learning_rate})")
-    need(args.lr_warmup >= 0, "--lr-warmup must be >= 0")
-    for name in ("eval_every", "sample_every", "save_every"):
-        need(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be >= 0")
-    need(
-        args.eval_samples_per_prompt >= 1 and args.eval_steps >= 1 and args.eval_max_prompts >= 1,
-        "--eval-samples-per-prompt, --eval-steps and --eval-max-prompts must be >= 1",
-    )
-    need(args.checkpoints_total_limit >= 1, "--checkpoints-total-limit must be >= 1")
+    check_ranges(args)  # again: the mode defaults the script filled in since check_flags (--noise-level, ...)
     out = Path(args.output_dir).expanduser()
     need(not out.exists() or out.is_dir(), f"--output-dir {args.output_dir}: exists and is not a folder")
     need(
@@ -305,14 +301,14 @@ def check_run_args(args, video: bool = True, differentiable: bool = False) -> tu
     check_guidance_scale_2(args, two)
     check_mode_flags(args, [("shift", lambda a: kind != "sd1", "a flow model (SD1.x samples DDIM timesteps)")])
     check_shift(args.shift, kind)
-    need(args.reward_frames >= 1, "--reward-frames must be >= 1")
     if args.num_frames is not None:
         check_num_frames(args.num_frames)
-    check_ranges(args)  # every flag's declared range, the script's and the shared ones, after their own checks
     rewards = parse_rewards(args.reward, args.reward_ckpt, args.reward_url)  # parsed once; every later step reads it
     check_rewards(rewards, moving, None if kind == "shapes" else args.model_id, args.num_frames, differentiable)
     train, held_out = load_prompts(args.prompts, "--prompts"), load_prompts(args.eval_prompts, "--eval-prompts")
     check_reward_prompts(rewards, train, "--prompts"), check_reward_prompts(rewards, held_out, "--eval-prompts")
+    if kind == "shapes":  # the evaluation's verifier figures and the sample grids' badges read the held-out prompts
+        check_shapesbench_prompts(held_out, "--eval-prompts")
     return train, held_out, rewards
 
 
@@ -325,12 +321,19 @@ def check_guidance_scale_2(args, two_experts: bool) -> None:
     )
 
 
+def default_shift(kind: str) -> float | str | None:
+    """--shift's default for a model kind: its diffusers pipeline's own grid ('pipeline'), ShapesBench's static 3
+    (it has no pipeline), none for SD1.x (DDIM timesteps, no shift)."""
+    return {"shapes": 3.0, "sd1": None}.get(kind, "pipeline")
+
+
 def check_shift(shift, kind: str) -> None:
-    """--shift is a number > 0, or 'pipeline' on a model with a diffusers pipeline of its own (not ShapesBench)."""
-    if shift == "pipeline":
-        need(kind != "shapes", "--shift pipeline: ShapesBench has no diffusers pipeline of its own; give a number (3)")
-    else:
-        need(shift > 0, f"--shift must be > 0 or 'pipeline' (got {shift})")
+    """--shift 'pipeline' only on a model with a diffusers pipeline of its own (not ShapesBench); a number's range is
+    its declaration's (check_ranges)."""
+    need(
+        shift != "pipeline" or kind != "shapes",
+        "--shift pipeline: ShapesBench has no diffusers pipeline of its own; give a number (3)",
+    )
 
 
 def check_mode_flags(args, mode_flags) -> None:
@@ -358,7 +361,9 @@ def divides(d: int, n: int) -> bool:
 def check_flags(args, mode_flags) -> None:
     """First of a script's checks: every float flag a finite number (inf where its declaration has AllowInf), so that
     nan, which fails every comparison and which min() skips unless it comes first, and inf, which passes `> 0`,
-    reach no other check; then no dead flags (check_mode_flags)."""
+    reach no other check; then every number within its declared range (check_ranges), so that no check computes
+    with a huge or negative one; then --shift's default filled in (default_shift) and no dead flags
+    (check_mode_flags)."""
     meta = flag_metadata(type(args))
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
@@ -367,6 +372,9 @@ def check_flags(args, mode_flags) -> None:
                 math.isinf(value) and AllowInf in meta[f.name],
                 f"--{f.name.replace('_', '-')} must be a finite number (got {value})",
             )
+    check_ranges(args)
+    if isinstance(args, RunArgs) and args.shift is None:  # before the script's checks read it
+        args.shift = default_shift(check_model_id(args.model_id))
     check_mode_flags(args, mode_flags)
 
 

@@ -207,7 +207,9 @@ class Logs:
         tb = self._writers()
         if images.ndim == 5:
             return self.video_grid(images, captions, step, title)
-        path = save_grid(self.dir / "samples" / f"samples_{step:06d}.png", images, captions, ok, ncol=8, title=title)
+        path = save_grid(
+            self.dir / "samples" / f"samples_{step:06d}.png", images, captions, ok, title=title, within=self.dir
+        )
         tb.add_image("samples", np.asarray(Image.open(path)), step, dataformats="HWC")
         if self.wandb is not None:
             import wandb  # optional: --track only
@@ -219,7 +221,9 @@ class Logs:
         the moviepy it needs) and to W&B as a video."""
         from tensorboard.compat.proto.summary_pb2 import Summary  # heavy: imported when a video is first logged
 
-        path = save_video_grid(self.dir / "samples" / f"samples_{step:06d}.gif", videos, captions, title=title)
+        path = save_video_grid(
+            self.dir / "samples" / f"samples_{step:06d}.gif", videos, captions, title=title, within=self.dir
+        )
         with Image.open(path) as gif:
             width, height = gif.size
         image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=path.read_bytes())

@@ -16,7 +16,6 @@ evenly spaced frames of each video (the first and the last among them) and takes
 reward (`video = True`, e.g. 'temporal') sees the whole video. docs/video.md says why and what each one rewards.
 """
 
-import argparse
 import ctypes
 import errno
 import io
@@ -25,19 +24,22 @@ import math
 import os
 import re
 import socket
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Annotated, Callable, Literal, Optional, Protocol
 
 import huggingface_hub
 import torch
 import torch.nn.functional as F
+import tyro
+from annotated_types import Ge, Gt, Le  # ServeArgs' ranges, declared beside each flag (common.flags.check_ranges)
 from PIL import Image
 
 from common import InputError, RunError, hub_reachable
-from common.attention import ATTENTION_BACKENDS, set_attention_backend
+from common.attention import set_attention_backend
 from common.offload import Offloaded
 from common.remote import STOPS, Judge, Served, request_json
 
@@ -697,8 +699,11 @@ PROMPT_CHARS = {"hpsv3": 2000}
 
 
 def check_reward_prompts(spec: RewardSpec, prompts: list[str], flag: str) -> None:
-    """Prompts every weighted reward of `spec` can read, before anything loads: for HPSv3, none holding a special
-    token of its chat template and none over 2,000 characters; one `error:` line naming the flag and the prompt."""
+    """Prompts every reward of `spec` can read, before anything loads: ShapesBench's (weight 0 too: they are logged)
+    only ShapesBench prompts; for a weighted HPSv3, none holding a special token of its chat template and none over
+    2,000 characters; one `error:` line naming the flag and the prompt."""
+    if any(c.kind.shapesbench for c in spec.components):
+        check_shapesbench_prompts(prompts, flag)
     for name, cap in PROMPT_CHARS.items():
         if not spec.weights.get(name):
             continue
@@ -707,6 +712,18 @@ def check_reward_prompts(spec: RewardSpec, prompts: list[str], flag: str) -> Non
                 raise InputError(f"{flag}: prompt {i} holds {token.group()}, a special token of {name}'s chat template")
             if len(prompt) > cap:
                 raise InputError(f"{flag}: prompt {i} has {len(prompt):,} characters; {name} reads at most {cap:,}")
+
+
+def check_shapesbench_prompts(prompts: list[str], flag: str) -> None:
+    """Prompts ShapesBench's verifier and learned reward can read ('a <colour> <shape> on a <colour> background'),
+    checked before anything is sampled: one `error:` line naming the flag and the first prompt that is not one."""
+    from common.shapesbench.world import parse_prompt  # here: --help does not import the world
+
+    for i, prompt in enumerate(prompts, 1):
+        try:
+            parse_prompt(prompt)
+        except ValueError as e:
+            raise InputError(f"{flag}: prompt {i}: {e}") from None
 
 
 def check_rewards(
@@ -908,63 +925,72 @@ def _give_back_freed_buffers() -> None:
         pass
 
 
-def serve_main(argv: list[str] | None = None) -> None:
+@dataclass
+class ServeArgs:
     """`python -m common.rewards serve --reward hpsv2.1,aesthetic --port 8100`: host registered rewards for training
     runs elsewhere (`--reward-url hpsv2.1=http://HOST:8100`); docs/models.md gives the schema."""
 
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):  # one line, as the training scripts' (common.flags.parse_flags)
-            self.exit(2, f"error: {message}; `python -m common.rewards serve --help` lists every flag\n")
+    reward: str
+    """comma-separated registered rewards, e.g. hpsv2.1,aesthetic"""
+    reward_ckpt: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
+    """NAME=PATH, as the training scripts take"""
+    host: str = "127.0.0.1"
+    """address to bind (127.0.0.1: this machine only)"""
+    port: Annotated[int, Ge(0), Le(65535)] = 8100
+    """TCP port (0: any free one)"""
+    device: Annotated[Optional[str], tyro.conf.arg(help_behavior_hint="(default: cuda on a GPU machine, else cpu)")] = (
+        None
+    )
+    """where the reward models score"""
+    attention_backend: Literal["auto", "flash", "efficient", "math", "cudnn"] = "auto"
+    """attention kernels of the reward models (common/attention.py; auto: no cuDNN)"""
+    max_batch: Annotated[int, Ge(1), Le(65536)] = 64
+    """images per request, at most"""
+    max_mb: Annotated[float, Gt(0), Le(65536)] = 64.0
+    """request body size in MB, at most"""
+    max_pixels: Annotated[int, Ge(1), Le(2**36)] = 2**25
+    """decoded pixels per request, all its images together (and so per image), at most; read from each PNG's header
+    before it is decoded (default 2**25: 64 images of 720x720, 32 of 1024x1024)"""
+    max_prompt_chars: Annotated[int, Ge(1), Le(10**7)] = 2000
+    """characters per prompt, at most"""
+    max_connections: Annotated[int, Ge(1), Le(10000)] = 8
+    """connections at once, at most (one more is answered 429)"""
+    request_deadline: Annotated[float, Gt(0), Le(86400)] = 60.0
+    """seconds a request may take to arrive whole, headers and body, from its connection (else 408)"""
 
-    parser = Parser(prog="python -m common.rewards", description=serve_main.__doc__.split("\n")[0])
-    parser.add_argument("command", choices=["serve"])
-    parser.add_argument("--reward", required=True, help="comma-separated registered rewards, e.g. hpsv2.1,aesthetic")
-    parser.add_argument("--reward-ckpt", action="append", default=[], help="NAME=PATH, as the training scripts take")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
-    parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=ATTENTION_BACKENDS,
-        help="attention kernels of the reward models (common/attention.py; default auto: no cuDNN)",
-    )
-    parser.add_argument("--max-batch", type=int, default=64, help="images per request, at most")
-    parser.add_argument("--max-mb", type=float, default=64.0, help="request body size, at most")
-    parser.add_argument(
-        "--max-pixels",
-        type=int,
-        default=2**25,
-        help="decoded pixels per request, all its images together (and so per image), at most; read from each PNG's "
-        "header before it is decoded (default 2**25: 64 images of 720x720, 32 of 1024x1024)",
-    )
-    parser.add_argument("--max-prompt-chars", type=int, default=2000, help="characters per prompt, at most")
-    parser.add_argument(
-        "--max-connections", type=int, default=8, help="connections at once, at most (one more is answered 429)"
-    )
-    parser.add_argument(
-        "--request-deadline",
-        type=float,
-        default=60.0,
-        help="seconds a request may take to arrive whole, headers and body, from its connection (else 408)",
-    )
-    a = parser.parse_args(argv)
-    for flag in ("max_batch", "max_mb", "max_pixels", "max_prompt_chars", "max_connections", "request_deadline"):
-        if not getattr(a, flag) > 0:  # NaN too
-            parser.error(f"--{flag.replace('_', '-')} must be positive, not {getattr(a, flag)}")
-        if not math.isfinite(getattr(a, flag)):  # inf MB would be an endless body, and no int
-            parser.error(f"--{flag.replace('_', '-')} must be finite, not {getattr(a, flag)}")
-    if not 0 <= a.port <= 65535:
-        parser.error(f"--port must be 0 to 65535 (0: any free port), not {a.port}")
+
+SERVE = "python -m common.rewards serve"
+
+
+def serve_main(argv: list[str] | None = None) -> None:
+    """`python -m common.rewards serve [flags]` (ServeArgs): every flag checked against the range declared beside
+    it, the device and the address before any reward loads; a bad one is one `error:` line, exit status 2."""
+    from common.flags import check_flags, parse_flags  # here: common.flags imports this module
+
+    def refuse(message: str, status: int = 2):
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(status)
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        argv.pop(0)
+    elif not {"-h", "--help"} & set(argv):
+        refuse(f"the command is `{SERVE}`, not `{' '.join(['python -m common.rewards', *argv])}`")
+    a = parse_flags(ServeArgs, argv, command=SERVE)
+    try:
+        check_flags(a, [])  # every number finite and within the range declared beside it
+    except InputError as e:
+        refuse(str(e))
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(a.device)
     except (RuntimeError, ValueError) as e:
-        parser.error(f"--device {a.device!r} is not a device ({str(e).splitlines()[0][:200]})")
+        refuse(f"--device {a.device!r} is not a device ({str(e).splitlines()[0][:200]})")
     backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu...: whether this machine has it
     if backend is not None and hasattr(backend, "is_available") and not backend.is_available():
-        parser.error(f"--device {a.device}: this machine has no {device.type} device")
+        refuse(f"--device {a.device}: this machine has no {device.type} device")
     if device.index is not None and hasattr(backend, "device_count") and device.index >= backend.device_count():
-        parser.error(f"--device {a.device}: this machine has {backend.device_count()} {device.type} devices")
+        refuse(f"--device {a.device}: this machine has {backend.device_count()} {device.type} devices")
     from common.remote import serve  # here, not at the top: tests patch common.remote.serve
 
     try:
@@ -993,12 +1019,12 @@ def serve_main(argv: list[str] | None = None) -> None:
             request_deadline=a.request_deadline,
         )
     except socket.gaierror as e:
-        parser.exit(2, f"error: --host {a.host}: no such address ({e.strerror})\n")
+        refuse(f"--host {a.host}: no such address ({e.strerror})")
     except OSError as e:
         if e.errno in (errno.EADDRINUSE, errno.EACCES):  # a right flag; the port is taken, or needs privileges
             hint = "another server there? --port 0 takes a free one" if e.errno == errno.EADDRINUSE else "under 1024?"
-            parser.exit(1, f"error: --port {a.port}: {e.strerror} ({hint})\n")
-        parser.exit(2, f"error: --host {a.host} --port {a.port}: cannot listen there ({e.strerror or e})\n")
+            refuse(f"--port {a.port}: {e.strerror} ({hint})", 1)
+        refuse(f"--host {a.host} --port {a.port}: cannot listen there ({e.strerror or e})")
     try:
         rewards.update({c.name: c.kind.factory(a.device, c.path) for c in spec.components})
     except InputError as e:

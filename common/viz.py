@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from common import write_atomically
+
 
 def save_grid(
     path: str | Path,
@@ -19,29 +21,39 @@ def save_grid(
     ncol: int = 8,
     cell: int = 128,
     title: str = "",
+    flag: str = "--output-dir",
+    within: Path | None = None,
 ) -> Path:
     """Write images (N, 3, H, W) in [0, 1] as a grid PNG, each cell `cell` px wide with its caption below.
 
     `ok` draws a badge between each image and its caption, "pass" on green or "fail" on red (e.g. the verifier's
     verdict), apart from the image so that it stays visible on any background colour; say what it means in `title`.
-    Captions may hold several lines (prompt, reward); long lines are wrapped to the cell width.
+    Captions may hold several lines (prompt, reward); long lines are wrapped to the cell width. Written whole or not
+    at all (write_atomically: what is in the way names `flag`; no link below `within` is written through).
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    grid_image(images, captions, ok, ncol, cell, title).save(path)
-    return path
+    image = grid_image(images, captions, ok, ncol, cell, title)
+    return write_atomically(Path(path), lambda tmp: image.save(tmp, format="PNG"), flag, "the sample grid", within)
 
 
 def save_video_grid(
-    path: str | Path, videos: torch.Tensor, captions: list[str], fps: int = 16, ncol: int = 8, cell: int = 128, title=""
+    path: str | Path,
+    videos: torch.Tensor,
+    captions: list[str],
+    fps: int = 16,
+    ncol: int = 8,
+    cell: int = 128,
+    title="",
+    flag: str = "--output-dir",
+    within: Path | None = None,
 ) -> Path:
     """Write videos (N, F, 3, H, W) in [0, 1] as one animated GIF of the save_grid layout, `fps` frames a second
     (Wan2.1 makes 16), looping."""
     frames = [grid_image(videos[:, f], captions, None, ncol, cell, title) for f in range(videos.shape[1])]
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    frames[0].save(path, save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
-    return path
+
+    def save(tmp: Path) -> None:
+        frames[0].save(tmp, format="GIF", save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
+
+    return write_atomically(Path(path), save, flag, "the sample grid", within)
 
 
 def grid_image(images, captions, ok=None, ncol=8, cell=128, title="") -> Image.Image:

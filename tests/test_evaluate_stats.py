@@ -286,7 +286,9 @@ def test_report_runs_the_shapesbench_figures_with_the_given_reward_and_leaves_un
     monkeypatch.setattr(E.shapesbench, "evaluate", evaluate)
     monkeypatch.setattr(E.shapesbench, "verify", verify)
     grids = []
-    monkeypatch.setattr(E, "save_grid", lambda path, images, captions, ok, ncol, title: grids.append(locals()))
+    monkeypatch.setattr(
+        E, "save_grid", lambda path, images, captions, ok, ncol, title, flag, within: grids.append(locals())
+    )
     prompts = PROMPTS[:2]
     samples = [p for p in prompts for _ in range(2)]
 
@@ -331,6 +333,7 @@ def test_report_runs_the_shapesbench_figures_with_the_given_reward_and_leaves_un
     assert verified == [[samples[0], samples[2]] * 2]  # the grid's samples, a row per model
     (grid,) = grids
     assert grid["path"] == tmp_path / "grid.png" and grid["ncol"] == 2 and grid["ok"] == [True, False, True, False]
+    assert (grid["flag"], grid["within"]) == ("--out", tmp_path)  # written whole, never through a link below --out
     assert grid["captions"] == [f"{m}\n{p}" for m in ("base", "w") for p in (samples[0], samples[2])]
     assert grid["title"] == (
         "first sample of evenly spaced prompts, the same noise in a column; a row per model; badge: the verifier's "
@@ -346,7 +349,9 @@ def test_report_runs_the_shapesbench_figures_with_the_given_reward_and_leaves_un
 def test_report_shows_a_videos_middle_frame_in_the_grid(tmp_path, monkeypatch):
     """Videos (n, F, 3, H, W): the grid shows frame F // 2 of each (frame 2 of 5), without the verifier's badges."""
     grids = []
-    monkeypatch.setattr(E, "save_grid", lambda path, images, captions, ok, ncol, title: grids.append(locals()))
+    monkeypatch.setattr(
+        E, "save_grid", lambda path, images, captions, ok, ncol, title, flag, within: grids.append(locals())
+    )
     video = torch.arange(5.0).view(1, 5, 1, 1, 1).expand(1, 5, 3, 2, 2)  # frame f filled with f
     record = {"start": 0, "scores": {"total": torch.tensor([0.5, 0.7])}, "grid": video, "images": torch.zeros(0)}
     args = SimpleNamespace(samples_per_prompt=2, num_steps=4, shift=3.0, guidance_scale=1.0, seed=0, weights=[])
@@ -354,3 +359,36 @@ def test_report_shows_a_videos_middle_frame_in_the_grid(tmp_path, monkeypatch):
     (grid,) = grids
     assert grid["images"].shape == (1, 3, 2, 2) and torch.all(grid["images"] == 2.0) and grid["ok"] is None
     assert grid["title"] == "first sample of evenly spaced prompts, the same noise in a column; a row per model"
+
+
+def test_the_grid_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """grid.png (and every sample grid) goes through the atomic writer: a disk that fills half-way through the PNG is
+    one RunError naming the file, the grid of the last evaluation kept whole and no temporary file left; a link in
+    its place is refused, nothing written through it."""
+    from PIL import Image
+
+    from common import InputError, RunError
+    from common.viz import save_grid
+
+    images, path = torch.rand(2, 3, 8, 8), tmp_path / "grid.png"
+    save_grid(path, images, ["a", "b"], ncol=2, flag="--out", within=tmp_path)
+    before = path.read_bytes()
+    real_save = Image.Image.save
+
+    def full_disk(self, fp, format=None, **kw):
+        real_save(self, fp, format=format, **kw)
+        with open(fp, "r+b") as f:
+            f.truncate(10)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Image.Image, "save", full_disk)
+    with pytest.raises(RunError, match=r"^cannot write .*grid.png \(OSError: \[Errno 28\] No space left on device\)"):
+        save_grid(path, torch.zeros(2, 3, 8, 8), ["a", "b"], ncol=2, flag="--out", within=tmp_path)
+    monkeypatch.setattr(Image.Image, "save", real_save)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["grid.png"]
+    path.unlink()
+    (tmp_path / "theirs.png").write_bytes(b"theirs")
+    path.symlink_to(tmp_path / "theirs.png")
+    with pytest.raises(InputError, match=r"^--out: .*grid.png is a symbolic link, where the sample grid writes"):
+        save_grid(path, images, ["a", "b"], ncol=2, flag="--out", within=tmp_path)
+    assert (tmp_path / "theirs.png").read_bytes() == b"theirs"

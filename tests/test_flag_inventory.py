@@ -8,7 +8,6 @@ which the table does not name, is covered by the rows of the listed script it wa
 unchanged (same name, type and default); a flag new in a fork, in place or in a copy, needs its own row, or a test
 that calls the function taking it as a keyword (derived_rows)."""
 
-import argparse
 import ast
 import dataclasses
 import importlib
@@ -16,8 +15,6 @@ import inspect
 import re
 import types
 from functools import cache
-
-import pytest
 
 from tests.helpers import ROOT, algorithm_scripts
 
@@ -37,29 +34,10 @@ def dataclass_flags(script: str, cls, shared: set[str] = frozenset()) -> set[tup
 
 
 def serve_options() -> set[str]:
-    """The long options of `python -m common.rewards serve`, read from the parser serve_main builds (stopped at
-    parse_args, before anything loads)."""
-    from common import rewards
+    """The long options of `python -m common.rewards serve`: the fields of its ServeArgs."""
+    from common.rewards import ServeArgs
 
-    class Built(Exception):
-        pass
-
-    def capture(self, *a, **kw):
-        raise Built(self)
-
-    saved = argparse.ArgumentParser.parse_args
-    argparse.ArgumentParser.parse_args = capture
-    try:
-        rewards.serve_main(["serve"])
-    except Built as e:
-        parser = e.args[0]
-    else:
-        pytest.fail("serve_main built no parser")
-    finally:
-        argparse.ArgumentParser.parse_args = saved
-    return {
-        max(a.option_strings, key=len) for a in parser._actions if a.option_strings and "--help" not in a.option_strings
-    }
+    return {flag(f.name) for f in dataclasses.fields(ServeArgs)}
 
 
 def all_flags() -> set[tuple[str, str]]:

@@ -137,7 +137,8 @@ def test_the_reward_servers_flags_that_do_not_parse_are_one_error_line():
     out = subprocess.run([sys.executable, "-m", "common.rewards", "serve", "--reward", "jpeg", "--port", "x"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
-        "error: argument --port: invalid int value: 'x'; `python -m common.rewards serve --help` lists every flag"
+        "error: Error parsing --port: invalid literal for int() with base 10: 'x' (expected --port INT); `python -m "
+        "common.rewards serve --help` lists every flag"
     ]
 
 

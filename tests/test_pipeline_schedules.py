@@ -26,7 +26,7 @@ from diffusers import (
 import dancegrpo as D
 import rlr
 from common import InputError, evaluate
-from common.flags import check_run_args, cli
+from common.flags import check_flags, check_run_args, cli, default_shift
 from common.models import load_model, trainable_denoiser
 from common.sampling import sample_ode, schedule, sigma_schedule
 from tests import tiny
@@ -106,12 +106,23 @@ def test_shapesbench_and_sd1_refuse_the_pipeline_schedule_at_start_up(tmp_path, 
     for value in ("pipeline", "2"):  # SD1.x samples DDIM timesteps: no --shift applies
         with pytest.raises(InputError, match=r"--shift only applies with a flow model \(SD1.x samples DDIM"):
             rlr.resolve_and_check(tyro.cli(rlr.Args, args=[*argv[:-1], value]))
+    # the default: ShapesBench's static 3 (it has no pipeline), none on SD1.x, 'pipeline' on every other kind
+    for script in (D, rlr):
+        args = script.Args(output_dir=str(tmp_path))
+        script.resolve_and_check(args)
+        assert args.shift == 3.0
+    args = tyro.cli(rlr.Args, args=argv[:-2])
+    check_flags(args, [])  # where the default is filled in, first of the checks
+    assert args.shift is None
+    assert [default_shift(k) for k in ("shapes", "sd1", "sd3", "flux", "qwenimage", "wan")] == [
+        3.0, None, "pipeline", "pipeline", "pipeline", "pipeline"]  # fmt: skip
 
 
 def test_a_script_rolls_out_and_evaluates_on_the_pipeline_grid(tmp_path, monkeypatch):
-    """dancegrpo.py --shift pipeline on a tiny Qwen-Image (its real, dynamic config): the rollouts' SDE takes the
-    pipeline's 4-step grid and the held-out evaluation its 3-step one, both as QwenImagePipeline builds them at 32 px,
-    and neither is the static shift's; `python -m common.evaluate --shift pipeline` samples on the 3-step one too."""
+    """dancegrpo.py on a tiny Qwen-Image (its real, dynamic config) without --shift, whose default on a model with a
+    diffusers pipeline is 'pipeline': the rollouts' SDE takes the pipeline's 4-step grid and the held-out evaluation
+    its 3-step one, both as QwenImagePipeline builds them at 32 px, and neither is the static shift's;
+    `python -m common.evaluate` (its default too) samples on the 3-step one."""
     import common.evaluator
 
     tiny.build_qwen(tmp_path / "qwen")
@@ -123,14 +134,14 @@ def test_a_script_rolls_out_and_evaluates_on_the_pipeline_grid(tmp_path, monkeyp
         common.evaluator, "ode_sampler", lambda m, t, sigmas, *a: seen["eval"].append(sigmas) or ode_sampler(m, t, sigmas, *a)
     )  # fmt: skip
     flags = ["--model-id", str(tmp_path / "qwen"), "--resolution", "32", "--prompts", str(tmp_path / "p.txt"),
-             "--eval-prompts", str(tmp_path / "p.txt"), "--reward", "jpeg", "--shift", "pipeline", "--num-steps", "4",
+             "--eval-prompts", str(tmp_path / "p.txt"), "--reward", "jpeg", "--num-steps", "4",
              "--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "2", "--samples-per-update", "4",
              "--iterations", "1", "--eval-every", "1", "--eval-samples-per-prompt", "1", "--eval-steps", "3",
              "--sample-every", "0", "--lora-rank", "4", "--no-save"]  # fmt: skip
     run_in_process("dancegrpo.py", flags, tmp_path)
     monkeypatch.setattr(evaluate, "ode_sampler", lambda m, t, sigmas, *a: seen["eval"].append(sigmas) or ode_sampler(m, t, sigmas, *a))  # fmt: skip
     argv = ["--model-id", str(tmp_path / "qwen"), "--resolution", "32", "--prompts", str(tmp_path / "p.txt"), "--reward",
-            "jpeg", "--samples-per-prompt", "1", "--num-steps", "3", "--shift", "pipeline", "--out", str(tmp_path / "e")]  # fmt: skip
+            "jpeg", "--samples-per-prompt", "1", "--num-steps", "3", "--out", str(tmp_path / "e")]  # fmt: skip
     evaluate.main(tyro.cli(evaluate.EvalArgs, args=argv))
     pipe = QwenImagePipeline.from_pretrained(tmp_path / "qwen")
     pipe.set_progress_bar_config(disable=True)

@@ -19,60 +19,46 @@ def test_sigma_schedule_is_the_float64_formula_rounded_once():
 
 
 # ---------------------------------------------------------------- flags: every bound at its edge, each message naming it
-REFUSED = [  # each message whole
-    (dict(num_steps=1, num_splits=1), "--num-steps must be at least 2 (the last step is a deterministic Euler step)"),
+LEAVES = (
+    "--branch-factor 2 at 17 split steps makes 2^17 leaves per tree, more than 65536; lower --branch-factor or the "
+    "splits (--num-splits, --split-schedule)"
+)
+REFUSED = [  # each message whole: a constant bound is the declaration's message, one that reads another flag its own
+    (dict(num_steps=1, num_splits=1), "--num-steps must be >= 2 (got 1)"),
     (
         dict(num_steps=4, num_splits=4),
-        "--split-schedule gives splits [0, 3, 6, 9]: they must lie in [0, 2] (the last step is deterministic); change --num-splits, --num-steps or --split-schedule",
+        "--split-schedule gives splits [0, 3, 6, 9]: they must be distinct steps in [0, 2] (the last step is deterministic); change --num-splits, --num-steps or --split-schedule",
     ),
-    (dict(branch_factor=1), "--num-splits >= 1 and --branch-factor >= 2"),
-    (
-        dict(branch_s=0.0),
-        "--branch-s, --noise-level, --fusion-temperature, --clip-range and --adv-clip-max must be > 0, --kl-beta >= 0",
-    ),
-    (
-        dict(noise_level=0.0),
-        "--branch-s, --noise-level, --fusion-temperature, --clip-range and --adv-clip-max must be > 0, --kl-beta >= 0",
-    ),
-    (
-        dict(fusion="path", fusion_temperature=0.0),
-        "--branch-s, --noise-level, --fusion-temperature, --clip-range and --adv-clip-max must be > 0, --kl-beta >= 0",
-    ),
-    (
-        dict(clip_range=0.0),
-        "--branch-s, --noise-level, --fusion-temperature, --clip-range and --adv-clip-max must be > 0, --kl-beta >= 0",
-    ),
-    (
-        dict(adv_clip_max=0.0),
-        "--branch-s, --noise-level, --fusion-temperature, --clip-range and --adv-clip-max must be > 0, --kl-beta >= 0",
-    ),
-    (
-        dict(kl_beta=-0.1),
-        "--branch-s, --noise-level, --fusion-temperature, --clip-range and --adv-clip-max must be > 0, --kl-beta >= 0",
-    ),
-    (dict(pruning="width", width_mode="extreme", width_keep_ratio=0.0), "--width-keep-ratio must be in (0, 1]"),
-    (dict(pruning="width", width_mode="extreme", width_keep_ratio=1.5), "--width-keep-ratio must be in (0, 1]"),
-    (dict(pruning="mix", window_shift_every=0), "--window must be in [1, 19] and --window-shift-every >= 1"),
-    (dict(pruning="mix", window=0), "--window must be in [1, 19] and --window-shift-every >= 1"),
-    (dict(pruning="mix", window=20), "--window must be in [1, 19] and --window-shift-every >= 1"),
+    (dict(branch_factor=1), "--branch-factor must be >= 2 (got 1)"),
+    (dict(branch_s=0.0), "--branch-s must be > 0 (got 0.0)"),
+    (dict(noise_level=0.0), "--noise-level must be > 0 (got 0.0)"),
+    (dict(fusion="path", fusion_temperature=0.0), "--fusion-temperature must be > 0 (got 0.0)"),
+    (dict(clip_range=0.0), "--clip-range must be > 0 (got 0.0)"),
+    (dict(adv_clip_max=0.0), "--adv-clip-max must be > 0 (got 0.0)"),
+    (dict(kl_beta=-0.1), "--kl-beta must be >= 0 (got -0.1)"),
+    (dict(pruning="width", width_mode="extreme", width_keep_ratio=0.0), "--width-keep-ratio must be > 0 (got 0.0)"),
+    (dict(pruning="width", width_mode="extreme", width_keep_ratio=1.5), "--width-keep-ratio must be <= 1 (got 1.5)"),
+    (dict(pruning="mix", window_shift_every=0), "--window-shift-every must be >= 1 (got 0)"),
+    (dict(pruning="mix", window=0), "--window must be >= 1 (got 0)"),
+    (dict(pruning="mix", window=20), "--window must be in [1, 19] (= --num-steps - 1)"),
     (
         dict(pruning="depth", num_steps=5, num_splits=2),
         "--pruning depth: the last split is step 3 = --num-steps - 2, so no trainable step follows it; move the splits earlier (--split-schedule) or raise --num-steps",
     ),
     (dict(trees_per_update=3), "--trees-per-update must divide --trees-per-device"),
-    (dict(rollout_batch_size=0), "--trees-per-device, --rollout-batch-size >= 1"),
-    (dict(trees_per_device=0), "--trees-per-device, --rollout-batch-size >= 1"),
-    (
-        dict(num_splits=0),
-        "--split-schedule gives splits []: they must lie in [0, 18] (the last step is deterministic); change "
-        "--num-splits, --num-steps or --split-schedule",
+    (dict(rollout_batch_size=0), "--rollout-batch-size must be >= 1 (got 0)"),
+    (dict(trees_per_device=0), "--trees-per-device must be >= 1 (got 0)"),
+    (dict(num_splits=0), "--num-splits must be >= 1 (got 0)"),
+    (dict(pruning="depth", window=0), "--window must be >= 1 (got 0)"),
+    (dict(pruning="depth", num_splits=0), "--num-splits must be >= 1 (got 0)"),  # refused before the window reads it
+    (dict(num_steps=50, num_splits=17), LEAVES),  # dense splits 0, 3, .., 48: 2^17 leaves
+    (  # sparse: 30 splits of 20 steps are step 0 thirty times, which was one split, silently
+        dict(split_schedule="sparse", num_splits=30),
+        f"--split-schedule gives splits {[0] * 30}: they must be distinct steps in [0, 18] (the last step is "
+        "deterministic); change --num-splits, --num-steps or --split-schedule",
     ),
-    (dict(pruning="depth", window=0), "--window must be in [1, 19] and --window-shift-every >= 1"),
-    (
-        dict(pruning="depth", num_splits=0),  # its default window reads the last split: none, still one line
-        "--split-schedule gives splits []: they must lie in [0, 18] (the last step is deterministic); change "
-        "--num-splits, --num-steps or --split-schedule",
-    ),
+    (dict(num_steps=50, split_schedule=",".join(map(str, range(17)))), LEAVES),
+    (dict(split_schedule=","), "--split-schedule ',': use dense, sparse, late or a list like 0,3,6,9"),  # no split
 ]
 ACCEPTED = [
     dict(num_steps=2, num_splits=1),
@@ -82,6 +68,8 @@ ACCEPTED = [
     dict(pruning="none", num_steps=5, num_splits=2),
     dict(kl_beta=0.0),
     dict(trees_per_device=1, trees_per_update=1, rollout_batch_size=1),
+    dict(num_steps=50, num_splits=16),  # 2^16 leaves, the most
+    dict(num_steps=50, split_schedule="0,0,1"),  # a split listed twice is one split: 2^2 leaves
 ]
 
 

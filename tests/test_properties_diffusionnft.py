@@ -115,25 +115,30 @@ def test_the_old_adapter_is_added_without_a_warning_and_with_its_own_config():
 
 
 # ---------------------------------------------------------------- flags: every bound at its edge, each message naming it
-REFUSED = [  # each message whole
-    (dict(num_steps=0), "--num-steps must be >= 1"),
-    (dict(timestep_fraction=0.0), "--timestep-fraction must be in (0, 1] and train at least one of the 10 timesteps"),
-    (dict(timestep_fraction=1.5), "--timestep-fraction must be in (0, 1] and train at least one of the 10 timesteps"),
-    (dict(group_size=1), "--group-size must be >= 2 (advantages are relative within a group)"),
+REFUSED = [  # each message whole: a constant bound is the declaration's message, one that reads another flag its own
+    (dict(num_steps=0), "--num-steps must be >= 1 (got 0)"),
+    (dict(timestep_fraction=0.0), "--timestep-fraction must be > 0 (got 0.0)"),
+    (dict(timestep_fraction=1.5), "--timestep-fraction must be <= 1 (got 1.5)"),
+    (
+        dict(timestep_fraction=0.09),  # int(10 x 0.09) = 0
+        "--timestep-fraction 0.09 trains int(10 x 0.09) = 0 of the --num-steps 10 timesteps; raise it",
+    ),
+    (dict(group_size=1), "--group-size must be >= 2 (got 1)"),
     (dict(rollout_batch_size=24), "--samples-per-device must be a multiple of --rollout-batch-size"),
     (
         dict(samples_per_device=48, samples_per_update=24),
         "--samples-per-update must be a multiple of --train-batch-size and divide --samples-per-device",
     ),
-    (dict(beta=0.0), "--beta must be > 0 (the NFT beta; the KL weight is --kl-beta)"),
-    (dict(kl_beta=-1.0), "--kl-beta must be >= 0 and --adv-clip-max > 0"),
-    (dict(adv_clip_max=0.0), "--kl-beta must be >= 0 and --adv-clip-max > 0"),
-    (dict(ema_max_decay=1.0), "--ema-max-decay must be in [0, 1)"),
-    (dict(ema_max_decay=1.5), "--ema-max-decay must be in [0, 1)"),
-    (dict(old_decay_speed=0.0), "--old-decay-speed must be > 0"),
+    (dict(beta=0.0), "--beta must be > 0 (got 0.0)"),
+    (dict(kl_beta=-1.0), "--kl-beta must be >= 0 (got -1.0)"),
+    (dict(adv_clip_max=0.0), "--adv-clip-max must be > 0 (got 0.0)"),
+    (dict(ema_max_decay=1.0), "--ema-max-decay must be < 1 (got 1.0)"),
+    (dict(ema_max_decay=1.5), "--ema-max-decay must be < 1 (got 1.5)"),
+    (dict(old_decay_speed=0.0), "--old-decay-speed must be > 0 (got 0.0)"),
 ]
 ACCEPTED = [
     dict(num_steps=1, timestep_fraction=1.0),
+    dict(timestep_fraction=0.1),  # int(10 x 0.1) = 1 timestep, the fewest
     dict(kl_beta=0.0),
     dict(adv_clip_max=0.5),
     dict(ema_max_decay=0.0),

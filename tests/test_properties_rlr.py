@@ -20,9 +20,9 @@ def test_sigma_schedule_is_the_float64_formula_rounded_once():
 
 
 # ---------------------------------------------------------------- flags: every bound at its edge, each message naming it
-REFUSED = [  # each message whole
-    (dict(num_steps=1), "--num-steps must be at least 2 (one stochastic step and the deterministic last step)"),
-    (dict(subchain_len=0), "h = 0: --subchain-len must be in [1, 9] (= --num-steps - 1)"),
+REFUSED = [  # each message whole: a constant bound is the declaration's message, one that reads another flag its own
+    (dict(num_steps=1), "--num-steps must be >= 2 (got 1)"),
+    (dict(subchain_len=0), "--subchain-len must be >= 1 (got 0)"),
     (dict(subchain_len=10), "h = 10: --subchain-len must be in [1, 9] (= --num-steps - 1)"),
     (
         dict(subchain_stage="fine", subchain_len=3),
@@ -33,16 +33,10 @@ REFUSED = [  # each message whole
         dict(memory_budget_gb=1.0),
         "h = -1 (h* of --memory-budget-gb 1.0): --subchain-len must be in [1, 9] (= --num-steps - 1)",
     ),
-    (
-        dict(memory_budget_gb=20.0, zo_step_gb=0.0),
-        "--ho-step-gb > --zo-step-gb > 0 and --variance-ratio in [0, 1) are needed by the h* rule",
-    ),
-    (
-        dict(memory_budget_gb=20.0, variance_ratio=-0.1),
-        "--ho-step-gb > --zo-step-gb > 0 and --variance-ratio in [0, 1) are needed by the h* rule",
-    ),
-    (dict(noise_level=0.0), "--noise-level must be > 0 (the HO term needs noise)"),
-    (dict(group_size=1), "--group-size must be >= 2 (the baseline is the mean of the other samples of a prompt)"),
+    (dict(memory_budget_gb=20.0, zo_step_gb=0.0), "--zo-step-gb must be > 0 (got 0.0)"),
+    (dict(memory_budget_gb=20.0, variance_ratio=-0.1), "--variance-ratio must be >= 0 (got -0.1)"),
+    (dict(noise_level=0.0), "--noise-level must be > 0 (got 0.0)"),
+    (dict(group_size=1), "--group-size must be >= 2 (got 1)"),
     (dict(rollout_batch_size=5), "--samples-per-device must be a multiple of --rollout-batch-size"),
     (
         dict(terms="fo+ho+zo", zo_perturbations=3),
@@ -52,7 +46,7 @@ REFUSED = [  # each message whole
         dict(terms="fo+ho+zo", zo_perturbations=16),
         "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size",
     ),
-    (dict(terms="fo+ho+zo", zo_scale=0.0), "--zo-scale must be > 0"),
+    (dict(terms="fo+ho+zo", zo_scale=0.0), "--zo-scale must be > 0 (got 0.0)"),
 ]
 ACCEPTED = [
     dict(num_steps=2, subchain_len=1),
@@ -89,12 +83,21 @@ def test_the_defaults_by_hand():
     assert budget.subchain_len == 2
 
 
-@pytest.mark.parametrize("flags", [dict(ho_step_gb=0.24), dict(variance_ratio=1.0)])
-def test_the_h_star_rules_inputs_are_checked_before_it_divides_by_them(flags):
-    """--ho-step-gb equal to --zo-step-gb (0.24) or --variance-ratio 1 makes h*'s denominators 0: one error line
-    naming the flags is expected, not a ZeroDivisionError."""
-    with pytest.raises(InputError, match="--ho-step-gb > --zo-step-gb > 0"):
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (dict(ho_step_gb=0.24), "--ho-step-gb must be > --zo-step-gb: the h* rule divides by their difference"),
+        (dict(ho_step_gb=0.2), "--ho-step-gb must be > --zo-step-gb: the h* rule divides by their difference"),
+        (dict(variance_ratio=1.0), "--variance-ratio must be < 1 (got 1.0)"),
+    ],
+)
+def test_the_h_star_rules_inputs_are_checked_before_it_divides_by_them(flags, message):
+    """--ho-step-gb equal to --zo-step-gb (0.24) or --variance-ratio 1 makes h*'s denominators 0, a smaller
+    --ho-step-gb turns its memory rule upside down: one error line naming the flag is expected, not a
+    ZeroDivisionError."""
+    with pytest.raises(InputError) as e:
         R.resolve_and_check(R.Args(memory_budget_gb=20.0, **flags))
+    assert str(e.value) == message
 
 
 # ---------------------------------------------------------------- the survivors of the generated mutants
@@ -323,9 +326,7 @@ def test_rlr_refuses_what_its_first_order_term_cannot_take_and_reads_dcot_prompt
     assert refused(reward="jpeg").startswith(
         "--reward jpeg: jpeg is not differentiable, and this script backpropagates"
     )
-    assert refused(terms="fo+ho+zo", zo_perturbations=0) == (
-        "--zo-perturbations must divide --samples-per-device into blocks that are multiples of --rollout-batch-size"
-    )
+    assert refused(terms="fo+ho+zo", zo_perturbations=0) == "--zo-perturbations must be >= 1 (got 0)"
     R.resolve_and_check(R.Args(terms="fo+ho+zo", zo_perturbations=1))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a photo of a cat\n")
@@ -339,9 +340,17 @@ def test_rlr_refuses_what_its_first_order_term_cannot_take_and_reads_dcot_prompt
         f"--model-id {wan} is a video model (wan), and {script} trains image models only (as its paper); train video "
         "with dancegrpo.py, branchgrpo.py or vgrpo.py"
     )
-    (tmp_path / "dcot.tsv").write_text("a red circle\tc1\tm1\tf1\na blue square\tc2\tm2\tf2\n")
+    (tmp_path / "dcot.tsv").write_text(
+        "a red circle on a blue background\tc1\tm1\tf1\na blue square on a red background\tc2\tm2\tf2\n"
+    )
     train, _, _ = R.resolve_and_check(R.Args(dcot_prompts=str(tmp_path / "dcot.tsv")))
-    assert train == ["a red circle", "a blue square"]
-    assert refused(dcot_prompts=str(tmp_path / "dcot.tsv"), prompts=str(prompts)) == (
+    assert train == ["a red circle on a blue background", "a blue square on a red background"]
+    (tmp_path / "other.tsv").write_text("a red circle on a blue background\tc\tm\tf\na dog\tc\tm\tf\n")
+    assert refused(dcot_prompts=str(tmp_path / "other.tsv")).startswith(  # read by the reward as --prompts would be
+        "--dcot-prompts: prompt 2: not a ShapesBench prompt: 'a dog'"
+    )
+    shapes = tmp_path / "shapes.txt"  # prompts the default reward reads: only --dcot-prompts is wrong here
+    shapes.write_text("a red circle on a blue background\n")
+    assert refused(dcot_prompts=str(tmp_path / "dcot.tsv"), prompts=str(shapes)) == (
         "--dcot-prompts replaces --prompts: give one of them"
     )

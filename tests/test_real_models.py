@@ -299,9 +299,10 @@ def test_every_gpu_recipe_parses_and_uses_the_memory_settings():
                 assert args.model_id == model_id and args.lora and args.offload_frozen, name
         # the model's own pipeline schedule where that pipeline shifts by resolution (Qwen-Image, FLUX.2) and for
         # DiffusionNFT (its official code samples on the pipeline's grid); FLUX.1's DanceGRPO, BranchGRPO and V-GRPO
-        # keep their official code's static shift 3
-        dynamic = re.search("qwen|flux2|diffusionnft", name)
-        assert args.shift == ("pipeline" if dynamic else 5.0 if "wan22" in name else 3.0), name
+        # keep their official code's static shift 3, as SD3.5's GRPO recipes and Wan's theirs; SD1.5 takes none (DDIM)
+        dynamic = re.search("qwen|flux2|diffusionnft|ltx2|hunyuan", name)
+        static = 5.0 if "wan22" in name else 3.0 if re.search("flux|wan|sd35", name) else None
+        assert args.shift == ("pipeline" if dynamic else static), name
 
 
 def test_gpu_recipe_without_prompts_says_where_to_get_them(tmp_path):

@@ -504,38 +504,43 @@ def test_serve_main_defaults_help_and_a_wrong_flag_by_hand(monkeypatch, capsys):
     rewards.serve_main(["serve", "--reward", "probe", "--device", "meta"])  # the images go to --device to be scored
     assert scores[-1]("probe", torch.ones(2, 3, 2, 2), ["a", "b"]).device == torch.device("meta")
     capsys.readouterr()
-    monkeypatch.setenv("COLUMNS", "400")  # the usage on one line
+    monkeypatch.setenv("COLUMNS", "400")  # each option and its help on one line
     with pytest.raises(SystemExit) as e:
-        rewards.serve_main(["--help"])
+        rewards.serve_main(["serve", "--help"])
     assert e.value.code == 0
-    text = " ".join(capsys.readouterr().out.split())  # each option and its help, wherever argparse breaks the line
-    assert text.startswith("usage: python -m common.rewards [-h] --reward REWARD [--reward-ckpt REWARD_CKPT]")
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())  # tyro's box, drawn in Unicode
+    assert text.startswith("usage: python -m common.rewards serve [-h] [OPTIONS]")
     assert "`python -m common.rewards serve --reward hpsv2.1,aesthetic --port 8100`: host registered rewards for " \
-        "training positional arguments: {serve}" in text  # fmt: skip
+        "training runs elsewhere" in text  # fmt: skip
     for line in (
-        "--reward REWARD comma-separated registered rewards, e.g. hpsv2.1,aesthetic",
-        "--reward-ckpt REWARD_CKPT NAME=PATH, as the training scripts take",
-        "--host HOST address to bind (default: this machine only)",
-        "--port PORT",
-        "--device DEVICE",
+        "--reward STR comma-separated registered rewards, e.g. hpsv2.1,aesthetic (required)",
+        "--reward-ckpt STR NAME=PATH, as the training scripts take (repeatable)",
+        "--host STR address to bind (127.0.0.1: this machine only) (default: 127.0.0.1)",
+        "--port INT TCP port (0: any free one) (default: 8100)",
+        "where the reward models score (default: cuda on a GPU machine, else cpu)",
         "--attention-backend {auto,flash,efficient,math,cudnn} attention kernels of the reward models "
-        "(common/attention.py; default auto: no cuDNN)",
-        "--max-batch MAX_BATCH images per request, at most",
-        "--max-mb MAX_MB request body size, at most",
-        "--max-pixels MAX_PIXELS decoded pixels per request, all its images together (and so per image), at most; "
-        "read from each PNG's header before it is decoded (default 2**25: 64 images of 720x720, 32 of 1024x1024)",
-        "--max-prompt-chars MAX_PROMPT_CHARS characters per prompt, at most",
-        "--max-connections MAX_CONNECTIONS connections at once, at most (one more is answered 429)",
-        "--request-deadline REQUEST_DEADLINE seconds a request may take to arrive whole, headers and body, from its "
-        "connection (else 408)",
+        "(common/attention.py; auto: no cuDNN) (default: auto)",
+        "--max-batch INT images per request, at most (default: 64)",
+        "--max-mb FLOAT request body size in MB, at most (default: 64.0)",
+        "--max-pixels INT decoded pixels per request, all its images together (and so per image), at most; "
+        "read from each PNG's header before it is decoded (default 2**25: 64 images of 720x720, 32 of 1024x1024) "
+        "(default: 33554432)",
+        "--max-prompt-chars INT characters per prompt, at most (default: 2000)",
+        "--max-connections INT connections at once, at most (one more is answered 429) (default: 8)",
+        "--request-deadline FLOAT seconds a request may take to arrive whole, headers and body, from its "
+        "connection (else 408) (default: 60.0)",
     ):
         assert line in text, line
-    with pytest.raises(SystemExit) as e:
-        rewards.serve_main(["serve", "--reward", "probe", "--prot", "1"])
-    assert e.value.code == 2
-    assert capsys.readouterr().err == (
-        "error: unrecognized arguments: --prot 1; `python -m common.rewards serve --help` lists every flag\n"
-    )
+    listed = "; `python -m common.rewards serve --help` lists every flag\n"
+    for argv, said in (
+        (["serve", "--reward", "probe", "--prot", "1"], "error: Unrecognized options: --prot, 1 (perhaps you meant "
+         f"--port INT){listed}"),
+        (["--reward", "probe"], "error: the command is `python -m common.rewards serve`, not `python -m "
+         "common.rewards --reward probe`\n"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            rewards.serve_main(argv)
+        assert e.value.code == 2 and capsys.readouterr().err == said
 
 
 def test_the_composite_by_hand_grad_modes_non_finite_scores_an_overflowing_sum_and_video_frames():
@@ -621,3 +626,36 @@ def test_each_malformed_reward_ckpt_or_url_item_and_an_unknown_name_is_refused_b
     assert refused("jpeg", ckpts=["nope=/w"]) == f"--reward-ckpt: unknown reward 'nope'; valid names: {valid}"
     spec = parse_rewards("jpeg,clip", ckpts=["clip=/w/a=b.pt"], urls=["jpeg=https://h/score?k=v"])
     assert spec.path("clip") == "/w/a=b.pt" and [c.url for c in spec.components] == ["https://h/score?k=v", None]
+
+
+def test_a_prompt_shapesbench_cannot_read_is_one_line_before_anything_is_sampled(tmp_path, monkeypatch, capsys):
+    """ShapesBench's verifier and learned reward read 'a <colour> <shape> on a <colour> background' only: a prompt
+    file holding another prompt is refused at start-up, naming the flag and the prompt's line, where it failed in the
+    middle of sampling (a ShapesBench reward, even of weight 0) or after every model was scored (the evaluation's
+    verifier figures); another reward on other prompts is not concerned."""
+    import dancegrpo
+    from common import InputError
+    from common import evaluate as E
+    from common.flags import cli
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle on a blue background\na dog\n")
+    said = "prompt 2: not a ShapesBench prompt: 'a dog' (expected 'a <colour> <shape> on a <colour> background'"
+    for flags, flag in (
+        (dict(prompts=str(prompts)), "--prompts"),
+        (dict(prompts=str(prompts), reward="verifier,shapes:0"), "--prompts"),
+        (dict(eval_prompts=str(prompts)), "--eval-prompts"),  # the ShapesBench model's evaluation reads them
+        (dict(eval_prompts=str(prompts), reward="verifier"), "--eval-prompts"),
+    ):
+        with pytest.raises(InputError) as e:
+            dancegrpo.resolve_and_check(dancegrpo.Args(output_dir=str(tmp_path / "runs"), **flags))
+        assert str(e.value).startswith(f"{flag}: {said}"), str(e.value)
+    rewards.check_reward_prompts(parse_rewards("jpeg", [], []), ["a dog"], "--prompts")  # no ShapesBench reward
+    sampled = []
+    monkeypatch.setattr(E, "score_model", lambda *a, **kw: sampled.append(a))
+    monkeypatch.setattr("sys.argv", ["common/evaluate.py", "--prompts", str(prompts), "--out", str(tmp_path / "e")])
+    with pytest.raises(SystemExit) as stopped:
+        cli(E.main, E.EvalArgs)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.startswith(f"error: --prompts: {said}") and len(err.splitlines()) == 1
+    assert not sampled and not (tmp_path / "e").exists()

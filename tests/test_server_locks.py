@@ -95,12 +95,12 @@ def refusal(argv: list[str], capsys) -> tuple[int, str]:
 @pytest.mark.parametrize(
     "argv, flag, said",
     [
-        (["--max-mb", "inf"], "--max-mb", "must be finite, not inf"),
-        (["--request-deadline", "inf"], "--request-deadline", "must be finite, not inf"),
-        (["--max-mb", "nan"], "--max-mb", "must be positive, not nan"),
-        (["--max-connections", "-1"], "--max-connections", "must be positive, not -1"),
-        (["--port", "70000"], "--port", "must be 0 to 65535 (0: any free port), not 70000"),
-        (["--port", "-1"], "--port", "must be 0 to 65535 (0: any free port), not -1"),
+        (["--max-mb", "inf"], "--max-mb", "must be a finite number (got inf)"),
+        (["--request-deadline", "inf"], "--request-deadline", "must be a finite number (got inf)"),
+        (["--max-mb", "nan"], "--max-mb", "must be a finite number (got nan)"),
+        (["--max-connections", "-1"], "--max-connections", "must be >= 1 (got -1)"),
+        (["--port", "70000"], "--port", "must be <= 65535 (got 70000)"),
+        (["--port", "-1"], "--port", "must be >= 0 (got -1)"),
         (["--device", "nonsense"], "--device", "'nonsense' is not a device"),
         (["--host", "no-such-host.invalid"], "--host", "no-such-host.invalid: no such address"),
     ],
@@ -114,16 +114,15 @@ def test_a_flag_the_server_cannot_run_with_is_one_error_line_naming_it_and_statu
 
 def test_a_device_this_machine_lacks_is_named_at_start_up(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    listed = "; `python -m common.rewards serve --help` lists every flag\n"
     assert refusal(["--device", "cuda"], capsys) == (
         2,
-        f"error: --device cuda: this machine has no cuda device{listed}",
+        "error: --device cuda: this machine has no cuda device\n",
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert refusal(["--device", "cuda:7"], capsys) == (
         2,
-        f"error: --device cuda:7: this machine has 2 cuda devices{listed}",
+        "error: --device cuda:7: this machine has 2 cuda devices\n",
     )
 
 
