@@ -98,10 +98,9 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     timestep_fraction: Annotated[float, Gt(0), Le(1)] = 0.4
     """each image is trained at the first int(this * T) timesteps of its own random permutation of the grid (official:
     0.99, so 9 of 10)"""
-    beta: Annotated[float, Gt(0), Le(100)] = 1.0
+    beta: Annotated[float, Gt(0), Le(100)] = 1.0  # at 100, v+ and v- are already a hundredfold extrapolation
     """NFT beta: v+ = (1 - beta) v_old + beta v_theta, v- = (1 + beta) v_old - beta v_theta, loss / beta (official:
-    1.0; 0.1 for OCR and multi-reward; at most 100: v+ and v- are then a hundredfold extrapolation); not the KL
-    weight"""
+    1.0; 0.1 for OCR and multi-reward); not the KL weight"""
     kl_beta: Annotated[float, Ge(0)] = 1e-4
     """weight of the velocity MSE to the base model (LoRA adapters off, or a frozen copy); 0 = off (official: 1e-4,
     its `train.beta`)"""

@@ -5,8 +5,8 @@ layers, each importing only from those above it in this list (tests/test_layout.
 
     common (this file)          the errors the scripts print as one line; whether the Hugging Face hub is reachable;
                                 write_atomically, the one way the project writes a file
-    common.offload, .viz, .remote, .signals   parking frozen parts on the CPU; sample grids; rewards over HTTP;
-                                SIGTERM and Ctrl-C during training
+    common.cli, .offload, .viz, .remote, .signals   the command line's parse and declared ranges; parking frozen
+                                parts on the CPU; sample grids; rewards over HTTP; SIGTERM and Ctrl-C during training
     common.logs                 metrics.jsonl, TensorBoard, W&B and sample grids of a run; the logged reductions
     common.sampling             the sigma schedule, keyed noise, the deterministic sampler of evaluation
     common.shapesbench          the offline world: renderer, verifier, learned reward, tiny model builders

@@ -9,9 +9,10 @@ check_run_args(args)     the shared flags, and every input that can be checked b
 check_flags(args, mode_flags)        every float flag finite (nan and inf refused before any check reads them),
                          every number in its declared range, --shift's default by model, and a flag of a mode not
                          in use refused (no dead flags: check_mode_flags)
-check_ranges(args)       every flag within the range its declaration gives (Ge, Gt, Le, Lt of annotated-types,
-                         written beside the flag: `clip_range: Annotated[float, Gt(0)] = 1e-3`)
-need(ok, message)        raise InputError(message) unless ok; divides(d, n): a check of a batch size that takes 0
+check_ranges(args), need(ok, message), AllowInf   common/cli.py's, imported from here by the scripts: every flag
+                         within the range its declaration gives (Ge, Gt, Le, Lt of annotated-types, written beside
+                         the flag: `clip_range: Annotated[float, Gt(0)] = 1e-3`); InputError(message) unless ok
+divides(d, n)            a check of a batch size that takes 0
 ModeDefault(text)        --help shows `text` as the default of a flag whose default depends on the mode
 """
 
@@ -21,11 +22,8 @@ import contextlib
 import dataclasses
 import errno
 import importlib.util
-import io
-import math
 import os
 import sys
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
@@ -35,13 +33,13 @@ import tyro
 from annotated_types import Ge, Gt, Le, Lt  # the range of a flag, declared beside it; check_ranges reads them
 
 from common import InputError, RunError
+from common.cli import AllowInf as AllowInf  # the scripts import every flag helper from here
+from common.cli import check_numbers, check_ranges, need
+from common.cli import flag_metadata as flag_metadata
+from common.cli import parse_flags as parse_command_line
 from common.models import check_model_id, check_num_frames, has_two_experts, is_video
 from common.prompts import HPDV2_HOWTO, SOURCES, load_prompts
 from common.rewards import RewardSpec, check_reward_prompts, check_rewards, check_shapesbench_prompts, parse_rewards
-
-
-class AllowInf:
-    """Annotated[float, AllowInf, Gt(0)]: a float flag whose inf means something (no clip at all); nan never does."""
 
 
 def ModeDefault(text: str):
@@ -106,7 +104,7 @@ class RunArgs:
     reward_ckpt: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
     """NAME=PATH per reward model, e.g. hpsv2.1=/ckpt/HPS_v2.1_compressed.pt; one flag per reward (repeat it)"""
     reward_url: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
-    """NAME=URL per reward scored by another process: a VLM judge (unifiedreward, ocr) behind an OpenAI-compatible
+    """NAME=URL per reward scored by another process: a VLM judge (unifiedreward, ocr_judge) behind an OpenAI-compatible
     server, e.g. unifiedreward=http://host:8000/v1, or any reward hosted by `python -m common.rewards serve`
     (docs/models.md); one flag per reward (repeat it); token, if any, from $REWARD_API_KEY"""
     prompts: str = "shapes-train"
@@ -166,12 +164,6 @@ class RunArgs:
     """W&B project (with --track)"""
 
 
-def need(ok: bool, message: str) -> None:
-    """Raise InputError(message) unless ok; the message names the flag to change."""
-    if not ok:
-        raise InputError(message)
-
-
 # errors of the file system a run writes to: they are the machine's, not the code's, and need no traceback
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
 
@@ -202,18 +194,8 @@ def cli(main, args_type) -> None:
 
 
 def parse_flags(args_type, argv: list[str] | None = None, command: str | None = None):
-    """tyro.cli(args_type): --help as tyro prints it; a flag that does not parse (an unknown flag, a value that is not
-    of the flag's type or choices) is one `error:` line naming the flag and what it takes, and exit status 2.
-    `command`: how --help's usage and the error name the command (default: the script's, from sys.argv[0])."""
-    box = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(box), own_flags_first():
-            return tyro.cli(args_type, args=argv, prog=command)
-    except SystemExit as e:
-        if e.code in (0, None):
-            raise
-        print(f"error: {tyro_message(box.getvalue(), command)}", file=sys.stderr)
-        raise SystemExit(2) from None
+    """common.cli.parse_flags with a script's own flags listed first (own_flags_first)."""
+    return parse_command_line(args_type, argv, command, own_flags_first())
 
 
 @contextlib.contextmanager
@@ -237,30 +219,6 @@ def own_flags_first():
 
     with registry:
         yield
-
-
-def tyro_message(box: str, command: str | None = None) -> str:
-    """tyro's error box (drawn in Unicode or ASCII) in one line: its first section, and the flag's usage it suggests."""
-    sections, current = [], []
-    for raw in box.splitlines():
-        line = raw.strip().strip("│|").strip()
-        if raw.strip().startswith(("╭", "╰", "+")) or (line and set(line) <= set("─-")):  # a border or a rule
-            sections.append(current)
-            current = []
-        elif line:
-            current.append(line)
-    sections = [part for part in [*sections, current] if part]
-    title = box.strip().splitlines()[0].strip(" │|╭╮+-─") if box.strip() else ""
-    sections = sections[1:] if sections and sections[0] == [title] else sections  # a title drawn on a line of its own
-    sections = sections or [[]]
-    message = " ".join(sections[0]).rstrip(".") if sections[0] else "the flags do not parse"
-    rest = sections[1] if len(sections) > 1 else []
-    for lead, say in (("Argument helptext:", "expected"), ("Perhaps you meant:", "perhaps you meant")):
-        if lead in rest and rest.index(lead) + 1 < len(rest):
-            message += f" ({say} {rest[rest.index(lead) + 1]})"
-    script = Path(sys.argv[0])
-    command = command or (f"python -m common.{script.stem}" if script.parent.name == "common" else script.name)
-    return message + f"; `{command} --help` lists every flag"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -344,15 +302,6 @@ def check_mode_flags(args, mode_flags) -> None:
         need(getattr(args, flag) == default or applies(args), f"--{flag.replace('_', '-')} only applies with {mode}")
 
 
-def flag_metadata(args_type) -> dict[str, tuple]:
-    """{field: the metadata of its Annotated declaration} of a flags dataclass (a fork's or a test's too)."""
-    hints = {}
-    for c in reversed(args_type.__mro__[:-1]):  # each class's annotations in its own module's names
-        module = vars(sys.modules[c.__module__]) if c.__module__ in sys.modules else {}
-        hints |= typing.get_type_hints(c, globalns={**globals(), **module}, include_extras=True)
-    return {f.name: getattr(hints.get(f.name), "__metadata__", ()) for f in dataclasses.fields(args_type)}
-
-
 def divides(d: int, n: int) -> bool:
     """Whether the whole number d >= 1 divides n (a batch size of 0 divides nothing, and raises nothing)."""
     return d >= 1 and n % d == 0
@@ -364,35 +313,10 @@ def check_flags(args, mode_flags) -> None:
     reach no other check; then every number within its declared range (check_ranges), so that no check computes
     with a huge or negative one; then --shift's default filled in (default_shift) and no dead flags
     (check_mode_flags)."""
-    meta = flag_metadata(type(args))
-    for f in dataclasses.fields(args):
-        value = getattr(args, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            need(
-                math.isinf(value) and AllowInf in meta[f.name],
-                f"--{f.name.replace('_', '-')} must be a finite number (got {value})",
-            )
-    check_ranges(args)
+    check_numbers(args)
     if isinstance(args, RunArgs) and args.shift is None:  # before the script's checks read it
         args.shift = default_shift(check_model_id(args.model_id))
     check_mode_flags(args, mode_flags)
-
-
-def check_ranges(args) -> None:
-    """Every number a flag holds within the bounds its declaration gives (annotated-types' Ge, Gt, Le, Lt): one
-    `error:` line naming the flag, its bound and the value. Flags still None (a mode's default not filled in) and
-    the words of a Union (`--shift pipeline`) are not numbers and pass."""
-    tests = {Ge: (">=", lambda v, b: v >= b), Gt: (">", lambda v, b: v > b), Le: ("<=", lambda v, b: v <= b)}
-    tests[Lt] = ("<", lambda v, b: v < b)
-    for name, meta in flag_metadata(type(args)).items():
-        value = getattr(args, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        for m in meta:
-            if type(m) in tests:
-                sign, ok = tests[type(m)]
-                bound = getattr(m, type(m).__name__.lower())  # Ge(0).ge, Gt(0).gt, ...
-                need(ok(value, bound), f"--{name.replace('_', '-')} must be {sign} {bound} (got {value})")
 
 
 def check_not_shapesbench(args) -> None:

@@ -35,11 +35,12 @@ import huggingface_hub
 import torch
 import torch.nn.functional as F
 import tyro
-from annotated_types import Ge, Gt, Le  # ServeArgs' ranges, declared beside each flag (common.flags.check_ranges)
+from annotated_types import Ge, Gt, Le  # ServeArgs' ranges, declared beside each flag (common.cli.check_ranges)
 from PIL import Image
 
 from common import InputError, RunError, hub_reachable
 from common.attention import set_attention_backend
+from common.cli import check_numbers, parse_flags
 from common.offload import Offloaded
 from common.remote import STOPS, Judge, Served, request_json
 
@@ -965,8 +966,6 @@ SERVE = "python -m common.rewards serve"
 def serve_main(argv: list[str] | None = None) -> None:
     """`python -m common.rewards serve [flags]` (ServeArgs): every flag checked against the range declared beside
     it, the device and the address before any reward loads; a bad one is one `error:` line, exit status 2."""
-    from common.flags import check_flags, parse_flags  # here: common.flags imports this module
-
     def refuse(message: str, status: int = 2):
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(status)
@@ -978,7 +977,7 @@ def serve_main(argv: list[str] | None = None) -> None:
         refuse(f"the command is `{SERVE}`, not `{' '.join(['python -m common.rewards', *argv])}`")
     a = parse_flags(ServeArgs, argv, command=SERVE)
     try:
-        check_flags(a, [])  # every number finite and within the range declared beside it
+        check_numbers(a)  # every number finite and within the range declared beside it
     except InputError as e:
         refuse(str(e))
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -12,6 +12,7 @@ SCRIPTS = tuple(name.removesuffix(".py") for name in algorithm_scripts())
 # common/'s layers, lowest first (common/__init__.py's docstring): a module imports only from its own layer or lower
 LAYERS = {
     "common": 0,
+    "common.cli": 1,
     "common.offload": 1,
     "common.remote": 1,
     "common.viz": 1,

@@ -33,7 +33,7 @@ REFUSED = [  # each message whole: a constant bound is the declaration's message
         dict(memory_budget_gb=1.0),
         "h = -1 (h* of --memory-budget-gb 1.0): --subchain-len must be in [1, 9] (= --num-steps - 1)",
     ),
-    (dict(memory_budget_gb=20.0, zo_step_gb=0.0), "--zo-step-gb must be > 0 (got 0.0)"),
+    (dict(memory_budget_gb=20.0, zo_step_gb=0.0), "--zo-step-gb must be >= 1e-06 (got 0.0)"),
     (dict(memory_budget_gb=20.0, variance_ratio=-0.1), "--variance-ratio must be >= 0 (got -0.1)"),
     (dict(noise_level=0.0), "--noise-level must be > 0 (got 0.0)"),
     (dict(group_size=1), "--group-size must be >= 2 (got 1)"),

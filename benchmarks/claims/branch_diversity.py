@@ -90,7 +90,7 @@ def measure(n_prompts: int, configs: dict = CONFIGS) -> dict:
 
     model, reward = load_model("shapesbench"), load_reward_model()
     prompts = load_prompts("shapes-eval")[:: max(1, 48 // n_prompts)][:n_prompts]
-    base = B.Args(noise_level=0.7)
+    base = B.Args(noise_level=0.7, shift=3.0)  # ShapesBench's static grid (no resolve_and_check here)
     shape = model.latent_shape()
     feats = lambda img: reward.image_features(img) * 8  # noqa: E731  (unit norm x sqrt(64): a.b / d is the cosine)
     independent, floor = [], []
@@ -112,7 +112,7 @@ def measure(n_prompts: int, configs: dict = CONFIGS) -> dict:
     table["independent vs independent (noise floor)"] = row(floor)
     for name, (schedule, noise, s) in configs.items():
         t0 = time.perf_counter()
-        args = B.Args(noise_level=0.7, split_schedule=schedule, branch_noise=noise, branch_s=s)
+        args = B.Args(noise_level=0.7, shift=3.0, split_schedule=schedule, branch_noise=noise, branch_s=s)
         splits = B.split_steps(schedule, args.num_steps, args.num_splits)
         trees = [
             samples(model, model.encode_prompts([p]), splits, args, 3000 + j, 1, shape) for j, p in enumerate(prompts)
