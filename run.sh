@@ -261,8 +261,8 @@ curriculum() {  # FLAGS...: DiffusionNFT's five-stage SD3.5-M curriculum (the pa
     "${HPS_CKPT[@]}" --beta 0.1 --num-steps 25)
   local geneval=(--prompts "$GENEVAL_PROMPTS" --eval-prompts "$GENEVAL_PROMPTS" --reward unifiedreward
     --reward-url "unifiedreward=$JUDGE_URL" --beta 1 --num-steps 10)
-  local ocr=(--prompts "$OCR_PROMPTS" --eval-prompts "$OCR_PROMPTS" --reward ocr --reward-url "ocr=$JUDGE_URL"
-    --beta 0.1 --num-steps 10 --samples-per-update 72)
+  local ocr=(--prompts "$OCR_PROMPTS" --eval-prompts "$OCR_PROMPTS" --reward ocr_judge
+    --reward-url "ocr_judge=$JUDGE_URL" --beta 0.1 --num-steps 10 --samples-per-update 72)
   local k=0 end=0 stage
   for stage in 800:pref 300:geneval 200:pref 200:geneval 100:ocr; do  # iterations:prompts and reward
     k=$((k + 1)) end=$((end + ${stage%%:*}))

@@ -232,7 +232,7 @@ def unifiedreward_score(answer: str, prompt: str) -> float | None:
 
 JUDGES: dict[str, tuple[str, Callable[[str, str], float | None]]] = {
     "unifiedreward": (UNIFIEDREWARD_PROMPT, unifiedreward_score),
-    "ocr": (OCR_PROMPT, ocr_score),
+    "ocr_judge": (OCR_PROMPT, ocr_score),
 }
 
 

@@ -8,8 +8,8 @@ images.device. `differentiable` says whether gradients reach the images (RLR's f
 GRPO-style methods do not). Heavy imports live inside the factories, so importing this module is cheap.
 
 Remote rewards (common/remote.py): `--reward-url NAME=URL` scores a component in another process: the VLM judges
-'unifiedreward' and 'ocr' through an OpenAI-compatible server (`vllm serve`, SGLang), any registered reward through
-`python -m common.rewards serve`; the bearer token, if the server wants one, comes from $REWARD_API_KEY.
+'unifiedreward' and 'ocr_judge' through an OpenAI-compatible server (`vllm serve`, SGLang), any registered reward
+through `python -m common.rewards serve`; the bearer token, if the server wants one, comes from $REWARD_API_KEY.
 
 Videos (B,F,3,H,W) (a video model's decode, frames first): CompositeReward scores an image reward on `frames`
 evenly spaced frames of each video (the first and the last among them) and takes the mean over them; a video
@@ -177,6 +177,17 @@ def jpeg(device, checkpoint=None) -> Reward:
         return -torch.tensor(sizes)  # cpu: PIL's sizes; ScoreFn moves the scores to the images' device
 
     return ScoreFn(score, differentiable=False)
+
+
+# ---------------------------------------------------------------- OCR (Flow-GRPO's rule on PP-OCR, common/ocr.py)
+def ocr(device, checkpoint=None) -> Reward:
+    """Flow-GRPO's OCR reward: 1 - the capped, normalised edit distance between the text PP-OCRv4 reads in the image
+    and the prompt's first quoted span (common/ocr.py), in [0, 1]; on the CPU, whatever `device`; not
+    differentiable. The models ship inside the rapidocr-onnxruntime wheel: no checkpoint."""
+    _no_ckpt("ocr", checkpoint)
+    from common.ocr import load_ocr  # here: loads onnxruntime and OpenCV, and --help stays fast
+
+    return ScoreFn(load_ocr(), differentiable=False)
 
 
 # ---------------------------------------------------------------- HPSv2.1 (open_clip)
@@ -602,7 +613,8 @@ for _name, _factory, _differentiable, _flags in (
     ("hpsv3", hpsv3, True, {}),
     ("temporal", temporal, True, {"video": True}),
     ("unifiedreward", _judge("unifiedreward"), False, {"judge": True}),
-    ("ocr", _judge("ocr"), False, {"judge": True}),
+    ("ocr", ocr, False, {}),
+    ("ocr_judge", _judge("ocr_judge"), False, {"judge": True}),
 ):
     register_reward(_name, _factory, _differentiable, **_flags)
 
@@ -702,9 +714,19 @@ PROMPT_CHARS = {"hpsv3": 2000}
 def check_reward_prompts(spec: RewardSpec, prompts: list[str], flag: str) -> None:
     """Prompts every reward of `spec` can read, before anything loads: ShapesBench's (weight 0 too: they are logged)
     only ShapesBench prompts; for a weighted HPSv3, none holding a special token of its chat template and none over
-    2,000 characters; one `error:` line naming the flag and the prompt."""
+    2,000 characters; for OCR (weight 0 too), each with text between straight double quotes, as OCR's score divides
+    by its length; one `error:` line naming the flag and the prompt."""
     if any(c.kind.shapesbench for c in spec.components):
         check_shapesbench_prompts(prompts, flag)
+    if "ocr" in spec.weights:
+        from common.ocr import ocr_target  # here: --help does not import the OCR rule
+
+        for i, prompt in enumerate(prompts, 1):
+            if ocr_target(prompt) is None:
+                raise InputError(
+                    f"{flag}: prompt {i} quotes no text for ocr to read: it reads the first span between straight "
+                    f'double quotes, e.g. a sign that says "OPEN"'
+                )
     for name, cap in PROMPT_CHARS.items():
         if not spec.weights.get(name):
             continue
@@ -966,6 +988,7 @@ SERVE = "python -m common.rewards serve"
 def serve_main(argv: list[str] | None = None) -> None:
     """`python -m common.rewards serve [flags]` (ServeArgs): every flag checked against the range declared beside
     it, the device and the address before any reward loads; a bad one is one `error:` line, exit status 2."""
+
     def refuse(message: str, status: int = 2):
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(status)

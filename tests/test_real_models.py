@@ -244,7 +244,7 @@ def gpu_recipes():
 
 
 CURRICULUM = {  # DiffusionNFT's five stages: prompts, reward, cumulative iterations
-    "PICKAPIC_PROMPTS": "pickscore,hpsv2.1,clip", "GENEVAL_PROMPTS": "unifiedreward", "OCR_PROMPTS": "ocr",
+    "PICKAPIC_PROMPTS": "pickscore,hpsv2.1,clip", "GENEVAL_PROMPTS": "unifiedreward", "OCR_PROMPTS": "ocr_judge",
 }  # fmt: skip
 
 

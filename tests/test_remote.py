@@ -113,7 +113,7 @@ def test_judge_scores_retries_and_counts_unparsed_answers(monkeypatch):
 
 def test_a_judge_that_keeps_failing_stops_the_run_naming_the_url():
     url = start(fake_vlm([503] * 5, [])) + "/v1"
-    judge = remote.Judge("ocr", url)
+    judge = remote.Judge("ocr_judge", url)
     with pytest.raises(RunError, match=f"{url}/chat/completions failed after 5 tries.*resume-from latest"):
         judge(torch.rand(1, 3, 8, 8), PROMPTS[:1])
     many_unparsed = remote.Judge("unifiedreward", start(fake_vlm(["?"] * 4, [])) + "/v1", max_unparsed=0.4)
@@ -122,10 +122,11 @@ def test_a_judge_that_keeps_failing_stops_the_run_naming_the_url():
 
 
 def test_judges_need_a_url_and_a_server_that_answers_at_start_up():
-    with pytest.raises(InputError, match="--reward-url ocr=http://HOST:PORT/v1"):
-        check_rewards(parse_rewards("ocr"))
+    with pytest.raises(InputError, match="--reward-url ocr_judge=http://HOST:PORT/v1"):
+        check_rewards(parse_rewards("ocr_judge"))
     with pytest.raises(RunError, match="http://127.0.0.1:9/v1/models failed after 1 tries"):
-        check_rewards(parse_rewards("ocr", urls=["ocr=http://127.0.0.1:9/v1"]))  # port 9 (discard): nothing listens
+        # port 9 (discard): nothing listens
+        check_rewards(parse_rewards("ocr_judge", urls=["ocr_judge=http://127.0.0.1:9/v1"]))
 
 
 def post(url, body, token=None, raw=None):
@@ -433,7 +434,7 @@ def test_the_judge_asks_16_at_a_time_and_stops_past_a_tenth_unparsed():
 
 def test_the_ocr_judge_reads_its_caption_and_a_null_answer_as_no_text():
     rec = Recorder(answers={remote.OCR_PROMPT: None})  # the OCR request holds no caption: the client reads it
-    judge = remote.Judge("ocr", rec.url + "/v1")
+    judge = remote.Judge("ocr_judge", rec.url + "/v1")
     assert judge(torch.rand(1, 3, 8, 8), ['a sign that says "XXXX"']).tolist() == [0.0]  # "" is 4 edits from XXXX
     rec.answers = {remote.OCR_PROMPT: "HI"}
     assert judge(torch.rand(1, 3, 8, 8), ['a sign that says "Hi"']).tolist() == [1.0]
@@ -452,8 +453,8 @@ def test_what_is_not_a_chat_completion_or_a_model_list_is_named_in_the_error():
     assert str(e.value) == f"{rec.url}/v1/chat/completions: not a chat completion: {str({'error': 'x' * 400})[:300]}"
     rec.models = []
     with pytest.raises(InputError) as e:
-        remote.Judge("ocr", rec.url + "/v1/")
-    assert str(e.value) == f"--reward-url ocr={rec.url}/v1/: {rec.url}/v1/models lists no model"
+        remote.Judge("ocr_judge", rec.url + "/v1/")
+    assert str(e.value) == f"--reward-url ocr_judge={rec.url}/v1/: {rec.url}/v1/models lists no model"
 
 
 def test_the_served_client_asks_health_then_score_by_hand(calls):

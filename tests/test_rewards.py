@@ -372,7 +372,7 @@ def test_each_refusal_of_check_rewards_by_hand(monkeypatch, tmp_path):
     assert refused(spec=spec("temporal"), frames=2) == (
         "--reward temporal: 'temporal' scores videos, and --model-id gives images"
     )
-    assert refused(spec=spec("ocr")) == rewards._needs_url("ocr")
+    assert refused(spec=spec("ocr_judge")) == rewards._needs_url("ocr_judge")
     assert refused(spec=spec("jpeg:0.5", ckpts=[f"jpeg={tmp_path / 'none'}"])) == (
         f"--reward-ckpt jpeg={tmp_path / 'none'}: no such file or folder"
     )
@@ -382,7 +382,7 @@ def test_each_refusal_of_check_rewards_by_hand(monkeypatch, tmp_path):
     monkeypatch.setattr(rewards, "request_json", lambda url, **kw: asked.append((url, kw)))
     monkeypatch.setattr(rewards, "_hub_file", lambda name, download=True: hub.append((name, download)))
     monkeypatch.setenv("REWARD_API_KEY", "k")
-    check_rewards(spec("ocr,jpeg:0.5", urls=["ocr=http://h:1/v1/", "jpeg=http://h:2/X/"]))  # behind a path
+    check_rewards(spec("ocr_judge,jpeg:0.5", urls=["ocr_judge=http://h:1/v1/", "jpeg=http://h:2/X/"]))  # behind a path
     assert asked == [("http://h:1/v1/models", dict(token="k", timeout=10, tries=1)),
                      ("http://h:2/X/health", dict(token="k", timeout=10, tries=1))]  # fmt: skip
     check_rewards(spec("hpsv2.1:1,jpeg:0.5,pickscore:0"))
@@ -412,11 +412,14 @@ def test_serve_main_refuses_what_it_cannot_serve_and_says_where_it_serves(monkey
     monkeypatch.setitem(rewards.REWARDS, "probe", RewardKind(Probe, differentiable=False))
     monkeypatch.setattr(remote, "serve", serve)  # serve_main imports it from common.remote when it runs
     for reward, error in (
-        ("ocr,probe", "error: --reward ocr,probe: ocr cannot be served here (judges and video rewards)"),
+        (
+            "ocr_judge,probe",
+            "error: --reward ocr_judge,probe: ocr_judge cannot be served here (judges and video rewards)",
+        ),
         ("temporal", "error: --reward temporal: temporal cannot be served here (judges and video rewards)"),
         (
-            "ocr,temporal",
-            "error: --reward ocr,temporal: ocr, temporal cannot be served here (judges and video rewards)",
+            "ocr_judge,temporal",
+            "error: --reward ocr_judge,temporal: ocr_judge, temporal cannot be served here (judges and video rewards)",
         ),
         ("nope", "error: --reward: unknown reward 'nope'; valid names: "),
     ):
