@@ -144,7 +144,13 @@ def _carried_loaded_weights_only():
 def newest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint: checkpoints are written under a hidden name and renamed to iter_N when
     complete (Checkpoints.save), so an iter_N folder is never a partial one."""
-    return max((d for d in (run_dir / "checkpoints").glob("iter_*") if d.is_dir()), default=None)
+    return max(checkpoint_folders(run_dir / "checkpoints"), key=lambda d: int(d.name[5:]), default=None)
+
+
+def checkpoint_folders(folder: Path) -> list[Path]:
+    """The iter_N folders in `folder`, oldest first by N as a number (iter_1000000 after iter_999999; not as text)."""
+    found = [d for d in folder.glob("iter_*") if d.is_dir() and re.fullmatch(r"iter_\d+", d.name)]
+    return sorted(found, key=lambda d: int(d.name[5:]))
 
 
 def _fsync(*paths: Path) -> None:
@@ -235,13 +241,11 @@ class Checkpoints:
         if manifest.get("run") != mine["run"]:
             return f"run {manifest.get('run')}'s, not run {mine['run']}'s, the folder it is in", {}
         theirs = manifest["settings"]
-        differ = [
-            k
-            for k in sorted(mine["settings"].keys() | theirs.keys())
-            if theirs.get(k, "?") != mine["settings"].get(k, "?")
-        ]
+        both = sorted(mine["settings"].keys() | theirs.keys())
+        differ = [k for k in both if k not in theirs or k not in mine["settings"] or theirs[k] != mine["settings"][k]]
         if differ:
-            return "another " + ", ".join(f"--{k.replace('_', '-')} ({theirs.get(k)} there, {mine['settings'].get(k)} "
+            say = lambda side, k: side.get(k, "absent")  # noqa: E731
+            return "another " + ", ".join(f"--{k.replace('_', '-')} ({say(theirs, k)} there, {say(mine['settings'], k)} "
                                           "here)" for k in differ), {}  # fmt: skip
         listed = manifest["files"]
         for name in sorted(listed.keys() | files.keys()):
@@ -333,7 +337,7 @@ class Checkpoints:
                 old.rename(old.with_name(f".replaced_{old.name}"))
             partial.rename(done)
             _fsync(self.dir)
-            for old in sorted(self.dir.glob("iter_*"))[: -self.keep]:
+            for old in checkpoint_folders(self.dir)[: -self.keep]:
                 _remove(old.rename(old.with_name(f".deleting_{old.name}")))  # never a half-deleted iter_N
             for old in stale:
                 _remove(old.with_name(f".replaced_{old.name}"))

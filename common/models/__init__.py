@@ -37,7 +37,7 @@ import torch
 from huggingface_hub import hf_hub_download
 
 from common import InputError, hub_reachable
-from common.models.base import FlowModel, _cfg, _Parts, check_num_frames
+from common.models.base import FlowModel, _cfg, _Parts, check_num_frames, save_pretrained
 from common.shapesbench.builders import LATENT_PATH, SHAPESBENCH_KEY
 
 if TYPE_CHECKING:  # for the annotations; at run time __getattr__ imports it on first use
@@ -385,7 +385,7 @@ def save_trained_weights(model: FlowModel | DDIMModel, transformer, out_dir, lor
     if not lora:
         if experts:
             return transformer.save_full(out_dir, state_dict)
-        transformer.save_pretrained(out_dir / ("unet" if model.kind == "sd1" else "transformer"), state_dict=state_dict)
+        save_pretrained(transformer, out_dir / ("unet" if model.kind == "sd1" else "transformer"), state_dict)
         return
     from peft import get_peft_model_state_dict  # heavy: imported when an adapter is saved
 

@@ -2,6 +2,7 @@
 their device, the batched classifier-free guidance, the VAE decode, and the checks of a size or a frame count."""
 
 import math
+from pathlib import Path
 
 import torch
 
@@ -22,6 +23,21 @@ def _cfg(forward, x, t, cond, get_uncond, scale, guide_below_one: bool = False):
     if torch.is_tensor(scale):  # one scale per row (B, 1, ...), in the outputs' dtype as a number would act
         scale = scale.to(out_cond.dtype)
     return out_uncond + scale * (out_cond - out_uncond)
+
+
+def save_pretrained(module, folder, state_dict=None) -> None:
+    """`module.save_pretrained(folder)`, the tensors taken from `state_dict` where one is given (FSDP's gathered full
+    weights): diffusers' ModelMixin.save_pretrained has no state_dict argument (it swallows the keyword and saves the
+    module's own tensors, under FSDP this process's shard), so the config and one safetensors file are written here,
+    as save_pretrained names them, for `from_pretrained`."""
+    if state_dict is None:
+        return module.save_pretrained(folder)
+    from safetensors.torch import save_file  # heavy only with the rest of a save
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    module.save_config(folder)
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, folder / "diffusion_pytorch_model.safetensors")
 
 
 def _vae_decode(vae, latents):

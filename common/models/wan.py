@@ -9,7 +9,7 @@ from diffusers.loaders import PeftAdapterMixin
 
 from common import InputError
 from common.models import LOW_NOISE_LORA
-from common.models.base import FlowModel, _cfg, _check_multiple, _unnormalise, check_num_frames
+from common.models.base import FlowModel, _cfg, _check_multiple, _unnormalise, check_num_frames, save_pretrained
 
 
 class WanExperts(ModelMixin, PeftAdapterMixin):
@@ -68,7 +68,7 @@ class WanExperts(ModelMixin, PeftAdapterMixin):
             own = None if state_dict is None else {
                 k.removeprefix(f"{expert}."): v for k, v in state_dict.items() if k.startswith(f"{expert}.")
             }  # fmt: skip
-            getattr(self, expert).save_pretrained(Path(out_dir) / sub, state_dict=own)
+            save_pretrained(getattr(self, expert), Path(out_dir) / sub, own)
 
 
 class WanModel(FlowModel):
