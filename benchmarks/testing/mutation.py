@@ -20,9 +20,10 @@ dancegrpo_flags.md, common_runs.md, ...: survivors with their diffs; the page's 
 benchmarks/testing/requirements-mutation.txt (`pip install -r benchmarks/testing/requirements-mutation.txt`).
 
 What is mutated: for the five scripts, the module-level functions and the methods of the classes above main() (not
-main(), not the flags class Args); for common/runs.py, common/remote.py and common/evaluate.py every function but an
-entry point's main(); for common/rewards.py, the served-reward path (how requests are made and their answers
-combined) and the parser of --reward. Tests: only in-process ones (a test that starts the script in another process is
+main(), not the flags class Args); for common/runs.py, common/remote.py, common/evaluate.py, common/checkpoints.py
+and common/flags.py every function but an entry point's main(); for common/__init__.py the atomic writer; for
+common/rewards.py, the served-reward path (how requests are made and their answers combined) and the parser of
+--reward. Tests: only in-process ones (a test that starts the script in another process is
 left out: mutmut cannot tell which functions it reaches, and it takes minutes).
 """
 
@@ -84,6 +85,33 @@ TARGETS = {
     "common/evaluate.py": {
         "tests": ["tests/test_evaluate.py", "tests/test_evaluate_stats.py"],
         "scope": "all",
+    },
+    "common/checkpoints.py": {
+        "tests": [
+            "tests/test_checkpoint_trust.py",
+            "tests/test_checkpoint_units.py",
+            "tests/test_runs.py",
+            "tests/test_properties_runs.py",
+        ],
+        "scope": "all",
+    },
+    "common/flags.py": {
+        # every check of the command line; test_flags_applied.py: each script's main() given flags, in this process
+        "tests": [
+            "tests/test_flag_walk.py",
+            "tests/test_flag_walk_tools.py",
+            "tests/test_inputs.py",
+            "tests/test_help.py",
+            "tests/test_pipeline_schedules.py",
+            "tests/test_checkpoint_trust.py",
+            "tests/test_flags_applied.py",
+        ],
+        "scope": "all",
+    },
+    "common/__init__.py": {
+        # the atomic writer and its check of what is in the way
+        "tests": ["tests/test_checkpoint_trust.py", "tests/test_evaluate_stats.py", "tests/test_runs.py"],
+        "scope": ["in_the_way", "write_atomically"],
     },
     "common/rewards.py": {
         # test_flags_applied.py: serve_main given every option, in this process
@@ -245,7 +273,7 @@ def run_target(key: str, args) -> dict:
     tests = in_process_tests(copy, spec["tests"])
     if not reuse:
         configure(copy, target, tests)
-    module = target.removesuffix(".py").replace("/", ".")
+    module = target.removesuffix(".py").replace("/", ".").removesuffix(".__init__")  # a package: its own name
     patterns = [f"{module}.{n}__mutmut_*" for n in names]
     sha = hashlib.sha256(source.encode()).hexdigest()[:16]
     earlier = None
