@@ -98,6 +98,7 @@ TARGETS = {
     "common/flags.py": {
         # every check of the command line; test_flags_applied.py: each script's main() given flags, in this process
         "tests": [
+            "tests/test_cli_units.py",
             "tests/test_flag_walk.py",
             "tests/test_flag_walk_tools.py",
             "tests/test_inputs.py",
@@ -110,7 +111,12 @@ TARGETS = {
     },
     "common/__init__.py": {
         # the atomic writer and its check of what is in the way
-        "tests": ["tests/test_checkpoint_trust.py", "tests/test_evaluate_stats.py", "tests/test_runs.py"],
+        "tests": [
+            "tests/test_cli_units.py",
+            "tests/test_checkpoint_trust.py",
+            "tests/test_evaluate_stats.py",
+            "tests/test_runs.py",
+        ],
         "scope": ["in_the_way", "write_atomically"],
     },
     "common/rewards.py": {
