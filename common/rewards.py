@@ -117,6 +117,13 @@ HUB_WEIGHTS = {
         "\"from transformers import AutoTokenizer; AutoTokenizer.from_pretrained('bert-base-uncased')"
         ".save_pretrained('imagereward')\"`",
     ),
+    "geneval": (  # and openai/clip-vit-large-patch14 for the colours (common/geneval.py's FETCH)
+        "facebook/mask2former-swin-small-coco-instance",
+        "config.json",
+        "/path/to/folder",
+        "`hf download facebook/mask2former-swin-small-coco-instance --local-dir FOLDER/mask2former && hf download "
+        "openai/clip-vit-large-patch14 --local-dir FOLDER/clip`",
+    ),
     "hpsv3": (  # the whole model; the config and processor come from Qwen/Qwen2-VL-7B-Instruct (common/hpsv3.py)
         "MizzenAI/HPSv3",
         "HPSv3.safetensors",
@@ -188,6 +195,44 @@ def ocr(device, checkpoint=None) -> Reward:
     from common.ocr import load_ocr  # here: loads onnxruntime and OpenCV, and --help stays fast
 
     return ScoreFn(load_ocr(), differentiable=False)
+
+
+# ---------------------------------------------------------------- GenEval (Mask2Former + CLIP, common/geneval.py)
+_GENEVAL = {}  # (checkpoint, device) -> the judge: geneval and geneval_accuracy in one spec share one copy
+
+
+def _geneval(name: str, device, checkpoint):
+    from common.geneval import load_geneval  # here: transformers' Mask2Former loads only when the reward is built
+
+    if checkpoint is None:
+        _hub_file("geneval", download=False)  # fails at once, with how to get the weights, when offline and not cached
+    key = (checkpoint, str(device))
+    if key not in _GENEVAL:
+        _GENEVAL[key] = load_geneval(checkpoint, device, f"--reward-ckpt {name}")
+    return _GENEVAL[key]
+
+
+def geneval(device, checkpoint=None) -> Reward:
+    """Flow-GRPO's GenEval training reward: the partial credit of its reward server (per-clause count, colour and
+    position terms, in (-15, 1]; common/geneval.py), from GenEval's detector and colour classifier; the prompt must
+    be one of GenEval's templates. Not differentiable. `checkpoint`: a folder with mask2former/ and clip/."""
+    judge = _geneval("geneval", device, checkpoint)
+    return ScoreFn(
+        lambda im, p: torch.tensor([s for _, _, s in judge.judge(im, p)]),
+        differentiable=False,
+        parts=Offloaded(judge.parts, device, False),
+    )
+
+
+def geneval_accuracy(device, checkpoint=None) -> Reward:
+    """GenEval's verdict per image, 1 or 0, as its official evaluator gives it (the number the papers' GenEval tables
+    average, per task and overall; common.evaluate prints them)."""
+    judge = _geneval("geneval_accuracy", device, checkpoint)
+    return ScoreFn(
+        lambda im, p: torch.tensor([float(c) for c, _, _ in judge.judge(im, p)]),
+        differentiable=False,
+        parts=Offloaded(judge.parts, device, False),
+    )
 
 
 # ---------------------------------------------------------------- HPSv2.1 (open_clip)
@@ -615,6 +660,8 @@ for _name, _factory, _differentiable, _flags in (
     ("unifiedreward", _judge("unifiedreward"), False, {"judge": True}),
     ("ocr", ocr, False, {}),
     ("ocr_judge", _judge("ocr_judge"), False, {"judge": True}),
+    ("geneval", geneval, False, {}),
+    ("geneval_accuracy", geneval_accuracy, False, {}),
 ):
     register_reward(_name, _factory, _differentiable, **_flags)
 
@@ -726,6 +773,16 @@ def check_reward_prompts(spec: RewardSpec, prompts: list[str], flag: str) -> Non
                 raise InputError(
                     f"{flag}: prompt {i} quotes no text for ocr to read: it reads the first span between straight "
                     f'double quotes, e.g. a sign that says "OPEN"'
+                )
+    if {"geneval", "geneval_accuracy"} & set(spec.weights):
+        from common.geneval import geneval_metadata  # here: --help does not import GenEval's rules
+
+        for i, prompt in enumerate(prompts, 1):
+            if geneval_metadata(prompt) is None:
+                raise InputError(
+                    f"{flag}: prompt {i} is not one of GenEval's templates, so geneval cannot tell what to look for "
+                    f"({prompt[:80]!r}; e.g. 'a photo of two cats', 'a photo of a red car and a blue bench'; "
+                    "python -m common.prompts geneval writes its 553 prompts)"
                 )
     for name, cap in PROMPT_CHARS.items():
         if not spec.weights.get(name):

@@ -1,11 +1,9 @@
 """Rewards: spec parsing, the weighted composite, JPEG, and the real-model rewards (HPSv2.1, PickScore, CLIP)
 built from tiny random-weight models saved to disk, so the loading, preprocessing and gradient paths run offline."""
 
-import gzip
 import shutil
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ from PIL import Image
 
 from common import rewards
 from common.rewards import REWARDS, RewardKind, ScoreFn, build_reward, parse_rewards
-from tests.tiny import build_tiny_hps
+from tests.tiny import build_tiny_clip, build_tiny_hps
 
 PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
 
@@ -221,42 +219,8 @@ def test_hps_offline_without_checkpoint(tmp_path, monkeypatch):
 def tiny_clip(tmp_path_factory):
     """A folder with a tiny random CLIPModel, the real CLIP BPE tokenizer (built offline from open_clip's vocab
     file) and a CLIPImageProcessor at 64 px, as --reward-ckpt expects."""
-    import open_clip.tokenizer
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
-
-    bpe = Path(open_clip.tokenizer.__file__).parent / "bpe_simple_vocab_16e6.txt.gz"
-    merges = [tuple(line.split()) for line in gzip.open(bpe).read().decode().split("\n")[1 : 49152 - 256 - 2 + 1]]
-    vocab = list(open_clip.tokenizer.bytes_to_unicode().values())
-    vocab += [v + "</w>" for v in vocab] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
-    tokenizer = CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=merges, model_max_length=77)
-
-    image_processor = CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64})
-    torch.manual_seed(0)
-    config = CLIPConfig(
-        text_config=dict(
-            vocab_size=49408,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            max_position_embeddings=77,
-            bos_token_id=49406,
-            eos_token_id=49407,
-            pad_token_id=49407,
-        ),
-        vision_config=dict(
-            image_size=64,
-            patch_size=16,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-        ),
-        projection_dim=32,
-    )
     d = tmp_path_factory.mktemp("clip")
-    CLIPModel(config).save_pretrained(d)
-    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(d)
+    build_tiny_clip(d)
     return str(d)
 
 

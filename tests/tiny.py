@@ -546,3 +546,65 @@ def build_hunyuan15(path):
         scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=te2, tokenizer_2=tok2,
         guider=ClassifierFreeGuidance(guidance_scale=6.0),
     ).save_pretrained(path)  # fmt: skip
+
+
+# ---------------------------------------------------------------- tiny reward models
+def build_tiny_clip(d, size: int = 64) -> None:
+    """A folder with a tiny random CLIPModel, the real CLIP BPE tokenizer (built offline from open_clip's vocab file)
+    and a CLIPImageProcessor at `size` px, as --reward-ckpt expects."""
+    import gzip
+
+    import open_clip.tokenizer
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    bpe = Path(open_clip.tokenizer.__file__).parent / "bpe_simple_vocab_16e6.txt.gz"
+    merges = [tuple(line.split()) for line in gzip.open(bpe).read().decode().split("\n")[1 : 49152 - 256 - 2 + 1]]
+    vocab = list(open_clip.tokenizer.bytes_to_unicode().values())
+    vocab += [v + "</w>" for v in vocab] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
+    tokenizer = CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=merges, model_max_length=77)
+
+    image_processor = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+    torch.manual_seed(0)
+    config = CLIPConfig(
+        text_config=dict(
+            vocab_size=49408,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            bos_token_id=49406,
+            eos_token_id=49407,
+            pad_token_id=49407,
+        ),
+        vision_config=dict(
+            image_size=size,
+            patch_size=16,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+        ),
+        projection_dim=32,
+    )
+    CLIPModel(config).save_pretrained(d)
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(d)
+
+
+def build_tiny_geneval(d, num_labels: int = 80) -> None:
+    """A --reward-ckpt geneval folder: mask2former/ (a tiny random Swin + Mask2Former with `num_labels` classes, 10
+    queries) and clip/ (build_tiny_clip)."""
+    from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation, SwinConfig
+
+    swin = SwinConfig(
+        embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 2, 2], window_size=7,
+        out_features=["stage1", "stage2", "stage3", "stage4"],
+    )  # fmt: skip
+    config = Mask2FormerConfig(
+        backbone_config=swin, num_labels=num_labels, hidden_dim=32, mask_feature_size=32, feature_size=32,
+        encoder_feedforward_dim=64, dim_feedforward=64, decoder_layers=2, encoder_layers=1, num_queries=10,
+        num_attention_heads=2, use_pretrained_backbone=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Mask2FormerForUniversalSegmentation(config).save_pretrained(Path(d) / "mask2former")
+    build_tiny_clip(Path(d) / "clip")
