@@ -49,7 +49,7 @@ from common.flags import (
     need,
 )
 from common.models import LOW_NOISE_LORA, check_model_id, has_two_experts, is_video
-from common.prompts import HPDV2_STYLES, evenly_spaced, hpdv2_prompts, load_prompts
+from common.prompts import HPDV2_STYLES, evenly_spaced, hpdv2_prompts, is_jsonl, load_prompts
 from common.remote import RESUME, STOPS
 from common.rewards import build_reward, check_reward_prompts, check_rewards, check_shapesbench_prompts, parse_rewards
 from common.sampling import fixed_noise, ode_sampler, sample_prompts, schedule
@@ -66,7 +66,8 @@ class EvalArgs:
     checked against the model before anything is sampled"""
     prompts: str = "shapes-eval"
     """shapes-eval, shapes-train, hpdv2 (HPDv2's 3200 test prompts with their styles, from the hub cache), hpdv2=FOLDER
-    (its benchmark/*.json), or a text file with one prompt per line"""
+    (its benchmark/*.json), a GenEval metadata file (.jsonl, its task as the style; `python -m common.prompts geneval
+    prompts/geneval.jsonl`), or a text file with one prompt per line"""
     max_prompts: Annotated[int, Ge(0)] = 0
     """at most this many prompts, evenly spaced through the list (0 = all): the training scripts' --eval-max-prompts"""
     reward: str = "shapes,verifier"
@@ -113,6 +114,11 @@ def load_prompt_set(source: str, max_prompts: int) -> tuple[list[str], list[str]
             raise InputError(f"--prompts {source}: {type(e).__name__}: {str(e)[:200]}; give hpdv2=FOLDER") from None
         per = len(prompts) // len(HPDV2_STYLES)
         styles = [HPDV2_STYLES[min(i // per, len(HPDV2_STYLES) - 1)] for i in range(len(prompts))]
+    elif is_jsonl(source):  # GenEval metadata (common.prompts checks each row): the style is the task
+        from common.geneval import geneval_metadata
+
+        prompts = load_prompts(source)
+        styles = [geneval_metadata(p)["tag"] for p in prompts]
     else:
         prompts = load_prompts(source)
         styles = [""] * len(prompts)
@@ -122,19 +128,22 @@ def load_prompt_set(source: str, max_prompts: int) -> tuple[list[str], list[str]
     return prompts, styles
 
 
-LORA_FILE = "pytorch_lora_weights.safetensors"
+LORA_FILE, PEFT_FILE = "pytorch_lora_weights.safetensors", "adapter_model.safetensors"
 EXPECTED = (
     "expected a run folder (its final/), a final/ folder, a checkpoint (checkpoints/iter_N), a LoRA adapter folder "
-    f"({LORA_FILE}) or a transformer folder of this --model-id's transformer (config.json and its safetensors)"
+    f"({LORA_FILE}, or peft's {PEFT_FILE} with adapter_config.json, as Flow-GRPO releases its LoRAs) or a "
+    "transformer folder of this --model-id's transformer (config.json and its safetensors)"
 )
 
 
 def weights_kind(folder: Path) -> str | None:
     """What a --weights folder (a run folder's final/ already taken) holds: 'checkpoint' (model.safetensors, an
     accelerate checkpoint's trained tensors), 'lora' (diffusers' LoRA file), 'transformer' (transformer/ or a
-    config.json), or None."""
+    config.json), 'peft' (a peft adapter: adapter_model.safetensors, e.g. Flow-GRPO's released LoRAs), or None."""
     if (folder / "model.safetensors").is_file():
         return "checkpoint"
+    if (folder / PEFT_FILE).is_file():
+        return "peft"
     if (folder / LORA_FILE).is_file():
         return "lora"
     if (folder / "transformer").is_dir() or (folder / "config.json").is_file():
@@ -222,6 +231,16 @@ def check_weights(model, spec: str, folder: Path) -> None:
             every = own  # a full fine-tune: every weight
         wrong = _differences(state, own, every)
         need(not wrong, f"--weights {spec}: {path} holds tensors that are not {cls}'s ({wrong}); another --model-id?")
+    elif kind == "peft":
+        need(
+            (folder / "adapter_config.json").is_file() and not isinstance(transformer, WanExperts),
+            f"--weights {spec}: a peft adapter needs its adapter_config.json beside {PEFT_FILE} (one adapter: not "
+            "for Wan2.2-T2V-A14B's two experts)",
+        )
+        own = _with_adapter(spec, transformer, folder / "adapter_config.json")
+        state = {peft_name(k): s for k, s in _header(spec, folder / PEFT_FILE).items()}
+        wrong = _differences(state, own, [k for k in own if ".lora_" in k])
+        need(not wrong, f"--weights {spec}: {folder / PEFT_FILE} is not a LoRA adapter of {cls} ({wrong})")
     elif kind == "lora":
         files = [(folder / LORA_FILE, transformer)]
         if isinstance(transformer, WanExperts):  # Wan2.2-T2V-A14B: one adapter file per expert
@@ -265,10 +284,9 @@ def check_weights(model, spec: str, folder: Path) -> None:
 def _with_adapter(spec: str, transformer, config_path: Path) -> dict[str, tuple[int, ...]]:
     """{name: shape} of `transformer`'s state dict with the LoRA adapter of `config_path` added, computed on an empty
     (meta) copy, so that the model itself is not touched."""
-    from peft import LoraConfig  # heavy: imported when an adapter is read
 
     try:
-        config = LoraConfig(**_read_json(spec, config_path))
+        config = lora_config(_read_json(spec, config_path))
         with init_empty_weights():
             empty = type(transformer).from_config(transformer.config)
         empty.add_adapter(config)
@@ -278,6 +296,28 @@ def _with_adapter(spec: str, transformer, config_path: Path) -> dict[str, tuple[
         raise InputError(f"--weights {spec}: {config_path} does not fit {type(transformer).__name__} "
                          f"({type(e).__name__}: {str(e)[:160]})") from None  # fmt: skip
     return {k: tuple(v.shape) for k, v in empty.state_dict().items()}
+
+
+def lora_config(data: dict):
+    """peft's LoraConfig from an adapter_config.json: the fields this peft knows (one written by another peft
+    version, as a released adapter's, may carry more, which change nothing here)."""
+    import dataclasses
+
+    from peft import LoraConfig
+
+    known = {f.name for f in dataclasses.fields(LoraConfig)}
+    return LoraConfig(**{k: v for k, v in data.items() if k in known and k not in ("peft_type", "task_type")})
+
+
+def peft_name(key: str) -> str:
+    """A peft adapter file's tensor name -> the transformer's, with the adapter added as diffusers adds it:
+    base_model.model.X.lora_A.weight -> X.lora_A.default.weight."""
+    key = key.removeprefix("base_model.model.")
+    for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"):
+        key = key.replace(f".{part}.weight", f".{part}.default.weight").replace(
+            f".{part}.bias", f".{part}.default.bias"
+        )
+    return key
 
 
 def _lora_differences(state: dict, transformer) -> str:
@@ -306,16 +346,18 @@ def _lora_differences(state: dict, transformer) -> str:
 
 def load_weights(model, folder: Path) -> None:
     """Put the weights of `folder` (weights_folder's, passed by check_weights) into model.transformer: a LoRA adapter
-    as diffusers' loader reads it, a checkpoint's trained tensors (LoRA: with its adapter_config.json; full
+    as diffusers' loader reads it, a peft adapter (its tensors renamed by peft_name, its config's scale lora_alpha / r
+    kept), a checkpoint's trained tensors (LoRA: with its adapter_config.json; full
     fine-tuning: every weight), or a full transformer's state dict (into the loaded module, which keeps the model's
     processors)."""
-    from peft import LoraConfig  # heavy: imported when an adapter is read
-
     kind = weights_kind(folder)
-    if kind == "checkpoint":
-        state = {k.removeprefix("module."): v for k, v in load_file(folder / "model.safetensors").items()}  # DDP's
+    if kind in ("checkpoint", "peft"):
+        if kind == "checkpoint":
+            state = {k.removeprefix("module."): v for k, v in load_file(folder / "model.safetensors").items()}  # DDP
+        else:
+            state = {peft_name(k): v for k, v in load_file(folder / PEFT_FILE).items()}
         if any(".lora_" in k for k in state):
-            model.transformer.add_adapter(LoraConfig(**json.loads((folder / "adapter_config.json").read_text())))
+            model.transformer.add_adapter(lora_config(json.loads((folder / "adapter_config.json").read_text())))
         own = model.transformer.state_dict()
         model.transformer.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=False)
     elif kind == "lora":
@@ -337,6 +379,8 @@ def weights_files(folder: Path) -> list[Path]:
     kind = weights_kind(folder)
     if kind == "checkpoint":
         names = ["model.safetensors", "adapter_config.json"]
+    elif kind == "peft":
+        names = [PEFT_FILE, "adapter_config.json"]
     elif kind == "lora":
         names = [LORA_FILE, LOW_NOISE_LORA]
     else:
@@ -515,6 +559,41 @@ def score_model(args, model, reward_fn, prompts, accelerator, cache: Path, grid:
     return out
 
 
+def geneval_table(per_prompt: dict, styles: list[str]) -> tuple[dict, list[str]]:
+    """GenEval's summary (its `summary_scores.py`) from each model's per-prompt geneval_accuracy: per task the share
+    of correct images, the overall score (the plain mean of the tasks', GenEval's), and the share of correct images
+    over all (the mean Flow-GRPO reports, tasks weighted by their number of prompts). Trained rows add the paired
+    difference from the base and its standard error (overall: the tasks' errors combined, sqrt(sum se_t^2) / T).
+    -> (figures per model, the table's lines)."""
+    from common.geneval import TAGS
+
+    tags = [t for t in TAGS if t in styles]
+    rows = {t: torch.tensor([s == t for s in styles]) for t in tags}
+    figures, lines = {}, ["", "GenEval: correct images per task (the official evaluator's rule), overall = the tasks' "
+                          "mean; trained - base +- paired standard error:", "",
+                          "| model | " + " | ".join(tags) + " | overall | all images |", "|---" * (len(tags) + 3) + "|"]  # fmt: skip
+    for m, figs in per_prompt.items():
+        acc = figs["geneval_accuracy"]
+        task = {t: acc[rows[t]].mean().item() for t in tags}
+        figures[m] = {**task, "overall": sum(task.values()) / len(tags), "all_images": acc.mean().item()}
+        cells = [f"{figures[m][k]:.4f}" for k in [*tags, "overall", "all_images"]]
+        if m != "base":
+            diff = acc - per_prompt["base"]["geneval_accuracy"]
+            deltas = {t: paired(diff[rows[t]]) for t in tags}
+            deltas["overall"] = (
+                sum(d for d, _ in deltas.values()) / len(tags),
+                math.sqrt(sum(se**2 for _, se in deltas.values())) / len(tags),
+            )
+            deltas["all_images"] = paired(diff)
+            figures[m]["deltas"] = deltas
+            cells = [
+                f"{c} ({deltas[k][0]:+.4f} +- {deltas[k][1]:.4f})"
+                for c, k in zip(cells, [*tags, "overall", "all_images"])
+            ]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return figures, lines
+
+
 def paired(diff: torch.Tensor) -> tuple[float, float]:
     """Mean and standard error of per-prompt differences (P,)."""
     se = diff.std().item() / math.sqrt(len(diff)) if len(diff) > 1 else float("nan")
@@ -660,6 +739,11 @@ def report(args, setting, records, prompt_list, styles, prompts, grid, out: Path
             deltas[m].update(
                 {f"{k}/{style}": paired((per_prompt[m][k] - per_prompt["base"][k])[rows]) for k in rewards}
             )
+    geneval_lines = []
+    if "geneval_accuracy" in rewards and any(styles):  # a GenEval set: its summary table
+        geneval, geneval_lines = geneval_table(per_prompt, styles)
+        for m in names:
+            figures[m]["geneval"] = geneval[m]
     # every report file is checked before any is written: a folder or a link in the way of the last one must not
     # leave the first ones of this evaluation beside the others' of an earlier one
     for name in ("results.json", "scores.jsonl", "results.md", "grid.png"):
@@ -687,6 +771,7 @@ def report(args, setting, records, prompt_list, styles, prompts, grid, out: Path
     if shapes_keys:
         lines += ["", "| model | " + " | ".join(shapes_keys) + " |", "|---" * (len(shapes_keys) + 1) + "|"]
         lines += [f"| {m} | " + " | ".join(f"{figures[m][k]:.3f}" for k in shapes_keys) + " |" for m in names]
+    lines += geneval_lines
     styled = sorted(set(styles) - {""})
     if styled and len(names) > 1:
         lines += ["", "per style, trained - base +- paired standard error:", "",
