@@ -10,6 +10,8 @@
 #   dancegrpo-flux-8gpu    FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 8 GPUs (DDP); 42 GB per GPU
 #   dancegrpo-flux-fsdp8   FLUX.1-dev + HPSv2.1, full fine-tuning, 720 px, 8 GPUs (FSDP); 34 GB per GPU
 #   dancegrpo-sd35-8gpu    SD3.5-Medium + HPSv2.1 (Flow-GRPO's setting), LoRA r32, 512 px, 8 GPUs (DDP); 24 GB per GPU
+#   dancegrpo-sd35-geneval-8gpu  Flow-GRPO's GenEval run: SD3.5-Medium, GenEval's partial score, its prompts; 22 GB per GPU
+#   dancegrpo-sd35-ocr-8gpu      Flow-GRPO's OCR run: SD3.5-Medium, the PP-OCR reward, its prompts; 20 GB per GPU
 #   grpoguard-sd35-8gpu    GRPO-Guard (dancegrpo.py --objective guard), SD3.5-Medium, the official setting, 8 GPUs; 24 GB per GPU
 #   flowdppo-sd35-8gpu     Flow-DPPO (dancegrpo.py --objective dppo), SD3.5-Medium, the official setting, 8 GPUs; 24 GB per GPU
 #   mixgrpo-flash-flux-8gpu  MixGRPO-Flash (--ode-solver dpm2), FLUX.1-dev, LoRA r128, 720 px, 8 GPUs; 42 GB per GPU
@@ -30,6 +32,8 @@
 #   vgrpo-flux-8gpu        FLUX.1-dev + HPSv2.1, LoRA r128, 720 px, 8 GPUs (DDP); 41 GB per GPU
 #   vgrpo-flux-fsdp8       FLUX.1-dev + HPSv2.1, full fine-tuning, 720 px, 8 GPUs (FSDP); 34 GB per GPU
 #   vgrpo-sd35-8gpu        SD3.5-Medium + HPSv2.1 (the paper's stage 1), LoRA r32, 512 px, 8 GPUs (DDP); 24 GB per GPU
+#   vgrpo-sd35-geneval-8gpu  the same setting on GenEval (Flow-GRPO's prompts, its partial score); 22 GB per GPU
+#   vgrpo-sd35-ocr-8gpu      the same setting on OCR (Flow-GRPO's prompts, the PP-OCR reward); 20 GB per GPU
 #   vgrpo-flux-multinode   LoRA on NUM_MACHINES x 8 GPUs; needs MAIN_IP, MACHINE_RANK, NUM_MACHINES
 #   dancegrpo-wan-1gpu     Wan2.1-T2V-1.3B video + HPSv2.1 on 4 frames + temporal, LoRA r128, 480x832, 33 frames, 1 GPU; 35 GB per GPU
 #   dancegrpo-wan-8gpu     the same on 8 GPUs (DDP); 35 GB per GPU
@@ -47,8 +51,10 @@
 #   diffusionnft-cpu       DiffusionNFT on ShapesBench, 1 CPU process
 #   diffusionnft-cpu-2proc the same, 2 CPU processes (gloo): groups span processes
 #   diffusionnft-sd35-8gpu SD3.5-Medium + HPSv2.1, the official sd3_hpsv2 config: LoRA r32, 512 px, 8 GPUs (DDP); 25 GB per GPU
+#   diffusionnft-sd35-geneval-8gpu  the official sd3_geneval config: GenEval's partial score, Flow-GRPO's prompts; 23 GB per GPU
+#   diffusionnft-sd35-ocr-8gpu      the official sd3_ocr config: the PP-OCR reward, beta 0.1; 21 GB per GPU
 #   diffusionnft-sd35-curriculum-8gpu  the paper's five stages (800/300/200/200/100 iterations), each resuming the last;
-#                          needs PICKAPIC_PROMPTS, GENEVAL_PROMPTS, OCR_PROMPTS, JUDGE_URL; FROM_STAGE=k restarts at stage k
+#                          needs PICKAPIC_PROMPTS; FROM_STAGE=k restarts at stage k
 #   diffusionnft-flux-8gpu FLUX.1-dev + HPSv2.1, Flow-Factory's NFT setting: LoRA r64, 384 px, offload, 8 GPUs (DDP); 41 GB per GPU
 #   rlr-cpu                RLR on ShapesBench, 1 CPU process: ablation V2 (no zero-order term), DCoT stage coarse
 #   rlr-full-cpu           RLR's full, unbiased estimator (FO + HO + ZO, window anywhere): learns nothing here
@@ -61,6 +67,9 @@
 #   compare                every method at its defaults, side by side (benchmarks/claims/compare.py); add --quick
 #   evaluate-flux          FLUX.1-dev base vs --weights runs/<run> on HPDv2's test prompts: HPSv2.1, PickScore, ImageReward
 #   evaluate-sd35          the same for SD3.5-Medium (add --guidance-scale 1 for V-GRPO's evaluation without CFG)
+#   evaluate-sd35-geneval  SD3.5-Medium base vs --weights on GenEval's 553 prompts x 4: the per-task table and overall
+#   evaluate-sd35-geneval-flowgrpo  the same with Flow-GRPO's released GenEval LoRA (FLOWGRPO_GENEVAL_LORA); published: 94.08% of images
+#   evaluate-sd35-ocr      SD3.5-Medium base vs --weights on Flow-GRPO's 1018 OCR test prompts: OCR accuracy
 #
 # GPU recipes (flux, sd35, sd15, wan, qwen) need:
 #   PROMPTS       training prompts, one per line (required). HPDv2's 3200 test prompts (Hugging Face dataset
@@ -99,7 +108,7 @@ need_env() {  # a GPU recipe's required variable; --print shows $NAME in its pla
   fi
 }
 
-case "$recipe" in evaluate-*|*curriculum*) ;; *flux*|*sd35*|*sd15*|*wan*|*qwen*|*ltx2*|*hunyuan15*)
+case "$recipe" in evaluate-*|*curriculum*|*-geneval-*|*-ocr-*) ;; *flux*|*sd35*|*sd15*|*wan*|*qwen*|*ltx2*|*hunyuan15*)
   need_env PROMPTS "a prompt file, one prompt per line; HPDv2's 3200 test prompts, from the Hugging Face dataset \
 zhwang/HPDv2 (benchmark/*.json), are written to one by: python -m common.prompts hpdv2 prompts/hpdv2_test.txt"
   EVAL_PROMPTS=${EVAL_PROMPTS:-$PROMPTS} ;;
@@ -138,11 +147,26 @@ FLUX_VGRPO=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 
   --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
 # Flow-GRPO's SD3.5-Medium setting (arXiv 2505.05470, config/grpo.py), which dancegrpo.py's flow SDE is: 512 px,
 # 10 steps, a = 0.7, CFG 4.5 in training, 24 images per prompt, LoRA r32 alpha 64, lr 3e-4, clip 1e-4, KL 0.04.
-SD35_DANCE=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 "${GPU_COMMON[@]}" --shift 3
+FLOWGRPO_SD35=(--shift 3
   --num-steps 10 --sde-type flow --noise-level 0.7 --guidance-scale 4.5 --group-size 24 --samples-per-device 24
   --rollout-batch-size 8 --samples-per-update 24 --timestep-fraction 1.0 --clip-range 1e-4 --kl-beta 0.04
   --lora --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --iterations 300
   --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 40 --sample-every 10 --save-every 20)
+SD35=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512)
+SD35_DANCE=("${SD35[@]}" "${GPU_COMMON[@]}" "${FLOWGRPO_SD35[@]}")
+# The field's yardsticks on SD3.5-Medium (docs/evaluate.md): Flow-GRPO's GenEval and OCR runs (config/grpo.py,
+# geneval_sd3 and general_ocr_sd3: the setting above, rewarded by GenEval's partial score or the OCR reward, on its
+# own prompt sets). Not here: its EMA, and its advantage's std over all prompts (here: each prompt's group's). The
+# prompt sets are written once by `python -m common.prompts NAME FILE` (the defaults below: flowgrpo-geneval-train,
+# flowgrpo-geneval-test, flowgrpo-ocr-train, flowgrpo-ocr-test, geneval); GENEVAL_CKPT: a folder with mask2former/
+# and clip/ (default: the hub's facebook/mask2former-swin-small-coco-instance and openai/clip-vit-large-patch14).
+GENEVAL_CKPTS=()
+[ -n "${GENEVAL_CKPT:-}" ] && GENEVAL_CKPTS=(--reward-ckpt "geneval=$GENEVAL_CKPT")
+GENEVAL_TASK=(--reward geneval "${GENEVAL_CKPTS[@]}" --prompts "${GENEVAL_PROMPTS:-prompts/flowgrpo_geneval_train.jsonl}"
+  --eval-prompts "${GENEVAL_EVAL_PROMPTS:-prompts/flowgrpo_geneval_test.jsonl}")
+OCR_TASK=(--reward ocr --prompts "${OCR_PROMPTS:-prompts/flowgrpo_ocr_train.txt}"
+  --eval-prompts "${OCR_EVAL_PROMPTS:-prompts/flowgrpo_ocr_test.txt}")
+SD35_YARD=("${SD35[@]}" "${GPU_MEMORY[@]}" --weight-decay 0 --lr-warmup 0)
 # GRPO-Guard's SD3.5-Medium setting (arXiv 2510.22319; flow_grpo's config/grpo_guard.py, general_ocr_sd3_rationorm):
 # Flow-GRPO's sampling (512 px, 10 steps, a = 0.7, CFG 4.5, 24 images per prompt), its 9 of 10 steps trained (here the
 # 9 trainable SDE steps), the normalised ratio in a 2e-6 clip, lr 1e-4, no KL. Not here: its EMA and fp16.
@@ -172,11 +196,12 @@ FLUX_FLASH=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 
 # V-GRPO's SD3.5-Medium stage 1 (arXiv 2604.23380, appendix): 512 px, 40-step ODE without CFG, N_MC 4, 24 images per
 # prompt, one optimizer step per iteration, advantage soft clip eta 3, no ratio clip in effect, no KL, LoRA r32 alpha 64,
 # lr 3e-4 (the paper's reward is HPSv2.1 + PickScore + CLIP score; HPSv2.1 alone here).
-SD35_VGRPO=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 "${GPU_COMMON[@]}" --shift 3
+VGRPO_SD35=(--shift 3
   --num-steps 40 --solver dpm++2m --n-mc 4 --guidance-scale 1 --group-size 24 --samples-per-device 24
   --rollout-batch-size 8 --train-batch-size 2 --samples-per-update 24 --adv-soft-clip 3 --kl-beta 0
   --lora --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --iterations 300
   --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 40 --sample-every 10 --save-every 20)
+SD35_VGRPO=("${SD35[@]}" "${GPU_COMMON[@]}" "${VGRPO_SD35[@]}")
 # RLR's SD setting (arXiv 2502.00639 §5; https://github.com/RTkenny/RLR-Optimizer, scripts/hps_RLR.sh): SD1.5 (paper:
 # SD1.4), 50 DDIM steps eta 1, CFG 5, LoRA r = 4, lr 1e-4, h = 2 (the paper's 30-40 GB choice), 4 images per prompt.
 SD15_RLR=(--model-id "${MODEL_ID:-stable-diffusion-v1-5/stable-diffusion-v1-5}" "${GPU_COMMON[@]}"
@@ -195,6 +220,11 @@ SD35_NFT_BASE=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}"
   --weight-decay 1e-4 --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 40 --sample-every 10 --save-every 20)
 SD35_NFT=("${SD35_NFT_BASE[@]}" --reward hpsv2.1 "${HPS_CKPT[@]}" --prompts "${PROMPTS:-}"
   --eval-prompts "${EVAL_PROMPTS:-}" --iterations 1000)
+# ... and its sd3_geneval (the same setting) and sd3_ocr (beta 0.1, the delayed old-policy schedule, 2 optimizer steps
+# per iteration) configs
+SD35_NFT_GENEVAL=("${SD35_NFT_BASE[@]}" "${GENEVAL_TASK[@]}" --iterations 1000)
+SD35_NFT_OCR=("${SD35_NFT_BASE[@]}" "${OCR_TASK[@]}" --beta 0.1 --old-decay delayed --samples-per-update 72
+  --iterations 1000)
 # DiffusionNFT on FLUX.1-dev has no official recipe (the official code is SD3 only); Flow-Factory's
 # (https://github.com/X-GenGroup/Flow-Factory, examples/nft/lora/flux1/default.yaml): 384 px, 8 ODE steps, embedded
 # guidance 3.5 in sampling and training, 16 images per prompt, 48 prompts per iteration (96 images per GPU on 8), 2
@@ -251,18 +281,13 @@ FLUX2_DANCE=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.2-klein-base-4B}" --
 
 curriculum() {  # FLAGS...: DiffusionNFT's five-stage SD3.5-M curriculum (the paper's appendix C) on 8 GPUs
   need_env PICKAPIC_PROMPTS "the Pick-a-Pic training prompts, one per line"
-  need_env GENEVAL_PROMPTS "GenEval-style compositional prompts, one per line"
-  need_env OCR_PROMPTS "prompts with the text to render in quotes, one per line"
-  need_env JUDGE_URL "an OpenAI-compatible VLM server for the GenEval and OCR stages, e.g. http://judge:8000/v1"
-  # human preference: the official multi-reward trio (1:1:1, beta 0.1, 25 steps); GenEval: its detector-based score
-  # is not packaged here, so the UnifiedReward judge's prompt alignment stands in (beta 1, 10 steps); OCR: the OCR
-  # judge (the official sd3_ocr: beta 0.1, 2 optimizer steps per iteration)
+  # human preference: the official multi-reward trio (1:1:1, beta 0.1, 25 steps); GenEval: its partial score (the
+  # official sd3_geneval: beta 1, 10 steps); OCR: the OCR reward (the official sd3_ocr: beta 0.1, 2 optimizer steps per
+  # iteration). The GenEval and OCR prompt sets: GENEVAL_TASK's and OCR_TASK's (prompts/flowgrpo_*)
   local pref=(--prompts "$PICKAPIC_PROMPTS" --eval-prompts "$PICKAPIC_PROMPTS" --reward pickscore,hpsv2.1,clip
     "${HPS_CKPT[@]}" --beta 0.1 --num-steps 25)
-  local geneval=(--prompts "$GENEVAL_PROMPTS" --eval-prompts "$GENEVAL_PROMPTS" --reward unifiedreward
-    --reward-url "unifiedreward=$JUDGE_URL" --beta 1 --num-steps 10)
-  local ocr=(--prompts "$OCR_PROMPTS" --eval-prompts "$OCR_PROMPTS" --reward ocr_judge
-    --reward-url "ocr_judge=$JUDGE_URL" --beta 0.1 --num-steps 10 --samples-per-update 72)
+  local geneval=("${GENEVAL_TASK[@]}" --beta 1 --num-steps 10)
+  local ocr=("${OCR_TASK[@]}" --beta 0.1 --num-steps 10 --samples-per-update 72)
   local k=0 end=0 stage
   for stage in 800:pref 300:geneval 200:pref 200:geneval 100:ocr; do  # iterations:prompts and reward
     k=$((k + 1)) end=$((end + ${stage%%:*}))
@@ -339,6 +364,16 @@ EVAL_FLUX=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 7
   "${EVAL_REWARDS[@]}" --num-steps 28 --guidance-scale 3.5)
 EVAL_SD35=(--model-id "${MODEL_ID:-stabilityai/stable-diffusion-3.5-medium}" --resolution 512 --mixed-precision bf16
   "${EVAL_REWARDS[@]}" --num-steps 40 --guidance-scale 4.5)
+# GenEval and OCR as Flow-GRPO evaluates SD3.5-Medium (config/grpo.py: 40 steps, CFG 4.5, 512 px): GenEval's 553
+# prompts x 4 images (the 2212 images of its test set, and of GenEval's own protocol), its verdict per image and the
+# partial score beside it; OCR on its 1018 test prompts, one image each. Add --guidance-scale 1 for DiffusionNFT's and
+# V-GRPO's models, which sample without CFG.
+GENEVAL_EVAL_CKPTS=()
+[ -n "${GENEVAL_CKPT:-}" ] && GENEVAL_EVAL_CKPTS=(--reward-ckpt "geneval=$GENEVAL_CKPT" --reward-ckpt "geneval_accuracy=$GENEVAL_CKPT")
+EVAL_GENEVAL=("${SD35[@]}" --mixed-precision bf16 --prompts "${GENEVAL_EVAL_PROMPTS:-prompts/geneval.jsonl}"
+  --samples-per-prompt 4 --reward geneval_accuracy,geneval:0 "${GENEVAL_EVAL_CKPTS[@]}" --num-steps 40 --guidance-scale 4.5)
+EVAL_OCR=("${SD35[@]}" --mixed-precision bf16 --prompts "${OCR_EVAL_PROMPTS:-prompts/flowgrpo_ocr_test.txt}"
+  --samples-per-prompt 1 --reward ocr --num-steps 40 --guidance-scale 4.5)
 
 multinode() {  # SCRIPT FLAGS...: DDP on NUM_MACHINES x 8 GPUs, launched once per machine
   for v in MAIN_IP MACHINE_RANK NUM_MACHINES; do need_env "$v" "multi-node recipes: MAIN_IP, MACHINE_RANK, NUM_MACHINES"; done
@@ -361,6 +396,8 @@ case "$recipe" in
   dancegrpo-flux-fsdp8) go "${FSDP8[@]}" dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_FULL[@]}" "$@" ;;
   dancegrpo-flux-multinode) multinode dancegrpo.py "${FLUX_DANCE[@]}" "${FLUX_LORA[@]}" "$@" ;;
   dancegrpo-sd35-8gpu) go "${DDP8[@]}" dancegrpo.py "${SD35_DANCE[@]}" "$@" ;;
+  dancegrpo-sd35-geneval-8gpu) go "${DDP8[@]}" dancegrpo.py "${SD35_YARD[@]}" "${FLOWGRPO_SD35[@]}" "${GENEVAL_TASK[@]}" "$@" ;;
+  dancegrpo-sd35-ocr-8gpu) go "${DDP8[@]}" dancegrpo.py "${SD35_YARD[@]}" "${FLOWGRPO_SD35[@]}" "${OCR_TASK[@]}" "$@" ;;
   grpoguard-sd35-8gpu) go "${DDP8[@]}" dancegrpo.py "${SD35_GUARD[@]}" "$@" ;;
   flowdppo-sd35-8gpu) go "${DDP8[@]}" dancegrpo.py "${SD35_DPPO[@]}" "$@" ;;
   mixgrpo-flash-flux-8gpu) go "${DDP8[@]}" dancegrpo.py "${FLUX_FLASH[@]}" "${FLUX_LORA[@]}" "$@" ;;
@@ -382,6 +419,8 @@ case "$recipe" in
   vgrpo-flux-fsdp8) go "${FSDP8[@]}" vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_FULL[@]}" "$@" ;;
   vgrpo-flux-multinode) multinode vgrpo.py "${FLUX_VGRPO[@]}" "${FLUX_LORA[@]}" "$@" ;;
   vgrpo-sd35-8gpu) go "${DDP8[@]}" vgrpo.py "${SD35_VGRPO[@]}" "$@" ;;
+  vgrpo-sd35-geneval-8gpu) go "${DDP8[@]}" vgrpo.py "${SD35_YARD[@]}" "${VGRPO_SD35[@]}" "${GENEVAL_TASK[@]}" "$@" ;;
+  vgrpo-sd35-ocr-8gpu) go "${DDP8[@]}" vgrpo.py "${SD35_YARD[@]}" "${VGRPO_SD35[@]}" "${OCR_TASK[@]}" "$@" ;;
   dancegrpo-wan-1gpu) go "${LAUNCH[@]}" --num_processes 1 dancegrpo.py "${WAN_DANCE[@]}" "$@" ;;
   dancegrpo-wan-8gpu) go "${DDP8[@]}" dancegrpo.py "${WAN_DANCE[@]}" "$@" ;;
   branchgrpo-wan-1gpu) go "${LAUNCH[@]}" --num_processes 1 branchgrpo.py "${WAN_BRANCH[@]}" "$@" ;;
@@ -398,6 +437,8 @@ case "$recipe" in
   diffusionnft-cpu) go "$PY" diffusionnft.py "$@" ;;
   diffusionnft-cpu-2proc) go "${CPU2[@]}" diffusionnft.py --samples-per-device 32 --samples-per-update 16 "$@" ;;
   diffusionnft-sd35-8gpu) go "${DDP8[@]}" diffusionnft.py "${SD35_NFT[@]}" "$@" ;;
+  diffusionnft-sd35-geneval-8gpu) go "${DDP8[@]}" diffusionnft.py "${SD35_NFT_GENEVAL[@]}" "$@" ;;
+  diffusionnft-sd35-ocr-8gpu) go "${DDP8[@]}" diffusionnft.py "${SD35_NFT_OCR[@]}" "$@" ;;
   diffusionnft-sd35-curriculum-8gpu) curriculum "$@" ;;
   diffusionnft-flux-8gpu) go "${DDP8[@]}" diffusionnft.py "${FLUX_NFT[@]}" "$@" ;;
   rlr-cpu) go "$PY" rlr.py "$@" ;;
@@ -411,5 +452,10 @@ case "$recipe" in
   compare) go "$PY" benchmarks/claims/compare.py "$@" ;;
   evaluate-flux) go "${LAUNCH[@]}" -m common.evaluate "${EVAL_FLUX[@]}" "$@" ;;
   evaluate-sd35) go "${LAUNCH[@]}" -m common.evaluate "${EVAL_SD35[@]}" "$@" ;;
+  evaluate-sd35-geneval) go "${LAUNCH[@]}" -m common.evaluate "${EVAL_GENEVAL[@]}" "$@" ;;
+  evaluate-sd35-geneval-flowgrpo) need_env FLOWGRPO_GENEVAL_LORA "a local copy of Flow-GRPO's released GenEval LoRA, \
+e.g. hf download jieliu/SD3.5M-FlowGRPO-GenEval --local-dir flowgrpo-geneval"
+    go "${LAUNCH[@]}" -m common.evaluate "${EVAL_GENEVAL[@]}" --weights "flowgrpo=$FLOWGRPO_GENEVAL_LORA" "$@" ;;
+  evaluate-sd35-ocr) go "${LAUNCH[@]}" -m common.evaluate "${EVAL_OCR[@]}" "$@" ;;
   *) echo "unknown recipe '$recipe'; bash run.sh --list names them (the top of run.sh says what each does)" >&2; exit 2 ;;
 esac

@@ -153,6 +153,21 @@ def test_hpsv3_is_planned_at_its_published_size_in_bf16_beside_hpsv2_and_rlr_ref
         memory.estimate("rlr.py", ["--model-id", "black-forest-labs/FLUX.1-dev", "--reward", "hpsv3"])
 
 
+def test_geneval_plans_its_detector_and_clip_in_fp32_and_ocr_nothing_on_the_gpu():
+    """GenEval's judge: Mask2Former Swin-S (facebook/mask2former-swin-small-coco-instance, 68,741,083 parameters) and
+    CLIP ViT-L/14 (openai/clip-vit-large-patch14, 427,616,513), fp32, resident beside HPSv2.1, one copy for geneval and
+    geneval_accuracy together (their buffers, Swin's relative-position indices and CLIP's position ids, under 2 MB);
+    its activations above HPSv2.1's (an 800 x 800 detector forward per image). OCR's PP-OCR models run on the CPU."""
+    quiet = ["--sample-every", "0", "--eval-every", "0"]
+    hps = plan(quiet)
+    both = plan([*quiet, "--reward", "hpsv2.1:1,geneval:0,geneval_accuracy:0"])
+    params = 4 * (68_741_083 + 427_616_513)
+    extra = round((both["gb"]["reward"] - hps["gb"]["reward"]) * GB)
+    assert params <= extra < params + 2e6
+    assert both["gb"]["reward_activations"] > hps["gb"]["reward_activations"] + 0.3
+    assert plan([*quiet, "--reward", "hpsv2.1:1,ocr:0"])["gb"]["reward"] == hps["gb"]["reward"]
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_fake_tensor_plan_matches_a_real_cpu_run(checkpointing):
     """docs/gpu.md's cross-check, small: one training micro-step of a narrow FLUX.1-dev (1 double + 1 single block,

@@ -244,16 +244,22 @@ def gpu_recipes():
 
 
 CURRICULUM = {  # DiffusionNFT's five stages: prompts, reward, cumulative iterations
-    "PICKAPIC_PROMPTS": "pickscore,hpsv2.1,clip", "GENEVAL_PROMPTS": "unifiedreward", "OCR_PROMPTS": "ocr_judge",
+    "PICKAPIC_PROMPTS": "pickscore,hpsv2.1,clip", "GENEVAL_PROMPTS": "geneval", "OCR_PROMPTS": "ocr",
 }  # fmt: skip
+HELD_OUT = {
+    "PICKAPIC_PROMPTS": "PICKAPIC_PROMPTS",
+    "GENEVAL_PROMPTS": "GENEVAL_EVAL_PROMPTS",
+    "OCR_PROMPTS": "OCR_EVAL_PROMPTS",
+}
 
 
 def test_the_curriculum_recipe_runs_five_stages_each_resuming_the_last():
-    env = {k: f"{k}.txt" for k in CURRICULUM} | {"JUDGE_URL": "http://judge:8000/v1"}
+    env = {k: f"{k}.txt" for k in [*CURRICULUM, *HELD_OUT.values()]}
     stages = [shlex.split(line) for line in recipe("diffusionnft-sd35-curriculum-8gpu", **env).splitlines()]
     args = [tyro.cli(diffusionnft.Args, args=w[w.index("diffusionnft.py") + 1 :]) for w in stages]
     order = ["PICKAPIC_PROMPTS", "GENEVAL_PROMPTS", "PICKAPIC_PROMPTS", "GENEVAL_PROMPTS", "OCR_PROMPTS"]
-    assert [a.prompts for a in args] == [a.eval_prompts for a in args] == [f"{k}.txt" for k in order]
+    assert [a.prompts for a in args] == [f"{k}.txt" for k in order]
+    assert [a.eval_prompts for a in args] == [f"{HELD_OUT[k]}.txt" for k in order]
     assert [a.reward for a in args] == [CURRICULUM[k] for k in order]
     assert [a.iterations for a in args] == [800, 1100, 1300, 1500, 1600]
     assert [a.resume_from for a in args] == [None] + ["latest"] * 4 and {a.exp_name for a in args} == {
@@ -279,16 +285,23 @@ def test_every_gpu_recipe_parses_and_uses_the_memory_settings():
         if "curriculum" in name:  # five commands (the test above)
             continue
         words = shlex.split(recipe(name, PROMPTS="p.txt", NUM_MACHINES="2", MAIN_IP="ip", MACHINE_RANK="0"))
-        if "common.evaluate" in words:  # the evaluation recipes: bf16, HPDv2, the recipes' evaluation sampler
+        task = next((t for t in ("geneval", "ocr") if f"-{t}" in name), None)  # the yardsticks' recipes
+        if "common.evaluate" in words:  # the evaluation recipes: bf16, their prompt set, the evaluation sampler
             from common.evaluate import EvalArgs
 
             args = tyro.cli(EvalArgs, args=words[words.index("common.evaluate") + 1 :])
-            assert args.mixed_precision == "bf16" and args.prompts == "hpdv2" and args.num_steps in (28, 40), name
+            prompts = {None: "hpdv2", "geneval": "prompts/geneval.jsonl", "ocr": "prompts/flowgrpo_ocr_test.txt"}
+            assert args.mixed_precision == "bf16" and args.prompts == prompts[task] and args.num_steps in (28, 40), name
             continue
         script = next(w for w in words if w in SCRIPTS)
         flags = words[words.index(script) + 1 :]
         args = tyro.cli(SCRIPTS[script].Args, args=flags)  # a typo in a recipe fails here
         assert args.gradient_checkpointing and args.mixed_precision == "bf16", name
+        if task:  # Flow-GRPO's prompt sets, as python -m common.prompts writes them, and the task's reward
+            ext = ".jsonl" if task == "geneval" else ".txt"
+            assert args.prompts == f"prompts/flowgrpo_{task}_train{ext}", name
+            assert args.eval_prompts == f"prompts/flowgrpo_{task}_test{ext}" and args.reward == task, name
+            continue
         assert args.prompts == args.eval_prompts == "p.txt" and not args.reward_ckpt
         assert args.reward == ("hpsv2.1,temporal:0.5" if "wan" in name else "hpsv2.1"), name
         assert args.model_id != "shapesbench" and (args.num_frames is not None) == ("wan" in name)

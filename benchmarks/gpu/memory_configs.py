@@ -204,6 +204,20 @@ QWEN2_VL_7B = dict(
                        spatial_merge_size=2, temporal_patch_size=2),
 )  # fmt: skip
 HPSV3_TEXT_TOKENS = 527 + 64  # the instruction's chat turn and the prompt
+# GenEval (common/geneval.py): facebook/mask2former-swin-small-coco-instance's config (Swin-S backbone, 100 queries, 80
+# classes; 68.7M parameters) and openai/clip-vit-large-patch14's (427.6M), both fp32 as transformers loads them
+MASK2FORMER_SWIN_S = dict(
+    backbone_config=dict(model_type="swin", embed_dim=96, depths=[2, 2, 18, 2], num_heads=[3, 6, 12, 24], window_size=7,
+                         image_size=224, out_features=["stage1", "stage2", "stage3", "stage4"]),
+    num_labels=80, num_queries=100, use_pretrained_backbone=False,
+)  # fmt: skip
+CLIP_VIT_L14 = dict(
+    text_config=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                     max_position_embeddings=77),
+    vision_config=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                       patch_size=14, image_size=224),
+    projection_dim=768,
+)  # fmt: skip
 
 # A CPU-sized FLUX for tests and the GPU check's --rehearse (a model_config of estimate()): the same classes with
 # benchmarks/gpu/gpu_build.py's tiny sizes, and tests/tiny.py's HPS (open_clip config 'tiny-hps')

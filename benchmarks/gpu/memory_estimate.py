@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu.memory_configs import GB, QWEN2_VL_7B
+from benchmarks.gpu.memory_configs import CLIP_VIT_L14, GB, MASK2FORMER_SWIN_S, QWEN2_VL_7B
 from benchmarks.gpu.memory_fake import (
     autocast,
     build_reward,
@@ -225,15 +225,20 @@ def parse_args(script: str, flags: list[str]):
 
 
 def reward_model(spec: str, parts: dict) -> dict:
-    """The reward networks' configs for --reward: name -> config, HPSv2.1's and HPSv3's ({}: the reward has no
-    network, e.g. jpeg)."""
+    """The reward networks' configs for --reward: name -> config, HPSv2.1's, HPSv3's and GenEval's ({}: the reward has
+    no GPU network, e.g. jpeg, or ocr, whose PP-OCR models run on the CPU)."""
     from common.rewards import parse_rewards
 
     names = set(parse_rewards(spec).weights)  # every component runs, weight 0 too (for logging)
     unknown = names & {"pickscore", "clip"}
     if unknown:
         raise ValueError(f"--reward {spec}: {', '.join(sorted(unknown))} is not modelled here (HPSv2.1 and HPSv3 are)")
-    return {n: c for n, c in (("hpsv2.1", parts["reward"]), ("hpsv3", QWEN2_VL_7B)) if n in names}
+    geneval = (MASK2FORMER_SWIN_S, CLIP_VIT_L14)  # one judge for geneval and geneval_accuracy (common.rewards)
+    known = (("hpsv2.1", parts["reward"]), ("hpsv3", QWEN2_VL_7B), ("geneval", geneval), ("geneval_accuracy", geneval))
+    out = {n: c for n, c in known if n in names}
+    if "geneval" in out and "geneval_accuracy" in out:
+        del out["geneval_accuracy"]
+    return out
 
 
 def estimate(

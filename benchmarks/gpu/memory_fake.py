@@ -191,11 +191,19 @@ def build_text_encoder(family: str, config: dict, dtype, with_projection: bool):
 
 def build_reward(name: str, config: dict | None):
     """A reward network as common/rewards.py loads it: HPSv2.1's CLIP in fp32 (hpsv2_1 never casts it), HPSv3's
-    Qwen2-VL in bf16 with its fp32 head and the added reward token (one more embedding row)."""
+    Qwen2-VL in bf16 with its fp32 head and the added reward token (one more embedding row), GenEval's Mask2Former
+    and CLIP ViT-L/14 in fp32 (`config`: their two configs)."""
     import logging
 
     import open_clip
 
+    if name in ("geneval", "geneval_accuracy"):  # the detector and the colour classifier, fp32 (load_geneval)
+        from transformers import CLIPConfig, CLIPModel, Mask2FormerConfig, Mask2FormerForUniversalSegmentation
+
+        detector, clip = config
+        detector = {**detector, "backbone_config": dict(detector["backbone_config"])}  # the config pops model_type
+        parts = {"detector": Mask2FormerForUniversalSegmentation(Mask2FormerConfig(**detector))}
+        return torch.nn.ModuleDict({**parts, "clip": CLIPModel(CLIPConfig(**clip))}).eval()
     if name == "hpsv3":
         from transformers import Qwen2VLConfig
 

@@ -661,14 +661,37 @@ def hpsv3_score(model, images):
         return model(ids, torch.ones(n, length, dtype=torch.long), pixels, grid)[:, 0]
 
 
+def geneval_score(nets, images):
+    """common.geneval's judge (no grad) on (n, 3, H, W) images, the tensors that hold memory: the batch resized and
+    padded for the detector (detector_inputs), then per image (one at a time) the Mask2Former forward and its 100
+    masks upsampled to the padded input and to the image (instance_detections: the gathered masks, their sigmoid and
+    binary copies), then CLIP's image tower on the 16 crops a class can have at most (224 px). The per-detection box
+    loop and the PIL crops are small and left out."""
+    import torch.nn.functional as F
+
+    from common.geneval import MAX_OBJECTS, MAX_PER_IMAGE, detector_inputs
+
+    x, resized = detector_inputs(images.float() * 255)
+    for k in range(len(x)):
+        out = nets["detector"](pixel_values=x[k : k + 1])
+        masks = F.interpolate(out.masks_queries_logits.float(), size=x.shape[-2:], mode="bilinear")
+        masks = F.interpolate(masks[..., : resized[0], : resized[1]], size=images.shape[-2:], mode="bilinear")[0]
+        masks = masks[torch.zeros(MAX_PER_IMAGE, dtype=torch.long)]  # the 100 best (query, class) pairs' masks
+        binary = masks > 0
+        (masks.sigmoid() * binary).flatten(1).sum(1)
+        nets["clip"].get_image_features(pixel_values=torch.zeros(MAX_OBJECTS, 3, 224, 224))
+    return torch.zeros(len(images))
+
+
 def score_samples(nets: dict, spec: str, frames: int, samples):
     """The scripts' reward call (common.rewards.CompositeReward, no grad) on decoded samples, images (n, 3, H, W) or
-    videos (n, F, 3, H, W), with the components that hold GPU memory: HPSv2.1 and HPSv3 (`nets`: name -> network), on
+    videos (n, F, 3, H, W), with the components that hold GPU memory: HPSv2.1, HPSv3 and GenEval (`nets`: name ->
+    network; the two GenEval names share one judge, as common.rewards loads one), on
     `frames` evenly spaced frames of each video (--reward-frames), and 'temporal' (videos). Others (jpeg, ...) are
     left out: they work on the CPU or are not modelled (reward_model refuses pickscore and clip)."""
     from common.rewards import CompositeReward, ScoreFn, parse_rewards, temporal
 
-    scores = {"hpsv2.1": hps_score, "hpsv3": hpsv3_score}
+    scores = {"hpsv2.1": hps_score, "hpsv3": hpsv3_score, "geneval": geneval_score, "geneval_accuracy": geneval_score}
     parts = []
     for name, weight in parse_rewards(spec).weights.items():
         if name in nets:
