@@ -214,7 +214,7 @@ def _geneval(name: str, device, checkpoint):
 
 def geneval(device, checkpoint=None) -> Reward:
     """Flow-GRPO's GenEval training reward: the partial credit of its reward server (per-clause count, colour and
-    position terms, in (-15, 1]; common/geneval.py), from GenEval's detector and colour classifier; the prompt must
+    position terms, in [-14, 1]; common/geneval.py), from GenEval's detector and colour classifier; the prompt must
     be one of GenEval's templates. Not differentiable. `checkpoint`: a folder with mask2former/ and clip/."""
     judge = _geneval("geneval", device, checkpoint)
     return ScoreFn(
