@@ -420,27 +420,58 @@ class GenEvalJudge:
         return out
 
 
-def load_geneval(folder: str | None, device, flag: str = "--reward-ckpt geneval") -> GenEvalJudge:
-    """The judge from `folder` (mask2former/ and clip/ under it, as FETCH writes them) or, with None, from the hub
-    (the cache, or a download when reachable); every config checked before any weight is read: a Mask2Former with
-    COCO's 80 classes, a CLIP model; InputError naming `flag` otherwise."""
+def check_geneval_folder(folder: str, flag: str = "--reward-ckpt geneval") -> tuple[str, str]:
+    """A --reward-ckpt folder checked before anything loads (its JSON configs and its safetensors headers, never its
+    tensors): mask2former/ a Mask2Former with COCO's 80 classes, clip/ a CLIP model, and each safetensors file's
+    tensors of the shapes the config gives them (the models built on the meta device). -> (detector, clip) paths;
+    InputError naming `flag` otherwise."""
     from pathlib import Path
 
+    import torch
+    from safetensors import safe_open
+    from transformers import CLIPConfig, CLIPModel, Mask2FormerConfig, Mask2FormerForUniversalSegmentation
+
+    where = f"{flag}={folder}"
+    if not Path(folder).is_dir():
+        raise InputError(f"{where}: no such folder; it holds mask2former/ and clip/: {FETCH}")
+    sources = (str(Path(folder) / "mask2former"), str(Path(folder) / "clip"))
+    config = _config(sources[0], where, "mask2former", "a Mask2Former detector")
+    labels = config.get("num_labels", len(config.get("id2label") or ()))
+    if labels != len(CLASSES):
+        raise InputError(
+            f"{where}: the detector has {labels} classes; GenEval reads COCO's {len(CLASSES)} ({DETECTOR_ID})"
+        )
+    _config(sources[1], where, "clip", "a CLIP model")
+    for source, config_cls, model_cls in (
+        (sources[0], Mask2FormerConfig, Mask2FormerForUniversalSegmentation),
+        (sources[1], CLIPConfig, CLIPModel),
+    ):
+        weights = Path(source) / "model.safetensors"
+        if not weights.is_file():  # other layouts (shards, .bin) are checked when transformers loads them
+            continue
+        try:
+            with torch.device("meta"):
+                own = {k: tuple(v.shape) for k, v in model_cls(config_cls.from_pretrained(source)).state_dict().items()}
+            with safe_open(str(weights), framework="pt") as f:
+                theirs = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        except Exception as e:  # a config transformers refuses, a truncated or foreign file
+            raise InputError(
+                f"{where}: {source} unreadable ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+            ) from None
+        shared = set(own) & set(theirs)  # names only in one: renamed across transformers versions, left to the loader
+        wrong = sorted(k for k in shared if own[k] != theirs[k])
+        if not shared or wrong:
+            why = f"{wrong[0]} is {theirs[wrong[0]]}, its config says {own[wrong[0]]}" if wrong else "no tensor of it"
+            raise InputError(f"{where}: {weights} does not fit its config.json ({why}); {FETCH}")
+    return sources
+
+
+def load_geneval(folder: str | None, device, flag: str = "--reward-ckpt geneval") -> GenEvalJudge:
+    """The judge from `folder` (mask2former/ and clip/ under it, as FETCH writes them; check_geneval_folder first) or,
+    with None, from the hub (the cache, or a download when reachable); InputError naming `flag` otherwise."""
     from transformers import CLIPModel, CLIPProcessor, Mask2FormerForUniversalSegmentation
 
-    if folder is None:
-        sources = (DETECTOR_ID, CLIP_ID)
-    else:
-        if not Path(folder).is_dir():
-            raise InputError(f"{flag}={folder}: no such folder; it holds mask2former/ and clip/: {FETCH}")
-        sources = (str(Path(folder) / "mask2former"), str(Path(folder) / "clip"))
-        config = _config(sources[0], f"{flag}={folder}", "mask2former", "a Mask2Former detector")
-        if config.get("num_labels", len(config.get("id2label") or ())) != len(CLASSES):
-            raise InputError(
-                f"{flag}={folder}: the detector has {config.get('num_labels', len(config.get('id2label') or ()))} "
-                f"classes; GenEval reads COCO's {len(CLASSES)} (e.g. {DETECTOR_ID})"
-            )
-        _config(sources[1], f"{flag}={folder}", "clip", "a CLIP model")
+    sources = (DETECTOR_ID, CLIP_ID) if folder is None else check_geneval_folder(folder, flag)
     try:
         detector = Mask2FormerForUniversalSegmentation.from_pretrained(sources[0])
         clip = CLIPModel.from_pretrained(sources[1])

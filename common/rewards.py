@@ -851,6 +851,10 @@ def check_rewards(
             request_json(where, token=os.environ.get("REWARD_API_KEY"), timeout=10, tries=1)
         elif c.path is not None and not os.path.exists(c.path):
             raise InputError(f"--reward-ckpt {c.name}={c.path}: no such file or folder")
+        elif c.path is not None and c.name in ("geneval", "geneval_accuracy"):
+            from common.geneval import check_geneval_folder  # here: its configs and headers, nothing loaded
+
+            check_geneval_folder(c.path, f"--reward-ckpt {c.name}")
         elif c.path is None and c.name in HUB_WEIGHTS:
             _hub_file(c.name, download=False)
 

@@ -23,7 +23,7 @@ from common.geneval import (
     load_geneval,
     partial_score,
 )
-from common.rewards import build_reward, check_reward_prompts, parse_rewards
+from common.rewards import build_reward, check_reward_prompts, check_rewards, parse_rewards
 from tests.tiny import build_tiny_geneval
 
 PROMPTS = [
@@ -138,10 +138,14 @@ def test_prompts_outside_genevals_templates_are_refused(folder):
         check_reward_prompts(parse_rewards("jpeg,geneval_accuracy:0"), ["a photo of three unicorns"], "--prompts")
 
 
-@pytest.mark.parametrize("damage", ["labels", "not_mask2former", "clip_is_mask2former", "missing", "shapes"])
-def test_a_wrong_checkpoint_is_one_line_naming_the_flag(tmp_path, folder, damage):
+@pytest.mark.parametrize(
+    "damage", ["labels", "not_mask2former", "clip_is_mask2former", "missing", "shapes", "swapped", "truncated"]
+)
+def test_a_wrong_checkpoint_is_one_line_naming_the_flag(tmp_path, folder, damage, monkeypatch):
     """A detector with 10 classes, a folder whose config is another model, a CLIP folder that is a detector, no
-    folder, and weights whose shapes differ from the config: each an InputError naming --reward-ckpt geneval."""
+    folder, weights whose shapes differ from the config, CLIP's weights in the detector's place, a truncated file:
+    each an InputError naming --reward-ckpt geneval at start-up (check_rewards: configs and headers, nothing loaded)
+    and when the reward is built."""
     import shutil
 
     d = tmp_path / "ckpt"
@@ -158,6 +162,17 @@ def test_a_wrong_checkpoint_is_one_line_naming_the_flag(tmp_path, folder, damage
     if damage == "shapes":
         config = json.loads((d / "mask2former" / "config.json").read_text())
         (d / "mask2former" / "config.json").write_text(json.dumps({**config, "hidden_dim": 48}))
+    if damage == "swapped":
+        shutil.copy(d / "clip" / "model.safetensors", d / "mask2former" / "model.safetensors")
+    if damage == "truncated":
+        data = (d / "clip" / "model.safetensors").read_bytes()
+        (d / "clip" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    from common import rewards
+
+    monkeypatch.setattr(rewards, "load_geneval", lambda *a, **k: pytest.fail("loaded"), raising=False)
+    with pytest.raises(InputError, match=r"^--reward-ckpt geneval=") as e:
+        check_rewards(parse_rewards("geneval", [f"geneval={d}"]))
+    assert "\n" not in str(e.value)
     with pytest.raises(InputError, match=r"^--reward-ckpt geneval=") as e:
         load_geneval(str(d), "cpu")
     assert "\n" not in str(e.value)
