@@ -218,7 +218,7 @@ def geneval(device, checkpoint=None) -> Reward:
     be one of GenEval's templates. Not differentiable. `checkpoint`: a folder with mask2former/ and clip/."""
     judge = _geneval("geneval", device, checkpoint)
     return ScoreFn(
-        lambda im, p: torch.tensor([s for _, _, s in judge.judge(im, p)]),
+        lambda im, p: torch.tensor([s for _, _, s in judge.judge(im, p)]),  # cpu: ScoreFn moves them to the images
         differentiable=False,
         parts=Offloaded(judge.parts, device, False),
     )
@@ -229,7 +229,7 @@ def geneval_accuracy(device, checkpoint=None) -> Reward:
     average, per task and overall; common.evaluate prints them)."""
     judge = _geneval("geneval_accuracy", device, checkpoint)
     return ScoreFn(
-        lambda im, p: torch.tensor([float(c) for c, _, _ in judge.judge(im, p)]),
+        lambda im, p: torch.tensor([float(c) for c, _, _ in judge.judge(im, p)]),  # cpu: ScoreFn moves them
         differentiable=False,
         parts=Offloaded(judge.parts, device, False),
     )
