@@ -15,10 +15,9 @@ Launch (run.sh has more):
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 branchgrpo.py   # 2 CPU processes
     python branchgrpo.py --resume-from latest                       # continue the newest runs/branchgrpo__*
 
-ShapesBench's defaults differ from the paper's (run.sh's GPU recipes use the paper's). Deviations from the release,
-each explained in docs/branchgrpo.md: 1. correlated branch noise; 2. nodes batched per depth; 3. path fusion as a
-softmax over descendant leaves; 4. width pruning by chain; 5. sliding windows; 6. the last step untrained; 7. steps
-counted in trees.
+ShapesBench's defaults differ from the paper's (run.sh's GPU recipes use the paper's). Deviations from the release
+(docs/branchgrpo.md explains each): 1. correlated branch noise; 2. nodes batched per depth; 3. path fusion, a softmax
+over the leaves; 4. width pruning by chain; 5. sliding windows; 6. the last step untrained; 7. steps counted in trees.
 """
 
 from __future__ import annotations
@@ -36,13 +35,14 @@ from typing import Annotated, Literal, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 
 from common import InputError
+from common.checkpoints import Carried
 from common.evaluator import Evaluator
-from common.flags import Ge, Gt, Le, ModeDefault, RunArgs, check_flags, check_run_args, cli, divides, need
+from common.flags import Ge, Gt, Le, Lt, ModeDefault, RunArgs, check_flags, check_run_args, cli, divides, need
 from common.logs import reward_stats, summarize
-from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser
+from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser, weights_swapped
 from common.prompts import draw_prompts
 from common.rewards import RewardSpec, build_reward
 from common.runs import Run, all_finite
@@ -57,9 +57,7 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """sampling steps T of a rollout (shifted sigma schedule), as the paper"""
     sde_type: Literal["dance", "flow"] = "flow"
     """noise schedule g(sigma): 'dance' = constant eta (DanceGRPO, the release), 'flow' = a sqrt(sigma / (1 - sigma))"""
-    noise_level: Annotated[Optional[float], ModeDefault("0.3 with --sde-type dance, 0.7 with flow"), Gt(0), Le(10)] = (
-        None
-    )
+    noise_level: Annotated[Optional[float], ModeDefault("0.7; 0.3 with --sde-type dance"), Gt(0), Le(10)] = None
     """eta for 'dance', a for 'flow' (at most 10, ten times the published values: beyond, noise drowns the sample)"""
     split_schedule: str = "dense"
     """split steps: 'dense' (0,3,6,...), 'sparse' (evenly spread), 'late' (second half) or a list like '0,3,6,9'"""
@@ -103,6 +101,10 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """several rewards: 'sum' fuses their weighted sum (release); 'per-reward' fuses and normalises each, then sums with the weights"""
     kl_beta: Annotated[float, Ge(0)] = 0.0
     """weight beta of the per-step Gaussian KL to the frozen base model (0 = off, as the release)"""
+    ema: bool = False
+    """evaluate and save (final/) an EMA of the trained weights, as diffusionnft.py and vgrpo.py --ema do; off by default"""
+    ema_max_decay: Annotated[float, Ge(0), Lt(1)] = 0.9
+    """EMA decay after s optimizer steps: min((1 + s) / (10 + s), this) (diffusionnft.py's default)"""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -131,8 +133,7 @@ def step_mean_std(x, v, sigma, sigma_next, g):
     """Mean and std of one reverse-SDE step (docs/math.md; dancegrpo.py's sde_step). x (B, *L) at sigma, v = eps - x0
     the velocity (x = (1 - sigma) x0 + sigma eps), fp32. x0_hat = x - sigma v, score = -(x - (1 - sigma) x0_hat) /
     sigma^2, mean = x + d (v - g^2/2 score), std = g sqrt(-d)."""
-    d = float(sigma_next - sigma)
-    x0_hat = x - float(sigma) * v
+    d, x0_hat = float(sigma_next - sigma), x - float(sigma) * v
     score = -(x - (1 - float(sigma)) * x0_hat) / float(sigma) ** 2
     return x + d * (v - float(g) ** 2 / 2 * score), float(g) * math.sqrt(-d)
 
@@ -140,8 +141,7 @@ def step_mean_std(x, v, sigma, sigma_next, g):
 def gaussian_log_prob(x_next, mean, std):
     """Full Gaussian log-density of x_next under N(mean, std^2), averaged over latent dimensions (as dancegrpo.py). (B,)"""
     std = torch.as_tensor(std, dtype=x_next.dtype, device=x_next.device).reshape((-1,) + (1,) * (x_next.dim() - 1))
-    lp = -((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
-    return lp.flatten(1).mean(1)
+    return (-((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)).flatten(1).mean(1)
 
 
 def split_steps(schedule: str, num_steps: int, num_splits: int) -> list[int]:
@@ -184,10 +184,7 @@ class Tree:
     def sizes(self) -> list[int]:
         """Nodes n_i per depth i (T + 1,): depth 0 is the root x_0 (pure noise), depth i + 1 holds the states after
         step i. Nodes are stored tree-major, the children of a parent consecutive: node j of depth i is in tree j // n_i."""
-        n = [1]
-        for i in range(self.num_steps):
-            n.append(n[-1] * self.children(i))
-        return n
+        return [self.branch_factor ** sum(s < i for s in set(self.splits)) for i in range(self.num_steps + 1)]
 
     def counts(self) -> tuple[int, int]:
         """(node forwards, edges): the nodes at depths 0..T-1 and at 1..T; T = 20, splits 0,3,6,9, K = 2: (203, 218)."""
@@ -241,8 +238,7 @@ def tree_rollout(model, denoiser, cond, roots, noise_fn, tree, sigmas, g, sde_id
     siblings consecutive) through the denoiser `batch_size` at a time. noise_fn(step, n_parents_per_tree) -> unscaled
     noise (P * n_parents * n_children, *L). Returns states, T + 1 tensors (P * n_i, *L) fp32 over depths, and
     log_probs, T tensors (P * n_{i+1},) over steps: the old log-prob of every edge (0 at ODE steps)."""
-    states, log_probs = [roots], []
-    tree_of = torch.arange(len(roots), device=roots.device)  # (nodes,) tree index of each node
+    states, log_probs, tree_of = [roots], [], torch.arange(len(roots), device=roots.device)  # tree_of: each node's tree
     for i in range(len(sigmas) - 1):
         x, v = states[-1], []  # the nodes of depth i (P * n_i, *L), their velocities
         for c in range(0, len(x), batch_size):
@@ -270,11 +266,8 @@ def node_values(leaf_rewards, log_probs, sizes, fusion: str, gamma: float, tempe
     covers a block of M / n_i leaves. 'uniform': the block mean; 'path': a softmax over the block of gamma *
     lp(node -> leaf) / temperature, lp the sum of the edge log-probs down to the leaf (gamma = 0: uniform)."""
     n_trees, n_leaves = leaf_rewards.shape
-    if fusion == "path":
-        per_step = [  # each leaf's edge log-prob at each step, stacked to (P, M, T), then suffix sums from each depth
-            lp.view(n_trees, sizes[i + 1]).repeat_interleave(n_leaves // sizes[i + 1], 1)
-            for i, lp in enumerate(log_probs)
-        ]
+    if fusion == "path":  # each leaf's edge log-prob at each step, (P, M, T), then suffix sums from each depth
+        per_step = [lp.view(n_trees, n).repeat_interleave(n_leaves // n, 1) for lp, n in zip(log_probs, sizes[1:])]
         suffix = torch.flip(torch.cumsum(torch.flip(torch.stack(per_step, -1).double(), [-1]), -1), [-1])
     values = []
     for depth, n in enumerate(sizes):
@@ -335,22 +328,18 @@ def pack_micro_batches(keep, tree: Tree, batch_size: int, device) -> list[list[t
     """One update's micro-batches: the parents (step i, index p at depth i) with a trained child, `batch_size` at a
     time across steps (a pruned step leaves no small forward); per micro-batch its segments [(i, parents (rows,))]."""
     rows = []
-    for i, k in enumerate(keep):  # k: (P, n_{i+1}) -> one row per parent with a trained child
-        has_child = k.reshape(-1, tree.children(i)).any(1)
-        rows += [(i, p) for p in torch.nonzero(has_child).flatten().tolist()]
+    for i, k in enumerate(keep):  # k: (P, n_{i+1}) -> one row (i, p) per parent p with a trained child
+        rows += [(i, p) for p in torch.nonzero(k.reshape(-1, tree.children(i)).any(1)).flatten().tolist()]
     batches = [rows[c : c + batch_size] for c in range(0, len(rows), batch_size)]
-    return [
-        [(i, torch.tensor([p for _, p in seg], device=device)) for i, seg in groupby(batch, lambda row: row[0])]
-        for batch in batches
-    ]
+    return [[(i, torch.tensor([p for _, p in seg], device=device)) for i, seg in groupby(batch, lambda row: row[0])]
+            for batch in batches]  # fmt: skip
 
 
 def micro_batch(upd, segments, sigmas, tree: Tree):
     """One micro-batch of `upd`, one optimizer step's trees: parents x (rows, *L), sigma (rows,), cond, per segment
     `masks` of the trained children (len(parents) * n_children,), and for its E trained edges x_child, old_log_prob, adv."""
     device = upd["states"][0].device
-    # nodes are tree-major: parent p at depth i belongs to tree p // n_i, whose prompt encoding it uses
-    tree_of = torch.cat([parents // tree.sizes[i] for i, parents in segments])
+    tree_of = torch.cat([parents // tree.sizes[i] for i, parents in segments])  # parent p at depth i: tree p // n_i
     masks, adv, old_log_prob, x_child = [], [], [], []
     for i, parents in segments:  # a parent's children are consecutive; only the trained edges are kept
         n_children = tree.children(i)
@@ -399,6 +388,18 @@ def policy_loss(log_prob, old_log_prob, adv, mean, mean_ref, std, *, clip_range,
     return loss, {k: v.detach() for k, v in figures.items()}
 
 
+def ema_decay(step: int, max_decay: float) -> float:  # same as in diffusionnft.py
+    """Decay of the evaluation EMA after `step` optimizer steps: min((1 + s) / (10 + s), max_decay)."""
+    return min((1 + step) / (10 + step), max_decay)
+
+
+@torch.no_grad()
+def soft_update(targets, sources, decay: float) -> None:  # same as in diffusionnft.py
+    """targets <- decay targets + (1 - decay) sources, in place (lerp: decay 0 copies the sources bitwise)."""
+    for t, s in zip(targets, sources, strict=True):
+        t.lerp_(s.detach(), 1 - decay)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Flag checks: the mode's defaults, then every flag, before a model loads (the shared flags are in common/flags.py)
 # ---------------------------------------------------------------------------------------------------
@@ -407,6 +408,7 @@ MODE_FLAGS = [  # a flag of another mode is an error unless left at its default 
     ("width_mode", lambda a: a.pruning == "width", "--pruning width"),
     ("width_keep_ratio", lambda a: a.width_mode == "extreme", "--pruning width --width-mode extreme"),
     *[(f, lambda a: a.pruning in ("depth", "mix"), "--pruning depth or mix") for f in ("window", "window_shift_every")],
+    ("ema_max_decay", lambda a: a.ema, "--ema"),
 ]
 
 
@@ -415,32 +417,21 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
     one `error:` line naming it (those that need the process count: in main()). Returns check_run_args's."""
     check_flags(args, MODE_FLAGS)  # floats finite, every flag in its declared range, no dead flags
     splits = split_steps(args.split_schedule, args.num_steps, args.num_splits)
-    if args.noise_level is None:
-        args.noise_level = 0.3 if args.sde_type == "dance" else 0.7
-    if args.window is None:  # depth: no post-split edge in the loss (docs/branchgrpo.md); mix: the paper's 4
-        args.window = max(1, args.num_steps - 2 - max(splits)) if args.pruning == "depth" else 4
-    args.exp_name = args.exp_name or Path(__file__).stem + ("" if args.pruning == "none" else f"_{args.pruning}")
-    need(
-        all(0 <= s <= args.num_steps - 2 for s in splits) and len(set(splits)) == len(splits),  # sparse 30 of 20
-        f"--split-schedule gives splits {splits}: they must be distinct steps in [0, {args.num_steps - 2}] (the last "
-        "step is deterministic); change --num-splits, --num-steps or --split-schedule",
-    )
-    K, m = args.branch_factor, len(set(splits))  # a tree's leaves K ** m size every rollout: at most 2**16
-    need(
-        K**m <= 65536,
-        f"--branch-factor {K} at {m} split steps makes {K}^{m} leaves per tree, more than 65536; lower --branch-factor "
-        "or the splits (--num-splits, --split-schedule)",
-    )
-    need(  # the window only where it is used
-        args.pruning not in ("depth", "mix") or args.window <= args.num_steps - 1,
-        f"--window must be in [1, {args.num_steps - 1}] (= --num-steps - 1)",
-    )
     after = args.num_steps - 2 - max(splits)  # trainable steps after the last split (T - 1 is deterministic)
-    need(
-        args.pruning not in ("depth", "width") or after >= 1,
-        f"--pruning {args.pruning}: the last split is step {max(splits)} = --num-steps - 2, so no trainable step follows "
-        "it; move the splits earlier (--split-schedule) or raise --num-steps",
-    )
+    args.noise_level = args.noise_level or (0.3 if args.sde_type == "dance" else 0.7)  # None: the mode's default
+    args.window = args.window or (max(1, after) if args.pruning == "depth" else 4)  # depth: all those steps, mix: 4
+    args.exp_name = args.exp_name or Path(__file__).stem + ("" if args.pruning == "none" else f"_{args.pruning}")
+    need(all(0 <= s <= args.num_steps - 2 for s in splits) and len(set(splits)) == len(splits),  # sparse 30 of 20
+         f"--split-schedule gives splits {splits}: they must be distinct steps in [0, {args.num_steps - 2}] (the last "
+         "step is deterministic); change --num-splits, --num-steps or --split-schedule")  # fmt: skip
+    K, m = args.branch_factor, len(set(splits))  # a tree's leaves K ** m size every rollout: at most 2**16
+    need(K**m <= 65536, f"--branch-factor {K} at {m} split steps makes {K}^{m} leaves per tree, more than 65536; lower "
+         "--branch-factor or the splits (--num-splits, --split-schedule)")  # fmt: skip
+    need(args.pruning not in ("depth", "mix") or args.window <= args.num_steps - 1,  # the window only where it is used
+         f"--window must be in [1, {args.num_steps - 1}] (= --num-steps - 1)")  # fmt: skip
+    need(args.pruning not in ("depth", "width") or after >= 1, f"--pruning {args.pruning}: the last split is step "
+         f"{max(splits)} = --num-steps - 2, so no trainable step follows it; move the splits earlier "
+         "(--split-schedule) or raise --num-steps")  # fmt: skip
     need(divides(args.trees_per_update, args.trees_per_device), "--trees-per-update must divide --trees-per-device")
     if args.pruning == "depth" and after < args.window:
         print(f"warning: --pruning depth: {after} trainable step(s) follow the last split {max(splits)}, so the "
@@ -454,6 +445,8 @@ def main(args: Args):
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     world, rank = accelerator.num_processes, accelerator.process_index
     inputs = resolve_and_check(args)  # flags checked, prompts read, --reward parsed, before any model loads
+    need(not args.ema or accelerator.distributed_type != DistributedType.FSDP, "--ema keeps an EMA beside the trained "
+         "weights, which FSDP would shard: use DDP with --lora, or leave --ema off")  # fmt: skip
     mode = args.pruning + (f" ({args.width_mode})" if args.pruning == "width" else "")
     run = Run(args, accelerator, f"BranchGRPO, pruning {mode}", frozen_copy=args.kl_beta > 0 and not args.lora)
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
@@ -468,8 +461,7 @@ def main(args: Args):
     sigmas = model.sigmas(args.num_steps) if args.shift == "pipeline" else sigma_schedule(args.num_steps, args.shift)
     g = noise_g(sigmas, args.sde_type, args.noise_level)  # (T,)
     denoiser = trainable_denoiser(model, args)  # trained in fp32: all weights, or a LoRA adapter (--lora)
-    # KL reference policy: with LoRA this module itself (unwrapped) with the adapter off, else a frozen copy of the base
-    ref = denoiser if args.lora else frozen_copy(denoiser, frozen_dtype) if args.kl_beta > 0 else None
+    ref = denoiser if args.lora else frozen_copy(denoiser, frozen_dtype) if args.kl_beta > 0 else None  # KL reference
     latent_shape = model.latent_shape()
 
     # ---------------------------------------------------------------- PROMPTS & REWARDS
@@ -480,6 +472,9 @@ def main(args: Args):
     params = [p for p in denoiser.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     denoiser, optimizer = accelerator.prepare(denoiser, optimizer)
+    ema = [p.detach().clone() for p in params] if args.ema else []  # the evaluation EMA (--ema)
+    if args.ema:  # registered only with --ema: the default run's checkpoints stay as they were
+        accelerator.register_for_checkpointing(Carried(ema=ema))  # before resume() loads it
 
     # ---------------------------------------------------------------- RESUME, EVALUATOR, BANNER
     start = run.resume()  # 0, or the iteration of the --resume-from checkpoint (weights, optimizer, RNG, counters)
@@ -494,9 +489,11 @@ def main(args: Args):
         f"branch noise {args.branch_noise} s={args.branch_s}{corr}, {args.sde_type} noise {args.noise_level}",
         f"{world} processes x {args.trees_per_device} trees, {args.trees_per_update} per optimizer step, micro-batch "
         f"{args.rollout_batch_size} nodes, fusion {args.fusion}, KL beta {args.kl_beta}, clip {args.clip_range}",
+        *([f"EMA for evaluation and final/, max decay {args.ema_max_decay}"] if args.ema else []),
     ]
     run.banner(model, params, lines)
-    evaluate(start, final=start == args.iterations)  # at the start; resumed: what the interrupted run missed
+    with weights_swapped(params, ema, args.ema):  # evaluation sees the EMA weights, as in diffusionnft.py
+        evaluate(start, final=start == args.iterations)  # at the start; resumed: what the interrupted run missed
     n_updates = args.trees_per_device // args.trees_per_update
     for it in run.iterations(start):
         # ------------------------------------------------------------ SAMPLING
@@ -546,8 +543,7 @@ def main(args: Args):
             for b, segments in enumerate(batches):
                 x, sig, cond, masks, x_child, old_lp, adv = micro_batch(upd, segments, sigmas, tree)
                 with accelerator.no_sync(denoiser) if b < len(batches) - 1 else nullcontext():
-                    # each trained edge's log-prob under the current policy, then the clipped surrogate
-                    with autocast():
+                    with autocast():  # each trained edge's log-prob under the current policy, then the loss
                         v = model.velocity(denoiser, x, sig, cond, args.guidance_scale).float()
                     mean, std = edge_gaussians(x, v, segments, masks, sigmas, g, tree)
                     log_prob = gaussian_log_prob(x_child, mean, std)
@@ -568,6 +564,8 @@ def main(args: Args):
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             run.count_step(lr, norm, stepped)  # logged at the iteration's end; the warmup and resume count it
+            if stepped and args.ema:  # as in diffusionnft.py: a skipped step moves neither the weights nor the EMA
+                soft_update(ema, params, ema_decay(run.optimizer_steps, args.ema_max_decay))
 
         # ------------------------------------------------------------ LOGGING
         leaves_here = args.trees_per_device * n_leaves
@@ -581,19 +579,21 @@ def main(args: Args):
             "tree/train_forwards_per_leaf": n_train_forwards * (2 if args.kl_beta > 0 else 1) / leaves_here,
             "perf/sampling_s": t_sample,
             "perf/reward_wait_s": reward_fn.wait_s,
+            **({"charts/window_start": tree.window_steps(it)[0]} if args.pruning in ("depth", "mix") else {}),
+            **({"charts/ema_decay": ema_decay(run.optimizer_steps, args.ema_max_decay)} if args.ema else {}),
         }
-        if args.pruning in ("depth", "mix"):
-            log["charts/window_start"] = tree.window_steps(it)[0]
         run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
         # ------------------------------------------------------------ CHECKPOINT
         run.checkpoint(it + 1, final=it + 1 == args.iterations)  # + on SIGTERM / Ctrl-C, then exits
 
         # ------------------------------------------------------------ EVAL
-        evaluate(it + 1, final=it + 1 == args.iterations)
+        with weights_swapped(params, ema, args.ema):  # as in diffusionnft.py
+            evaluate(it + 1, final=it + 1 == args.iterations)
 
     # ---------------------------------------------------------------- FINAL SAVE
-    run.save_final(model, denoiser, args.lora)
+    with weights_swapped(params, ema, args.ema):  # final/ holds the EMA weights, as in diffusionnft.py
+        run.save_final(model, denoiser, args.lora)
 
 
 if __name__ == "__main__":

@@ -37,12 +37,13 @@ from typing import Annotated, Literal, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 
+from common.checkpoints import Carried
 from common.evaluator import Evaluator
-from common.flags import AllowInf, Ge, Gt, Le, ModeDefault, RunArgs, check_flags, check_run_args, cli, divides, need
+from common.flags import AllowInf, Ge, Gt, Le, Lt, ModeDefault, RunArgs, check_flags, check_run_args, cli, divides, need
 from common.logs import reward_stats, summarize
-from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser
+from common.models import frozen_copy, load_model, reference_velocity, trainable_denoiser, weights_swapped
 from common.prompts import draw_prompts
 from common.rewards import RewardSpec, build_reward
 from common.runs import Run, all_finite
@@ -101,6 +102,10 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """MixGRPO: the ODE after the window; 'dpm2' = DPM-Solver++(2M) on a coarser grid (MixGRPO-Flash)"""
     post_window_compress: Annotated[float, Gt(0), Le(1)] = 0.4
     """--ode-solver dpm2: the steps after the window are re-gridded to max(int((T - last) x this), 2) points"""
+    ema: bool = False
+    """evaluate and save (final/) an EMA of the trained weights, as diffusionnft.py and vgrpo.py --ema do; off by default"""
+    ema_max_decay: Annotated[float, Ge(0), Lt(1)] = 0.9
+    """EMA decay after s optimizer steps: min((1 + s) / (10 + s), this) (diffusionnft.py's default)"""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -231,6 +236,18 @@ def policy_loss(log_prob, old_log_prob, adv, mean, old_mean, mean_ref, std, dt, 
     return loss, {k: v.detach() for k, v in figures.items()}
 
 
+def ema_decay(step: int, max_decay: float) -> float:  # same as in diffusionnft.py
+    """Decay of the evaluation EMA after `step` optimizer steps: min((1 + s) / (10 + s), max_decay)."""
+    return min((1 + step) / (10 + step), max_decay)
+
+
+@torch.no_grad()
+def soft_update(targets, sources, decay: float) -> None:  # same as in diffusionnft.py
+    """targets <- decay targets + (1 - decay) sources, in place (lerp: decay 0 copies the sources bitwise)."""
+    for t, s in zip(targets, sources, strict=True):
+        t.lerp_(s.detach(), 1 - decay)
+
+
 def sde_steps(num_steps: int, sde_window: int, window_shift_every: int, iteration: int) -> list[int]:
     """Steps sampled with the SDE (and trainable) at this iteration. The last step (to sigma = 0) is always
     ODE: it lands on x0_hat, which DanceGRPO decodes anyway, so it cannot change the reward.
@@ -308,6 +325,7 @@ MODE_FLAGS = [  # a flag of another mode is an error unless left at its default 
     ("post_window_compress", lambda a: a.ode_solver == "dpm2", "--ode-solver dpm2 (MixGRPO-Flash)"),
     ("kl_mask_threshold", lambda a: a.objective == "dppo", "--objective dppo"),
     *[(f, lambda a: a.objective != "dppo", "--objective clip or guard") for f in ("clip_range", "adv_clip_max")],
+    ("ema_max_decay", lambda a: a.ema, "--ema"),
 ]
 
 
@@ -367,6 +385,11 @@ def main(args: Args):
     inputs = resolve_and_check(args)  # flags checked, prompts read, --reward parsed, before any model loads
     S, G = args.samples_per_device, args.group_size
     need(S * world % G == 0, f"--samples-per-device {S} x {world} processes must be a multiple of --group-size {G}")
+    need(
+        not args.ema or accelerator.distributed_type != DistributedType.FSDP,
+        "--ema keeps an EMA beside the trained weights, which FSDP would shard: use DDP (accelerate launch "
+        "--multi_gpu) with --lora, or leave --ema off",
+    )
     frozen = args.kl_beta > 0 and not args.lora  # KL reference: a frozen copy of the base (LoRA: adapter off)
     run = Run(args, accelerator, title(args), frozen_copy=frozen)
     set_seed(args.seed)  # LoRA init and anything else not keyed through rng()
@@ -392,6 +415,9 @@ def main(args: Args):
     params = [p for p in denoiser.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     denoiser, optimizer = accelerator.prepare(denoiser, optimizer)
+    ema = [p.detach().clone() for p in params] if args.ema else []  # the evaluation EMA (--ema)
+    if args.ema:  # registered only with --ema: the default run's checkpoints stay as they were
+        accelerator.register_for_checkpointing(Carried(ema=ema))  # before resume() loads it
 
     # ---------------------------------------------------------------- RESUME, EVALUATOR, BANNER
     start = run.resume()  # 0, or the iteration of the --resume-from checkpoint (weights, optimizer, RNG, counters)
@@ -405,9 +431,11 @@ def main(args: Args):
         f"micro-batch {args.rollout_batch_size}, {updates_per_iter} optimizer steps / iteration",
         f"objective {args.objective}, clip {args.clip_range}, advantages within +-{args.adv_clip_max}, KL beta "
         f"{args.kl_beta}" + (f", KL mask {args.kl_mask_threshold}" if args.objective == "dppo" else ""),
+        *([f"EMA for evaluation and final/, max decay {args.ema_max_decay}"] if args.ema else []),
     ]
     run.banner(model, params, lines)
-    evaluate(start, final=start == args.iterations)  # at the start; resumed: what the interrupted run missed
+    with weights_swapped(params, ema, args.ema):  # evaluation sees the EMA weights, as in diffusionnft.py
+        evaluate(start, final=start == args.iterations)  # at the start; resumed: what the interrupted run missed
     for it in run.iterations(start):
         # ------------------------------------------------------------ SAMPLING
         # The same prompt draw on every process; process r owns global samples [r S, (r + 1) S).
@@ -497,6 +525,8 @@ def main(args: Args):
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             run.count_step(lr, norm, stepped)  # logged at the iteration's end; the warmup and resume count it
+            if stepped and args.ema:  # as in diffusionnft.py: a skipped step moves neither the weights nor the EMA
+                soft_update(ema, params, ema_decay(run.optimizer_steps, args.ema_max_decay))
 
         # ------------------------------------------------------------ LOGGING
         log = {
@@ -510,6 +540,7 @@ def main(args: Args):
             "perf/trained_steps_per_image": n_train,
             "perf/sampling_s": t_sample,
             "perf/reward_wait_s": reward_fn.wait_s,
+            **({"charts/ema_decay": ema_decay(run.optimizer_steps, args.ema_max_decay)} if args.ema else {}),
         }
         run.end_iteration(it, log, params)  # + gradient norms, timings; metrics.jsonl, TensorBoard, W&B
 
@@ -517,10 +548,12 @@ def main(args: Args):
         run.checkpoint(it + 1, final=it + 1 == args.iterations)  # + on SIGTERM / Ctrl-C, then exits
 
         # ------------------------------------------------------------ EVAL
-        evaluate(it + 1, final=it + 1 == args.iterations)
+        with weights_swapped(params, ema, args.ema):  # as in diffusionnft.py
+            evaluate(it + 1, final=it + 1 == args.iterations)
 
     # ---------------------------------------------------------------- FINAL SAVE
-    run.save_final(model, denoiser, args.lora)
+    with weights_swapped(params, ema, args.ema):  # final/ holds the EMA weights, as in diffusionnft.py
+        run.save_final(model, denoiser, args.lora)
 
 
 if __name__ == "__main__":

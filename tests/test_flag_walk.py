@@ -68,9 +68,9 @@ def test_every_numeric_flag_outside_its_range_is_one_line(script, name, integer,
 HUGE = {True: 10**12, False: 1e300}  # an int flag's huge value, a float flag's
 SECONDS, MEGABYTES = 5.0, 200  # a call takes about 0.05 s and well under 1 MB here (traced): far below both
 MODES = {  # flags that put each script's mode flags to use, so that a huge value reaches its mode's own checks
-    "dancegrpo": [dict(sde_window=2, ode_solver="dpm2"), dict(objective="dppo"), dict(sde_type="cps")],
+    "dancegrpo": [dict(sde_window=2, ode_solver="dpm2"), dict(objective="dppo", ema=True), dict(sde_type="cps")],
     "branchgrpo": [
-        dict(fusion="path"),
+        dict(fusion="path", ema=True),
         dict(pruning="width", width_mode="extreme"),
         dict(pruning="depth"),
         dict(pruning="mix"),
