@@ -56,6 +56,11 @@
 #   diffusionnft-sd35-curriculum-8gpu  the paper's five stages (800/300/200/200/100 iterations), each resuming the last;
 #                          needs PICKAPIC_PROMPTS; FROM_STAGE=k restarts at stage k
 #   diffusionnft-flux-8gpu FLUX.1-dev + HPSv2.1, Flow-Factory's NFT setting: LoRA r64, 384 px, offload, 8 GPUs (DDP); 41 GB per GPU
+#   dgpo-cpu               DGPO on ShapesBench, 1 CPU process
+#   dpo-cpu                online Diffusion-DPO (dgpo.py --objective dpo) on ShapesBench, best vs worst of each group
+#   dgpo-cpu-2proc         DGPO, 2 CPU processes (gloo)
+#   dgpo-sd35-geneval-8gpu DGPO's official GenEval setting: SD3.5-Medium, GenEval's partial score, LoRA r64; 26 GB per GPU
+#   dgpo-sd35-ocr-8gpu     DGPO's official OCR setting: SD3.5-Medium, the PP-OCR reward, LoRA r64; 24 GB per GPU
 #   rlr-cpu                RLR on ShapesBench, 1 CPU process: ablation V2 (no zero-order term), DCoT stage coarse
 #   rlr-full-cpu           RLR's full, unbiased estimator (FO + HO + ZO, window anywhere): learns nothing here
 #   rlr-v1-cpu             RLR ablation V1: first-order term only (AlignProp with K = 1)
@@ -202,6 +207,19 @@ VGRPO_SD35=(--shift 3
   --lora --lora-rank 32 --lora-alpha 64 --learning-rate 3e-4 --iterations 300
   --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 40 --sample-every 10 --save-every 20)
 SD35_VGRPO=("${SD35[@]}" "${GPU_COMMON[@]}" "${VGRPO_SD35[@]}")
+# DGPO's SD3.5-Medium settings (github.com/Luo-Yihong/DGPO, config/dgpo.py: geneval_sd3_4gpu, general_ocr_sd3_4gpu;
+# its README: 4 GPUs): 512 px, 10-step DPM-Solver ODE rollouts with shift 3 and CFG 4.5, training forwards without CFG,
+# 16 images per prompt, 8 prompts per iteration on 4 GPUs (here 16 on 8: the same 32 images per GPU), one optimizer
+# step per iteration, 4 shared timesteps of the grid's first 5 (GenEval) or 7 (OCR), DPO beta 100, clip 1e-2, KL 0.02,
+# rollouts from the EMA reference after 500 (GenEval) or 200 steps, the evaluation EMA 0.9 every 8 steps, LoRA r64
+# alpha 128, lr 3e-4, weight decay 1e-4; OCR divides by the std of all rewards. Its monitoring evaluation: 14 steps.
+DGPO_SD35=("${SD35[@]}" "${GPU_MEMORY[@]}" --lr-warmup 0 --weight-decay 1e-4 --shift 3 --num-steps 10 --solver dpm2 --guidance-scale 4.5
+  --train-guidance-scale 1 --group-size 16 --samples-per-device 32 --rollout-batch-size 16 --train-batch-size 16
+  --samples-per-update 32 --train-timesteps 4 --beta 100 --clip-range 1e-2 --kl-beta 0.02 --ema-every 8
+  --lora --lora-rank 64 --lora-alpha 128 --learning-rate 3e-4 --iterations 600 --eval-every 20
+  --eval-samples-per-prompt 1 --eval-steps 14 --sample-every 10 --save-every 20)
+DGPO_GENEVAL=("${DGPO_SD35[@]}" --trunc-steps 4 --switch-ema-ref 500 "${GENEVAL_TASK[@]}")
+DGPO_OCR=("${DGPO_SD35[@]}" --trunc-steps 6 --switch-ema-ref 200 --global-std "${OCR_TASK[@]}")
 # RLR's SD setting (arXiv 2502.00639 §5; https://github.com/RTkenny/RLR-Optimizer, scripts/hps_RLR.sh): SD1.5 (paper:
 # SD1.4), 50 DDIM steps eta 1, CFG 5, LoRA r = 4, lr 1e-4, h = 2 (the paper's 30-40 GB choice), 4 images per prompt.
 SD15_RLR=(--model-id "${MODEL_ID:-stable-diffusion-v1-5/stable-diffusion-v1-5}" "${GPU_COMMON[@]}"
@@ -441,6 +459,11 @@ case "$recipe" in
   diffusionnft-sd35-ocr-8gpu) go "${DDP8[@]}" diffusionnft.py "${SD35_NFT_OCR[@]}" "$@" ;;
   diffusionnft-sd35-curriculum-8gpu) curriculum "$@" ;;
   diffusionnft-flux-8gpu) go "${DDP8[@]}" diffusionnft.py "${FLUX_NFT[@]}" "$@" ;;
+  dgpo-cpu) go "$PY" dgpo.py "$@" ;;
+  dpo-cpu) go "$PY" dgpo.py --objective dpo "$@" ;;
+  dgpo-cpu-2proc) go "${CPU2[@]}" dgpo.py --samples-per-device 32 --samples-per-update 32 "$@" ;;
+  dgpo-sd35-geneval-8gpu) go "${DDP8[@]}" dgpo.py "${DGPO_GENEVAL[@]}" "$@" ;;
+  dgpo-sd35-ocr-8gpu) go "${DDP8[@]}" dgpo.py "${DGPO_OCR[@]}" "$@" ;;
   rlr-cpu) go "$PY" rlr.py "$@" ;;
   rlr-v1-cpu) go "$PY" rlr.py --exp-name rlr-v1 --terms fo "$@" ;;
   rlr-v2-cpu) go "$PY" rlr.py --exp-name rlr-v2 --terms fo+ho --subchain-stage any "$@" ;;

@@ -27,6 +27,12 @@ CASES = {  # script, flags, images per iteration
     "diffusionnft": ("diffusionnft.py", ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "2",
                                          "--train-batch-size", "2", "--samples-per-update", "2", "--num-steps", "5",
                                          "--timestep-fraction", "0.4", "--kl-beta", "0.1"], 4),
+    "dgpo": ("dgpo.py", ["--samples-per-device", "4", "--group-size", "2", "--rollout-batch-size", "2",
+                         "--train-batch-size", "2", "--samples-per-update", "4", "--num-steps", "5",
+                         "--train-timesteps", "2", "--trunc-steps", "3"], 4),
+    "dpo": ("dgpo.py", ["--objective", "dpo", "--samples-per-device", "4", "--group-size", "2",
+                        "--rollout-batch-size", "2", "--train-batch-size", "2", "--samples-per-update", "4",
+                        "--num-steps", "5", "--train-timesteps", "2", "--trunc-steps", "3"], 4),
 }  # fmt: skip
 
 

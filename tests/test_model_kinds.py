@@ -256,6 +256,8 @@ TINY = {  # one prompt group per iteration, 3 or 4 steps
     "diffusionnft.py": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4",
                         "--train-batch-size", "2", "--samples-per-update", "4", "--num-steps", "4",
                         "--timestep-fraction", "0.5"],
+    "dgpo.py": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4", "--train-batch-size", "4",
+                "--samples-per-update", "4", "--num-steps", "4", "--train-timesteps", "2", "--trunc-steps", "2"],
 }  # fmt: skip
 
 

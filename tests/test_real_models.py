@@ -17,6 +17,7 @@ import tyro
 
 import branchgrpo
 import dancegrpo as D
+import dgpo
 import diffusionnft
 import rlr
 import vgrpo
@@ -34,6 +35,7 @@ SCRIPTS = {
     "vgrpo.py": vgrpo,
     "rlr.py": rlr,
     "diffusionnft.py": diffusionnft,
+    "dgpo.py": dgpo,
 }
 
 

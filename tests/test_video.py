@@ -203,6 +203,8 @@ TINY = {  # one prompt group (tree) per iteration
                       "--num-splits", "2", "--rollout-batch-size", "4"],
     "vgrpo.py": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4", "--train-batch-size",
                  "4", "--samples-per-update", "4", "--num-steps", "4", "--n-mc", "3"],
+    "dgpo.py": ["--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "4", "--train-batch-size",
+                "4", "--samples-per-update", "4", "--num-steps", "4", "--train-timesteps", "2", "--trunc-steps", "2"],
 }  # fmt: skip
 
 

@@ -59,6 +59,8 @@ METHODS = {  # key: (label, script and flags)
     "vgrpo": ("V-GRPO", ["vgrpo.py"]),
     "rlr": ("RLR", ["rlr.py"]),
     "diffusionnft": ("DiffusionNFT", ["diffusionnft.py"]),
+    "dgpo": ("DGPO", ["dgpo.py"]),
+    "dpo": ("Diffusion-DPO (online)", ["dgpo.py", "--objective", "dpo"]),
     # V-GRPO and DiffusionNFT at the papers' 1 optimizer step per iteration (benchmarks/claims/nft_vs_vgrpo.py compares them)
     "vgrpo_1step": ("V-GRPO, 1 step / it.", ["vgrpo.py", "--samples-per-update", "64"]),
     "diffusionnft_1step": ("DiffusionNFT, 1 step / it.", ["diffusionnft.py", "--samples-per-update", "64"]),

@@ -3,7 +3,7 @@ values), and the CPU-sized ones of the tests and the GPU check's --tiny. benchma
 them."""
 
 GB = 1e9
-SCRIPTS = ("dancegrpo", "branchgrpo", "vgrpo", "rlr", "diffusionnft")
+SCRIPTS = ("dancegrpo", "branchgrpo", "vgrpo", "rlr", "diffusionnft", "dgpo")
 
 # ---------------------------------------------------------------------------------------------------
 # Published configurations (no weights are read; these are the hub configs' values)

@@ -133,6 +133,15 @@ def workload(script: str, args, shapes: Shapes, cfg: bool, frozen_bytes: int) ->
         full_ft_kl = args.kl_beta > 0 and not args.lora
         P = distinct_prompts(S, args.group_size)
         return Workload(P, R * mult, R, R, B * mult, False, full_ft_kl, data, copies=2)
+    if script == "dgpo":
+        S, R, B = args.samples_per_device, args.rollout_batch_size, args.train_batch_size
+        # as diffusionnft.py: final latents, decoded images, conditioning; the old policy and the EMA (copies=2); the
+        # base model's and the old policy's no-grad forwards run before the trained one's (no graph alive then), and
+        # d_ref always needs the base: a frozen copy in full fine-tuning. Training forwards: --train-guidance-scale.
+        data = _bytes(L, S) + _bytes(img, S) + cond * (S + 1)
+        rows = B * (2 if cfg and args.train_guidance_scale > 1 else 1)
+        P = distinct_prompts(S, args.group_size)
+        return Workload(P, R * mult, R, R, rows, False, not args.lora, data, copies=2)
     raise ValueError(f"unknown script {script}")
 
 
