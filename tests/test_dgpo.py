@@ -749,6 +749,31 @@ def test_end_to_end_shapesbench_dpo(tmp_path):
     assert_final_loads(run_dir)
 
 
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_tiny_sd3_and_flux_train_and_diffusers_loads_their_final_weights(kind, tmp_path):
+    """A real model's path on a tiny random SD3 (CFG 2 in the rollouts, the conditional branch alone in training, as
+    the official) and FLUX.1 (embedded guidance 3.5, given to the training forwards too): the base and the old
+    policy through the adapters, the JPEG reward; 3 + 2 x 3 = 9 forwards per image (CFG rows are one forward);
+    final/ (the EMA) read by the pipeline's load_lora_weights."""
+    from tests.tiny import BUILDERS, RES
+
+    BUILDERS[kind](tmp_path / kind)
+    (tmp_path / "p.txt").write_text("\n".join(PROMPTS) + "\n")
+    guidance = (
+        ["--guidance-scale", "2"] if kind == "sd3" else ["--guidance-scale", "3.5", "--train-guidance-scale", "3.5"]
+    )
+    flags = replace_flags(TINY_RUN, {"--eval-max-prompts": "2", "--sample-every": "0", "--num-steps": "3"})
+    flags += ["--model-id", str(tmp_path / kind), "--resolution", str(RES), "--prompts", str(tmp_path / "p.txt"),
+              "--eval-prompts", str(tmp_path / "p.txt"), "--reward", "jpeg", "--kl-beta", "0.1", "--lora-rank", "4",
+              *guidance, "--exp-name", kind]  # fmt: skip
+    run_script(flags, tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    run_dir = find_run(tmp_path / kind)
+    train = train_rows(run_dir)
+    assert len(train) == 2 and all(r["perf/nfe_per_image"] == 3 + 2 * 3 and r["losses/kl"] >= 0 for r in train)
+    assert train[0]["losses/first_ratio_max_dev"] == 0 and all(math.isfinite(r["rewards/jpeg"]) for r in train)
+    assert_final_loads(run_dir, str(tmp_path / kind))
+
+
 def test_preempted_full_disk_and_killed_runs_resume_to_the_uninterrupted_weights(tmp_path):
     """SIGTERM, a full disk while checkpointing, SIGKILL twice, each followed by --resume-from latest: the trained
     adapter, the optimiser, the old policy and the EMA all come back, so the last resume ends with the weights (the
