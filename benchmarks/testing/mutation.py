@@ -74,6 +74,8 @@ TARGETS = {
     **script("branchgrpo"),
     **script("vgrpo"),
     **script("rlr"),
+    **script("dgpo"),
+    "common/geneval.py": {"tests": ["tests/test_geneval_rules.py", "tests/test_geneval.py"], "scope": "all"},
     "common/runs.py": {
         "tests": ["tests/test_runs.py", "tests/test_properties_runs.py"],
         "scope": "all",
