@@ -61,6 +61,7 @@
 #   dgpo-cpu-2proc         DGPO, 2 CPU processes (gloo)
 #   dgpo-sd35-geneval-8gpu DGPO's official GenEval setting: SD3.5-Medium, GenEval's partial score, LoRA r64; 26 GB per GPU
 #   dgpo-sd35-ocr-8gpu     DGPO's official OCR setting: SD3.5-Medium, the PP-OCR reward, LoRA r64; 24 GB per GPU
+#   dgpo-flux-8gpu         DGPO on FLUX.1-dev + HPSv2.1 (no official setting: the SD3.5 objective), LoRA r64, 512 px; 41 GB per GPU
 #   rlr-cpu                RLR on ShapesBench, 1 CPU process: ablation V2 (no zero-order term), DCoT stage coarse
 #   rlr-full-cpu           RLR's full, unbiased estimator (FO + HO + ZO, window anywhere): learns nothing here
 #   rlr-v1-cpu             RLR ablation V1: first-order term only (AlignProp with K = 1)
@@ -220,6 +221,16 @@ DGPO_SD35=("${SD35[@]}" "${GPU_MEMORY[@]}" --lr-warmup 0 --weight-decay 1e-4 --s
   --eval-samples-per-prompt 1 --eval-steps 14 --sample-every 10 --save-every 20)
 DGPO_GENEVAL=("${DGPO_SD35[@]}" --trunc-steps 4 --switch-ema-ref 500 "${GENEVAL_TASK[@]}")
 DGPO_OCR=("${DGPO_SD35[@]}" --trunc-steps 6 --switch-ema-ref 200 --global-std "${OCR_TASK[@]}")
+# DGPO on FLUX.1-dev: no official setting exists (the official code, Flow-Factory's and VeRL-Omni's ports train
+# SD3.5-Medium only); DGPO_SD35's objective (16 images per prompt, 4 shared timesteps of the grid's first 7, beta 100,
+# clip 1e-2, KL 0.02, LoRA r64) on the FLUX recipes' model side: embedded guidance 3.5 in rollouts and training, the
+# official code's static shift 3, HPSv2.1 on HPDv2 prompts, 512 px (a micro-batch holds a whole group of 16).
+DGPO_FLUX=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-dev}" --resolution 512 "${GPU_COMMON[@]}" --shift 3
+  --num-steps 10 --solver dpm2 --guidance-scale 3.5 --train-guidance-scale 3.5 --group-size 16 --samples-per-device 32
+  --rollout-batch-size 8 --train-batch-size 16 --samples-per-update 32 --train-timesteps 4 --trunc-steps 6 --beta 100
+  --clip-range 1e-2 --kl-beta 0.02 --ema-every 8 --lora --lora-rank 64 --lora-alpha 128 --learning-rate 3e-4
+  --offload-frozen --iterations 300 --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10
+  --save-every 20)
 # RLR's SD setting (arXiv 2502.00639 §5; https://github.com/RTkenny/RLR-Optimizer, scripts/hps_RLR.sh): SD1.5 (paper:
 # SD1.4), 50 DDIM steps eta 1, CFG 5, LoRA r = 4, lr 1e-4, h = 2 (the paper's 30-40 GB choice), 4 images per prompt.
 SD15_RLR=(--model-id "${MODEL_ID:-stable-diffusion-v1-5/stable-diffusion-v1-5}" "${GPU_COMMON[@]}"
@@ -464,6 +475,7 @@ case "$recipe" in
   dgpo-cpu-2proc) go "${CPU2[@]}" dgpo.py --samples-per-device 32 --samples-per-update 32 "$@" ;;
   dgpo-sd35-geneval-8gpu) go "${DDP8[@]}" dgpo.py "${DGPO_GENEVAL[@]}" "$@" ;;
   dgpo-sd35-ocr-8gpu) go "${DDP8[@]}" dgpo.py "${DGPO_OCR[@]}" "$@" ;;
+  dgpo-flux-8gpu) go "${DDP8[@]}" dgpo.py "${DGPO_FLUX[@]}" "$@" ;;
   rlr-cpu) go "$PY" rlr.py "$@" ;;
   rlr-v1-cpu) go "$PY" rlr.py --exp-name rlr-v1 --terms fo "$@" ;;
   rlr-v2-cpu) go "$PY" rlr.py --exp-name rlr-v2 --terms fo+ho --subchain-stage any "$@" ;;
