@@ -72,12 +72,12 @@ def train(argv: list[str]) -> None:
 
 
 def first_reaching(evals: list[dict], target: float) -> tuple[tuple, tuple]:
-    """((steps, censored), (seconds, censored)) at the first evaluation whose reward_mean >= target; the last
+    """((steps, censored), (whole seconds, censored)) at the first evaluation whose reward_mean >= target; the last
     evaluation's, censored, when none does."""
     for e in evals:
         if e["reward_mean"] >= target:
-            return (e["steps"], False), (e["time"], False)
-    return (evals[-1]["steps"], True), (evals[-1]["time"], True)
+            return (e["steps"], False), (round(e["time"]), False)
+    return (evals[-1]["steps"], True), (round(evals[-1]["time"]), True)
 
 
 def speedup(ref: dict, other: dict) -> str:
@@ -136,8 +136,8 @@ def report(record: dict) -> str:
         "at the end of its run. Median [min, max] over the seeds (reached / seeds); >N: not reached in N. The paper: "
         f"{PAPER}.",
         "",
-        "| method | command | optimizer steps to the target | x fewer than DanceGRPO | training s to the target "
-        "| x faster | forwards / image |",
+        "| method | command | optimizer steps to the target | DanceGRPO's / its (medians) | training s to the target "
+        "| DanceGRPO's / its (medians) | forwards / image |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows(results, seeds):
