@@ -44,7 +44,7 @@ from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +53,7 @@ from accelerate.utils import DistributedType, set_seed
 
 from common.checkpoints import Carried
 from common.evaluator import Evaluator
-from common.flags import AllowInf, Ge, Gt, Le, Lt, RunArgs, check_flags, check_run_args, cli, divides, need
+from common.flags import AllowInf, Ge, Gt, Le, Lt, ModeDefault, RunArgs, check_flags, check_run_args, cli, divides, need
 from common.logs import reward_stats, summarize
 from common.models import (
     add_old_policy,
@@ -88,7 +88,9 @@ class Args(RunArgs):  # the shared flags (--model-id, --reward, --iterations, ..
     """images sampled per process per iteration, a multiple of --group-size (official: 32 per GPU on 4 GPUs)"""
     rollout_batch_size: Annotated[int, Ge(1), Le(65536)] = 16
     """images per denoiser forward in sampling (official: 16)"""
-    train_batch_size: Annotated[int, Ge(1), Le(65536)] = 16
+    train_batch_size: Annotated[
+        Optional[int], ModeDefault("16; 4 (2 pairs) with --objective dpo"), Ge(1), Le(65536)
+    ] = None
     """rows per training micro-batch, whole groups (dpo: whole pairs); each timestep one forward of the trained, the
     base (and the old) policy (official: 16)"""
     samples_per_update: Annotated[int, Ge(1), Le(65536)] = 16
@@ -271,6 +273,8 @@ def resolve_and_check(args: Args) -> tuple[list[str], list[str], RewardSpec]:
         f"--train-timesteps {args.train_timesteps} distinct grid indices are drawn from 0 .. --trunc-steps "
         f"{args.trunc_steps}, which must lie within the --num-steps {args.num_steps} steps",
     )
+    if args.train_batch_size is None:  # the default update's rows: 16 images, or its 2 groups' 2 pairs (dpo)
+        args.train_batch_size = 16 if args.objective == "dgpo" else 4
     S, G, U, mb = args.samples_per_device, args.group_size, args.samples_per_update, args.train_batch_size
     need(divides(args.rollout_batch_size, S), "--samples-per-device must be a multiple of --rollout-batch-size")
     need(

@@ -355,6 +355,8 @@ REFUSED = [  # (flags, the flag the one line must name)
     (dict(rollout_batch_size=24), "--samples-per-device must be a multiple of --rollout-batch-size"),
 ]
 ACCEPTED = [
+    dict(objective="dpo"),  # the default command of online DPO: 2 pairs per micro-batch
+    dict(),  # and DGPO's
     dict(num_steps=4, trunc_steps=3, train_timesteps=4),  # every index of the grid but t = 0
     dict(trunc_steps=0, train_timesteps=1),  # pure noise only
     dict(objective="dpo", train_batch_size=2),  # one pair per micro-batch
