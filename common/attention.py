@@ -1,7 +1,7 @@
 """Which kernels compute `scaled_dot_product_attention`: one choice per process, made here and nowhere else.
 
 Every entry point that can put a model on a GPU calls `set_attention_backend` once at start-up, with its
-`--attention-backend` flag: the five training scripts (through `common.runs.Run`), `python -m common.evaluate`,
+`--attention-backend` flag: the six training scripts (through `common.runs.Run`), `python -m common.evaluate`,
 `python -m common.rewards serve` and the benchmarks that take `--device cuda`. diffusers' attention processors call
 torch's `scaled_dot_product_attention`, which picks, per call, the first kernel in torch's order (cuDNN, flash,
 memory-efficient, math on a Hopper GPU with torch 2.11) that is enabled and supports the inputs; the choice here

@@ -80,7 +80,7 @@ def calls_in(path: Path, function: str) -> set[str]:
 
 # every entry point that can put a model on a GPU, and the function of it that must call set_attention_backend
 ENTRY_POINTS = [
-    ("common/runs.py", "Run.__init__"),  # the five training scripts: each main() builds a Run (checked below)
+    ("common/runs.py", "Run.__init__"),  # the six training scripts: each main() builds a Run (checked below)
     ("common/evaluate.py", "main"),  # python -m common.evaluate
     ("common/rewards.py", "serve_main"),  # python -m common.rewards serve
     ("benchmarks/gpu/rlr_memory.py", "worker"),  # --device cuda

@@ -229,6 +229,8 @@ ONE_STEP = {
     "diffusionnft": ["--samples-per-device", "4", "--group-size", "2", "--rollout-batch-size", "4",
                      "--train-batch-size", "4", "--samples-per-update", "4", "--num-steps", "4",
                      "--timestep-fraction", "0.5"],
+    "dgpo": ["--samples-per-device", "4", "--group-size", "2", "--rollout-batch-size", "4", "--train-batch-size", "4",
+             "--samples-per-update", "4", "--num-steps", "4", "--train-timesteps", "2", "--trunc-steps", "2"],
 }  # fmt: skip
 
 

@@ -7,7 +7,7 @@ on the GPU from the published configs (benchmarks/gpu/memory.py's; nothing is do
             (both experts); the large ones (FLUX.1-dev, FLUX.2 [dev], Qwen-Image, A14B) at their real width with 2
             blocks of each type (text encoders: 2 layers, or as many as the pipeline reads hidden states from), so
             every kernel, dtype and shape of the real model runs forward and backward; the others at full size
-    call 2  (6 minutes at most) one iteration of each of the five scripts on full-depth FLUX.1-dev at a recipe's
+    call 2  (6 minutes at most) one iteration of dancegrpo.py, branchgrpo.py, vgrpo.py, rlr.py and diffusionnft.py on full-depth FLUX.1-dev at a recipe's
             settings: 720 px, bf16, LoRA r128, gradient checkpointing, --offload-frozen; then the video kinds call 1
             has no time left for, LTX-2.3 and HunyuanVideo-1.5, at their real width with 2 blocks of each type
 

@@ -44,7 +44,7 @@ MUTANTS = [
      "tests/test_direction.py -k branchgrpo", "BranchGRPO: the advantage's sign flipped where main() passes it"),
     ("branchgrpo.py", "max(self.splits) + 1 if self.pruning", "max(self.splits) if self.pruning",
      "tests/test_branchgrpo.py -k depth", "BranchGRPO: the depth window starting on the last split"),
-    ("branchgrpo.py", "n.append(n[-1] * self.children(i))", "n.append(n[-1] * self.children(i + 1))",
+    ("branchgrpo.py", "sum(s < i for s in set(self.splits))", "sum(s <= i for s in set(self.splits))",
      "tests/test_branchgrpo.py -k tree_counts", "BranchGRPO: a tree's sizes off by one step"),
     ("branchgrpo.py", ".argmax(-1)  # (P, parents)", ".argmin(-1)  # (P, parents)",
      "tests/test_branchgrpo.py -k width_parent", "BranchGRPO: width pruning keeps the worst child"),

@@ -19,7 +19,7 @@ go to benchmarks/testing/mutation_out/<file>.json and to the target's page in do
 dancegrpo_flags.md, common_runs.md, ...: survivors with their diffs; the page's notes, below its NOTES line, are kept). The tool is pinned in
 benchmarks/testing/requirements-mutation.txt (`pip install -r benchmarks/testing/requirements-mutation.txt`).
 
-What is mutated: for the five scripts, the module-level functions and the methods of the classes above main() (not
+What is mutated: for the six scripts, the module-level functions and the methods of the classes above main() (not
 main(), not the flags class Args); for common/runs.py, common/remote.py, common/evaluate.py, common/checkpoints.py
 and common/flags.py every function but an entry point's main(); for common/__init__.py the atomic writer; for
 common/rewards.py, the served-reward path (how requests are made and their answers combined) and the parser of
