@@ -459,6 +459,7 @@ def main(args: Args):
             # 0 while the old policy equals the trained weights (the first iteration; after a step at decay 0)
             **({"losses/first_ratio_max_dev": stats["ratio_dev"][0].max().item()} if use_old else {}),
             "perf/nfe_per_image": nfe,
+            "perf/trained_timesteps_per_image": args.train_timesteps * (2 / G if dpo else 1),  # per sampled image
             "perf/sampling_s": t_sample,
             "perf/reward_wait_s": reward_fn.wait_s,
         }
