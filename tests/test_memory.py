@@ -153,6 +153,16 @@ def test_hpsv3_is_planned_at_its_published_size_in_bf16_beside_hpsv2_and_rlr_ref
         memory.estimate("rlr.py", ["--model-id", "black-forest-labs/FLUX.1-dev", "--reward", "hpsv3"])
 
 
+def test_ema_keeps_one_fp32_copy_of_the_trained_weights():
+    """dancegrpo.py --ema (as branchgrpo.py's and vgrpo.py's): the EMA is one more fp32 copy of the trained weights,
+    resident through every phase; without it nothing changes."""
+    quiet = ["--sample-every", "0", "--eval-every", "0", *LORA]
+    off, on = plan(quiet), plan([*quiet, "--ema"])
+    assert on["gb"]["trainable"] == pytest.approx(2 * off["gb"]["trainable"])
+    for phase, gb in off["phases"].items():
+        assert on["phases"][phase] == pytest.approx(gb + off["gb"]["trainable"], abs=1e-9)
+
+
 def test_geneval_plans_its_detector_and_clip_in_fp32_and_ocr_nothing_on_the_gpu():
     """GenEval's judge: Mask2Former Swin-S (facebook/mask2former-swin-small-coco-instance, 68,741,083 parameters) and
     CLIP ViT-L/14 (openai/clip-vit-large-patch14, 427,616,513), fp32, resident beside HPSv2.1, one copy for geneval and

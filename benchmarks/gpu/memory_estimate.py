@@ -56,7 +56,8 @@ class Workload:
     kl_copy: bool  # a frozen bf16 copy of the denoiser as KL reference (full fine-tuning)
     data: int  # bytes of rollout data resident through the iteration
     rlr: dict | None = None  # RLR: first-order rows, sub-chain length h, zero-order term
-    copies: int = 0  # fp32 copies of the trained weights kept beside them (DiffusionNFT: the old policy, the EMA)
+    copies: int = 0  # fp32 copies of the trained weights kept beside them (DiffusionNFT, DGPO: the old policy and the
+    # EMA; DanceGRPO, BranchGRPO, V-GRPO: the EMA with --ema)
 
 
 def _bytes(shape, count=1, element=4) -> int:
@@ -86,7 +87,7 @@ def workload(script: str, args, shapes: Shapes, cfg: bool, frozen_bytes: int) ->
         data = _bytes(L, S * (T + 1)) + _bytes(L, S * T) + _bytes((S, T)) + _bytes(img, S) + cond * (S + 1)
         full_ft_kl = args.kl_beta > 0 and not args.lora
         P = distinct_prompts(S, args.group_size)
-        return Workload(P, R * mult, R, S, R * mult, args.kl_beta > 0, full_ft_kl, data)
+        return Workload(P, R * mult, R, S, R * mult, args.kl_beta > 0, full_ft_kl, data, copies=int(args.ema))
     if script == "branchgrpo":
         import branchgrpo
 
@@ -96,7 +97,7 @@ def workload(script: str, args, shapes: Shapes, cfg: bool, frozen_bytes: int) ->
         # every tree's node states (fp32) and edge log-probs; every leaf's image; the trees' conditioning
         data = _bytes(L, P * sum(sizes)) + _bytes((P * sum(sizes[1:]),)) + _bytes(img, P * M) + cond * (P + 1)
         full_ft_kl = args.kl_beta > 0 and not args.lora
-        return Workload(Pu, R * mult, Pu * M, P * M, R * mult, args.kl_beta > 0, full_ft_kl, data)
+        return Workload(Pu, R * mult, Pu * M, P * M, R * mult, args.kl_beta > 0, full_ft_kl, data, copies=int(args.ema))
     if script == "vgrpo":
         S, R, B, N = args.samples_per_device, args.rollout_batch_size, args.train_batch_size, args.n_mc
         kl = args.kl_beta > 0
@@ -104,7 +105,7 @@ def workload(script: str, args, shapes: Shapes, cfg: bool, frozen_bytes: int) ->
         data = _bytes(L, S) + _bytes(img, S) + cond * (S + 1) + _bytes((S, N)) + (_bytes(L, S * N) if kl else 0)
         full_ft_kl = kl and args.kl_ref == "base" and not args.lora
         P = distinct_prompts(S, args.group_size)
-        return Workload(P, max(R, B * N) * mult, R, S, B * N * mult, False, full_ft_kl, data)
+        return Workload(P, max(R, B * N) * mult, R, S, B * N * mult, False, full_ft_kl, data, copies=int(args.ema))
     if script == "rlr":
         S, B, T = args.samples_per_device, args.rollout_batch_size, args.num_steps
         h = args.subchain_len
@@ -290,7 +291,9 @@ def estimate(
     cfg = PLANS[kind].cfg and (args.guidance_scale != 1 if kind == "hunyuan15" else args.guidance_scale > 1)
     work = workload(script, args, shapes, cfg, esize)
     if fsdp and work.copies:
-        raise ValueError(f"{script}.py refuses FSDP: it keeps the old policy and the EMA beside the trained weights")
+        raise ValueError(
+            f"{script}.py refuses FSDP here: it keeps copies of the trained weights (an old policy, an EMA)"
+        )
     if fsdp and work.kl_copy:
         raise ValueError("the scripts refuse a frozen KL reference copy under FSDP (--kl-beta 0, or --lora)")
     evaluates = args.eval_every > 0 or args.sample_every > 0
