@@ -37,7 +37,8 @@ from common.cli import AllowInf as AllowInf  # the scripts import every flag hel
 from common.cli import check_numbers, check_ranges, need
 from common.cli import flag_metadata as flag_metadata
 from common.cli import parse_flags as parse_command_line
-from common.models import check_model_id, check_num_frames, has_two_experts, is_video
+from common.edits import check_edit_prompts
+from common.models import check_model_id, check_num_frames, has_two_experts, is_video, registered
 from common.prompts import HPDV2_HOWTO, SOURCES, load_prompts
 from common.rewards import RewardSpec, check_reward_prompts, check_rewards, check_shapesbench_prompts, parse_rewards
 
@@ -264,6 +265,8 @@ def check_run_args(args, video: bool = True, differentiable: bool = False) -> tu
     rewards = parse_rewards(args.reward, args.reward_ckpt, args.reward_url)  # parsed once; every later step reads it
     check_rewards(rewards, moving, None if kind == "shapes" else args.model_id, args.num_frames, differentiable)
     train, held_out = load_prompts(args.prompts, "--prompts"), load_prompts(args.eval_prompts, "--eval-prompts")
+    for prompts, flag in ((train, "--prompts"), (held_out, "--eval-prompts")):
+        check_edit_prompts(prompts, registered(kind).images, flag, args.model_id)
     check_reward_prompts(rewards, train, "--prompts"), check_reward_prompts(rewards, held_out, "--eval-prompts")
     if kind == "shapes":  # the evaluation's verifier figures and the sample grids' badges read the held-out prompts
         check_shapesbench_prompts(held_out, "--eval-prompts")

@@ -1,6 +1,7 @@
 """Prompt sources: the ShapesBench splits, a text file with one prompt per line (e.g. HPDv2's or Flow-GRPO's OCR
 prompts), a GenEval metadata file (`.jsonl`, one JSON object per line: tag, include, [exclude], prompt; each row is
-checked against its prompt's template, common.geneval), or a diffusion chain-of-thought file (rlr.py --dcot-prompts).
+checked against its prompt's template, common.geneval), an edit file (`.jsonl` rows of an instruction and its source
+images, for the models that edit: common/edits.py), or a diffusion chain-of-thought file (rlr.py --dcot-prompts).
 
 The papers' prompt sets are fetched once into such files, on a machine that reaches the source, or from a copy with
 --from:
@@ -39,6 +40,7 @@ import torch
 from huggingface_hub import hf_hub_download
 
 from common import InputError, RunError, write_atomically
+from common.edits import edit_prompts, is_edit_file
 from common.sampling import keyed_generator
 from common.shapesbench import split_prompts
 
@@ -105,8 +107,8 @@ def expected_rows(name: str) -> int | None:
 
 def load_prompts(source: str, flag: str = "--prompts") -> list[str]:
     """`source` is 'shapes-train', 'shapes-eval', a path ending in .jsonl to a GenEval metadata file (each non-blank
-    line one JSON object, checked against its prompt's template: common.geneval.check_metadata), or a path to a UTF-8
-    text file, one prompt per line (blank lines and lines starting with '#' are skipped). The prompts in file order,
+    line one JSON object, checked against its prompt's template: common.geneval.check_metadata), a .jsonl edit file
+    (EditPrompts, each row and image checked: common.edits), or a path to a UTF-8 text file, one prompt per line (blank lines and lines starting with '#' are skipped). The prompts in file order,
     repeats kept. `flag` names the CLI option in error messages.
     """
     if source in SOURCES:
@@ -118,8 +120,10 @@ def load_prompts(source: str, flag: str = "--prompts") -> list[str]:
             f"or a GenEval metadata file (.jsonl); the papers' sets are written by `python -m common.prompts NAME FILE` "
             f"({', '.join(['hpdv2', *PROMPT_SETS])})"
         )
+    if is_jsonl(source) and is_edit_file(text := read_text(path, f"{flag} {source}")):
+        return edit_prompts(text, path.parent, f"{flag} {source}")  # a first row, so never empty
     if is_jsonl(source):
-        prompts = [row["prompt"] for row in metadata_rows(read_text(path, f"{flag} {source}"), f"{flag} {source}")]
+        prompts = [row["prompt"] for row in metadata_rows(text, f"{flag} {source}")]
         if not prompts:
             raise InputError(
                 f"{flag} {source}: the file holds no prompts (a GenEval metadata file: one JSON object per line)"

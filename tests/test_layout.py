@@ -19,6 +19,7 @@ LAYERS = {
     "common.signals": 1,
     "common.logs": 2,
     "common.sampling": 2,
+    "common.edits": 2,
     "common.shapesbench": 3,
     "common.models": 4,
     "common.rewards": 4,

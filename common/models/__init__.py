@@ -84,6 +84,9 @@ class Kind:
     pipelines: tuple[str, ...]
     video: bool = False  # decodes (B, F, 3, H, W): takes --num-frames and the rewards of videos
     name: str = ""  # the kind, `cls.kind` ('flux', 'wan', ...): read from the class when `wrapper` is one
+    # (least, most) images a prompt brings: an edit's sources, references or a first frame (common/edits.py); (0, 0):
+    # text alone
+    images: tuple[int, int] = (0, 0)
 
     def __post_init__(self):
         if not self.name:

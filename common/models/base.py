@@ -14,11 +14,15 @@ def _cfg(forward, x, t, cond, get_uncond, scale, guide_below_one: bool = False):
     """Classifier-free guidance as diffusers does it: one batched forward on [uncond; cond] when scale > 1 (the
     pipelines' `do_classifier_free_guidance`), or with `guide_below_one` at every scale but 1 (diffusers'
     ClassifierFreeGuidance guider: its `_is_cfg_enabled` is `not math.isclose(scale, 1.0)`, so at 0.5 it returns the
-    mean of the two predictions); a tensor `scale`, one per row, always guides."""
+    mean of the two predictions); a tensor `scale`, one per row, always guides. A key of `cond` that the unconditional
+    encoding lacks (an edit's source latents: common/edits.py) is the same in both halves, as the editing pipelines'
+    true CFG drops the instruction and keeps the image."""
     if not torch.is_tensor(scale) and (math.isclose(scale, 1.0) if guide_below_one else scale <= 1.0):
         return forward(x, t, cond)
     B, uncond = x.shape[0], get_uncond()
-    both = {k: torch.cat([uncond[k].expand(B, *uncond[k].shape[1:]), cond[k]]) for k in cond}
+    both = {
+        k: torch.cat([uncond[k].expand(B, *uncond[k].shape[1:]) if k in uncond else cond[k], cond[k]]) for k in cond
+    }
     out_uncond, out_cond = forward(torch.cat([x, x]), torch.cat([t, t]), both).chunk(2)
     if torch.is_tensor(scale):  # one scale per row (B, 1, ...), in the outputs' dtype as a number would act
         scale = scale.to(out_cond.dtype)

@@ -1,0 +1,126 @@
+"""Edit data (common/edits.py): an EditPrompt is its instruction and its images, in hashing, equality, pickling and a
+model's encode_prompts dedup; an edit file is read with every row and image checked, each bad row stopping with one
+line that names the file and the line; the kind's image range is enforced; classifier-free guidance keeps the image
+condition in both halves."""
+
+import copy
+import json
+import pickle
+
+import pytest
+import torch
+from PIL import Image
+
+from common import InputError
+from common.edits import MAX_IMAGE_PIXELS, EditPrompt, centre_square, check_edit_prompts, load_image
+from common.models.base import _cfg
+from common.prompts import draw_prompts, load_prompts
+
+
+def png(path, size=(12, 10), colour=(200, 30, 30)):
+    Image.new("RGB", size, colour).save(path)
+    return path
+
+
+def test_an_edit_prompt_is_its_text_and_its_images():
+    a, b = EditPrompt("make it blue", ["x.png"]), EditPrompt("make it blue", ["y.png"])
+    assert str(a) == "make it blue" and type(str(a)) is str and a.text == "make it blue" and a.startswith("make")
+    assert a != b and hash(a) != hash(b) and a == EditPrompt("make it blue", ("x.png",))
+    assert a != "make it blue" and "make it blue" != a  # a plain prompt is another condition
+    assert len({a, b, EditPrompt("make it blue", ["x.png"])}) == 2
+    assert list(dict.fromkeys([a, b, a])) == [a, b]  # encode_prompts' dedup keeps both images
+    for copied in (pickle.loads(pickle.dumps(a)), copy.deepcopy(a)):
+        assert copied == a and copied.images == ("x.png",)
+    assert [p.images for p in draw_prompts([a, b], 4, 0, 3)] == [p.images for p in draw_prompts([a, b], 4, 0, 3)]
+    with pytest.raises(ValueError):
+        EditPrompt("no image", [])
+
+
+def test_an_edit_file_is_read_with_paths_relative_to_it(tmp_path):
+    (tmp_path / "src").mkdir()
+    png(tmp_path / "src" / "a.png"), png(tmp_path / "b.png", (7, 9))
+    rows = [{"instruction": "make  the circle\tblue", "image": "src/a.png"},
+            {"instruction": "swap them", "images": [str(tmp_path / "b.png"), "src/a.png"]}]  # fmt: skip
+    (tmp_path / "edits.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    prompts = load_prompts(str(tmp_path / "edits.jsonl"))
+    assert prompts == [EditPrompt("make the circle blue", [str(tmp_path / "src" / "a.png")]),
+                       EditPrompt("swap them", [str(tmp_path / "b.png"), str(tmp_path / "src" / "a.png")])]  # fmt: skip
+    assert [im.size for im in prompts[1].load_images()] == [(7, 9), (12, 10)]
+    assert all(im.mode == "RGB" for im in prompts[1].load_images())
+
+
+BAD_ROWS = {  # a second row -> the words the one-line error must hold
+    "missing image": ({"instruction": "x", "image": "nope.png"}, "line 2: image", "does not exist"),
+    "unreadable": ({"instruction": "x", "image": "junk.png"}, "line 2:", "not a readable image"),
+    "too big": ({"instruction": "x", "image": "big.png"}, "line 2: image", "over the"),
+    "no instruction": ({"image": "ok.png"}, "line 2:", '"instruction" is missing'),
+    "empty instruction": ({"instruction": "  ", "image": "ok.png"}, "line 2:", "instruction"),
+    "no image field": ({"instruction": "x"}, "line 2:", 'give "image"'),
+    "both fields": ({"instruction": "x", "image": "ok.png", "images": ["ok.png"]}, "line 2:", "exactly one"),
+    "empty list": ({"instruction": "x", "images": []}, "line 2:", "non-empty list"),
+    "unknown field": ({"instruction": "x", "image": "ok.png", "mask": "m.png"}, "line 2:", "unknown field"),
+    "not an object": (["x"], "line 2:", "JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ROWS)
+def test_bad_edit_data_stops_with_one_line_naming_the_file_and_the_row(case, tmp_path, monkeypatch):
+    png(tmp_path / "ok.png")
+    (tmp_path / "junk.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    png(tmp_path / "big.png", (40, 30))
+    monkeypatch.setattr("common.edits.MAX_IMAGE_PIXELS", 40 * 30 - 1)
+    row, where, why = BAD_ROWS[case]
+    path = tmp_path / "e.jsonl"
+    path.write_text(json.dumps({"instruction": "fine", "image": "ok.png"}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(InputError) as e:
+        load_prompts(str(path), "--eval-prompts")
+    msg = str(e.value)
+    assert msg.startswith(f"--eval-prompts {path}, {where}") and why in msg and "\n" not in msg, msg
+
+
+def test_the_size_cap_is_read_from_the_header_and_a_truncated_body_is_caught(tmp_path):
+    assert MAX_IMAGE_PIXELS == 4096 * 4096
+    full = tmp_path / "full.png"
+    Image.effect_noise((64, 64), 50).convert("RGB").save(full)
+    cut = tmp_path / "cut.png"
+    cut.write_bytes(full.read_bytes()[:200])
+    with pytest.raises(InputError, match="not a readable image"):
+        load_image(cut, "--prompts e.jsonl, line 1")
+
+
+def test_centre_square_takes_the_middle_and_resizes():
+    img = Image.new("RGB", (6, 4), (0, 0, 0))
+    for x in range(6):
+        img.putpixel((x, 0), (x * 40, 0, 0))
+    square = centre_square(img, 4)
+    assert square.size == (4, 4) and [square.getpixel((x, 0))[0] for x in range(4)] == [40, 80, 120, 160]
+    assert centre_square(Image.new("RGB", (5, 9)), 3).size == (3, 3)
+
+
+def test_the_kinds_image_range_is_enforced_with_one_line():
+    edits, plain = [EditPrompt("a", ["x.png"]), EditPrompt("b", ["x.png", "y.png"])], ["a cat"]
+    check_edit_prompts(plain, (0, 0), "--prompts", "m")
+    check_edit_prompts(edits, (1, 2), "--prompts", "m")
+    check_edit_prompts(plain + edits, (0, 2), "--prompts", "m")  # FLUX.2: references optional
+    with pytest.raises(InputError, match="--prompts: an edit file .* makes images from text alone"):
+        check_edit_prompts(edits, (0, 0), "--prompts", "m")
+    with pytest.raises(InputError, match="--eval-prompts: prompt 1 brings no image, but --model-id m edits"):
+        check_edit_prompts(plain, (1, 1), "--eval-prompts", "m")
+    with pytest.raises(InputError, match="--prompts: prompt 2 brings 2 images; --model-id m takes at most 1"):
+        check_edit_prompts(edits, (1, 1), "--prompts", "m")
+
+
+def test_cfg_keeps_the_image_condition_in_both_halves():
+    """uncond has the text only; the forward sees [uncond text; cond text] with the rows' own images twice."""
+    seen = {}
+
+    def forward(x, t, c):
+        seen.update(c)
+        return c["text"].sum(-1, keepdim=True) + 10 * c["image"].sum(-1, keepdim=True) + 0 * x
+
+    cond = {"text": torch.tensor([[1.0], [2.0]]), "image": torch.tensor([[3.0], [4.0]])}
+    out = _cfg(forward, torch.zeros(2, 1), torch.zeros(2), cond, lambda: {"text": torch.tensor([[0.5]])}, 3.0)
+    assert seen["text"].flatten().tolist() == [0.5, 0.5, 1.0, 2.0]
+    assert seen["image"].flatten().tolist() == [3.0, 4.0, 3.0, 4.0]
+    # u + 3 (c - u) with u = 0.5 + 10 img, c = text + 10 img
+    assert out.flatten().tolist() == pytest.approx([30.5 + 3 * 0.5, 40.5 + 3 * 1.5])
