@@ -15,7 +15,9 @@ import torch
 from tqdm import tqdm
 
 from common import shapesbench
+from common.edits import EditPrompt
 from common.prompts import evenly_spaced
+from common.rewards import source_pixels
 from common.sampling import fixed_noise, ode_sampler, sample_prompts, schedule
 
 
@@ -104,6 +106,12 @@ class Evaluator:
             ok = shapesbench.verify(images, prompts)["all"].tolist()
             title += ": badge = verifier verdict (right colours, shape, clean background)"
         captions = [f"{p}\nreward {x:.3f}" for p, x in zip(prompts, r.tolist())]
+        if isinstance(prompts[0], EditPrompt) and images.ndim == 4:  # an edit beside its source, source first
+            sources = source_pixels(prompts, *images.shape[-2:], images.device).to(images.dtype)
+            images = torch.stack([sources, images], 1).flatten(0, 1)  # (2N, 3, H, W): source, edit, source, ...
+            captions = [c for p, e in zip(prompts, captions) for c in ("source", e)]
+            ok = None if ok is None else [b for v in ok for b in (v, v)]  # the edit's verdict under both
+            title += ": each edit right of its source"
         self.run.logs.grid(images, captions, ok, step, title)
 
     def __call__(self, step: int, final: bool = False) -> None:

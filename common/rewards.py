@@ -102,6 +102,12 @@ HUB_WEIGHTS = {
         "/path/to/folder",
         "`hf download openai/clip-vit-large-patch14 --local-dir clip-vit-large-patch14`",
     ),
+    "image_similarity": (
+        "openai/clip-vit-large-patch14",
+        "config.json",
+        "/path/to/folder",
+        "`hf download openai/clip-vit-large-patch14 --local-dir clip-vit-large-patch14`",
+    ),
     "aesthetic": (  # the hub copy of improved-aesthetic-predictor's sac+logos+ava1-l14-linearMSE.pth (DDPO's, trl's)
         "trl-lib/ddpo-aesthetic-predictor",
         "aesthetic-model.pth",
@@ -366,6 +372,41 @@ def clip_score(device, checkpoint=None) -> Reward:
     )
 
 
+def source_pixels(prompts, height: int, width: int, device) -> torch.Tensor:
+    """(B, 3, height, width) in [0, 1]: each edit prompt's first image (its source; an image-to-video model's first
+    frame), cut to the edit's frame as the model kinds cut it (common.edits.centre_square) when the frame is square."""
+    from common.edits import EditPrompt, centre_square
+
+    out = []
+    for p in prompts:
+        if not isinstance(p, EditPrompt):
+            raise InputError(f"prompt {p!r} brings no source image, which an edit reward compares the edit with")
+        image = p.load_images()[0]
+        image = centre_square(image, height) if height == width else image.resize((width, height), Image.BICUBIC)
+        out.append(torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(height, width, 3))
+    return (torch.stack(out).permute(0, 3, 1, 2).float() / 255).to(device)  # cpu: PIL's bytes, then moved
+
+
+def image_similarity(device, checkpoint=None) -> Reward:
+    """Consistency with the source for editing, as Flow-GRPO scores it (its CLIP scorer's image_similarity): the
+    cosine of CLIP ViT-L/14's projected image features of the edited image and of its source (the prompt's first
+    image, source_pixels), both through CLIP's preprocessing; 1 = the same picture to CLIP. It rewards changing
+    nothing, so it is a term beside an instruction-following reward, never alone (docs/editing.md)."""
+    model, processor = _load_clip(
+        "image_similarity", device, checkpoint, "openai/clip-vit-large-patch14", "openai/clip-vit-large-patch14"
+    )
+
+    def features(images):
+        out = model.get_image_features(pixel_values=clip_pixels(images.to(device, torch.float32), processor))
+        return F.normalize(out.pooler_output, dim=-1)  # (B, D)
+
+    def fn(images, prompts):
+        sources = source_pixels(prompts, *images.shape[-2:], device)
+        return (features(images) * features(sources)).sum(-1)
+
+    return ScoreFn(fn, differentiable=True, parts=Offloaded([model], device, False))
+
+
 # ---------------------------------------------------------------- aesthetic score and ImageReward: CLIP / BLIP + MLP
 def linear_head(state: dict[str, torch.Tensor], prefix: str = "layers.") -> torch.nn.Sequential:
     """The MLP head of the aesthetic predictor and of ImageReward from its state dict: Linear layers at indices 0, 2,
@@ -600,6 +641,7 @@ class RewardKind:
     video: bool = False  # scores videos (B,F,3,H,W), so needs a video model
     judge: bool = False  # a VLM judge: scored only by an OpenAI-compatible server (--reward-url NAME=URL)
     shapesbench: bool = False  # scores ShapesBench's 32 px images against its prompts: --model-id shapesbench only
+    edit: bool = False  # compares an edit with its source: needs prompts with images (common/edits.py)
 
 
 REWARDS: dict[str, RewardKind] = {}
@@ -613,13 +655,14 @@ def register_reward(
     video: bool = False,
     judge: bool = False,
     shapesbench: bool = False,
+    edit: bool = False,
 ) -> None:
     """Let `--reward name` build factory(device, checkpoint=None) -> Reward (e.g. a ScoreFn), from any file: a fork
     calls this at import time, before cli() reads the flags, and nothing in common/ changes. The other arguments are
     RewardKind's."""
     if name in REWARDS or name in ALIASES:
         raise ValueError(f"reward {name!r} is registered already")
-    REWARDS[name] = RewardKind(factory, differentiable, video, judge, shapesbench)
+    REWARDS[name] = RewardKind(factory, differentiable, video, judge, shapesbench, edit)
 
 
 def unregister_reward(name: str) -> RewardKind:
@@ -653,6 +696,7 @@ for _name, _factory, _differentiable, _flags in (
     ("hpsv2.1", hpsv2_1, True, {}),
     ("pickscore", pickscore, True, {}),
     ("clip", clip_score, True, {}),
+    ("image_similarity", image_similarity, True, {"edit": True}),
     ("aesthetic", aesthetic, True, {}),
     ("imagereward", imagereward, True, {}),
     ("hpsv3", hpsv3, True, {}),
@@ -765,6 +809,14 @@ def check_reward_prompts(spec: RewardSpec, prompts: list[str], flag: str) -> Non
     by its length; one `error:` line naming the flag and the prompt."""
     if any(c.kind.shapesbench for c in spec.components):
         check_shapesbench_prompts(prompts, flag)
+    from common.edits import EditPrompt  # cheap; here as the other prompt rules
+
+    for c in spec.components:
+        if c.kind.edit and (i := next((i for i, p in enumerate(prompts, 1) if not isinstance(p, EditPrompt)), 0)):
+            raise InputError(
+                f"{flag}: prompt {i} brings no source image, and --reward {c.name} compares an edit with its source: "
+                "give an edit file (docs/editing.md) and a model that edits"
+            )
     if "ocr" in spec.weights:
         from common.ocr import ocr_target  # here: --help does not import the OCR rule
 
@@ -846,6 +898,11 @@ def check_rewards(
             raise InputError(f"--reward {spec.text}: '{c.name}' scores videos, and --model-id gives images")
         if c.kind.judge and c.url is None:
             raise InputError(_needs_url(c.name))
+        if c.kind.edit and c.url is not None:
+            raise InputError(
+                f"--reward-url {c.name}: an edit reward reads each prompt's source image, which a served request does "
+                "not carry; score it in this process (drop --reward-url)"
+            )
         if c.url is not None:  # the server answers now (one try), or the run does not start
             where = f"{c.url.rstrip('/')}/{'models' if c.kind.judge else 'health'}"
             request_json(where, token=os.environ.get("REWARD_API_KEY"), timeout=10, tries=1)

@@ -7,6 +7,7 @@ import copy
 import json
 import pickle
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -124,3 +125,39 @@ def test_cfg_keeps_the_image_condition_in_both_halves():
     assert seen["image"].flatten().tolist() == [3.0, 4.0, 3.0, 4.0]
     # u + 3 (c - u) with u = 0.5 + 10 img, c = text + 10 img
     assert out.flatten().tolist() == pytest.approx([30.5 + 3 * 0.5, 40.5 + 3 * 1.5])
+
+
+def test_image_similarity_is_clips_cosine_of_the_edit_and_its_cut_source(tmp_path):
+    """Flow-GRPO's consistency reward: CLIP's projected image features of the edit and of the source, cut to the
+    edit's square frame, cosine; 1 for the source itself; differentiable; a plain prompt refused at start-up and a
+    served copy refused (a request carries no image)."""
+    from transformers import CLIPModel, CLIPProcessor
+
+    from common.rewards import build_reward, check_reward_prompts, check_rewards, clip_pixels, parse_rewards
+    from tests.tiny import build_tiny_clip
+
+    build_tiny_clip(tmp_path / "clip", size=32)
+    src = tmp_path / "s.png"
+    Image.effect_noise((40, 30), 60).convert("RGB").save(src)  # cut to its middle 30x30, then 16x16
+    prompts = [EditPrompt("make it red", [str(src)]), EditPrompt("make it blue", [str(src)])]
+    spec = parse_rewards("image_similarity", [f"image_similarity={tmp_path / 'clip'}"])
+    reward = build_reward(spec, "cpu")
+    square = centre_square(Image.open(src).convert("RGB"), 16)
+    source = torch.from_numpy(np.asarray(square)).permute(2, 0, 1).float() / 255  # (3, 16, 16)
+    edited = torch.stack([source, torch.rand(3, 16, 16, generator=torch.Generator().manual_seed(0))]).requires_grad_()
+    total, parts = reward(edited, prompts)
+    model = CLIPModel.from_pretrained(tmp_path / "clip")
+    processor = CLIPProcessor.from_pretrained(tmp_path / "clip")
+    feats = lambda x: torch.nn.functional.normalize(
+        model.get_image_features(pixel_values=clip_pixels(x, processor)).pooler_output, dim=-1
+    )  # noqa: E731
+    expected = (feats(edited.detach()) * feats(source.expand(2, -1, -1, -1))).sum(-1)
+    torch.testing.assert_close(total.detach(), expected, atol=1e-6, rtol=0)
+    assert total[0].item() == pytest.approx(1.0, abs=1e-6) and total[1].item() < 0.999
+    total.sum().backward()
+    assert edited.grad.abs().sum() > 0
+    with pytest.raises(InputError, match="--prompts: prompt 1 brings no source image, and --reward image_similarity"):
+        check_reward_prompts(spec, ["a cat", *prompts], "--prompts")
+    served = parse_rewards("image_similarity", (), ["image_similarity=http://127.0.0.1:9"])
+    with pytest.raises(InputError, match="--reward-url image_similarity: an edit reward reads each prompt's source"):
+        check_rewards(served)
