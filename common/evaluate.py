@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from common import InputError, RunError, in_the_way, shapesbench, write_atomically
 from common.attention import set_attention_backend
+from common.edits import EditPrompt, check_edit_prompts
 from common.flags import (
     Ge,
     Gt,
@@ -48,7 +49,7 @@ from common.flags import (
     default_shift,
     need,
 )
-from common.models import LOW_NOISE_LORA, check_model_id, has_two_experts, is_video
+from common.models import LOW_NOISE_LORA, check_model_id, has_two_experts, is_video, registered
 from common.prompts import HPDV2_STYLES, evenly_spaced, hpdv2_prompts, is_jsonl, load_prompts
 from common.remote import RESUME, STOPS
 from common.rewards import build_reward, check_reward_prompts, check_rewards, check_shapesbench_prompts, parse_rewards
@@ -114,13 +115,12 @@ def load_prompt_set(source: str, max_prompts: int) -> tuple[list[str], list[str]
             raise InputError(f"--prompts {source}: {type(e).__name__}: {str(e)[:200]}; give hpdv2=FOLDER") from None
         per = len(prompts) // len(HPDV2_STYLES)
         styles = [HPDV2_STYLES[min(i // per, len(HPDV2_STYLES) - 1)] for i in range(len(prompts))]
-    elif is_jsonl(source):  # GenEval metadata (common.prompts checks each row): the style is the task
-        from common.geneval import geneval_metadata
+    elif is_jsonl(source) and not isinstance((prompts := load_prompts(source))[0], EditPrompt):
+        from common.geneval import geneval_metadata  # GenEval metadata (common.prompts checks each row)
 
-        prompts = load_prompts(source)
-        styles = [geneval_metadata(p)["tag"] for p in prompts]
-    else:
-        prompts = load_prompts(source)
+        styles = [geneval_metadata(p)["tag"] for p in prompts]  # the style is the task
+    else:  # a text file, or an edit file (common.edits)
+        prompts = prompts if is_jsonl(source) else load_prompts(source)
         styles = [""] * len(prompts)
     if max_prompts > 0:
         keep = evenly_spaced(list(range(len(prompts))), max_prompts)
@@ -632,6 +632,7 @@ def main(args: EvalArgs) -> None:
         "hpsv2.1,pickscore,imagereward) and --prompts (hpdv2 or a file)",
     )
     prompt_list, styles = load_prompt_set(args.prompts, args.max_prompts)
+    check_edit_prompts(prompt_list, registered(kind).images, "--prompts", args.model_id)
     check_reward_prompts(reward_spec, prompt_list, "--prompts")
     if kind == "shapes":  # the report's verifier figures and the grid's badges read every prompt
         check_shapesbench_prompts(prompt_list, "--prompts")

@@ -608,3 +608,12 @@ def build_tiny_geneval(d, num_labels: int = 80) -> None:
     torch.manual_seed(0)
     Mask2FormerForUniversalSegmentation(config).save_pretrained(Path(d) / "mask2former")
     build_tiny_clip(Path(d) / "clip")
+
+
+def build_kontext(path):
+    """FLUX.1-Kontext: build_flux's parts (a FLUX transformer with guidance_embeds, CLIP + T5, the 2x VAE) saved as a
+    FluxKontextPipeline; 32 px images are 16 x 16 latents, 64 noisy tokens and 64 source tokens of 64."""
+    from diffusers import FluxKontextPipeline
+
+    build_flux(path)
+    FluxKontextPipeline(**FluxPipeline.from_pretrained(path).components).save_pretrained(path)

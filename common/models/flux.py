@@ -14,6 +14,7 @@ class FluxModel(FlowModel):
 
     kind = "flux"
     pipeline = FluxPipeline  # loads the folder; saves and loads a LoRA adapter (save_lora_weights)
+    text_tokens = 512  # T5 tokens per prompt: FluxPipeline.__call__'s max_sequence_length
 
     def __init__(self, pipe: FluxPipeline, resolution: int | None):
         self.pipe = pipe
@@ -29,8 +30,10 @@ class FluxModel(FlowModel):
         return (seq, self.transformer.config.in_channels)  # in_channels = 4 * VAE latent channels
 
     def _encode(self, prompts):
-        embeds, pooled, _ = self.pipe.encode_prompt(prompts, None, device=self.device)  # txt_ids (zeros): in velocity
-        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}  # (B, 512, 4096), (B, 768)
+        embeds, pooled, _ = self.pipe.encode_prompt(  # txt_ids (zeros): in velocity
+            prompts, None, device=self.device, max_sequence_length=self.text_tokens
+        )
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}  # (B, text_tokens, 4096), (B, 768)
 
     def velocity(self, transformer, x, sigma, cond, guidance_scale=1.0):
         # FLUX.1-dev is guidance-distilled: the scale is an input of the transformer, there is no CFG.

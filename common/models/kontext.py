@@ -1,0 +1,91 @@
+"""FLUX.1-Kontext (dev): FLUX.1 that edits. The source image is VAE-encoded, packed into 2x2 tokens like the noisy
+latents and appended after them along the sequence; its position ids are the latent grid's with the first axis 1
+(the noisy tokens' is 0), and the transformer's output on the source tokens is dropped (FluxKontextPipeline).
+
+A prompt is an EditPrompt (common/edits.py) with one source image. Project decision, a deviation from
+FluxKontextPipeline's auto-resize (it picks the PREFERRED_KONTEXT_RESOLUTIONS entry nearest the source's aspect
+ratio, about 1 megapixel): each source is `centre_square(image, --resolution)`, then the pipeline's own image
+processor and VAE encoding at that size, as the pipeline does with `_auto_resize=False`. Every row of a batch then has
+as many condition tokens as noise tokens, on the one grid of position ids held by the model.
+"""
+
+import torch
+from diffusers import FluxKontextPipeline
+
+from common import InputError
+from common.edits import EditPrompt, centre_square
+from common.models.flux import FluxModel
+
+
+class FluxKontextModel(FluxModel):
+    """FluxModel (packed tokens (seq, 4 * 16), CLIP pooled + T5 text, embedded guidance) with the source image's
+    tokens appended to the noisy ones. Guidance is the embedded scale alone, as FluxModel's: FluxKontextPipeline's
+    true CFG (`true_cfg_scale` with a negative prompt, off by default) has no counterpart in FluxModel."""
+
+    kind = "kontext"
+    pipeline = FluxKontextPipeline  # loads the folder; saves and loads a LoRA adapter (save_lora_weights)
+
+    def __init__(self, pipe: FluxKontextPipeline, resolution: int | None):
+        super().__init__(pipe, resolution)
+        # the source tokens' ids: the noisy tokens' grid (the source is cropped to --resolution too) with the first
+        # coordinate 1, as FluxKontextPipeline.prepare_latents sets `image_ids[..., 0] = 1`
+        self.image_ids = self.img_ids.clone()  # cpu: (seq, 3), as img_ids; moved to x's device in velocity
+        self.image_ids[:, 0] = 1
+
+    def _encode(self, prompts):
+        """Text as FluxModel, plus "image_latents" (B, seq, 64): each prompt's source, centre-cropped to the model's
+        square, preprocessed by the pipeline's VaeImageProcessor ([-1, 1]), encoded to its VAE mode, shifted and
+        scaled, packed. Plain prompts (the unconditional "") get the text keys alone; a batch mixing the two is an
+        error, since the rows of one cond must carry the same keys."""
+        cond = super()._encode([p.text if isinstance(p, EditPrompt) else p for p in prompts])
+        edits = [isinstance(p, EditPrompt) for p in prompts]
+        if not any(edits):
+            return cond
+        if not all(edits):
+            raise ValueError(
+                "FluxKontextModel._encode: a batch mixes edit prompts (with a source image) and plain ones"
+            )
+        images = []
+        for p in prompts:
+            if len(p.images) != 1:
+                raise InputError(f"prompt {p.text!r} brings {len(p.images)} images; FLUX.1-Kontext edits exactly one")
+            images.append(centre_square(p.load_images()[0], self.height))
+        processor = self.pipe.image_processor
+        # resize (a no-op on the square) and preprocess as FluxKontextPipeline.__call__ does: (B, 3, H, W) in [-1, 1]
+        images = [processor.resize(image, self.height, self.width) for image in images]
+        pixels = processor.preprocess(images, self.height, self.width)  # cpu: from PIL; to the VAE's device below
+        with self._vae.visit():  # --offload-frozen: the VAE comes to the device for the encode only
+            # FluxKontextPipeline._encode_vae_image: the posterior's mode ("argmax"), then (z - shift) * scale
+            z = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist.mode()  # (B, 16, H/8, W/8)
+            z = (z - self.vae.config.shift_factor) * self.vae.config.scaling_factor
+        cond["image_latents"] = self.pipe._pack_latents(z, len(z), z.shape[1], z.shape[2], z.shape[3])  # (B, seq, 64)
+        return cond
+
+    def velocity(self, transformer, x, sigma, cond, guidance_scale=1.0):
+        # as FluxModel.velocity (timestep = sigma rounded as the pipeline rounds it; the guidance scale an input), on
+        # the sequence [noisy tokens; source tokens] with the ids [img_ids; image_ids]
+        dt = self._io_dtype()
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((x.shape[0],), guidance_scale, device=x.device)
+        elif guidance_scale != 1.0:
+            raise InputError(
+                "this FLUX.1-Kontext checkpoint has no guidance embedding and FluxModel does no CFG; use "
+                "--guidance-scale 1"
+            )
+        tokens, ids = x.to(dt), self.img_ids.to(x.device, dt)
+        if "image_latents" in cond:  # without a source (a plain prompt) the pipeline makes an image from text alone
+            tokens = torch.cat([tokens, cond["image_latents"].to(dt)], 1)  # (B, 2 seq, 64)
+            ids = torch.cat([ids, self.image_ids.to(x.device, dt)])  # (2 seq, 3)
+        embeds = cond["prompt_embeds"].to(dt)
+        out = transformer(
+            hidden_states=tokens,
+            timestep=(sigma.float() * 1000).to(dt) / 1000,  # `t.expand(B).to(latents.dtype) / 1000`, as FluxModel
+            guidance=guidance,
+            pooled_projections=cond["pooled_prompt_embeds"].to(dt),
+            encoder_hidden_states=embeds,
+            txt_ids=embeds.new_zeros(embeds.shape[1], 3),
+            img_ids=ids,
+            return_dict=False,
+        )[0]
+        return out[:, : x.shape[1]].to(x.dtype)  # the noisy tokens' velocity: `noise_pred[:, : latents.size(1)]`
