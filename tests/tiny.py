@@ -617,3 +617,110 @@ def build_kontext(path):
 
     build_flux(path)
     FluxKontextPipeline(**FluxPipeline.from_pretrained(path).components).save_pretrained(path)
+
+
+def wan_i2v_transformer(**kw):
+    """build_wan's transformer taking image-to-video input: 16 noisy + 4 mask + 16 first-frame latent channels."""
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=36, out_channels=16,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=32, **kw,
+    )  # fmt: skip
+
+
+def build_wan_i2v(path):
+    """Wan2.1-I2V-14B's layout: build_wan's UMT5 and VAE, a transformer of 36 input channels whose cross-attention
+    also reads CLIP image tokens (image_dim 24, added_kv_proj_dim = its width 16), a 2-layer CLIPVisionModel (the
+    pipeline reads the penultimate hidden state) at 24 px with 8 px patches (10 tokens) and its CLIPImageProcessor,
+    which resizes the 32 px first frame to 24; 5 frames at 32 px give latents (16, 2, 4, 4)."""
+    from diffusers import WanImageToVideoPipeline
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    build_wan(path)
+    pipe = WanPipeline.from_pretrained(path)
+    torch.manual_seed(2)
+    transformer = wan_i2v_transformer(image_dim=24, added_kv_proj_dim=16)
+    encoder = CLIPVisionModel(CLIPVisionConfig(image_size=24, patch_size=8, hidden_size=24, intermediate_size=48,
+                                               num_hidden_layers=2, num_attention_heads=2))  # fmt: skip
+    processor = CLIPImageProcessor(size={"shortest_edge": 24}, crop_size={"height": 24, "width": 24})
+    WanImageToVideoPipeline(
+        tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae, scheduler=pipe.scheduler,
+        image_processor=processor, image_encoder=encoder, transformer=transformer,
+    ).save_pretrained(path)  # fmt: skip
+
+
+def build_wan22_i2v_a14b(path):
+    """Wan2.2-I2V-A14B's layout: build_wan's UMT5 and VAE, two differently seeded experts of 36 input channels and no
+    image encoder, transformer_2 taking the steps below sigma = boundary_ratio 0.9 (the real one's), shift 3; 5
+    frames at 32 px give latents (16, 2, 4, 4)."""
+    from diffusers import WanImageToVideoPipeline
+
+    build_wan(path)
+    pipe = WanPipeline.from_pretrained(path)
+    torch.manual_seed(3)
+    high = wan_i2v_transformer()
+    torch.manual_seed(4)
+    low = wan_i2v_transformer()
+    WanImageToVideoPipeline(
+        tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae, scheduler=pipe.scheduler,
+        transformer=high, transformer_2=low, boundary_ratio=0.9,
+    ).save_pretrained(path)  # fmt: skip
+
+
+# ---------------------------------------------------------------- Qwen-Image-Edit-2509 and -2511 (Plus pipeline)
+def build_qwen_edit_plus(path, zero_cond_t=False):
+    """Qwen-Image-Edit-2509 (zero_cond_t False) or -2511 (zero_cond_t True: the condition tokens are modulated at
+    timestep 0) shrunk: build_qwen's transformer, VAE and scheduler, and a Qwen2.5-VL that sees images, so its
+    tokenizer (byte-level, no merges) has the vision markers and a Qwen2VLProcessor (Qwen2-VL's image processor at its
+    defaults: patch 14, merge 2, at least 56 x 56 pixels) turns each condition image into vision tokens. The text
+    model is build_qwen's (2 layers of width 32), the vision tower one block of width 16 merged to 32. The pipeline's
+    module constants (VAE_IMAGE_SIZE, CONDITION_IMAGE_SIZE) are its own; tests/test_edit_qwen.py shrinks them."""
+    import torch
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageEditPlusPipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2Tokenizer,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    torch.manual_seed(0)
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    chars = [chr(b) for b in printable] + [chr(256 + k) for k in range(len(others))]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                "<|video_pad|>"]  # fmt: skip
+    tok = Qwen2Tokenizer(vocab={t: i for i, t in enumerate(specials + chars)}, merges=[], model_max_length=2048,
+                         additional_special_tokens=specials[1:])  # fmt: skip
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(), tokenizer=tok, video_processor=Qwen2VLVideoProcessor()
+    )
+    ids = dict(vocab_size=len(tok), bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    markers = {k: tok.convert_tokens_to_ids(t) for k, t in [
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}  # fmt: skip
+    text = dict(**ids, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=2048,
+                rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6})  # fmt: skip
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                  fullatt_block_indexes=[0], patch_size=14, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
+    te = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**ids, **markers, text_config=text, vision_config=vision))
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, axes_dims_rope=(4, 6, 6), zero_cond_t=zero_cond_t,
+    )  # fmt: skip
+    qwen_vae = AutoencoderKLQwenImage(base_dim=4, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+                                      temperal_downsample=[False, True, True])  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0, shift_terminal=0.02,
+        use_dynamic_shifting=True, time_shift_type="exponential",
+    )  # fmt: skip
+    QwenImageEditPlusPipeline(
+        scheduler=scheduler, vae=qwen_vae, text_encoder=te, tokenizer=tok, processor=processor, transformer=transformer
+    ).save_pretrained(path)

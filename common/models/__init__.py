@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # for the annotations; at run time __getattr__ imports it on 
 
 __all__ = [  # the interface the scripts, common/ and the tests use
     "FlowModel", "SD3Model", "ShapesModel", "FluxModel", "Flux2Model", "QwenImageModel", "ZImageModel", "WanModel", "DDIMModel",
-    "FluxKontextModel",
+    "FluxKontextModel", "QwenImageEditModel", "WanI2VModel",
     "Kind", "REGISTRY", "KINDS", "VIDEO_KINDS", "registered", "is_video", "register_kind", "unregister_kind",
     "check_model_id", "has_two_experts", "check_num_frames", "load_model", "LORA_TARGETS", "trainable_denoiser", "frozen_copy",
     "base_weights", "reference_velocity", "add_lora", "save_trained_weights", "LOW_NOISE_LORA", "_cfg", "_Parts",
@@ -60,6 +60,7 @@ WRAPPERS = {
     "FluxModel": "flux", "Flux2Model": "flux2", "QwenImageModel": "qwenimage", "ZImageModel": "zimage",
     "SD3Model": "sd3", "ShapesModel": "sd3", "DDIMModel": "sd1", "WanModel": "wan", "WanExperts": "wan",
     "LTX2Model": "ltx2", "HunyuanVideo15Model": "hunyuan15", "FluxKontextModel": "kontext",
+    "QwenImageEditModel": "qwenimage_edit", "WanI2VModel": "wan_i2v",
 }  # fmt: skip
 
 
@@ -103,11 +104,13 @@ REGISTRY = [  # read at each call (not copied at import), so an entry added at r
     Kind("QwenImageModel", ("QwenImagePipeline",), name="qwen"),
     Kind("Flux2Model", ("Flux2Pipeline", "Flux2KleinPipeline"), name="flux2"),
     Kind("FluxKontextModel", ("FluxKontextPipeline",), name="kontext", images=(1, 1)),
+    Kind("QwenImageEditModel", ("QwenImageEditPlusPipeline",), name="qwen-edit", images=(1, 3)),
     Kind("ZImageModel", ("ZImagePipeline",), name="zimage"),
     Kind("SD3Model", ("StableDiffusion3Pipeline",), name="sd3"),  # ShapesModel: such a folder with "_shapesbench"
     Kind("ShapesModel", (), name="shapes"),
     Kind("DDIMModel", ("StableDiffusionPipeline",), name="sd1"),
     Kind("WanModel", ("WanPipeline",), video=True, name="wan"),
+    Kind("WanI2VModel", ("WanImageToVideoPipeline",), video=True, name="wan-i2v", images=(1, 1)),
     Kind("LTX2Model", ("LTX2Pipeline",), video=True, name="ltx2"),
     Kind("HunyuanVideo15Model", ("HunyuanVideo15Pipeline",), video=True, name="hunyuan15"),
 ]
