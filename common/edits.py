@@ -183,3 +183,9 @@ def check_edit_prompts(prompts: list, images: tuple[int, int], flag: str, model:
             )
         if n > most:
             raise InputError(f"{flag}: prompt {i} brings {n} images; --model-id {model} takes at most {most}")
+    counts = {len(p.images) if isinstance(p, EditPrompt) else 0 for p in prompts}
+    if least == 0 and len(counts) > 1:  # optional references (FLUX.2): one batch is one token sequence, unpadded
+        raise InputError(
+            f"{flag}: prompts bring {sorted(counts)} images; --model-id {model} takes references in batches of one "
+            "count (its transformer has no mask to pad them with): give every prompt of the file as many images"
+        )

@@ -102,7 +102,9 @@ def test_the_kinds_image_range_is_enforced_with_one_line():
     edits, plain = [EditPrompt("a", ["x.png"]), EditPrompt("b", ["x.png", "y.png"])], ["a cat"]
     check_edit_prompts(plain, (0, 0), "--prompts", "m")
     check_edit_prompts(edits, (1, 2), "--prompts", "m")
-    check_edit_prompts(plain + edits, (0, 2), "--prompts", "m")  # FLUX.2: references optional
+    check_edit_prompts(edits[:1] * 2, (0, 2), "--prompts", "m")  # FLUX.2: references optional, one count a file
+    with pytest.raises(InputError, match=r"--prompts: prompts bring \[0, 1, 2\] images; --model-id m takes"):
+        check_edit_prompts(plain + edits, (0, 2), "--prompts", "m")
     with pytest.raises(InputError, match="--prompts: an edit file .* makes images from text alone"):
         check_edit_prompts(edits, (0, 0), "--prompts", "m")
     with pytest.raises(InputError, match="--eval-prompts: prompt 1 brings no image, but --model-id m edits"):
@@ -161,3 +163,48 @@ def test_image_similarity_is_clips_cosine_of_the_edit_and_its_cut_source(tmp_pat
     served = parse_rewards("image_similarity", (), ["image_similarity=http://127.0.0.1:9"])
     with pytest.raises(InputError, match="--reward-url image_similarity: an edit reward reads each prompt's source"):
         check_rewards(served)
+
+
+def test_judge_scores_reads_one_json_score_list_or_nothing():
+    from common.remote import judge_scores
+
+    assert judge_scores('{"score": [7, 3], "reasoning": "ok"}', 2) == [7.0, 3.0]
+    assert judge_scores('```json\n{"score": [10, 0.5], "reasoning": "a {b}"}\n```', 2) == [10.0, 0.5]
+    assert judge_scores('{"score": [7, 3]} then again {"score": [7, 3]}', 2) == [7.0, 3.0]  # the same twice is one
+    for bad in ('{"score": [7, 3]} no, {"score": [6, 3]}', '{"score": [7]}', '{"score": [11, 3]}',
+                '{"score": [-1, 3]}', '{"score": ["7", 3]}', '{"score": [true, 3]}', "7 and 3", ""):  # fmt: skip
+        assert judge_scores(bad, 2) is None, bad
+
+
+def test_the_edit_judge_sees_the_source_then_the_edit_and_scores_as_viescore(tmp_path, monkeypatch):
+    """Two chat completions per edit: [source, edit] + the instruction, then [edit] alone; the score is
+    sqrt(min(consistency) * min(quality)) / 10; an edit whose answers never parse gets the batch's mean, counted."""
+    import base64
+    import io
+
+    from common import remote
+    from common.rewards import build_reward, check_rewards, parse_rewards
+    from tests.test_remote import fake_vlm, start
+
+    monkeypatch.setattr(remote.time, "sleep", lambda s: None)
+    src = png(tmp_path / "s.png", (20, 16), (10, 200, 30))
+    prompts = [EditPrompt("make it red", [str(src)]), EditPrompt("make it blue", [str(src)])]
+    answers = ['{"score": [8, 6], "reasoning": "."}', '{"score": [9, 4]}',  # edit 1: sqrt(6 * 4) / 10
+               "no idea", "still none"]  # fmt: skip  # edit 2: its consistency never parses
+    calls = []
+    url = start(fake_vlm(answers, calls)) + "/v1"
+    spec = parse_rewards("edit_judge", (), [f"edit_judge={url}"])
+    check_rewards(spec)  # served, as every judge; the images travel in the request
+    reward = build_reward(spec, "cpu")
+    judge = reward.components[0][2]
+    judge.concurrency, judge.max_unparsed = 1, 0.5  # the answers in order; one of two may fail to parse
+    edits = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    total, parts = reward(edits, prompts)
+    assert total.tolist() == pytest.approx([24**0.5 / 10] * 2)  # the unparsed one filled with the mean
+    assert parts["edit_judge_unparsed"].tolist() == [0.0, 1.0]
+    first, second = calls[0]["messages"][0]["content"], calls[1]["messages"][0]["content"]
+    assert [c["type"] for c in first] == ["image_url", "image_url", "text"] and "make it red" in first[2]["text"]
+    assert [c["type"] for c in second] == ["image_url", "text"]
+    decoded = Image.open(io.BytesIO(base64.b64decode(first[0]["image_url"]["url"].split(",")[1])))
+    assert decoded.size == (8, 8) and decoded.getpixel((4, 4)) == (10, 200, 30)  # the source, cut to the edit's frame
+    assert first[1]["image_url"] == second[0]["image_url"]  # the edit

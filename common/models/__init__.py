@@ -102,7 +102,8 @@ class Kind:
 REGISTRY = [  # read at each call (not copied at import), so an entry added at run time counts
     Kind("FluxModel", ("FluxPipeline",), name="flux"),
     Kind("QwenImageModel", ("QwenImagePipeline",), name="qwen"),
-    Kind("Flux2Model", ("Flux2Pipeline", "Flux2KleinPipeline"), name="flux2"),
+    # references optional, at most 4: FLUX.2 [klein]'s documented limit ([dev]'s recommended one is 6)
+    Kind("Flux2Model", ("Flux2Pipeline", "Flux2KleinPipeline"), name="flux2", images=(0, 4)),
     Kind("FluxKontextModel", ("FluxKontextPipeline",), name="kontext", images=(1, 1)),
     Kind("QwenImageEditModel", ("QwenImageEditPlusPipeline",), name="qwen-edit", images=(1, 3)),
     Kind("ZImageModel", ("ZImagePipeline",), name="zimage"),
