@@ -230,9 +230,49 @@ def unifiedreward_score(answer: str, prompt: str) -> float | None:
     return score if 1 <= score <= 5 else None
 
 
+# An edit judge in VIEScore's form (arXiv 2312.14867, section 3), the rule EditScore and the edit rewards of the
+# frameworks follow: semantic consistency from the source and the edit (did the edit do what the instruction says;
+# did it leave the rest alone), perceptual quality from the edit alone (natural; free of artifacts), each criterion
+# 0-10 in a JSON answer, the overall score sqrt(min(consistency) * min(quality)) / 10 in [0, 1]. Our own wording.
+EDIT_CONSISTENCY_PROMPT = (
+    "You are shown two images: the first is a source image, the second is the result of editing it with the "
+    "instruction below. Rate two things from 0 to 10. First, how fully the edit carries out the instruction (0: not at "
+    "all, 10: exactly). Second, how well the edit keeps everything the instruction does not ask to change (0: the "
+    "image is replaced or changed beyond the request, 10: only what was asked changed). Answer with one JSON object "
+    'and nothing else, of the form {{"score": [<first>, <second>], "reasoning": "<one sentence>"}}.\n'
+    "Instruction: {prompt}"
+)
+EDIT_QUALITY_PROMPT = (
+    "Rate this image on two things from 0 to 10. First, how natural it looks (lighting, shadows, proportions, a "
+    "plausible scene). Second, how free it is of artifacts (distortions, blur, noise, broken objects or text). Answer "
+    'with one JSON object and nothing else, of the form {"score": [<first>, <second>], "reasoning": "<one sentence>"}.'
+)
+
+
+def judge_scores(answer: str, n: int) -> list[float] | None:
+    """The n scores of a JSON answer {"score": [s1, ..., sn], ...}, each in 0..10, or None: no such object, another
+    count, a score out of range or not a number, or several objects that disagree (as unifiedreward_score, an answer
+    that scores twice is not guessed). A ```json fence around the object is allowed."""
+    found, decoder = set(), json.JSONDecoder()
+    for start in (i for i, c in enumerate(answer) if c == "{"):
+        try:
+            obj = decoder.raw_decode(answer, start)[0]
+        except json.JSONDecodeError:
+            continue
+        scores = obj.get("score") if isinstance(obj, dict) else None
+        if not isinstance(scores, list) or len(scores) != n:
+            continue
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 10 for x in scores):
+            return None
+        found.add(tuple(float(x) for x in scores))
+    return list(found.pop()) if len(found) == 1 else None
+
+
 JUDGES: dict[str, tuple[str, Callable[[str, str], float | None]]] = {
     "unifiedreward": (UNIFIEDREWARD_PROMPT, unifiedreward_score),
     "ocr_judge": (OCR_PROMPT, ocr_score),
+    # the consistency half; EditJudge asks the quality half too
+    "edit_judge": (EDIT_CONSISTENCY_PROMPT, lambda answer, prompt: judge_scores(answer, 2)),
 }
 
 
@@ -263,12 +303,13 @@ class Judge:
             raise InputError(f"--reward-url {name}={url}: {self.base}/models lists no model")
         self.unparsed = torch.zeros(0)  # cpu: a placeholder; every call replaces it with flags on the images' device
 
-    def _ask(self, image_b64: str, prompt: str) -> str:
-        text = self.template.format(prompt=prompt) if "{prompt}" in self.template else self.template
-        content = [
-            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image_b64}"}},
-            {"type": "text", "text": text},
-        ]
+    def _ask(self, image_b64: str | list[str], prompt: str, template: str | None = None) -> str:
+        """The judge's answer on the images (one, or several in order) and the template (this judge's by default)."""
+        template = self.template if template is None else template
+        text = template.format(prompt=prompt) if "{prompt}" in template else template
+        images = [image_b64] if isinstance(image_b64, str) else image_b64
+        content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}} for b64 in images]
+        content.append({"type": "text", "text": text})
         payload = {
             "model": self.model,
             "messages": [{"role": "user", "content": content}],
@@ -292,8 +333,12 @@ class Judge:
         encoded = [png_base64(x) for x in images]
         with ThreadPoolExecutor(self.concurrency) as pool:
             scores = list(pool.map(self._score_one, encoded, prompts))
+        return self._tally(scores, images.device)
+
+    def _tally(self, scores: list[float | None], device) -> torch.Tensor:
+        """The scores as a tensor, an unparsed one (None) filled with the mean of the parsed ones and counted."""
         missing = [s is None for s in scores]
-        self.unparsed = torch.tensor(missing, dtype=torch.float32, device=images.device)
+        self.unparsed = torch.tensor(missing, dtype=torch.float32, device=device)
         # the share against the limit, not the count against limit x n: 0.29 x 100 rounds to 28.999999999999996
         if scores and sum(missing) / len(scores) > self.max_unparsed:
             raise RunError(
@@ -302,7 +347,39 @@ class Judge:
             )
         parsed = [s for s in scores if s is not None]
         fill = sum(parsed) / len(parsed) if parsed else 0.0
-        return torch.tensor([fill if s is None else s for s in scores], dtype=torch.float32, device=images.device)
+        return torch.tensor([fill if s is None else s for s in scores], dtype=torch.float32, device=device)
+
+
+class EditJudge(Judge):
+    """An edit judged by a VLM from its source (EDIT_CONSISTENCY_PROMPT: the source, then the edit, and the
+    instruction) and from itself (EDIT_QUALITY_PROMPT): sqrt(min(consistency) * min(quality)) / 10 in [0, 1], VIEScore's
+    overall score. `sources(prompts, height, width)` gives the sources (B, 3, H, W) in [0, 1], cut to the edits' frame
+    (the caller's: common.rewards.source_pixels). Each of the two answers is asked at most twice; an image whose
+    answers do not both parse is unparsed, as Judge's."""
+
+    def __init__(self, name: str, url: str, sources: Callable, token: str | None = None, **kw):
+        super().__init__(name, url, token, **kw)
+        self.sources = sources
+
+    def _ask_scores(self, images_b64, prompt: str, template: str) -> list[float] | None:
+        for _ in range(2):
+            scores = judge_scores(self._ask(images_b64, prompt, template), 2)
+            if scores is not None:
+                return scores
+        return None
+
+    def _score_pair(self, source_b64: str, edit_b64: str, prompt: str) -> float | None:
+        consistency = self._ask_scores([source_b64, edit_b64], prompt, self.template)
+        quality = None if consistency is None else self._ask_scores(edit_b64, prompt, EDIT_QUALITY_PROMPT)
+        return None if quality is None else math.sqrt(min(consistency) * min(quality)) / 10
+
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        sources = [png_base64(x) for x in self.sources(prompts, *images.shape[-2:])]
+        edits = [png_base64(x) for x in images]
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            return self._tally(
+                list(pool.map(self._score_pair, sources, edits, [str(p) for p in prompts])), images.device
+            )
 
 
 # ---------------------------------------------------------------- any reward, hosted by `python -m common.rewards serve`

@@ -8,8 +8,9 @@ images.device. `differentiable` says whether gradients reach the images (RLR's f
 GRPO-style methods do not). Heavy imports live inside the factories, so importing this module is cheap.
 
 Remote rewards (common/remote.py): `--reward-url NAME=URL` scores a component in another process: the VLM judges
-'unifiedreward' and 'ocr_judge' through an OpenAI-compatible server (`vllm serve`, SGLang), any registered reward
-through `python -m common.rewards serve`; the bearer token, if the server wants one, comes from $REWARD_API_KEY.
+'unifiedreward', 'ocr_judge' and 'edit_judge' (an edit and its source) through an OpenAI-compatible server (`vllm
+serve`, SGLang), any registered reward through `python -m common.rewards serve`; the bearer token, if the server wants
+one, comes from $REWARD_API_KEY.
 
 Videos (B,F,3,H,W) (a video model's decode, frames first): CompositeReward scores an image reward on `frames`
 evenly spaced frames of each video (the first and the last among them) and takes the mean over them; a video
@@ -42,7 +43,7 @@ from common import InputError, RunError, hub_reachable
 from common.attention import set_attention_backend
 from common.cli import check_numbers, parse_flags
 from common.offload import Offloaded
-from common.remote import STOPS, Judge, Served, request_json
+from common.remote import STOPS, EditJudge, Judge, Served, request_json
 
 
 class Reward(Protocol):
@@ -677,6 +678,9 @@ def _judge(name: str) -> Callable[..., Reward]:
     def factory(device, checkpoint=None):  # checkpoint: the server's URL (--reward-url), which build_reward routes here
         if checkpoint is None:
             raise InputError(_needs_url(name))
+        if REWARDS[name].edit:  # the judge sees each edit's source too
+            sources = lambda prompts, h, w: source_pixels(prompts, h, w, "cpu")  # noqa: E731
+            return EditJudge(name, checkpoint, sources, os.environ.get("REWARD_API_KEY"))
         return Judge(name, checkpoint, os.environ.get("REWARD_API_KEY"))
 
     return factory
@@ -704,6 +708,7 @@ for _name, _factory, _differentiable, _flags in (
     ("unifiedreward", _judge("unifiedreward"), False, {"judge": True}),
     ("ocr", ocr, False, {}),
     ("ocr_judge", _judge("ocr_judge"), False, {"judge": True}),
+    ("edit_judge", _judge("edit_judge"), False, {"judge": True, "edit": True}),
     ("geneval", geneval, False, {}),
     ("geneval_accuracy", geneval_accuracy, False, {}),
 ):
@@ -898,7 +903,7 @@ def check_rewards(
             raise InputError(f"--reward {spec.text}: '{c.name}' scores videos, and --model-id gives images")
         if c.kind.judge and c.url is None:
             raise InputError(_needs_url(c.name))
-        if c.kind.edit and c.url is not None:
+        if c.kind.edit and not c.kind.judge and c.url is not None:
             raise InputError(
                 f"--reward-url {c.name}: an edit reward reads each prompt's source image, which a served request does "
                 "not carry; score it in this process (drop --reward-url)"
