@@ -101,3 +101,35 @@ def test_rlr_trains_an_edit_model_through_the_decoder(edit_setup, tmp_path, monk
     train = [r for r in metrics(find_run(tmp_path / "rlr")) if "grad/fo_norm" in r]
     assert len(train) == 1 and train[0]["grad/fo_norm"] > 0 and train[0]["grad/zo_norm"] > 0
     assert seen and all(tokens == 2 * 64 for tokens, _ in seen)
+
+
+def test_an_edit_run_resumes_bitwise_and_two_processes_train_as_one(edit_setup, tmp_path, capsys):
+    """The sources travel with the prompts through the iteration's draw, the groups split over processes and a resume:
+    1 iteration then a resume to 2 gives the straight 2 iterations' adapter bitwise, and 2 processes x 2 images give
+    1 process x 4's (to the all-reduce's rounding)."""
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.helpers import assert_same_trained_weights, run_script
+
+    edits = str(edit_setup / "edits.jsonl")
+    flags = [*TINY["dancegrpo.py"], "--model-id", str(edit_setup / "model"), "--resolution", str(RES), "--prompts",
+             edits, "--eval-prompts", edits, "--reward", "jpeg", "--guidance-scale", "3.5", "--iterations", "2",
+             "--eval-every", "0", "--sample-every", "0", "--lora-rank", "4", "--learning-rate", "1e-2",
+             "--samples-per-update", "2"]  # fmt: skip
+    run_in_process("dancegrpo.py", [*flags, "--exp-name", "straight"], tmp_path)
+    run_in_process("dancegrpo.py", [*flags, "--exp-name", "cut", "--iterations", "1"], tmp_path)
+    capsys.readouterr()
+    run_in_process("dancegrpo.py", [*flags, "--exp-name", "cut", "--resume-from", "latest"], tmp_path)
+    assert "iter_000001 at iteration 1" in capsys.readouterr().out
+    assert_same_trained_weights(tmp_path / "straight", tmp_path / "cut")
+    one = [*flags[:-2], "--samples-per-update", "4"]  # 1 optimizer step an iteration, whatever the split
+    run_in_process("dancegrpo.py", [*one, "--exp-name", "one"], tmp_path)
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2")
+    two = ["--samples-per-device", "2", "--rollout-batch-size", "2", "--samples-per-update", "2", "--exp-name", "two"]
+    run_script("dancegrpo.py", [*one, *two], tmp_path, launcher, {"ACCELERATE_USE_CPU": "1"})
+    a, b = (load_file(next((find_run(tmp_path / r) / "final").glob("*.safetensors"))) for r in ("one", "two"))
+    assert a.keys() == b.keys() and any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)
+    for k in a:
+        assert (a[k] - b[k]).abs().max() < 1e-4, k
