@@ -48,6 +48,9 @@
 #   dancegrpo-wan22-8gpu   Wan2.2-TI2V-5B video, verl-omni's DanceGRPO size: LoRA r128, 704x1280, 9 frames, 8 GPUs (DDP); 55 GB per GPU
 #   dancegrpo-ltx2-8gpu    LTX-2.3 video (no audio), Flow-Factory / VeRL-Omni's CPS setting: 3-step SDE window in the first 10 of 24 steps, LoRA r32, 320 px, 81 frames, 8 GPUs (DDP); 80 GB per GPU
 #   dancegrpo-hunyuan15-8gpu  HunyuanVideo-1.5 480p video, UniRL's DanceGRPO setting: Flow-SDE eta 0.25 on 8 of 16 steps, shift 5, no CFG, LoRA r32, 480 px, 5 frames, 8 GPUs (DDP); 42 GB per GPU
+#   dancegrpo-kontext-8gpu FLUX.1-Kontext-dev edits (EDITS), Flow-GRPO's Kontext setting: 6 steps, a = 0.9, guidance 2.5, 21 per group, LoRA r64, 512 px, offload, 8 GPUs (DDP); 42 GB per GPU
+#   dancegrpo-qwen-edit-8gpu  Qwen-Image-Edit-2509 edits (EDITS), DanceGRPO's Qwen-Image-Edit setting: 20 steps, eta 0.3, no CFG, 8 per group, LoRA r64, 512 px, offload, 8 GPUs (DDP); 67 GB per GPU
+#   dancegrpo-wan-i2v-8gpu Wan2.1-I2V-14B-480P image-to-video (EDITS: first frames), DanceGRPO's I2V setting: 16 steps, eta 0.3, CFG 5, 8 per group, LoRA r64, 480x832, 33 frames, offload, 8 GPUs (DDP); 63 GB per GPU
 #   diffusionnft-cpu       DiffusionNFT on ShapesBench, 1 CPU process
 #   diffusionnft-cpu-2proc the same, 2 CPU processes (gloo): groups span processes
 #   diffusionnft-sd35-8gpu SD3.5-Medium + HPSv2.1, the official sd3_hpsv2 config: LoRA r32, 512 px, 8 GPUs (DDP); 25 GB per GPU
@@ -56,6 +59,8 @@
 #   diffusionnft-sd35-curriculum-8gpu  the paper's five stages (800/300/200/200/100 iterations), each resuming the last;
 #                          needs PICKAPIC_PROMPTS; FROM_STAGE=k restarts at stage k
 #   diffusionnft-flux-8gpu FLUX.1-dev + HPSv2.1, Flow-Factory's NFT setting: LoRA r64, 384 px, offload, 8 GPUs (DDP); 41 GB per GPU
+#   diffusionnft-kontext-8gpu  FLUX.1-Kontext-dev edits (EDITS), Flow-Factory's NFT setting: 20 ODE steps, guidance 2.5, LoRA r64, 512 px, offload, 8 GPUs (DDP); 44 GB per GPU
+#   diffusionnft-qwen-edit-8gpu  Qwen-Image-Edit-2509 edits (EDITS), Flow-Factory's NFT setting: 30 ODE steps, no CFG, LoRA r64, 512 px, offload, 8 GPUs (DDP); 69 GB per GPU
 #   dgpo-cpu               DGPO on ShapesBench, 1 CPU process
 #   dpo-cpu                online Diffusion-DPO (dgpo.py --objective dpo) on ShapesBench, best vs worst of each group
 #   dgpo-cpu-2proc         DGPO, 2 CPU processes (gloo)
@@ -83,6 +88,11 @@
 #   EVAL_PROMPTS  held-out prompts (default: PROMPTS); evaluation uses a fixed subset of 48 (--eval-max-prompts)
 #   HPS           HPS_v2.1_compressed.pt (default: downloaded from the hub, xswu/HPSv2, on first use)
 #   MODEL_ID      a local diffusers folder, if the hub is not reachable (default: the hub id of the recipe's model)
+# The editing and image-to-video recipes (kontext, qwen-edit, wan-i2v) read an edit file instead of PROMPTS:
+#   EDITS         training edits (required): a .jsonl file, one {"instruction": ..., "image": PATH} a line (Wan I2V:
+#                 the image is the first frame; docs/editing.md)
+#   EVAL_EDITS    held-out edits (default: EDITS)
+#   CLIP_SIM      a CLIP ViT-L/14 folder for the image_similarity reward (default: the hub's openai/clip-vit-large-patch14)
 # GB per GPU: the plan of benchmarks/gpu/memory.py (docs/gpu.md), not a measurement: no recipe has run at full size yet.
 # --print shows a recipe's command; multinode recipes have the per-GPU memory of their 8gpu one.
 set -euo pipefail
@@ -114,7 +124,9 @@ need_env() {  # a GPU recipe's required variable; --print shows $NAME in its pla
   fi
 }
 
-case "$recipe" in evaluate-*|*curriculum*|*-geneval-*|*-ocr-*) ;; *flux*|*sd35*|*sd15*|*wan*|*qwen*|*ltx2*|*hunyuan15*)
+case "$recipe" in evaluate-*|*curriculum*|*-geneval-*|*-ocr-*) ;; *kontext*|*qwen-edit*|*wan-i2v*)
+  need_env EDITS "an edit file, one JSON object a line: {\"instruction\": ..., \"image\": PATH} (docs/editing.md)"
+  EVAL_EDITS=${EVAL_EDITS:-$EDITS} ;; *flux*|*sd35*|*sd15*|*wan*|*qwen*|*ltx2*|*hunyuan15*)
   need_env PROMPTS "a prompt file, one prompt per line; HPDv2's 3200 test prompts, from the Hugging Face dataset \
 zhwang/HPDv2 (benchmark/*.json), are written to one by: python -m common.prompts hpdv2 prompts/hpdv2_test.txt"
   EVAL_PROMPTS=${EVAL_PROMPTS:-$PROMPTS} ;;
@@ -124,6 +136,9 @@ HPS_CKPT=()  # without HPS the reward downloads its checkpoint from the hub
 GPU_MEMORY=(--mixed-precision bf16 --gradient-checkpointing)
 GPU_PROMPTS=(--prompts "${PROMPTS:-}" --eval-prompts "${EVAL_PROMPTS:-}" --weight-decay 0 --lr-warmup 0)
 GPU_COMMON=("${GPU_MEMORY[@]}" --reward hpsv2.1 "${HPS_CKPT[@]}" "${GPU_PROMPTS[@]}")
+SIM_CKPT=()  # without CLIP_SIM image_similarity downloads CLIP ViT-L/14 from the hub
+[ -n "${CLIP_SIM:-}" ] && SIM_CKPT=(--reward-ckpt "image_similarity=$CLIP_SIM")
+EDIT_PROMPTS=(--prompts "${EDITS:-}" --eval-prompts "${EVAL_EDITS:-}" --lr-warmup 0)
 
 # DanceGRPO's FLUX setting (https://github.com/XueZeyue/DanceGRPO, scripts/finetune/finetune_flux_grpo*.sh), LoRA
 # variant: 720 px, 16 steps, constant eta 0.3, 12 images per prompt sharing their initial noise, rollout batch 1,
@@ -386,6 +401,78 @@ HY15_DANCE=(--model-id "${MODEL_ID:-hunyuanvideo-community/HunyuanVideo-1.5-480p
   --offload-frozen --iterations 200 --eval-every 20 --eval-max-prompts 16 --eval-samples-per-prompt 1
   --eval-steps 16 --sample-every 10 --save-every 20)
 
+# Editing and image-to-video (docs/editing.md): the prompts are an edit file (EDITS); each source is cut to the run's
+# square (--resolution; Wan I2V: its native 480 x 832 frame) and conditions every forward. The reward is HPSv2.1 on
+# the edit with image_similarity (CLIP ViT-L/14 cosine of the edit and its source) as a weighted term, in place of
+# the frameworks' instruction judges (GenEval counting metadata, PickScore, a VLM judge served elsewhere).
+# FLUX.1-Kontext-dev, Flow-GRPO's Kontext setting (yifan123/flow_grpo @ 54809b5 : config/grpo.py, counting_flux_kontext;
+# @ 74db691 : scripts/train_flux_kontext.py): 512 px, 6 steps, the Flow-GRPO SDE at a = 0.9 on every step but the
+# last (--timestep-fraction 1.0, as FLOWGRPO_SD35), embedded guidance 2.5, 21 images per prompt, 3 per forward, 2
+# optimizer steps per iteration, clip 1e-4, no KL, LoRA r64 alpha 128, lr 3e-4, weight decay 1e-4, 28-step evaluation;
+# its reward image_similarity 0.5 + geneval 0.5 becomes image_similarity 0.5 + hpsv2.1 0.5. Here 2 prompts per GPU (16
+# per iteration; theirs 48 on 28 GPUs), FluxKontextPipeline's own schedule (--shift pipeline), no EMA.
+KONTEXT_DANCE=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-Kontext-dev}" --resolution 512 "${GPU_MEMORY[@]}"
+  --reward hpsv2.1:0.5,image_similarity:0.5 "${HPS_CKPT[@]}" "${SIM_CKPT[@]}" "${EDIT_PROMPTS[@]}" --shift pipeline
+  --num-steps 6 --sde-type flow --noise-level 0.9 --guidance-scale 2.5 --group-size 21 --samples-per-device 42
+  --rollout-batch-size 3 --samples-per-update 21 --timestep-fraction 1.0 --clip-range 1e-4 --kl-beta 0 --lora
+  --lora-rank 64 --lora-alpha 128 --learning-rate 3e-4 --weight-decay 1e-4 --offload-frozen --iterations 300
+  --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
+# DiffusionNFT on FLUX.1-Kontext-dev, Flow-Factory's NFT setting (X-GenGroup/Flow-Factory @ a0b2bc5 :
+# examples/nft/lora/flux1_kontext/rational_rewards_edit.yaml): 512 px, 20 ODE steps, embedded guidance 2.5, 16 images
+# per prompt, 32 prompts per iteration (64 images per GPU on 8), one optimizer step per iteration, every step in its
+# noisiest 90% trained (--timestep-fraction 0.9: 18 of 20), NFT beta 1, KL 1e-3 (v-based), old policy (0, 0.001, 0.5) =
+# --old-decay linear, LoRA r64 alpha 128, lr 2e-4, weight decay 1e-4, 28-step evaluation; its reward (a VLM judge) is
+# the Kontext recipe's above.
+KONTEXT_NFT=(--model-id "${MODEL_ID:-black-forest-labs/FLUX.1-Kontext-dev}" --resolution 512 "${GPU_MEMORY[@]}"
+  --reward hpsv2.1:0.5,image_similarity:0.5 "${HPS_CKPT[@]}" "${SIM_CKPT[@]}" "${EDIT_PROMPTS[@]}" --shift pipeline
+  --num-steps 20 --solver dpm2 --guidance-scale 2.5 --group-size 16 --samples-per-device 64 --rollout-batch-size 8
+  --train-batch-size 8 --samples-per-update 64 --timestep-fraction 0.9 --beta 1 --kl-beta 1e-3 --old-decay linear
+  --lora --lora-rank 64 --lora-alpha 128 --learning-rate 2e-4 --weight-decay 1e-4 --offload-frozen --iterations 300
+  --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 28 --sample-every 10 --save-every 20)
+# Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline), DanceGRPO's Qwen-Image-Edit setting (XueZeyue/DanceGRPO @ 15cc71d :
+# scripts/finetune/finetune_qwenimage_edit_grpo.sh, fastvideo/train_grpo_qwenimage_edit.py): 512 px, 20 steps at the
+# static shift 3, constant eta 0.3, no CFG (--cfg 0.0: one forward per step), 8 images per prompt sharing their
+# initial noise, 60% of the steps trained, clip 1e-4, advantages clipped at 5, 2 prompts per GPU and 2 optimizer
+# steps per iteration, weight decay 1e-4, 300 iterations, HPSv2.1. Theirs is Qwen-Image-Edit (the first release, the
+# source at the pipeline's own ~1 MP) fully fine-tuned at lr 1e-5 under FSDP; here the Plus model (the qwen-edit kind)
+# and Flow-Factory's LoRA (X-GenGroup/Flow-Factory @ a0b2bc5 : examples/grpo/lora/qwen_image_edit_plus/default.yaml:
+# r64 alpha 128, lr 3e-4; its evaluation: 40 steps), with image_similarity at Flow-GRPO's Qwen-Image-Edit weight 0.2
+# (yifan123/flow_grpo @ 54809b5 : config/grpo.py, counting_qwenimage_edit) beside HPSv2.1's 0.8.
+QWEN_EDIT_DANCE=(--model-id "${MODEL_ID:-Qwen/Qwen-Image-Edit-2509}" --resolution 512 "${GPU_MEMORY[@]}"
+  --reward hpsv2.1:0.8,image_similarity:0.2 "${HPS_CKPT[@]}" "${SIM_CKPT[@]}" "${EDIT_PROMPTS[@]}" --shift 3
+  --num-steps 20 --sde-type dance --noise-level 0.3 --guidance-scale 1 --group-size 8 --samples-per-device 16
+  --rollout-batch-size 4 --samples-per-update 8 --same-noise --timestep-fraction 0.6 --clip-range 1e-4
+  --adv-clip-max 5 --kl-beta 0 --lora --lora-rank 64 --lora-alpha 128 --learning-rate 3e-4 --weight-decay 1e-4
+  --offload-frozen --iterations 300 --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 40 --sample-every 10
+  --save-every 20)
+# DiffusionNFT on Qwen-Image-Edit-2509, Flow-Factory's NFT setting (X-GenGroup/Flow-Factory @ a0b2bc5 :
+# examples/nft/lora/qwen_image_edit_plus/rational_rewards_edit.yaml): 512 px, 30 ODE steps without CFG, 16 images per
+# prompt, 32 prompts per iteration (64 images per GPU on 8), 2 optimizer steps per iteration, 5 trained timesteps per
+# image (Flow-Factory: in the noisiest 70%; here 5 of the 30 grid points: --timestep-fraction 0.17), NFT beta 1, KL 2e-4
+# (v-based), old policy (0, 0.001, 0.5) = --old-decay linear, LoRA r64 alpha 128, lr 2e-4, weight decay 1e-4, 40-step
+# evaluation; QwenImageEditPlusPipeline's own schedule (--shift pipeline), as the Qwen-Image recipes; its reward (a VLM
+# judge) is the Qwen-Image-Edit recipe's above.
+QWEN_EDIT_NFT=(--model-id "${MODEL_ID:-Qwen/Qwen-Image-Edit-2509}" --resolution 512 "${GPU_MEMORY[@]}"
+  --reward hpsv2.1:0.8,image_similarity:0.2 "${HPS_CKPT[@]}" "${SIM_CKPT[@]}" "${EDIT_PROMPTS[@]}" --shift pipeline
+  --num-steps 30 --solver dpm2 --guidance-scale 1 --group-size 16 --samples-per-device 64 --rollout-batch-size 8
+  --train-batch-size 8 --samples-per-update 32 --timestep-fraction 0.17 --beta 1 --kl-beta 2e-4 --old-decay linear
+  --lora --lora-rank 64 --lora-alpha 128 --learning-rate 2e-4 --weight-decay 1e-4 --offload-frozen --iterations 300
+  --eval-every 20 --eval-samples-per-prompt 1 --eval-steps 40 --sample-every 10 --save-every 20)
+# Wan2.1-I2V-14B-480P image-to-video (the edit file's image is the first frame), DanceGRPO's image-to-video setting
+# (XueZeyue/DanceGRPO @ 15cc71d : scripts/finetune/finetune_skyreels_i2v.sh, fastvideo/train_grpo_skyreels_i2v.py,
+# SkyReels-I2V there): 16 steps, constant eta 0.3, CFG 5 in sampling and training, 8 videos per prompt sharing their
+# initial noise, 60% of the steps trained, clip 1e-4, advantages clipped at 5, one prompt per GPU and one optimizer step
+# per iteration, weight decay 1e-4, 120 iterations (their 121). Its model side from Flow-Factory
+# (X-GenGroup/Flow-Factory @ a0b2bc5 : examples/grpo/lora/wan21/i2v.yaml: Wan2.1-I2V-14B-480P, LoRA r64 alpha 128, lr
+# 1e-4, CFG 5); Wan's own 480P frame (480 x 832, no --resolution) and shift 3 (Wan2.1's 480P image-to-video), 33 frames
+# (the Wan recipes' 2 s; theirs: SkyReels 53 frames at 400 x 640, Flow-Factory 5 at 240 px); the video recipes' reward.
+WAN_I2V_DANCE=(--model-id "${MODEL_ID:-Wan-AI/Wan2.1-I2V-14B-480P-Diffusers}" --num-frames 33 "${GPU_MEMORY[@]}"
+  --reward hpsv2.1,temporal:0.5 "${HPS_CKPT[@]}" "${EDIT_PROMPTS[@]}" --reward-frames 4 --shift 3 --guidance-scale 5
+  --num-steps 16 --sde-type dance --noise-level 0.3 --group-size 8 --samples-per-device 8 --rollout-batch-size 1
+  --samples-per-update 8 --same-noise --timestep-fraction 0.6 --clip-range 1e-4 --adv-clip-max 5 --kl-beta 0 --lora
+  --lora-rank 64 --lora-alpha 128 --learning-rate 1e-4 --weight-decay 1e-4 --offload-frozen --iterations 120
+  --eval-every 20 --eval-max-prompts 16 --eval-samples-per-prompt 1 --eval-steps 30 --sample-every 10 --save-every 20)
+
 # Scoring trained weights against the base (python -m common.evaluate, docs/evaluate.md): HPDv2's 3200 test prompts
 # (from the hub cache), one sample each, the recipes' evaluation sampler; add --weights runs/<run> (repeatable).
 EVAL_REWARDS=(--prompts hpdv2 --samples-per-prompt 1 --reward hpsv2.1,pickscore,imagereward "${HPS_CKPT[@]}")
@@ -463,6 +550,9 @@ case "$recipe" in
   dancegrpo-wan22-8gpu) go "${DDP8[@]}" dancegrpo.py "${WAN22_DANCE[@]}" "$@" ;;
   dancegrpo-ltx2-8gpu) go "${DDP8[@]}" dancegrpo.py "${LTX2_DANCE[@]}" "$@" ;;
   dancegrpo-hunyuan15-8gpu) go "${DDP8[@]}" dancegrpo.py "${HY15_DANCE[@]}" "$@" ;;
+  dancegrpo-kontext-8gpu) go "${DDP8[@]}" dancegrpo.py "${KONTEXT_DANCE[@]}" "$@" ;;
+  dancegrpo-qwen-edit-8gpu) go "${DDP8[@]}" dancegrpo.py "${QWEN_EDIT_DANCE[@]}" "$@" ;;
+  dancegrpo-wan-i2v-8gpu) go "${DDP8[@]}" dancegrpo.py "${WAN_I2V_DANCE[@]}" "$@" ;;
   diffusionnft-cpu) go "$PY" diffusionnft.py "$@" ;;
   diffusionnft-cpu-2proc) go "${CPU2[@]}" diffusionnft.py --samples-per-device 32 --samples-per-update 16 "$@" ;;
   diffusionnft-sd35-8gpu) go "${DDP8[@]}" diffusionnft.py "${SD35_NFT[@]}" "$@" ;;
@@ -470,6 +560,8 @@ case "$recipe" in
   diffusionnft-sd35-ocr-8gpu) go "${DDP8[@]}" diffusionnft.py "${SD35_NFT_OCR[@]}" "$@" ;;
   diffusionnft-sd35-curriculum-8gpu) curriculum "$@" ;;
   diffusionnft-flux-8gpu) go "${DDP8[@]}" diffusionnft.py "${FLUX_NFT[@]}" "$@" ;;
+  diffusionnft-kontext-8gpu) go "${DDP8[@]}" diffusionnft.py "${KONTEXT_NFT[@]}" "$@" ;;
+  diffusionnft-qwen-edit-8gpu) go "${DDP8[@]}" diffusionnft.py "${QWEN_EDIT_NFT[@]}" "$@" ;;
   dgpo-cpu) go "$PY" dgpo.py "$@" ;;
   dpo-cpu) go "$PY" dgpo.py --objective dpo "$@" ;;
   dgpo-cpu-2proc) go "${CPU2[@]}" dgpo.py --samples-per-device 32 --samples-per-update 32 "$@" ;;

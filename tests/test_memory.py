@@ -380,8 +380,12 @@ def test_every_registered_model_kind_has_a_memory_plan():
     MODELS, and its latents, forward and decode in Shapes.of, denoise and vae_decode."""
     from common.models import REGISTRY
 
-    assert {k.cls.kind for k in REGISTRY} - {"shapes"} <= set(memory.MODELS)  # ShapesBench is CPU-sized
-    assert {k.cls.kind for k in REGISTRY if k.video} <= set(memory.VIDEO_KINDS)
+    assert {k.name for k in REGISTRY} - {"shapes", "shapes-edit"} <= set(memory.MODELS)  # ShapesBench's are CPU-sized
+    assert {k.name for k in REGISTRY if k.video} <= set(memory.VIDEO_KINDS)
+    # a kind whose prompts bring images encodes them in its plan (REGISTRY's image range: Kind.images)
+    assert {k.name for k in REGISTRY if k.images[1]} - {"shapes-edit", "flux2"} <= {
+        kind for kind, plan in memory.PLANS.items() if plan.encodes_images
+    }
 
 
 def test_hunyuan15_plan_runs_its_value_reading_forward_on_fake_tensors():
@@ -394,3 +398,184 @@ def test_hunyuan15_plan_runs_its_value_reading_forward_on_fake_tensors():
         module = memory.build_denoiser("hunyuan15", {"num_layers": 1, "num_refiner_layers": 1}, torch.bfloat16)
         out = memory.denoise(shapes, module, torch.zeros(2, *shapes.latent))
     assert out.shape == (2, *shapes.latent) and out.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- kinds conditioned on images: edits, image-to-video
+EDIT = [
+    "--mixed-precision", "bf16", "--samples-per-device", "4", "--group-size", "4", "--rollout-batch-size", "2",
+    "--samples-per-update", "4", "--kl-beta", "0", "--sample-every", "0", "--eval-every", "0", *LORA,
+]  # fmt: skip
+ONE_BLOCK = {"kontext": {"num_layers": 1, "num_single_layers": 1}, "qwen-edit": {"num_layers": 1}}
+
+
+def test_edit_and_i2v_kinds_have_their_published_sizes_and_hub_names(tmp_path):
+    """The transformers and the image encoder built from the published configs on the meta device: FLUX.1-Kontext-dev
+    is FLUX.1-dev's transformer (11.90B), Qwen-Image-Edit-2509 Qwen-Image's (20.43B), Wan2.1-I2V-14B 16.39B (36 input
+    channels, the image keys and values of its cross-attention) with CLIP ViT-H/14's vision tower (630.8M, 257 tokens
+    at 224 px), Wan2.2-I2V-A14B two experts of 14.29B; hub ids and local folders plan as their kind."""
+    from tests.tiny import build_kontext, build_qwen_edit_plus, build_wan22_i2v_a14b, build_wan_i2v
+
+    kinds = ("flux", "kontext", "qwen-edit", "wan-i2v", "wan-i2v-a14b")
+    with torch.device("meta"):
+        built = {k: memory.build_denoiser(k, memory.MODELS[k]["denoiser"], torch.bfloat16) for k in kinds}
+        sizes = {k: sum(p.numel() for p in module.parameters()) for k, module in built.items()}
+        clip = memory.build_text_encoder("clip_vision", memory.CLIP_VIT_H14_VISION, torch.bfloat16, False)
+        clip_params = sum(p.numel() for p in clip.parameters())
+    assert sizes["kontext"] == sizes["flux"] == 11_901_408_320
+    assert sizes["qwen-edit"] == 20_430_401_088 and clip_params == 630_766_080
+    assert sizes["wan-i2v"] == 16_394_878_784 and sizes["wan-i2v-a14b"] == 14_288_901_184
+    assert memory.MODELS["wan-i2v-a14b"]["experts"] == 2 and {"wan-i2v", "wan-i2v-a14b"} <= set(memory.VIDEO_KINDS)
+    hub = {
+        "black-forest-labs/FLUX.1-Kontext-dev": "kontext", "black-forest-labs/FLUX.1-dev": "flux",
+        "Qwen/Qwen-Image-Edit-2509": "qwen-edit", "Qwen/Qwen-Image-Edit-2511": "qwen-edit", "Qwen/Qwen-Image": "qwen",
+        "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": "wan-i2v", "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers": "wan-i2v",
+        "Wan-AI/Wan2.2-I2V-A14B-Diffusers": "wan-i2v-a14b", "Wan-AI/Wan2.2-T2V-A14B-Diffusers": "wan22_a14b",
+    }  # fmt: skip
+    assert {name: memory.model_kind(name) for name in hub} == hub
+    with pytest.raises(ValueError, match="whose published configs are here"):  # the first Qwen-Image-Edit: not Plus
+        memory.model_kind("Qwen/Qwen-Image-Edit")
+    for build, kind in ((build_kontext, "kontext"), (build_qwen_edit_plus, "qwen-edit"), (build_wan_i2v, "wan-i2v"),
+                        (build_wan22_i2v_a14b, "wan-i2v-a14b")):  # fmt: skip
+        build(tmp_path / kind)
+        assert memory.model_kind(str(tmp_path / kind)) == kind
+
+
+def test_the_plans_condition_is_what_the_kinds_encode(tmp_path):
+    """Each conditioned kind's plan keeps per row what the kind's encode_prompts returns for an edit prompt: the same
+    keys, and the condition's shape from the model's own configs (FLUX.1-Kontext: the source's packed tokens;
+    Qwen-Image-Edit-Plus: the references' tokens; Wan2.1-I2V: the mask and first-frame latents, and the CLIP tokens)."""
+    from PIL import Image
+
+    from common.edits import EditPrompt
+    from common.models import load_model
+    from tests.tiny import build_kontext, build_qwen_edit_plus, build_wan_i2v
+
+    Image.new("RGB", (48, 40), "red").save(tmp_path / "source.png")
+    prompt = EditPrompt("make it blue", [str(tmp_path / "source.png")])
+    cases = {"kontext": (build_kontext, 32, None, "image_latents"), "qwen-edit": (build_qwen_edit_plus, 32, None,
+             "image_latents"), "wan-i2v": (build_wan_i2v, 32, 5, "image_condition")}  # fmt: skip
+    for kind, (build, resolution, frames, key) in cases.items():
+        build(tmp_path / kind)
+        model = load_model(str(tmp_path / kind), resolution=resolution, num_frames=frames)
+        cond = model.encode_prompts([prompt])
+        parts = {**memory.MODELS[kind], "denoiser": dict(model.transformer.config), "vae": dict(model.vae.config)}
+        if kind == "wan-i2v":
+            parts["text"] = [parts["text"][0], ("clip_vision", model.pipe.image_encoder.config.to_dict(), None)]
+        shapes = memory.Shapes.of(kind, parts, resolution, frames)
+        names = {"pooled": "pooled_prompt_embeds"}  # FluxPlan's name of FLUX's pooled CLIP embedding
+        assert {names.get(k, k) for k in shapes.cond} == set(cond), kind
+        assert shapes.cond[key] == tuple(cond[key].shape[1:]), kind
+        if kind == "wan-i2v":
+            assert shapes.cond["image_embeds"] == tuple(cond["image_embeds"].shape[1:]) == (10, 24)
+            assert cond["image_condition"].dtype == torch.float32 and shapes.cond_bytes["image_condition"] == 4
+    published = memory.Shapes.of("wan-i2v", memory.MODELS["wan-i2v"], (480, 832), 33)
+    assert published.cond["image_condition"] == (20, 9, 60, 104) and published.cond["image_embeds"] == (257, 1280)
+
+
+def test_qwen_vl_patches_the_pipelines_condition_image_into_196_tokens():
+    """Qwen-Image-Edit-Plus's text encoder reads each reference at the pipeline's condition size (384 x 384 for a
+    square, calculate_dimensions(CONDITION_IMAGE_SIZE, 1)): Qwen2-VL's processor makes 28 x 28 patches of it (392 px),
+    196 tokens after the 2 x 2 merge, the counts the plan's VL forward and text lengths use."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessor
+
+    side, _ = plus.calculate_dimensions(plus.CONDITION_IMAGE_SIZE, 1.0)
+    grid = Qwen2VLImageProcessor()(Image.new("RGB", (side, side)), return_tensors="pt")["image_grid_thw"]
+    assert side == 384 and grid.tolist() == [[1, *memory.QWEN_EDIT_CONDITION_PATCHES]] == [[1, 28, 28]]
+    assert 28 * 28 // 4 == memory.QWEN_EDIT_IMAGE_TOKENS == 196
+
+
+def test_an_edit_doubles_the_sequence_and_encodes_its_source_with_the_vae():
+    """FLUX.1-Kontext at 256 px (one double + one single block): the source's 256 tokens follow the noisy 256, so a
+    training step keeps more than FLUX.1-dev's at the same flags; the packed source tokens are in each row's kept
+    conditioning; the prompts' encoding runs the VAE on the sources, which with --offload-frozen visits the GPU then;
+    image_similarity's CLIP ViT-L/14 (427,616,513 parameters) is resident in fp32 beside HPSv2.1."""
+    flags = ["--resolution", "256", "--guidance-scale", "2.5", "--reward", "hpsv2.1", *EDIT]
+    kontext = memory.estimate("dancegrpo", ["--model-id", "black-forest-labs/FLUX.1-Kontext-dev", *flags],
+                              model_config={"denoiser": ONE_BLOCK["kontext"]})  # fmt: skip
+    flux = memory.estimate("dancegrpo", ["--model-id", "black-forest-labs/FLUX.1-dev", *flags],
+                           model_config={"denoiser": ONE_BLOCK["kontext"]})  # fmt: skip
+    assert kontext["model"] == "kontext" and kontext["images"] == 1 and flux["images"] == 0
+    assert kontext["train_rows"] == 2 and kontext["params"] == flux["params"]  # embedded guidance: no CFG rows
+    for part in ("activations", "rollout_activations"):
+        assert kontext["gb"][part] > 1.3 * flux["gb"][part], part
+    # encoding: the text encoders (T5 on 512 tokens), then the VAE's encoder on the prompts' sources at once
+    shapes = memory.Shapes.of("kontext", memory.MODELS["kontext"], 256)
+    with memory.fake_world():
+        vae = memory.build_vae("kontext", memory.VAE_16CH, torch.bfloat16)
+        one, two = (memory.measure(lambda n=n: memory.PLANS["kontext"].encode(shapes, [], vae, n), vae) for n in (1, 2))
+    assert 0 < one < two <= kontext["gb"]["encode_activations"] * GB * 2
+    source = 2 * 256 * 64  # bf16 packed tokens of one prompt's source (32 x 32 latents, 2 x 2 patches)
+    assert kontext["gb"]["rollout_data"] - flux["gb"]["rollout_data"] == pytest.approx(5 * source / GB)  # 4 + 1
+    offloaded = memory.estimate(
+        "dancegrpo", ["--model-id", "black-forest-labs/FLUX.1-Kontext-dev", *flags, "--offload-frozen"],
+        model_config={"denoiser": ONE_BLOCK["kontext"]},
+    )  # fmt: skip
+    assert offloaded["phases"]["encode"] - offloaded["phases"]["rollout"] > offloaded["gb"]["vae"]
+    with_sim = memory.estimate(
+        "dancegrpo", ["--model-id", "black-forest-labs/FLUX.1-Kontext-dev", *flags, "--reward",
+                      "hpsv2.1:0.5,image_similarity:0.5"], model_config={"denoiser": ONE_BLOCK["kontext"]},
+    )  # fmt: skip
+    extra = round((with_sim["gb"]["reward"] - kontext["gb"]["reward"]) * GB)
+    assert 4 * 427_616_513 <= extra < 4 * 427_616_513 + 1e6  # + CLIP's position ids
+    assert with_sim["gb"]["reward_activations"] > kontext["gb"]["reward_activations"]
+
+
+def test_qwen_edit_plan_doubles_cfg_rows_and_grows_with_its_references():
+    """Qwen-Image-Edit-Plus at 256 px (one block): true CFG doubles the rows; each reference adds as many tokens as the
+    image (a training step keeps more with 2 than with 1), its tokens to the kept conditioning, and the VL encoder's
+    vision tokens to the encoding; the VL model (its vision tower too) is resident while encoding."""
+    flags = ["--model-id", "Qwen/Qwen-Image-Edit-2509", "--resolution", "256", "--reward", "hpsv2.1", *EDIT]
+    cfg, plain = (memory.estimate("dancegrpo", [*flags, "--guidance-scale", g], model_config={"denoiser": ONE_BLOCK[
+        "qwen-edit"]}) for g in ("4", "1"))  # fmt: skip
+    assert cfg["model"] == "qwen-edit" and cfg["train_rows"] == 4 and plain["train_rows"] == 2
+    assert cfg["gb"]["activations"] > 1.5 * plain["gb"]["activations"]
+    two = memory.estimate("dancegrpo", [*flags, "--guidance-scale", "1"],
+                          model_config={"denoiser": ONE_BLOCK["qwen-edit"], "images": 2})  # fmt: skip
+    assert two["images"] == 2 and two["gb"]["activations"] > 1.3 * plain["gb"]["activations"]
+    assert two["gb"]["encode_activations"] > plain["gb"]["encode_activations"]
+    # a reference more per prompt: its 256 packed bf16 tokens of 64, and 203 more positions (5 + 198: "Picture 2: " and
+    # its vision tokens) in the prompt's and the negative's embeddings (bf16, 3584 wide) and masks (int64)
+    picture = memory.QWEN_EDIT_PICTURE_TOKENS
+    more = 256 * 64 * 2 + 2 * picture * (3584 * 2 + 8)
+    assert picture == 203 and two["gb"]["rollout_data"] - plain["gb"]["rollout_data"] == pytest.approx(5 * more / GB)
+    with memory.fake_world():
+        vl = memory.build_text_encoder("qwen25vl", memory.QWEN25_VL_7B, torch.bfloat16, False)
+        assert cfg["gb"]["text_encoders"] * GB == pytest.approx(memory.nbytes(vl))
+
+
+def test_wan_i2v_plan_reads_36_channels_clip_tokens_and_encodes_the_whole_first_frame_video():
+    """Wan2.1-I2V-14B (one block) at 64 px x 5 frames: the transformer reads 36 channels and 257 CLIP tokens, CFG
+    doubles the rows; the first frame's condition (20 channels) is kept per row in fp32; CLIP's vision tower travels
+    with UMT5 (the text encoders' bytes); encoding runs the fp32 VAE on [frame, 4 zero frames]. Wan2.2-I2V-A14B: two
+    experts, no image encoder."""
+    flags = ["--model-id", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", "--resolution", "64", "--num-frames", "5",
+             "--guidance-scale", "5", "--reward", "hpsv2.1,temporal:0.5", *EDIT]  # fmt: skip
+    one_block = {"denoiser": {"num_layers": 1}}
+    i2v = memory.estimate("dancegrpo", flags, model_config=one_block)
+    a14b = memory.estimate("dancegrpo", [f.replace("Wan2.1-I2V-14B-480P", "Wan2.2-I2V-A14B") for f in flags],
+                           model_config=one_block)  # fmt: skip
+    assert i2v["model"] == "wan-i2v" and a14b["model"] == "wan-i2v-a14b" and i2v["train_rows"] == 4
+    with memory.fake_world():
+        umt5 = memory.build_text_encoder("umt5", memory.UMT5_XXL, torch.bfloat16, False)
+        clip = memory.build_text_encoder("clip_vision", memory.CLIP_VIT_H14_VISION, torch.bfloat16, False)
+        assert i2v["gb"]["text_encoders"] * GB == memory.nbytes(umt5, clip)
+        assert a14b["gb"]["text_encoders"] * GB == memory.nbytes(umt5)
+    t2v = memory.estimate("dancegrpo", [f.replace("Wan2.1-I2V-14B-480P", "Wan2.2-T2V-A14B") for f in flags],
+                          model_config=one_block)  # fmt: skip
+    shapes = memory.Shapes.of("wan-i2v", memory.MODELS["wan-i2v"], 64, 5)
+    assert shapes.latent == (16, 2, 8, 8) and shapes.cond["image_condition"] == (20, 2, 8, 8)
+    condition, clip_tokens = 4 * 20 * 2 * 8 * 8, 2 * 257 * 1280  # fp32 condition, bf16 CLIP tokens, per row
+    assert i2v["gb"]["rollout_data"] - a14b["gb"]["rollout_data"] == pytest.approx(5 * clip_tokens / GB)
+    assert a14b["gb"]["rollout_data"] - t2v["gb"]["rollout_data"] == pytest.approx(5 * condition / GB)
+    # the first frame's [frame, zeros] video through the fp32 VAE while encoding, a video at a time
+    with memory.fake_world():
+        vae = memory.build_vae("wan-i2v", memory.VAE_WAN, None)
+        videos = [memory.measure(lambda n=n: memory.PLANS["wan-i2v"].encode(shapes, [], vae, n), vae) for n in (1, 2)]
+    assert 0 < videos[0] < videos[1] < 1.1 * videos[0]  # the second video's kept latents only
+    assert a14b["gb"]["encode_activations"] >= t2v["gb"]["encode_activations"]
+    # the same denoiser as Wan2.2-T2V-A14B's but for the patch embedding of 36 channels
+    assert 0 < a14b["params"]["denoiser"] - t2v["params"]["denoiser"] == 2 * 20 * 4 * 5120  # the wider patch embedding
+    offloaded = memory.estimate("dancegrpo", [*flags, "--offload-frozen"], model_config=one_block)
+    assert offloaded["phases"]["encode"] - offloaded["phases"]["rollout"] > offloaded["gb"]["vae"]

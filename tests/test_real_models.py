@@ -242,7 +242,7 @@ def recipe(name, **env):
 
 def gpu_recipes():
     names = subprocess.run(["bash", "run.sh", "--list"], cwd=ROOT, capture_output=True, text=True).stdout.split()
-    return [n for n in names if re.search("flux|sd35|sd15|wan|qwen", n)]
+    return [n for n in names if re.search("flux|kontext|sd35|sd15|wan|qwen", n)]
 
 
 CURRICULUM = {  # DiffusionNFT's five stages: prompts, reward, cumulative iterations
@@ -275,18 +275,34 @@ def test_the_curriculum_recipe_runs_five_stages_each_resuming_the_last():
 
 NEW_KINDS = {  # recipe name part -> the model its recipes train (FLUX.2 [klein]: the base, which takes CFG)
     "qwen": "Qwen/Qwen-Image", "flux2": "black-forest-labs/FLUX.2-klein-base-4B", "wan22": "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+    "kontext": "black-forest-labs/FLUX.1-Kontext-dev", "qwen-edit": "Qwen/Qwen-Image-Edit-2509",
+    "wan-i2v": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
 }  # fmt: skip
+EDIT_KINDS = {  # the recipes that read an edit file (EDITS): their reward, HPSv2.1 and image_similarity's weight
+    "kontext": "hpsv2.1:0.5,image_similarity:0.5", "qwen-edit": "hpsv2.1:0.8,image_similarity:0.2",
+    "wan-i2v": "hpsv2.1,temporal:0.5",
+}  # fmt: skip
+EDIT_RECIPES = {"dancegrpo-kontext-8gpu", "diffusionnft-kontext-8gpu", "dancegrpo-qwen-edit-8gpu",
+                "diffusionnft-qwen-edit-8gpu", "dancegrpo-wan-i2v-8gpu"}  # fmt: skip
+# recipes whose official code samples on a static shift where the kind's other recipes take the pipeline's grid
+OFFICIAL_STATIC_SHIFT = {"dancegrpo-qwen-edit-8gpu": 3.0}  # DanceGRPO's Qwen-Image-Edit script: sd3_time_shift(3)
+
+
+def recipe_kind(name: str) -> str | None:
+    """The NEW_KINDS key a recipe's name holds, the longest first (qwen-edit before qwen)."""
+    return next((k for k in sorted(NEW_KINDS, key=len, reverse=True) if k in name), None)
 
 
 def test_every_gpu_recipe_parses_and_uses_the_memory_settings():
     assert len(gpu_recipes()) >= 15
     assert {"dancegrpo-qwen-8gpu", "branchgrpo-qwen-8gpu", "vgrpo-qwen-8gpu", "diffusionnft-qwen-8gpu"} <= set(
         gpu_recipes()
-    ) and {"dancegrpo-flux2-8gpu", "dancegrpo-wan22-8gpu"} <= set(gpu_recipes())
+    ) and {"dancegrpo-flux2-8gpu", "dancegrpo-wan22-8gpu"} | EDIT_RECIPES <= set(gpu_recipes())
     for name in gpu_recipes():
         if "curriculum" in name:  # five commands (the test above)
             continue
-        words = shlex.split(recipe(name, PROMPTS="p.txt", NUM_MACHINES="2", MAIN_IP="ip", MACHINE_RANK="0"))
+        env = dict(PROMPTS="p.txt", EDITS="e.jsonl", NUM_MACHINES="2", MAIN_IP="ip", MACHINE_RANK="0")
+        words = shlex.split(recipe(name, **env))
         task = next((t for t in ("geneval", "ocr") if f"-{t}" in name), None)  # the yardsticks' recipes
         if "common.evaluate" in words:  # the evaluation recipes: bf16, their prompt set, the evaluation sampler
             from common.evaluate import EvalArgs
@@ -304,20 +320,23 @@ def test_every_gpu_recipe_parses_and_uses_the_memory_settings():
             assert args.prompts == f"prompts/flowgrpo_{task}_train{ext}", name
             assert args.eval_prompts == f"prompts/flowgrpo_{task}_test{ext}" and args.reward == task, name
             continue
-        assert args.prompts == args.eval_prompts == "p.txt" and not args.reward_ckpt
-        assert args.reward == ("hpsv2.1,temporal:0.5" if "wan" in name else "hpsv2.1"), name
+        kind = recipe_kind(name)
+        edits = kind in EDIT_KINDS  # an edit file, HPSv2.1 with image_similarity beside it
+        assert args.prompts == args.eval_prompts == ("e.jsonl" if edits else "p.txt") and not args.reward_ckpt, name
+        reward = EDIT_KINDS[kind] if edits else "hpsv2.1,temporal:0.5" if "wan" in name else "hpsv2.1"
+        assert args.reward == reward and (name in EDIT_RECIPES) == edits, name
         assert args.model_id != "shapesbench" and (args.num_frames is not None) == ("wan" in name)
         if "wan" in name:  # videos of 4k + 1 frames, scored on 4 of them
             assert (args.num_frames - 1) % 4 == 0 and args.reward_frames == 4, name
-        for key, model_id in NEW_KINDS.items():  # the recipes of the newer kinds: their published model, LoRA
-            if key in name:
-                assert args.model_id == model_id and args.lora and args.offload_frozen, name
+        if kind:  # the recipes of the newer kinds: their published model, LoRA
+            assert args.model_id == NEW_KINDS[kind] and args.lora and args.offload_frozen, name
         # the model's own pipeline schedule where that pipeline shifts by resolution (Qwen-Image, FLUX.2) and for
         # DiffusionNFT (its official code samples on the pipeline's grid); FLUX.1's DanceGRPO, BranchGRPO and V-GRPO
         # keep their official code's static shift 3, as SD3.5's GRPO recipes and Wan's theirs; SD1.5 takes none (DDIM)
-        dynamic = re.search("qwen|flux2|diffusionnft|ltx2|hunyuan", name)
+        # FLUX.1-Kontext's pipeline shifts by resolution as FLUX.1's; DanceGRPO's Qwen-Image-Edit its static 3
+        dynamic = name not in OFFICIAL_STATIC_SHIFT and re.search("qwen|flux2|kontext|diffusionnft|ltx2|hunyuan", name)
         static = 5.0 if "wan22" in name else 3.0 if re.search("flux|wan|sd35", name) else None
-        assert args.shift == ("pipeline" if dynamic else static), name
+        assert args.shift == ("pipeline" if dynamic else OFFICIAL_STATIC_SHIFT.get(name, static)), name
 
 
 def test_gpu_recipe_without_prompts_says_where_to_get_them(tmp_path):
@@ -327,6 +346,13 @@ def test_gpu_recipe_without_prompts_says_where_to_get_them(tmp_path):
     assert "--reward-ckpt hpsv2.1=/h/HPS.pt" in recipe("vgrpo-flux-1gpu", PROMPTS="p.txt", HPS="/h/HPS.pt")
     printed = recipe("dancegrpo-flux-8gpu")
     assert "--prompts $PROMPTS --eval-prompts $PROMPTS" in printed and "/path/to" not in printed
+    # the editing and image-to-video recipes read an edit file instead, and say what one holds
+    out = subprocess.run(["bash", "run.sh", "dancegrpo-qwen-edit-8gpu"], cwd=ROOT, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PROMPTS": "p.txt"})  # fmt: skip
+    assert out.returncode == 2 and out.stderr.startswith("error: run.sh dancegrpo-qwen-edit-8gpu: set EDITS")
+    assert '"instruction"' in out.stderr and "docs/editing.md" in out.stderr
+    assert "--prompts $EDITS --eval-prompts $EDITS" in recipe("dancegrpo-wan-i2v-8gpu")
+    assert "--reward-ckpt image_similarity=/c" in recipe("dancegrpo-kontext-8gpu", EDITS="e.jsonl", CLIP_SIM="/c")
 
 
 def print_blocks(text):

@@ -1,13 +1,14 @@
 """Per-GPU memory plan of every GPU recipe in run.sh, measured without a GPU: fake tensors, real architectures.
 
-    python benchmarks/gpu/memory.py                                # every GPU recipe: a markdown table (~3 min)
+    python benchmarks/gpu/memory.py                                # every GPU recipe: a markdown table (~22 min)
     python benchmarks/gpu/memory.py --out docs/gpu_memory.md       # the same, also written to a file
     python benchmarks/gpu/memory.py --recipes vgrpo-flux-8gpu vgrpo-wan-8gpu   # some recipes only
     python benchmarks/gpu/memory.py --command "accelerate launch --num_processes 8 dancegrpo.py --model-id ..."  # any
     OMP_NUM_THREADS=1 python benchmarks/gpu/memory.py --cross-check   # the estimate against a real CPU run (~4 min)
 
 Each recipe's command comes from `bash run.sh --print NAME` (`--list` names them; GPU recipes are those on flux,
-sd35, sd15, wan or qwen, less the multi-node ones, whose per-GPU memory is their 8-GPU twin's); its flags are parsed
+kontext, sd35, sd15, wan or qwen, less the multi-node ones, whose per-GPU memory is their 8-GPU twin's); its flags are
+parsed
 by the script's own `Args` (tyro), and the process count and FSDP come from the accelerate config it names. The
 models are built from their published configs (benchmarks/gpu/memory_configs.py) inside `FakeTensorMode`: every
 tensor has a shape, a dtype and a size but no data, so FLUX.1-dev's 12B parameters cost nothing, and `MemTracker`
@@ -20,11 +21,16 @@ sizes.
 `estimate()` is the same plan for any script and flags (benchmarks/gpu/gpu_check.py prints it next to a measured peak).
 
 An iteration is modelled in phases; the peak is the largest:
-    encode      the text encoders on the prompt batch (no grad)
+    encode      the text encoders on the prompt batch (no grad); a kind whose prompts bring images (FLUX.1-Kontext,
+                Qwen-Image-Edit-Plus, Wan I2V) encodes them too: the VAE (visiting with --offload-frozen) on each
+                source or first frame (Wan I2V: the whole [frame, zeros] video, fp32), Qwen2.5-VL reading each
+                reference inside its chat template (twice: the instruction and the negative prompt), Wan2.1-I2V's
+                CLIP vision tower on the first frame
     rollout     no-grad denoiser forwards of the rollout batch (V-GRPO: also its behaviour pass, train-batch x N_MC)
     decode      the VAE on each decode batch (Wan2.1: a video at a time, fp32), the earlier batches' samples kept;
                 their torch.cat (the previous iteration's samples are still referenced); then the reward on all of
-                them (no grad): HPSv2.1 and HPSv3, on a video's --reward-frames frames, and 'temporal' on videos
+                them (no grad): HPSv2.1, HPSv3, GenEval and image_similarity (CLIP ViT-L/14 on the
+                edits and their sources, fp32), on a video's --reward-frames frames, and 'temporal' on videos
     train       one training micro-step: the micro-batch's forward (and the KL reference's), backward, AdamW step,
                 with the gradients of the earlier micro-steps accumulated; RLR: its first-order term (the last step,
                 the VAE and HPS with a graph), then its half-order sub-chain
@@ -35,6 +41,10 @@ Resident in every phase: the trainable weights, the frozen denoiser weights, the
 trainable parameter), DDP's gradient buckets (one more fp32 copy of the gradients), the rollout data (latents of every
 trajectory or tree node, conditioning, decoded images or videos (fp32), in the dtypes the scripts keep them) and the
 frozen parts. A video model (Wan2.1) has latents (16, F', H/8, W/8), F' = (F - 1) / 4 + 1, and CFG rows as SD3.
+A conditioned kind's forward carries its condition: FLUX.1-Kontext and Qwen-Image-Edit-Plus append each source's
+tokens after the noisy ones (as many as the image's: the sequence doubles with one source), Wan I2V concatenates the
+first frame's mask and latents on channels (36 in) and, Wan2.1-I2V, its 257 CLIP tokens in the cross-attention; the
+condition is part of each row's kept conditioning (Wan I2V's in fp32, as the pipeline makes it).
 With --offload-frozen the text encoders are on the GPU only while encoding; the VAE and the reward model leave it
 before each training phase and after each evaluation (the scripts and the Evaluator park them) and come back for
 decoding and scoring.
@@ -106,11 +116,12 @@ def _run_sh(*args: str) -> str:
 
 
 def gpu_recipes() -> list[str]:
-    """run.sh's training recipes on FLUX / SD3.5 / SD1.5 / Wan / Qwen-Image GPUs; multi-node ones are left out (per
-    GPU as their 8-GPU twin), and so are the evaluation recipes (evaluate-*: no training)."""
+    """run.sh's training recipes on FLUX / FLUX.1-Kontext / SD3.5 / SD1.5 / Wan / Qwen-Image GPUs; multi-node ones are
+    left out (per GPU as their 8-GPU twin), and so are the evaluation recipes (evaluate-*: no training)."""
     names = [n for n in _run_sh("--list").split() if not n.startswith("evaluate-") and not n.endswith("-multinode")]
     # DiffusionNFT's curriculum: five runs with diffusionnft-sd35-8gpu's batches (its plan), other prompts and rewards
-    return [n for n in names if any(k in n for k in ("flux", "sd35", "sd15", "wan", "qwen")) and "curriculum" not in n]
+    kinds = ("flux", "kontext", "sd35", "sd15", "wan", "qwen")
+    return [n for n in names if any(k in n for k in kinds) and "curriculum" not in n]
 
 
 @dataclass
@@ -280,6 +291,8 @@ def setting(e: dict) -> str:
     gpus = f"{e['num_processes']} x {'FSDP' if e['fsdp'] else 'DDP'}" if e["num_processes"] > 1 else "1 GPU"
     flags = [f for f, on in (("ckpt", e["gradient_checkpointing"]), ("offload", e["offload_frozen"])) if on]
     size = f"{MODEL_NAMES[e['model']]} {e['resolution']} px" + (f" x {e['frames']} frames" if e.get("frames") else "")
+    if e.get("images") and not e.get("frames"):  # an edit: its sources or references, each as many tokens as the image
+        size += f" + {e['images']} source" + ("s" if e["images"] > 1 else "")
     return ", ".join([size, mode, f"rows {e['train_rows']}", *flags, gpus])
 
 
@@ -314,16 +327,16 @@ def phase_table(rows: list[tuple[str, dict]]) -> str:
 def report(rows: list[tuple[str, dict]], seconds: float) -> str:
     return (
         "# Per-GPU memory plan of the GPU recipes\n\n"
-        f"Made by `python benchmarks/gpu/memory.py` ({seconds / 60:.0f} min on one CPU thread, no GPU): each recipe of "
-        "`run.sh` on FLUX.1-dev, SD3.5-Medium, SD1.5 or Wan2.1-T2V-1.3B with the flags `bash run.sh --print RECIPE` "
-        "gives, the models "
+        f"Made by `python benchmarks/gpu/memory.py` ({seconds / 60:.0f} min on one CPU thread, no GPU): each GPU "
+        "recipe of `run.sh` with the flags `bash run.sh --print RECIPE` gives, the models "
         "built from their published configs as fake tensors (method and assumptions: the script's docstring). "
         "**GB = 10^9 bytes** per GPU, as `torch.cuda.max_memory_allocated` counts them (the CUDA allocator reserves "
-        "5-15% more). Goal: LoRA at 512 px within 48 GB; LoRA above 512 px and full fine-tuning (FSDP over 8 GPUs) "
-        "within 80 GB.\n\n"
+        "5-15% more). Goal: LoRA at 512 px within 48 GB; LoRA above 512 px or of a denoiser over 12B parameters, "
+        "and full fine-tuning (FSDP over 8 GPUs), within 80 GB.\n\n"
         "Resident parts: trainable weights, the frozen denoiser weights, gradients, AdamW state, the text encoders, "
-        "the VAE and the reward networks (HPSv2.1, HPSv3), the rollout data (latents, conditioning, decoded images or "
-        "videos), DDP's gradient buckets or FSDP's gathered units. Transient: `train act.` is one training "
+        "the VAE and the reward networks (HPSv2.1, HPSv3, GenEval, image_similarity), the rollout data (latents, "
+        "conditioning with an edit's sources or a video's first frame, decoded images or videos), DDP's gradient "
+        "buckets or FSDP's gathered units. Transient: `train act.` is one training "
         "micro-step's peak above them (forward saved for backward, backward, AdamW step), `+ decode` and `+ act.` the "
         "VAE's decode and the reward's scoring of their batches, `grid` the sample grid's forward or VAE decode of one "
         "rollout batch. `rows` is the denoiser batch of a training forward (CFG included); ckpt = "

@@ -84,6 +84,16 @@ QWEN25_VL_7B = dict(
                        temporal_patch_size=2, window_size=112),
 )  # fmt: skip
 VAE_QWEN = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
+# Qwen/Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline): Qwen-Image's transformer (20.43B), Qwen2.5-VL-7B (which now
+# reads each reference image: Qwen2-VL's processor patches the pipeline's 384 x 384 condition image at 392 x 392, 28 x
+# 28 patches of 14 merged 2 x 2 into 196 tokens) and VAE; -2511's transformer differs by zero_cond_t (the reference
+# tokens modulated at timestep 0; the same parameters). In the chat template each image is "Picture k: " (5 tokens:
+# Qwen2's pre-tokenizer splits off the spaces, the digit and the colon), <|vision_start|>, its 196 tokens and
+# <|vision_end|>; the template's first 64 tokens (the system turn) are dropped after encoding and its last 5
+# ("<|im_end|>\n<|im_start|>assistant\n") kept
+QWEN_EDIT_IMAGE_TOKENS, QWEN_EDIT_PICTURE_PREFIX, QWEN_EDIT_DROPPED, QWEN_EDIT_SUFFIX = 196, 5, 64, 5
+QWEN_EDIT_PICTURE_TOKENS = QWEN_EDIT_PICTURE_PREFIX + 1 + QWEN_EDIT_IMAGE_TOKENS + 1  # 203 per image
+QWEN_EDIT_CONDITION_PATCHES = (28, 28)  # Qwen2-VL patches of the 392 x 392 condition image (before the 2 x 2 merge)
 # black-forest-labs/FLUX.2-klein-base-4B: the transformer (3.88B: 5 double + 20 single blocks, width 3072, 128-channel
 # tokens), Qwen3-4B as text encoder (4.02B; the pipeline stacks its hidden states 9, 18, 27: 7680 wide), the FLUX.2 VAE
 # (AutoencoderKLFlux2's defaults, 84M: 32 channels, 8x)
@@ -129,6 +139,19 @@ Z_IMAGE = dict(dim=3840, n_layers=30, n_refiner_layers=2, n_heads=30, n_kv_heads
 # Wan-AI/Wan2.2-T2V-A14B-Diffusers: two experts (transformer, transformer_2), each Wan2.1-T2V-14B's architecture
 # (14.29B: width 5120, 40 layers, 40 heads, FFN 13824), on Wan2.1's UMT5-XXL and 16-channel 8x VAE
 WAN22_A14B_EXPERT = {**WAN_T2V_1_3B, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
+# Wan-AI/Wan2.1-I2V-14B-480P-Diffusers (and -720P) transformer/config.json, as diffusers' convert_wan_to_diffusers.py
+# writes it: Wan2.1-14B's blocks taking 36 input channels (16 noisy + 4 mask + 16 first-frame latents) and, in each
+# cross-attention, keys and values of the first frame's CLIP tokens (image_dim 1280 lifted to the width 5120): 16.39B
+WAN21_I2V_14B = {**WAN22_A14B_EXPERT, "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120}
+# its image_encoder: CLIP ViT-H/14's vision tower (laion/CLIP-ViT-H-14-laion2B-s32B-b79K; CLIPVisionModel, 630.8M: 32
+# layers of width 1280, 257 tokens at 224 px; WanImageToVideoPipeline.encode_image reads the penultimate hidden state)
+CLIP_VIT_H14_VISION = dict(
+    hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16, patch_size=14,
+    image_size=224, hidden_act="gelu", projection_dim=1024,
+)  # fmt: skip
+# Wan-AI/Wan2.2-I2V-A14B-Diffusers: two experts (transformer, transformer_2) of Wan2.1-14B's blocks taking the same 36
+# channels, without the image cross-attention (no image encoder): 14.29B each; Wan2.1's UMT5-XXL and VAE
+WAN22_I2V_A14B_EXPERT = {**WAN22_A14B_EXPERT, "in_channels": 36}
 VAE_WAN22 = dict(
     base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
     temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12, patch_size=2,

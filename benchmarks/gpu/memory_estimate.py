@@ -19,7 +19,6 @@ from benchmarks.gpu.memory_fake import (
     build_reward,
     build_text_encoder,
     checkpoint_under_policy,
-    encode_text,
     fake_world,
     measure,
     nbytes,
@@ -79,7 +78,9 @@ def workload(script: str, args, shapes: Shapes, cfg: bool, frozen_bytes: int) ->
     conditioning in the text encoders' dtype), read off its main loop."""
     mult = 2 if cfg else 1
     L, img = shapes.latent, shapes.sample  # an image, or a video (F, 3, H, W)
-    cond = sum(_bytes(s, element=frozen_bytes) for s in shapes.cond.values())  # per prompt (CFG's uncond: one more)
+    # per prompt (CFG's uncond: one more), in the text encoders' dtype but where the kind keeps another (a video's
+    # fp32 first-frame condition, masks)
+    cond = sum(_bytes(s, element=shapes.cond_bytes.get(k, frozen_bytes)) for k, s in shapes.cond.items())
     if script == "dancegrpo":
         S, R, T = args.samples_per_device, args.rollout_batch_size, args.num_steps
         # chunks: latents (S, T + 1, *L), each step's mean (S, T, *L) and log-probs (S, T); images (S, 3, H, W); the
@@ -235,8 +236,8 @@ def parse_args(script: str, flags: list[str]):
 
 
 def reward_model(spec: str, parts: dict) -> dict:
-    """The reward networks' configs for --reward: name -> config, HPSv2.1's, HPSv3's and GenEval's ({}: the reward has
-    no GPU network, e.g. jpeg, or ocr, whose PP-OCR models run on the CPU)."""
+    """The reward networks' configs for --reward: name -> config, HPSv2.1's, HPSv3's, GenEval's and image_similarity's
+    ({}: the reward has no GPU network, e.g. jpeg, or ocr, whose PP-OCR models run on the CPU)."""
     from common.rewards import parse_rewards
 
     names = set(parse_rewards(spec).weights)  # every component runs, weight 0 too (for logging)
@@ -244,7 +245,10 @@ def reward_model(spec: str, parts: dict) -> dict:
     if unknown:
         raise ValueError(f"--reward {spec}: {', '.join(sorted(unknown))} is not modelled here (HPSv2.1 and HPSv3 are)")
     geneval = (MASK2FORMER_SWIN_S, CLIP_VIT_L14)  # one judge for geneval and geneval_accuracy (common.rewards)
-    known = (("hpsv2.1", parts["reward"]), ("hpsv3", QWEN2_VL_7B), ("geneval", geneval), ("geneval_accuracy", geneval))
+    known = (
+        ("hpsv2.1", parts["reward"]), ("hpsv3", QWEN2_VL_7B), ("geneval", geneval), ("geneval_accuracy", geneval),
+        ("image_similarity", CLIP_VIT_L14),  # its own CLIP ViT-L/14 (common.rewards.image_similarity)
+    )  # fmt: skip
     out = {n: c for n, c in known if n in names}
     if "geneval" in out and "geneval_accuracy" in out:
         del out["geneval_accuracy"]
@@ -306,8 +310,8 @@ def estimate(
         raise ValueError(
             "rlr.py's first-order term backpropagates through the reward: through HPSv3 it is not modelled"
         )
-    key = dict(kind=kind, den=parts["denoiser"], latent=shapes.latent, mp=mp, lora=args.lora, rank=args.lora_rank)
-    key |= dict(alpha=args.lora_alpha, ckpt=checkpointing, fsdp=fsdp)
+    key = dict(kind=kind, den=parts["denoiser"], latent=shapes.latent, cond=shapes.cond, mp=mp, lora=args.lora)
+    key |= dict(rank=args.lora_rank, alpha=args.lora_alpha, ckpt=checkpointing, fsdp=fsdp)
 
     with fake_world():
         # ---------------------------------------------------------------- the denoiser, as trained
@@ -386,9 +390,14 @@ def estimate(
             (f, build_text_encoder(f, c, frozen_dtype, PLANS[kind].clip_projection), n) for f, c, n in parts["text"]
         ]
         text = sum(nbytes(m) for _, m, _ in encoders)
+        plan = PLANS[kind]  # its prompts' encoding: the text encoders, and the images a prompt brings (the VAE)
+        encode_key = [kind, parts["text"], mp, "encode", work.prompts]
+        encode_key += [shapes.image, frames, shapes.images, parts["vae"]] if plan.encodes_images else []
         act_encode = _cached(
-            [kind, parts["text"], mp, "encode", work.prompts],
-            lambda: measure(lambda: encode_text(encoders, work.prompts), *[m for _, m, _ in encoders]),
+            encode_key,
+            lambda: measure(
+                lambda: plan.encode(shapes, encoders, vae, work.prompts), *[m for _, m, _ in encoders], vae
+            ),
         )
 
         def decode(n):
@@ -423,8 +432,10 @@ def estimate(
     # previous iteration's (in work.data) are still referenced; then the reward scores them all at once
     sample = lambda n: _bytes(shapes.sample, max(n, 0))  # noqa: E731
     decoding = max(sample(work.reward - work.decode) + act_decode, 2 * sample(work.reward), act_reward)
+    # a kind whose prompts bring images VAE-encodes them while encoding: with --offload-frozen the VAE visits then
+    vae_encoding = vae_bytes if offload and PLANS[kind].encodes_images else 0
     phases = {
-        "encode": state + text + scorers_sampling + act_encode,
+        "encode": state + text + scorers_sampling + vae_encoding + act_encode,
         "rollout": state + text_out + scorers_sampling + working + act_rollout + zo,
         "decode": state + text_out + scorers + decoding,
         "train": state + text_out + scorers_train + g_train + working_train + max(act_train, act_step) + zo,
@@ -456,6 +467,7 @@ def estimate(
         "model": kind,
         "resolution": height if height == width else f"{height}x{width}",
         "frames": frames,
+        "images": shapes.images,  # per prompt: an edit's sources or references, a first frame
         "lora": args.lora,
         "lora_rank": args.lora_rank if args.lora else None,
         "num_processes": num_processes,

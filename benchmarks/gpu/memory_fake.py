@@ -185,6 +185,10 @@ def build_text_encoder(family: str, config: dict, dtype, with_projection: bool):
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
         return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**config)).to(dtype).eval()
+    if family == "clip_vision":  # an image encoder travelling with the text encoders (Wan2.1-I2V's CLIP ViT-H/14)
+        from transformers import CLIPVisionConfig, CLIPVisionModel
+
+        return CLIPVisionModel(CLIPVisionConfig(**config)).to(dtype).eval()
     cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel  # SD3's CLIPs have a projection
     return cls(CLIPTextConfig(**config)).to(dtype).eval()
 
@@ -192,11 +196,16 @@ def build_text_encoder(family: str, config: dict, dtype, with_projection: bool):
 def build_reward(name: str, config: dict | None):
     """A reward network as common/rewards.py loads it: HPSv2.1's CLIP in fp32 (hpsv2_1 never casts it), HPSv3's
     Qwen2-VL in bf16 with its fp32 head and the added reward token (one more embedding row), GenEval's Mask2Former
-    and CLIP ViT-L/14 in fp32 (`config`: their two configs)."""
+    and CLIP ViT-L/14 in fp32 (`config`: their two configs), image_similarity's CLIP ViT-L/14 in fp32 (both towers, as
+    _load_clip loads CLIPModel)."""
     import logging
 
     import open_clip
 
+    if name == "image_similarity":
+        from transformers import CLIPConfig, CLIPModel
+
+        return CLIPModel(CLIPConfig(**config)).eval()
     if name in ("geneval", "geneval_accuracy"):  # the detector and the colour classifier, fp32 (load_geneval)
         from transformers import CLIPConfig, CLIPModel, Mask2FormerConfig, Mask2FormerForUniversalSegmentation
 
@@ -223,9 +232,12 @@ def build_reward(name: str, config: dict | None):
 
 
 def encode_text(encoders, batch: int):
-    """The pipelines' prompt encoding: every text encoder on `batch` prompts padded to its token count."""
+    """The pipelines' prompt encoding: every text encoder on `batch` prompts padded to its token count (an image
+    encoder among them, family clip_vision, is left to the kind's Plan.encode)."""
     with torch.no_grad():
         for family, module, tokens in encoders:
+            if family == "clip_vision":
+                continue
             ids = torch.zeros(batch, tokens, dtype=torch.long)
             if family == "umt5":  # WanPipeline passes the attention mask, then zeroes the embeddings past each prompt
                 out = module(ids, torch.ones_like(ids)).last_hidden_state

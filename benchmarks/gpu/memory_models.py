@@ -9,7 +9,7 @@ import contextlib
 import json
 import math
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from benchmarks.gpu.memory_configs import (
     BYT5_SMALL,
     CLIP_G,
     CLIP_L,
+    CLIP_VIT_H14_VISION,
     FLUX2_DEV,
     FLUX2_KLEIN_4B,
     FLUX_DEV,
@@ -30,6 +31,11 @@ from benchmarks.gpu.memory_configs import (
     MISTRAL_SMALL_31,
     QWEN3_4B,
     QWEN25_VL_7B,
+    QWEN_EDIT_CONDITION_PATCHES,
+    QWEN_EDIT_DROPPED,
+    QWEN_EDIT_PICTURE_PREFIX,
+    QWEN_EDIT_PICTURE_TOKENS,
+    QWEN_EDIT_SUFFIX,
     QWEN_IMAGE,
     SD15_UNET,
     SD35_MEDIUM,
@@ -43,12 +49,14 @@ from benchmarks.gpu.memory_configs import (
     VAE_QWEN,
     VAE_WAN,
     VAE_WAN22,
+    WAN21_I2V_14B,
     WAN22_A14B_EXPERT,
+    WAN22_I2V_A14B_EXPERT,
     WAN22_TI2V_5B,
     WAN_T2V_1_3B,
     Z_IMAGE,
 )
-from benchmarks.gpu.memory_fake import _WORLD, checkpoint_under_policy
+from benchmarks.gpu.memory_fake import _WORLD, checkpoint_under_policy, encode_text
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -64,6 +72,8 @@ class Shapes:
     image: tuple  # (3, H, W)
     cond: dict  # name -> per-prompt shape of the conditioning tensors
     frames: int | None = None  # a video's frames (video models); None for images
+    cond_bytes: dict = field(default_factory=dict)  # bytes per element of a cond tensor not in the frozen dtype
+    images: int = 0  # images a prompt brings (an edit's sources or references, a first frame)
 
     @property
     def sample(self) -> tuple:
@@ -96,6 +106,7 @@ class Plan:
     cfg = True  # --guidance-scale > 1 doubles the rows (FLUX.1-dev and FLUX.2 [dev] embed it instead)
     clip_projection = False  # its CLIP text encoders have a projection (SD3's)
     lora_targets = None  # what --lora adapts, where the model's wrapper says other than LORA_TARGETS
+    encodes_images = False  # its prompts' encoding reads their images (encode): the VAE is on the GPU then
 
     def __init__(self, **parts):
         self.parts = parts
@@ -121,6 +132,11 @@ class Plan:
         """One denoiser forward as the kind's velocity / eps calls it; `cond` in the module's dtype `dt`."""
         raise NotImplementedError
 
+    def encode(self, shapes: Shapes, encoders, vae, prompts: int):
+        """encode_prompts on `prompts` distinct prompts (no grad), as the kind's _encode runs it: every text encoder
+        on them at once (encoders: (family, module, tokens)); a kind whose prompts bring images encodes those too."""
+        encode_text(encoders, prompts)
+
     def unpack(self, shapes: Shapes, latents):
         """The scripts' latents (B, *shapes.latent) as the VAE takes them (B, *shapes.vae_latent)."""
         return latents
@@ -142,7 +158,7 @@ class FluxPlan(Plan):
     model, name, denoiser, cfg = "flux", "FLUX.1-dev", "FluxTransformer2DModel", False  # guidance embedded
 
     def hub(self, name):
-        return "flux" in name and "flux.2" not in name
+        return "flux" in name and "flux.2" not in name and "kontext" not in name
 
     def shapes(self, kind, parts, height, width, frames):
         den, (side, vae_latent) = parts["denoiser"], _square_vae(parts, height)
@@ -164,6 +180,42 @@ class FluxPlan(Plan):
 
         side = shapes.image[-1]
         return FluxPipeline._unpack_latents(latents, side, side, side // shapes.vae_latent[-1])
+
+
+class KontextPlan(FluxPlan):
+    """common.models.kontext.FluxKontextModel: FLUX.1-dev's transformer on [noisy tokens; source tokens], the source
+    cut to the run's square (as many tokens as the noise: the sequence doubles), ids of first coordinate 1, the output
+    cut to the noisy tokens; embedded guidance, no CFG. Encoding a prompt also VAE-encodes its source (the VAE's mode,
+    shifted and scaled, packed), every distinct prompt's at once, in the frozen dtype; the packed source tokens are
+    part of each row's conditioning."""
+
+    model, name, encodes_images = "kontext", "FLUX.1-Kontext-dev", True
+
+    def hub(self, name):
+        return "kontext" in name
+
+    def shapes(self, kind, parts, height, width, frames):
+        shapes = super().shapes(kind, parts, height, width, frames)
+        shapes.cond["image_latents"] = shapes.latent  # (seq, 64): the source's packed tokens
+        shapes.images = 1
+        return shapes
+
+    def forward(self, shapes, module, x, cond, dt):  # FluxKontextModel.velocity
+        rows, tokens, seq = len(x), shapes.cond["prompt_embeds"][0], x.shape[1]
+        return module(
+            hidden_states=torch.cat([x.to(dt), cond["image_latents"].to(dt)], 1), timestep=_full(rows, 0.5, dt),
+            guidance=_full(rows, 2.5), pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"],
+            txt_ids=torch.zeros(tokens, 3, dtype=dt), img_ids=torch.zeros(2 * seq, 3, dtype=dt), return_dict=False,
+        )[0][:, :seq]  # fmt: skip
+
+    def encode(self, shapes, encoders, vae, prompts):  # FluxKontextModel._encode: text, then the sources at once
+        from diffusers import FluxPipeline
+
+        super().encode(shapes, encoders, vae, prompts)
+        with torch.no_grad():
+            pixels = torch.zeros(prompts, *shapes.image, dtype=next(vae.parameters()).dtype)
+            z = (vae.encode(pixels).latent_dist.mode() - 0.1159) * 0.3611  # the posterior's mode, shifted, scaled
+            return FluxPipeline._pack_latents(z, prompts, *z.shape[1:])
 
 
 class SD3Plan(Plan):
@@ -297,6 +349,104 @@ class QwenPlan(Plan):
         return QwenImageModel.decode(holder, latents)
 
 
+class QwenEditPlan(QwenPlan):
+    """common.models.qwenimage_edit.QwenImageEditModel (Qwen-Image-Edit-2509 / -2511): Qwen-Image's transformer on
+    [noisy tokens; each reference's tokens] (each reference cut to the run's square: as many tokens as the noise), the
+    output cut to the noisy tokens; true CFG as one batch of [negative; prompt] rows padded to the prompt's text length.
+    parts["images"]: references per prompt (1 to 3). Encoding a prompt runs Qwen2.5-VL with its references twice, for
+    the instruction and for the negative prompt " " (one prompt per call, as the pipeline), each reference read by the
+    vision tower at the condition size; then the VAE encodes each reference alone, in the frozen dtype. Each row's
+    conditioning holds both embeddings, their masks and the references' tokens."""
+
+    model, name, encodes_images = "qwen-edit", "Qwen-Image-Edit-2509", True
+
+    def hub(self, name):
+        return "qwen-image-edit-25" in name  # the Plus pipeline's checkpoints (2509, 2511); not Qwen-Image-Edit
+
+    def text_tokens(self, parts, instruction: int) -> int:
+        """Positions kept of an encoding (the system turn dropped): each reference's picture tokens, the
+        instruction's `instruction` tokens, the template's end."""
+        return parts["images"] * QWEN_EDIT_PICTURE_TOKENS + instruction + QWEN_EDIT_SUFFIX
+
+    def shapes(self, kind, parts, height, width, frames):
+        shapes = super().shapes(kind, parts, height, width, frames)
+        n, hidden = parts["images"], parts["denoiser"]["joint_attention_dim"]
+        tokens, negative = self.text_tokens(parts, parts["text"][0][2]), self.text_tokens(parts, 1)  # " ": 1 token
+        shapes.cond = {
+            "prompt_embeds": (tokens, hidden), "prompt_embeds_mask": (tokens,),
+            "negative_prompt_embeds": (negative, hidden), "negative_prompt_embeds_mask": (negative,),
+            "image_latents": (n * shapes.latent[0], shapes.latent[1]), "image_count": (),
+        }  # fmt: skip
+        shapes.cond_bytes = {k: 8 for k in ("prompt_embeds_mask", "negative_prompt_embeds_mask", "image_count")}
+        shapes.images = n
+        return shapes
+
+    def forward(self, shapes, module, x, cond, dt):  # QwenImageEditModel._forward_rows on rows bringing n images
+        rows, seq, n = len(x), x.shape[1], shapes.images
+        side = int(math.isqrt(seq))
+        return module(
+            hidden_states=torch.cat([x.to(dt), cond["image_latents"].to(dt)], 1), timestep=_full(rows, 0.5, dt),
+            encoder_hidden_states=cond["prompt_embeds"],
+            encoder_hidden_states_mask=torch.ones(rows, cond["prompt_embeds"].shape[1]),
+            img_shapes=[[(1, side, side)] * (1 + n)] * rows, return_dict=False,
+        )[0][:, :seq]  # fmt: skip
+
+    def encode(self, shapes, encoders, vae, prompts):
+        """QwenImageEditModel._encode, prompt by prompt: the VL model on the instruction's and the negative's template
+        with the references (qwen_vl_encode), then each reference VAE-encoded alone (its mode, normalised, packed)."""
+        from diffusers import QwenImagePipeline
+
+        (_, vl, instruction), n = encoders[0], shapes.images
+        parts = {"images": n}
+        dt, (_, h, w) = next(vae.parameters()).dtype, shapes.vae_latent[-3:]
+        kept = []
+        with torch.no_grad():
+            for _ in range(prompts):
+                for length in (self.text_tokens(parts, instruction), self.text_tokens(parts, 1)):
+                    kept.append(qwen_vl_encode(vl, n, QWEN_EDIT_DROPPED + length))
+                for _ in range(n):
+                    z = vae.encode(torch.zeros(1, 3, 1, *shapes.image[1:], dtype=dt)).latent_dist.mode()
+                    kept.append(QwenImagePipeline._pack_latents(z - 0.5, 1, z.shape[1], h, w))
+        return kept
+
+
+def qwen_vl_encode(model, images: int, length: int):
+    """QwenImageEditPlusPipeline._get_qwen_prompt_embeds on one prompt of `length` positions bringing `images`
+    condition images (no grad): Qwen2.5-VL's vision tower on the images' patches, then the language model with every
+    hidden state. What the model reads as values (the token ids: where each picture's vision tokens are; the image
+    grid; the vision tower's window and position indices, made here from the grid as the tower makes them) is real;
+    the rest is fake. Returns the last hidden state past the dropped system turn."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from transformers import vision_utils
+
+    config, visual, (gh, gw) = model.config, model.model.visual, QWEN_EDIT_CONDITION_PATCHES
+    merged, merge = gh * gw // 4, visual.spatial_merge_size
+    with unset_fake_temporarily():  # real values
+        ids, at = torch.zeros(1, length, dtype=torch.long), QWEN_EDIT_DROPPED
+        for _ in range(images):  # "Picture k: " then <|vision_start|>, the image's tokens, <|vision_end|>
+            at += QWEN_EDIT_PICTURE_PREFIX
+            ids[0, at], ids[0, at + 1 + merged] = config.vision_start_token_id, config.vision_end_token_id
+            ids[0, at + 1 : at + 1 + merged] = config.image_token_id
+            at += 2 + merged
+        grid, mask = torch.tensor([[1, gh, gw]] * images), torch.ones(1, length, dtype=torch.long)
+        window, cu_window = vision_utils.get_vision_window_index(grid, merge, visual.window_size, visual.patch_size)
+        positions = vision_utils.get_vision_position_ids(grid, merge)
+        index = dict(window_index=window, cu_window_seqlens=cu_window, position_ids=positions,
+                     cu_seqlens=vision_utils.get_vision_cu_seqlens(grid))  # fmt: skip
+    vision = config.vision_config
+    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    with _constants(4 * max(length, images * gh * gw)) as constant:
+        grid = constant(grid)
+        pixels = torch.zeros(images * gh * gw, patch).type(visual.dtype)  # get_image_features' cast of the patches
+        out = visual(pixels, grid_thw=grid, **{k: constant(v) for k, v in index.items()})
+        out.pooler_output = torch.split(out.pooler_output, [merged] * images)
+        out = model(
+            input_ids=constant(ids), attention_mask=constant(mask), image_grid_thw=grid,
+            mm_encoder_outputs={"image": out}, output_hidden_states=True,
+        )  # fmt: skip
+        return out.hidden_states[-1][:, QWEN_EDIT_DROPPED:]
+
+
 class ZImagePlan(Plan):
     model, name, denoiser = "zimage", "Z-Image", "ZImageTransformer2DModel"
 
@@ -376,6 +526,69 @@ class Wan22A14BPlan(WanPlan):
 
     def hub(self, name):
         return "wan2.2-t2v-a14b" in name
+
+
+class WanI2VPlan(WanPlan):
+    """common.models.wan_i2v.WanI2VModel (Wan2.1-I2V-14B-480P / -720P): WanModel's latents, the transformer fed them
+    channel-concatenated with the first frame's condition (4 mask + 16 latent channels: 36 in), and the first frame's
+    CLIP tokens (257 x 1280, the image encoder's penultimate hidden state) through the cross-attention's added keys and
+    values; CFG rows as WanModel's, the condition and the image tokens in both halves. Encoding a prompt runs UMT5,
+    the CLIP vision tower on the first frame (it travels with the text encoders) and the fp32 VAE on the whole
+    [frame, F - 1 zero frames] video, one video at a time; the condition is kept in fp32, as the pipeline makes it."""
+
+    model, name, encodes_images = "wan-i2v", "Wan2.1-I2V-14B", True
+
+    def folder(self, index):
+        return (index.get("transformer_2") or [None])[0] is None
+
+    def hub(self, name):
+        return "i2v" in name and "wan2.1" in name
+
+    def shapes(self, kind, parts, height, width, frames):
+        shapes = super().shapes(kind, parts, height, width, frames)
+        (C, *grid), t_scale = shapes.latent, 2 ** sum(parts["vae"]["temperal_downsample"])
+        shapes.cond["image_condition"], shapes.cond_bytes["image_condition"] = (t_scale + C, *grid), 4
+        for family, config, _ in parts["text"]:
+            if family == "clip_vision":  # its patches and the class token (257 for ViT-H/14 at 224 px)
+                tokens = (config["image_size"] // config["patch_size"]) ** 2 + 1
+                shapes.cond["image_embeds"] = (tokens, config["hidden_size"])
+        shapes.images = 1
+        return shapes
+
+    def forward(self, shapes, module, x, cond, dt):  # WanI2VModel.velocity
+        image = {"encoder_hidden_states_image": cond["image_embeds"]} if "image_embeds" in cond else {}
+        return module(
+            hidden_states=torch.cat([x.to(dt), cond["image_condition"].to(dt)], 1), timestep=self.timestep(x),
+            encoder_hidden_states=cond["prompt_embeds"], return_dict=False, **image,
+        )[0]  # fmt: skip
+
+    def encode(self, shapes, encoders, vae, prompts):
+        """WanI2VModel._encode: UMT5 on the prompts, CLIP's vision tower on their first frames at once (every hidden
+        state), then each [frame, zeros] video VAE-encoded alone in fp32 (its mode, normalised) and the mask."""
+        super().encode(shapes, encoders, vae, prompts)
+        kept = []
+        with torch.no_grad():
+            for family, module, _ in encoders:
+                if family == "clip_vision":
+                    side, dt = module.config.image_size, next(module.parameters()).dtype
+                    out = module(pixel_values=torch.zeros(prompts, 3, side, side, dtype=dt), output_hidden_states=True)
+                    kept.append(out.hidden_states[-2])
+            C, F, h, w = shapes.latent
+            for _ in range(prompts):
+                video = torch.zeros(1, 3, shapes.frames, *shapes.image[1:], dtype=next(vae.parameters()).dtype)
+                kept.append(vae.encode(video).latent_dist.mode().float() - 0.5)
+            kept.append(torch.zeros(prompts, shapes.cond["image_condition"][0] - C, F, h, w))  # the mask
+        return kept
+
+
+class WanI2VA14BPlan(WanI2VPlan):
+    name = "Wan2.2-I2V-A14B"  # one expert's denoiser (parts' experts: 2); no image encoder
+
+    def folder(self, index):
+        return (index.get("transformer_2") or [None])[0] is not None
+
+    def hub(self, name):
+        return "wan2.2-i2v-a14b" in name
 
 
 class LTX2Plan(Plan):
@@ -484,6 +697,10 @@ PLANS = {
         denoiser=FLUX_DEV, text=[("clip", CLIP_L, 77), ("t5", T5_XXL, 512)], vae=VAE_16CH, reward=HPS,
         resolution=1024, fsdp_units=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
     ),  # FluxPipeline pads prompts to 512 T5 tokens
+    "kontext": KontextPlan(
+        denoiser=FLUX_DEV, text=[("clip", CLIP_L, 77), ("t5", T5_XXL, 512)], vae=VAE_16CH, reward=HPS,
+        resolution=1024, fsdp_units=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+    ),  # FLUX.1-Kontext-dev: FLUX.1-dev's architecture and parts; FluxKontextPipeline pads to 512 T5 tokens, ~1 MP
     "sd3": SD3Plan(
         denoiser=SD35_MEDIUM, text=[("clip", CLIP_L, 77), ("clip", CLIP_G, 77), ("t5", T5_XXL, 256)], vae=VAE_16CH,
         reward=HPS, resolution=1024, fsdp_units=("JointTransformerBlock",),
@@ -504,6 +721,11 @@ PLANS = {
         denoiser=QWEN_IMAGE, text=[("qwen25vl", QWEN25_VL_7B, 34 + 256)], vae=VAE_QWEN, reward=HPS, resolution=1328,
         fsdp_units=("QwenImageTransformerBlock",),
     ),  # QwenImagePipeline: the template's 34 tokens + the prompt's (the longest in the batch; 256 here), 1328 px
+    "qwen-edit": QwenEditPlan(
+        denoiser=QWEN_IMAGE, text=[("qwen25vl", QWEN25_VL_7B, 256)], vae=VAE_QWEN, reward=HPS, resolution=1024,
+        images=1, fsdp_units=("QwenImageTransformerBlock",),
+    ),  # QwenImageEditPlusPipeline: an instruction of 256 tokens (as Qwen-Image's prompt) and 1 reference (up to 3),
+        # 1024 px (its VAE_IMAGE_SIZE)
     "wan": WanPlan(
         denoiser=WAN_T2V_1_3B, text=[("umt5", UMT5_XXL, 512)], vae=VAE_WAN, reward=HPS, resolution=(480, 832),
         frames=81, fsdp_units=("WanTransformerBlock",),
@@ -521,6 +743,14 @@ PLANS = {
         frames=81, fsdp_units=("WanTransformerBlock",), experts=2,
     ),  # two experts, one of them in each forward (common.models.wan.WanExperts): weights, adapter, gradients and
         # AdamW state twice, activations once
+    "wan-i2v": WanI2VPlan(
+        denoiser=WAN21_I2V_14B, text=[("umt5", UMT5_XXL, 512), ("clip_vision", CLIP_VIT_H14_VISION, 257)],
+        vae=VAE_WAN, reward=HPS, resolution=(480, 832), frames=81, fsdp_units=("WanTransformerBlock",),
+    ),  # WanImageToVideoPipeline: 512 UMT5 tokens, 257 CLIP tokens, 480 x 832 (the 480P checkpoint's), 81 frames
+    "wan-i2v-a14b": WanI2VA14BPlan(
+        denoiser=WAN22_I2V_A14B_EXPERT, text=[("umt5", UMT5_XXL, 512)], vae=VAE_WAN, reward=HPS,
+        resolution=(480, 832), frames=81, fsdp_units=("WanTransformerBlock",), experts=2,
+    ),  # as wan22_a14b: both experts' weights and state, one expert's activations
     "ltx2": LTX2Plan(
         denoiser=LTX23, text=[("qwen3", GEMMA3_12B_LM, 1024)], vae=VAE_LTX23, reward=HPS, resolution=(512, 768),
         frames=121, fsdp_units=("LTX2VideoTransformerBlock",),
@@ -604,6 +834,24 @@ def hps_score(reward, images):
     return (image * text).sum(-1)
 
 
+def image_similarity_score(clip, images):
+    """common.rewards.image_similarity's score (no grad): CLIP ViT-L/14's projected image features of the edits and
+    of their sources (source_pixels: each prompt's first image cut to the edit's frame, (n, 3, H, W) fp32 like the
+    edits), through CLIP's preprocessing (224 px), normalised; their cosine."""
+    import torch.nn.functional as F
+
+    from common.rewards import crop_pixels
+
+    mean, std = (0.4815, 0.4578, 0.4082), (0.2686, 0.2613, 0.2758)  # CLIPImageProcessor's statistics
+
+    def features(x):
+        out = clip.get_image_features(pixel_values=crop_pixels(x.float(), 224, (224, 224), mean, std))
+        return F.normalize(getattr(out, "pooler_output", out), dim=-1)
+
+    sources = torch.zeros(images.shape, dtype=torch.float32)
+    return (features(images) * features(sources)).sum(-1)
+
+
 @contextlib.contextmanager
 def _constants(limit: int):
     """Fake tensors made from real ones by `constant` keep their values through ops of at most `limit` elements (the
@@ -685,13 +933,14 @@ def geneval_score(nets, images):
 
 def score_samples(nets: dict, spec: str, frames: int, samples):
     """The scripts' reward call (common.rewards.CompositeReward, no grad) on decoded samples, images (n, 3, H, W) or
-    videos (n, F, 3, H, W), with the components that hold GPU memory: HPSv2.1, HPSv3 and GenEval (`nets`: name ->
-    network; the two GenEval names share one judge, as common.rewards loads one), on
-    `frames` evenly spaced frames of each video (--reward-frames), and 'temporal' (videos). Others (jpeg, ...) are
-    left out: they work on the CPU or are not modelled (reward_model refuses pickscore and clip)."""
+    videos (n, F, 3, H, W), with the components that hold GPU memory: HPSv2.1, HPSv3, GenEval and image_similarity
+    (`nets`: name -> network; the two GenEval names share one judge, as common.rewards loads one), on `frames` evenly
+    spaced frames of each video (--reward-frames), and 'temporal' (videos). Others (jpeg, ...) are left out: they work
+    on the CPU or are not modelled (reward_model refuses pickscore and clip)."""
     from common.rewards import CompositeReward, ScoreFn, parse_rewards, temporal
 
-    scores = {"hpsv2.1": hps_score, "hpsv3": hpsv3_score, "geneval": geneval_score, "geneval_accuracy": geneval_score}
+    scores = {"hpsv2.1": hps_score, "hpsv3": hpsv3_score, "geneval": geneval_score, "geneval_accuracy": geneval_score,
+              "image_similarity": image_similarity_score}  # fmt: skip
     parts = []
     for name, weight in parse_rewards(spec).weights.items():
         if name in nets:
