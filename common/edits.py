@@ -117,6 +117,20 @@ def centre_square(image, size: int):
     return square if side == size else square.resize((size, size), Image.BICUBIC)
 
 
+def cut_to_frame(image, width: int, height: int):
+    """The largest centred crop of a PIL image with the frame's aspect, resized to width x height (bicubic):
+    centre_square for a square frame, and a video's first frame at its native, wider size (Wan I2V's 832 x 480)."""
+    if width == height:
+        return centre_square(image, width)
+    from PIL import Image
+
+    w, h = image.size
+    scale = min(w / width, h / height)  # the largest crop of the frame's aspect inside the image
+    cw, ch = max(1, round(width * scale)), max(1, round(height * scale))
+    left, top = (w - cw) // 2, (h - ch) // 2
+    return image.crop((left, top, left + cw, top + ch)).resize((width, height), Image.BICUBIC)
+
+
 def is_edit_file(text: str) -> bool:
     """Whether a .jsonl prompt file is an edit file: its first row has an "instruction" field (a GenEval metadata
     file's rows have "prompt")."""

@@ -54,6 +54,7 @@ from common.prompts import HPDV2_STYLES, evenly_spaced, hpdv2_prompts, is_jsonl,
 from common.remote import RESUME, STOPS
 from common.rewards import build_reward, check_reward_prompts, check_rewards, check_shapesbench_prompts, parse_rewards
 from common.sampling import fixed_noise, ode_sampler, sample_prompts, schedule
+from common.shapesbench.edit import edit_learned_reward, edit_metrics, source_images
 from common.viz import save_grid
 
 
@@ -106,8 +107,9 @@ class EvalArgs:
 # ---------------------------------------------------------------------------------------------------
 # Inputs: prompts (with their HPDv2 style) and the weights to load
 # ---------------------------------------------------------------------------------------------------
-def load_prompt_set(source: str, max_prompts: int) -> tuple[list[str], list[str]]:
-    """(prompts, style of each: HPDv2's or '' elsewhere), the evenly spaced subset of max_prompts when > 0."""
+def load_prompt_set(source: str, max_prompts: int, edits: bool = False) -> tuple[list[str], list[str]]:
+    """(prompts, style of each: HPDv2's or '' elsewhere), the evenly spaced subset of max_prompts when > 0; `edits`:
+    the ShapesBench splits are ShapesBench-Edit's (common.prompts.load_prompts)."""
     if source == "hpdv2" or source.startswith("hpdv2="):
         try:
             prompts = hpdv2_prompts(source.partition("=")[2] or None)
@@ -119,8 +121,8 @@ def load_prompt_set(source: str, max_prompts: int) -> tuple[list[str], list[str]
         from common.geneval import geneval_metadata  # GenEval metadata (common.prompts checks each row)
 
         styles = [geneval_metadata(p)["tag"] for p in prompts]  # the style is the task
-    else:  # a text file, or an edit file (common.edits)
-        prompts = prompts if is_jsonl(source) else load_prompts(source)
+    else:  # a text file, an edit file (common.edits) or a ShapesBench split
+        prompts = prompts if is_jsonl(source) else load_prompts(source, edits=edits)
         styles = [""] * len(prompts)
     if max_prompts > 0:
         keep = evenly_spaced(list(range(len(prompts))), max_prompts)
@@ -627,14 +629,14 @@ def main(args: EvalArgs) -> None:
     shapes_only = [c.name for c in reward_spec.components if c.kind.shapesbench]
     shapes_only += ["--prompts " + args.prompts] if args.prompts.startswith("shapes-") else []
     need(
-        kind == "shapes" or not shapes_only,
+        kind in ("shapes", "shapes-edit") or not shapes_only,
         f"--model-id {args.model_id}: {', '.join(shapes_only)} belong to ShapesBench; give --reward (e.g. "
         "hpsv2.1,pickscore,imagereward) and --prompts (hpdv2 or a file)",
     )
-    prompt_list, styles = load_prompt_set(args.prompts, args.max_prompts)
+    prompt_list, styles = load_prompt_set(args.prompts, args.max_prompts, edits=kind == "shapes-edit")
     check_edit_prompts(prompt_list, registered(kind).images, "--prompts", args.model_id)
     check_reward_prompts(reward_spec, prompt_list, "--prompts")
-    if kind == "shapes":  # the report's verifier figures and the grid's badges read every prompt
+    if kind in ("shapes", "shapes-edit"):  # the report's verifier figures and the grid's badges read every prompt
         check_shapesbench_prompts(prompt_list, "--prompts")
     models = [("base", None)] + [weights_folder(w) for w in args.weights]
     for spec, (name, _) in zip(args.weights, models[1:]):
@@ -706,7 +708,7 @@ def main(args: EvalArgs) -> None:
             model.transformer.eval()
             key = cache_key(setting, name, sources[name])
             mine = score_model(args, model, reward_fn, prompts, accelerator, out / "cache" / name, grid,
-                               model.kind == "shapes", key)  # fmt: skip
+                               model.kind in ("shapes", "shapes-edit"), key)  # fmt: skip
             records[name] = sorted(gather_object(mine), key=lambda r: r["start"])  # every process's batches
             del model
     if accelerator.is_main_process:
@@ -729,9 +731,16 @@ def report(args, setting, records, prompt_list, styles, prompts, grid, out: Path
     }
     if records["base"][0]["images"].numel():  # ShapesBench: the verifier's accuracies and diversity, as at training
         shapes_reward = shapesbench.load_reward_model(shapes_ckpt)
+        edits = isinstance(prompts[0], EditPrompt)  # ShapesBench-Edit: the edit verifier's, and the targets' reward
+        sources, texts = (source_images(prompts), [p.text for p in prompts]) if edits else (None, None)
         for m, rs in records.items():
             images = torch.cat([r["images"] for r in rs])
-            figures[m].update(shapesbench.evaluate(images, prompts, shapes_reward))
+            if edits:
+                found = edit_metrics(images, sources, texts)
+                figures[m].update({k: v for k, v in found.items() if isinstance(v, float)})
+                figures[m]["reward_mean"] = edit_learned_reward(shapes_reward, images, sources, texts).mean().item()
+            else:
+                figures[m].update(shapesbench.evaluate(images, prompts, shapes_reward))
     deltas = {}
     for m in names[1:]:
         deltas[m] = {k: paired(per_prompt[m][k] - per_prompt["base"][k]) for k in rewards}
@@ -785,8 +794,12 @@ def report(args, setting, records, prompt_list, styles, prompts, grid, out: Path
     captions = [f"{m}\n{prompts[j]}" for m in names for j in grid]
     title = "first sample of evenly spaced prompts, the same noise in a column; a row per model"
     ok = None
-    if records["base"][0]["images"].numel():  # ShapesBench: the verifier's verdict under each image
-        ok = shapesbench.verify(images, [prompts[j] for _ in names for j in grid])["all"].tolist()
+    shown = [prompts[j] for _ in names for j in grid]
+    if records["base"][0]["images"].numel() and isinstance(prompts[0], EditPrompt):  # the edit verifier's verdict
+        ok = edit_metrics(images, source_images(shown), [p.text for p in shown])["edit"].tolist()
+        title += "; badge: the edit verifier's verdict (the change asked, the rest kept)"
+    elif records["base"][0]["images"].numel():  # ShapesBench: the verifier's verdict under each image
+        ok = shapesbench.verify(images, shown)["all"].tolist()
         title += "; badge: the verifier's verdict"
     save_grid(out / "grid.png", images, captions, ok, ncol=len(grid), title=title, flag="--out", within=out)
     print("\n".join(lines))

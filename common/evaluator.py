@@ -19,6 +19,7 @@ from common.edits import EditPrompt
 from common.prompts import evenly_spaced
 from common.rewards import source_pixels
 from common.sampling import fixed_noise, ode_sampler, sample_prompts, schedule
+from common.shapesbench.edit import edit_learned_reward, edit_metrics, source_images
 
 
 @contextmanager
@@ -66,7 +67,7 @@ class Evaluator:
         # 8 held-out prompts spread over the list (on ShapesBench all three shapes) x 2 seeds
         self.grid_prompts = [p for p in eval_prompts[:: max(1, len(eval_prompts) // 8)][:8] for _ in range(2)]
         self.shapes_reward = None
-        if model.kind == "shapes":
+        if model.kind in ("shapes", "shapes-edit"):
             self.shapes_reward = shapesbench.load_reward_model(
                 reward_fn.spec.path("shapes") if reward_fn.spec else None, device=run.accelerator.device
             )
@@ -93,6 +94,12 @@ class Evaluator:
                     for k, v in shapesbench.evaluate(images.cpu(), self.prompts, self.shapes_reward).items()
                 }
             )
+        elif self.model.kind == "shapes-edit":  # the edit verifier's accuracies and the learned reward of the targets
+            sources, texts = source_images(self.prompts), [p.text for p in self.prompts]
+            found = edit_metrics(images.cpu(), sources, texts)
+            metrics.update({f"eval/{k}": v for k, v in found.items() if isinstance(v, float)})
+            learned = edit_learned_reward(self.shapes_reward, images, sources.to(images.device), texts)
+            metrics["eval/reward_mean"] = learned.mean().item()
         self.run.logs.log(metrics, step, echo=True)
         return metrics
 
@@ -105,6 +112,9 @@ class Evaluator:
         if self.model.kind == "shapes":
             ok = shapesbench.verify(images, prompts)["all"].tolist()
             title += ": badge = verifier verdict (right colours, shape, clean background)"
+        elif self.model.kind == "shapes-edit":
+            ok = edit_metrics(images.cpu(), source_images(prompts), [p.text for p in prompts])["edit"].tolist()
+            title += ": badge = the edit verifier's verdict (the change asked, the rest kept)"
         captions = [f"{p}\nreward {x:.3f}" for p, x in zip(prompts, r.tolist())]
         if isinstance(prompts[0], EditPrompt) and images.ndim == 4:  # an edit beside its source, source first
             sources = source_pixels(prompts, *images.shape[-2:], images.device).to(images.dtype)

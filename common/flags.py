@@ -109,10 +109,11 @@ class RunArgs:
     server, e.g. unifiedreward=http://host:8000/v1, or any reward hosted by `python -m common.rewards serve`
     (docs/models.md); one flag per reward (repeat it); token, if any, from $REWARD_API_KEY"""
     prompts: str = "shapes-train"
-    """training prompts: 'shapes-train' (--model-id shapesbench only) or a text file, one prompt per line
-    (HPDv2's: `python -m common.prompts hpdv2 FILE`)"""
+    """training prompts: 'shapes-train' (--model-id shapesbench only; with shapesbench-edit its edits), a text file, one
+    prompt per line (HPDv2's: `python -m common.prompts hpdv2 FILE`), or an edit file (docs/editing.md)"""
     eval_prompts: str = "shapes-eval"
-    """held-out prompts: 'shapes-eval' (--model-id shapesbench only) or a text file, one prompt per line"""
+    """held-out prompts: 'shapes-eval' (--model-id shapesbench only; with shapesbench-edit its edits), a text file, one
+    prompt per line, or an edit file"""
     eval_max_prompts: Annotated[int, Ge(1)] = 48
     """evaluate on at most N held-out prompts, evenly spaced through the list: a fixed subset (ShapesBench's split
     has exactly 48)"""
@@ -246,7 +247,8 @@ def check_run_args(args, video: bool = True, differentiable: bool = False) -> tu
             "folder or one of its checkpoints/iter_* folders)",
         )
     kind = check_model_id(args.model_id)
-    if kind != "shapes":
+    shapesbench = kind in ("shapes", "shapes-edit")  # ShapesBench or its edit task: its prompts and rewards hold
+    if not shapesbench:
         check_not_shapesbench(args)
     moving = is_video(kind)
     need(
@@ -263,12 +265,14 @@ def check_run_args(args, video: bool = True, differentiable: bool = False) -> tu
     if args.num_frames is not None:
         check_num_frames(args.num_frames)
     rewards = parse_rewards(args.reward, args.reward_ckpt, args.reward_url)  # parsed once; every later step reads it
-    check_rewards(rewards, moving, None if kind == "shapes" else args.model_id, args.num_frames, differentiable)
-    train, held_out = load_prompts(args.prompts, "--prompts"), load_prompts(args.eval_prompts, "--eval-prompts")
+    check_rewards(rewards, moving, None if shapesbench else args.model_id, args.num_frames, differentiable)
+    edits = kind == "shapes-edit"  # 'shapes-train' and 'shapes-eval' are then ShapesBench-Edit's splits
+    train = load_prompts(args.prompts, "--prompts", edits)
+    held_out = load_prompts(args.eval_prompts, "--eval-prompts", edits)
     for prompts, flag in ((train, "--prompts"), (held_out, "--eval-prompts")):
         check_edit_prompts(prompts, registered(kind).images, flag, args.model_id)
     check_reward_prompts(rewards, train, "--prompts"), check_reward_prompts(rewards, held_out, "--eval-prompts")
-    if kind == "shapes":  # the evaluation's verifier figures and the sample grids' badges read the held-out prompts
+    if shapesbench:  # the evaluation's verifier figures and the sample grids' badges read the held-out prompts
         check_shapesbench_prompts(held_out, "--eval-prompts")
     return train, held_out, rewards
 

@@ -105,12 +105,21 @@ def expected_rows(name: str) -> int | None:
     return 4 * 800 if name == "hpdv2" else PROMPT_SETS[name].rows
 
 
-def load_prompts(source: str, flag: str = "--prompts") -> list[str]:
+def load_prompts(source: str, flag: str = "--prompts", edits: bool = False) -> list[str]:
     """`source` is 'shapes-train', 'shapes-eval', a path ending in .jsonl to a GenEval metadata file (each non-blank
     line one JSON object, checked against its prompt's template: common.geneval.check_metadata), a .jsonl edit file
     (EditPrompts, each row and image checked: common.edits), or a path to a UTF-8 text file, one prompt per line (blank lines and lines starting with '#' are skipped). The prompts in file order,
-    repeats kept. `flag` names the CLI option in error messages.
+    repeats kept. `flag` names the CLI option in error messages. With `edits` (the model is ShapesBench-Edit) the
+    ShapesBench splits are its edits: 'shapes-train' its 3360 training edits, 'shapes-eval' 192 of its 1344 held-out
+    ones, every source's instructions and sizes about equally (common.shapesbench.edit.eval_subset).
     """
+    if source in SOURCES and edits:
+        from common.shapesbench.builders import EDIT_PATH
+        from common.shapesbench.edit import eval_subset
+
+        path = EDIT_PATH / f"{SOURCES[source]}.jsonl"
+        prompts = edit_prompts(read_text(path, f"{flag} {source} ({path})"), EDIT_PATH, f"{flag} {source}")
+        return eval_subset(prompts) if source == "shapes-eval" else prompts
     if source in SOURCES:
         return split_prompts(SOURCES[source])
     path = Path(source).expanduser()

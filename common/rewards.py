@@ -29,6 +29,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Callable, Literal, Optional, Protocol
 
@@ -161,19 +162,39 @@ def _no_ckpt(name: str, checkpoint: str | None):
 
 
 # ---------------------------------------------------------------- ShapesBench (the offline world)
-def shapes_reward(device, checkpoint=None) -> Reward:
-    """Learned, differentiable image-text reward of ShapesBench (`checkpoint` None = the one shipped in the repo)."""
-    from common.shapesbench import load_reward_model  # here, not at the top: tests substitute common.shapesbench
+def _edit_aware(score, edit_score):
+    """score(images, prompts) on ShapesBench's prompts; on its edit prompts (ShapesBench-Edit, instructions with a
+    source image) edit_score(images, sources, instructions), which scores each image against the caption the edit
+    should give (common/shapesbench/edit.py)."""
+    from common.edits import EditPrompt
+    from common.shapesbench.edit import source_images
 
-    return ScoreFn(load_reward_model(path=checkpoint, device=device), differentiable=True)
+    def fn(images, prompts):
+        if prompts and isinstance(prompts[0], EditPrompt):
+            return edit_score(images, source_images(prompts), [p.text for p in prompts])
+        return score(images, prompts)
+
+    return fn
+
+
+def shapes_reward(device, checkpoint=None) -> Reward:
+    """Learned, differentiable image-text reward of ShapesBench (`checkpoint` None = the one shipped in the repo); on
+    ShapesBench-Edit's prompts, of the caption the edit should give."""
+    from common.shapesbench import load_reward_model  # here, not at the top: tests substitute common.shapesbench
+    from common.shapesbench.edit import edit_learned_reward
+
+    model = load_reward_model(path=checkpoint, device=device)
+    return ScoreFn(_edit_aware(model, partial(edit_learned_reward, model)), differentiable=True)
 
 
 def verifier(device, checkpoint=None) -> Reward:
-    """Programmatic ShapesBench verifier (colours, shape, clean background); the held-out metric."""
+    """Programmatic ShapesBench verifier (colours, shape, clean background); the held-out metric. On ShapesBench-Edit's
+    prompts, against the caption the edit should give."""
     _no_ckpt("verifier", checkpoint)
     from common.shapesbench import verifier_reward  # here, not at the top: tests substitute common.shapesbench
+    from common.shapesbench.edit import edit_verifier_reward
 
-    return ScoreFn(verifier_reward, differentiable=False)
+    return ScoreFn(_edit_aware(verifier_reward, edit_verifier_reward), differentiable=False)
 
 
 # ---------------------------------------------------------------- JPEG compressibility (DDPO)
@@ -375,15 +396,14 @@ def clip_score(device, checkpoint=None) -> Reward:
 
 def source_pixels(prompts, height: int, width: int, device) -> torch.Tensor:
     """(B, 3, height, width) in [0, 1]: each edit prompt's first image (its source; an image-to-video model's first
-    frame), cut to the edit's frame as the model kinds cut it (common.edits.centre_square) when the frame is square."""
-    from common.edits import EditPrompt, centre_square
+    frame), cut to the edit's frame as the model kinds cut it (common.edits.cut_to_frame)."""
+    from common.edits import EditPrompt, cut_to_frame
 
     out = []
     for p in prompts:
         if not isinstance(p, EditPrompt):
             raise InputError(f"prompt {p!r} brings no source image, which an edit reward compares the edit with")
-        image = p.load_images()[0]
-        image = centre_square(image, height) if height == width else image.resize((width, height), Image.BICUBIC)
+        image = cut_to_frame(p.load_images()[0], width, height)
         out.append(torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(height, width, 3))
     return (torch.stack(out).permute(0, 3, 1, 2).float() / 255).to(device)  # cpu: PIL's bytes, then moved
 
@@ -852,13 +872,19 @@ def check_reward_prompts(spec: RewardSpec, prompts: list[str], flag: str) -> Non
 
 
 def check_shapesbench_prompts(prompts: list[str], flag: str) -> None:
-    """Prompts ShapesBench's verifier and learned reward can read ('a <colour> <shape> on a <colour> background'),
-    checked before anything is sampled: one `error:` line naming the flag and the first prompt that is not one."""
+    """Prompts ShapesBench's verifier and learned reward can read ('a <colour> <shape> on a <colour> background'; on
+    ShapesBench-Edit an instruction of its templates that fits its source image), checked before anything is
+    sampled: one `error:` line naming the flag and the first prompt that is not one."""
+    from common.edits import EditPrompt
+    from common.shapesbench.edit import source_images, target_captions
     from common.shapesbench.world import parse_prompt  # here: --help does not import the world
 
     for i, prompt in enumerate(prompts, 1):
         try:
-            parse_prompt(prompt)
+            if isinstance(prompt, EditPrompt):
+                target_captions(source_images([prompt]), [prompt.text])
+            else:
+                parse_prompt(prompt)
         except ValueError as e:
             raise InputError(f"{flag}: prompt {i}: {e}") from None
 

@@ -29,7 +29,9 @@ LAYERS = {
     "common.evaluator": 5,
     "common.runs": 6,
 }
-TOOLS = tuple(f"common.shapesbench.{m}" for m in ("__main__", "train_reward", "train_vae", "train_latent"))
+TOOLS = tuple(
+    f"common.shapesbench.{m}" for m in ("__main__", "train_reward", "train_vae", "train_latent", "train_edit")
+)
 TOOLS += ("common.evaluate",)
 
 

@@ -133,6 +133,17 @@ def nft_vs_vgrpo_section(docs: Path) -> list[str]:
     return ["", *results_section(json.loads(record.read_text()))]
 
 
+def edit_section(docs: Path) -> list[str]:
+    """docs/results.md's ShapesBench-Edit section: benchmarks/claims/edit_compare.py's, from its record
+    docs/results_edit.json (which that benchmark splices into this file when it runs), or none before it has run."""
+    record = docs / "results_edit.json"
+    if not record.exists():
+        return []
+    from benchmarks.claims.edit_compare import section  # here: it imports this module
+
+    return ["", *section(json.loads(record.read_text()))]
+
+
 def write_table(
     results: dict, kept: dict, made: dict, path: Path, command: str, threads: int, jobs: int, seeds: list[int]
 ) -> None:
@@ -194,6 +205,7 @@ def write_table(
         "",
         "![held-out shape accuracy and learned reward](results.png)",
         *nft_vs_vgrpo_section(path.parent),
+        *edit_section(path.parent),
     ]
     path.write_text("\n".join(lines))
 

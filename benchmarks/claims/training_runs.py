@@ -64,8 +64,9 @@ def run_one(key: str, argv: list[str], seed: int, out: Path, quick: bool, thread
     return sorted(runs.glob(f"{key}__{seed}__*"))[-1]
 
 
-def curves(run: Path) -> dict:
-    """Evaluation points (iteration, training seconds so far, metrics) and per-iteration figures of one run."""
+def curves(run: Path, keys: list[str] = EVAL) -> dict:
+    """Evaluation points (iteration, training seconds so far, the eval/ metrics `keys`) and per-iteration figures of
+    one run."""
     rows = read_metrics(run)
     train = {r["iteration"]: r for r in rows if "perf/iteration_s" in r}
     elapsed, total = {0: 0.0}, 0.0
@@ -78,10 +79,10 @@ def curves(run: Path) -> dict:
             "iteration": r["iteration"],
             "time": elapsed.get(r["iteration"], total),
             "steps": steps.get(r["iteration"], float("nan")),  # optimizer steps so far
-            **{k: r[f"eval/{k}"] for k in EVAL},
+            **{k: r[f"eval/{k}"] for k in keys},
         }
         for r in rows
-        if "eval/shape_acc" in r
+        if f"eval/{keys[0]}" in r
     ]
     last = train[max(train)]
     forwards = next((last[k] for k in FORWARDS if k in last), float("nan"))

@@ -38,19 +38,20 @@ from huggingface_hub import hf_hub_download
 
 from common import InputError, hub_reachable
 from common.models.base import FlowModel, _cfg, _Parts, check_num_frames, save_pretrained
-from common.shapesbench.builders import LATENT_PATH, SHAPESBENCH_KEY
+from common.shapesbench.builders import EDIT_PATH, LATENT_PATH, SHAPESBENCH_KEY
 
 if TYPE_CHECKING:  # for the annotations; at run time __getattr__ imports it on first use
     from common.models.sd1 import DDIMModel
 
 __all__ = [  # the interface the scripts, common/ and the tests use
     "FlowModel", "SD3Model", "ShapesModel", "FluxModel", "Flux2Model", "QwenImageModel", "ZImageModel", "WanModel", "DDIMModel",
-    "FluxKontextModel", "QwenImageEditModel", "WanI2VModel",
+    "FluxKontextModel", "QwenImageEditModel", "WanI2VModel", "ShapesEditModel",
     "Kind", "REGISTRY", "KINDS", "VIDEO_KINDS", "registered", "is_video", "register_kind", "unregister_kind",
     "check_model_id", "has_two_experts", "check_num_frames", "load_model", "LORA_TARGETS", "trainable_denoiser", "frozen_copy",
     "base_weights", "reference_velocity", "add_lora", "save_trained_weights", "LOW_NOISE_LORA", "_cfg", "_Parts",
 ]  # fmt: skip
 SHAPESBENCH_DIR = LATENT_PATH  # what --model-id shapesbench loads
+SHAPESBENCH_EDIT_DIR = EDIT_PATH / "model"  # and --model-id shapesbench-edit (common/shapesbench/edit.py)
 # final/'s adapter of Wan2.2-T2V-A14B's low-noise expert (common/models/wan.py writes it, common.evaluate reads it)
 LOW_NOISE_LORA = "pytorch_lora_weights_transformer_2.safetensors"
 
@@ -59,7 +60,7 @@ LOW_NOISE_LORA = "pytorch_lora_weights_transformer_2.safetensors"
 WRAPPERS = {
     "FluxModel": "flux", "Flux2Model": "flux2", "QwenImageModel": "qwenimage", "ZImageModel": "zimage",
     "SD3Model": "sd3", "ShapesModel": "sd3", "DDIMModel": "sd1", "WanModel": "wan", "WanExperts": "wan",
-    "LTX2Model": "ltx2", "HunyuanVideo15Model": "hunyuan15", "FluxKontextModel": "kontext",
+    "LTX2Model": "ltx2", "HunyuanVideo15Model": "hunyuan15", "FluxKontextModel": "kontext", "ShapesEditModel": "kontext",
     "QwenImageEditModel": "qwenimage_edit", "WanI2VModel": "wan_i2v",
 }  # fmt: skip
 
@@ -109,6 +110,7 @@ REGISTRY = [  # read at each call (not copied at import), so an entry added at r
     Kind("ZImageModel", ("ZImagePipeline",), name="zimage"),
     Kind("SD3Model", ("StableDiffusion3Pipeline",), name="sd3"),  # ShapesModel: such a folder with "_shapesbench"
     Kind("ShapesModel", (), name="shapes"),
+    Kind("ShapesEditModel", (), name="shapes-edit", images=(1, 1)),  # such a FluxKontextPipeline folder
     Kind("DDIMModel", ("StableDiffusionPipeline",), name="sd1"),
     Kind("WanModel", ("WanPipeline",), video=True, name="wan"),
     Kind("WanI2VModel", ("WanImageToVideoPipeline",), video=True, name="wan-i2v", images=(1, 1)),
@@ -155,13 +157,14 @@ HOW_TO_GET_WEIGHTS = (
 
 def _model_index(model_id: str) -> tuple[dict, str]:
     """Read model_index.json from a local folder or the hub (the local HF cache first; the hub only if reachable)."""
-    if model_id == "shapesbench":
-        if not (SHAPESBENCH_DIR / "model_index.json").is_file():
+    if model_id in ("shapesbench", "shapesbench-edit"):
+        folder = SHAPESBENCH_DIR if model_id == "shapesbench" else SHAPESBENCH_EDIT_DIR
+        if not (folder / "model_index.json").is_file():
             raise InputError(
-                f"the ShapesBench model is missing from {SHAPESBENCH_DIR} (it ships with the repo: restore it with "
-                "git, or train it again); or pass another model with --model-id"
+                f"the ShapesBench model is missing from {folder} (it ships with the repo: restore it with git, or "
+                "train it again); or pass another model with --model-id"
             )
-        model_id = str(SHAPESBENCH_DIR)
+        model_id = str(folder)
     path = Path(model_id).expanduser()
     if path.is_dir():
         if not (path / "model_index.json").is_file():
@@ -206,7 +209,9 @@ def _kind(index: dict, model_id: str) -> str:
     names = {p: k.name for k in REGISTRY for p in k.pipelines}
     if name not in names:
         raise InputError(f"--model-id {model_id}: unsupported model class {name!r}; supported: {', '.join(names)}")
-    return "shapes" if index.get(SHAPESBENCH_KEY) and name == "StableDiffusion3Pipeline" else names[name]
+    if index.get(SHAPESBENCH_KEY) and name in ("StableDiffusion3Pipeline", "FluxKontextPipeline"):
+        return "shapes" if name == "StableDiffusion3Pipeline" else "shapes-edit"  # ShapesBench's, and its edits'
+    return names[name]
 
 
 def load_model(

@@ -15,6 +15,7 @@ from diffusers import FluxKontextPipeline
 from common import InputError
 from common.edits import EditPrompt, centre_square
 from common.models.flux import FluxModel
+from common.shapesbench.world import SIZE
 
 
 class FluxKontextModel(FluxModel):
@@ -89,3 +90,16 @@ class FluxKontextModel(FluxModel):
             return_dict=False,
         )[0]
         return out[:, : x.shape[1]].to(x.dtype)  # the noisy tokens' velocity: `noise_pred[:, : latents.size(1)]`
+
+
+class ShapesEditModel(FluxKontextModel):
+    """ShapesBench-Edit (common/shapesbench/edit.py): a tiny FluxKontextPipeline that edits ShapesBench's 32 px images
+    (`--model-id shapesbench-edit`), run exactly as FLUX.1-Kontext. Its T5 slot is a tiny T5 trained with its
+    tokenizer's model_max_length tokens (12), the length every encode here uses (FLUX's pipelines pad to 512). kind
+    "shapes-edit" lets ShapesBench's edit prompts and rewards through the scripts' start-up checks."""
+
+    kind = "shapes-edit"
+
+    def __init__(self, pipe: FluxKontextPipeline, resolution: int | None):
+        super().__init__(pipe, resolution or SIZE)  # the world's 32 px, not FLUX's default sample size
+        self.text_tokens = pipe.tokenizer_2.model_max_length

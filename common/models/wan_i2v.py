@@ -7,7 +7,7 @@ import torch
 from diffusers import WanImageToVideoPipeline
 
 from common import InputError
-from common.edits import EditPrompt, centre_square
+from common.edits import EditPrompt, cut_to_frame
 from common.models.base import _cfg
 from common.models.wan import WanModel
 from common.offload import Offloaded
@@ -24,10 +24,9 @@ class WanI2VModel(WanModel):
     experts (`transformer` for t >= boundary_ratio x 1000 = 900, `transformer_2` below, each at its CFG scale) are
     WanModel's, as is the decode.
 
-    The first frame is the prompt's image cut to the video's frame: centre_square(image, --resolution) (the project's
-    rule for a source image: common/edits.py), where the pipeline would resize the whole image to height x width; at
-    the native size (no --resolution: 480 x 832) the largest centred crop of that aspect, resized bicubic as
-    centre_square resizes. Then the pipeline's own preprocessing (its VideoProcessor, its CLIPImageProcessor). Not
+    The first frame is the prompt's image cut to the video's frame: common.edits.cut_to_frame, the largest centred
+    crop of the frame's aspect resized bicubic (the square of --resolution; without it the native 480 x 832), the
+    project's rule for a source image, where the pipeline would resize the whole image to height x width. Then the pipeline's own preprocessing (its VideoProcessor, its CLIPImageProcessor). Not
     supported: a last frame (the pipeline's `last_image`, Wan2.1-FLF2V's first-last-frame model) and Wan2.2-TI2V-5B's
     image-to-video (expand_timesteps: the first frame's tokens replaced in the latents, timestep 0 there)."""
 
@@ -64,15 +63,7 @@ class WanI2VModel(WanModel):
 
     def _first_frame(self, image):
         """The video's first frame (a PIL image, width x height) from the prompt's image (class docstring)."""
-        if self.height == self.width:
-            return centre_square(image, self.height)
-        from PIL import Image
-
-        w, h = image.size
-        scale = min(w / self.width, h / self.height)  # the largest crop of the frame's aspect inside the image
-        cw, ch = max(1, round(self.width * scale)), max(1, round(self.height * scale))
-        left, top = (w - cw) // 2, (h - ch) // 2
-        return image.crop((left, top, left + cw, top + ch)).resize((self.width, self.height), Image.BICUBIC)
+        return cut_to_frame(image, self.width, self.height)
 
     def _encode(self, prompts):
         """Text for every prompt; for EditPrompts also the first frame's condition (B, 20, F', h, w) and, Wan2.1,

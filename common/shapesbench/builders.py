@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from common.shapesbench.world import COLOUR_NAMES, SHAPES, SIZE
 
 LATENT_PATH = Path(__file__).resolve().parent / "assets" / "latent"  # the base model: a StableDiffusion3Pipeline folder
+EDIT_PATH = LATENT_PATH.parent / "edit"  # ShapesBench-Edit: its data (sources/, train.jsonl, eval.jsonl) and model/
 VAE_PATH = LATENT_PATH / "vae"  # its VAE, trained first (train_vae.py), frozen while the rest trains (train_latent.py)
 # The key in a pipeline folder's model_index.json that says "a ShapesBench model": the scripts then accept ShapesBench's
 # prompts and rewards and compute its null T5 tokens as one (common.models.ShapesModel). Diffusers ignores keys that
