@@ -145,7 +145,7 @@ def test_image_similarity_is_clips_cosine_of_the_edit_and_its_cut_source(tmp_pat
     spec = parse_rewards("image_similarity", [f"image_similarity={tmp_path / 'clip'}"])
     reward = build_reward(spec, "cpu")
     square = centre_square(Image.open(src).convert("RGB"), 16)
-    source = torch.from_numpy(np.asarray(square)).permute(2, 0, 1).float() / 255  # (3, 16, 16)
+    source = torch.from_numpy(np.array(square)).permute(2, 0, 1).float() / 255  # (3, 16, 16)
     edited = torch.stack([source, torch.rand(3, 16, 16, generator=torch.Generator().manual_seed(0))]).requires_grad_()
     total, parts = reward(edited, prompts)
     model = CLIPModel.from_pretrained(tmp_path / "clip")
