@@ -31,6 +31,16 @@ training target applies another valid value of the named attribute (uniformly: 5
 shape), with probability --p-none the target is the source unchanged; a perfect fit follows the instruction
 with probability 1 - p_wrong - p_none and never touches what the instruction did not name.
 
+What was measured (held-out edit accuracy of the pipeline's own eval below; one thread, 64 edits a step, 3800 steps,
+28 min of CPU): --p-wrong 0.35 learns the colour words too weakly (an edit asks for one of 6 colours and the 35% of
+wrong targets are spread over the other 5): edit 0.30, the requested colour drawn less often than the others
+together. --p-wrong 0.2 (the default; the shipped model): edit 0.526, rest kept 0.885, clean 0.964; its misses of
+"kept" are mostly a background recolour that also changes the shape, a decision taken in the first, noisiest
+steps. --logit-mean 0.5 (noise levels s = sigmoid(N(0.5, 1)): 19% of the training draws above s = 0.8 instead of
+8%, where the 20-step shift-3 schedule spends its first 9 steps) fixes most of those: edit 0.568, rest kept 0.953,
+size kept 0.964, clean 0.932, well formed 0.953 (every target met; on all 1344 held-out edits 0.590 / 0.955 / 0.949 /
+0.932 / 0.943, at the band's top). The default stays 0.0 so that the command reproduces the shipped model.
+
 The eval samples the saved folder with FluxKontextPipeline itself (image = the source PNG, _auto_resize=False,
 max_area 32*32, 32x32, max_sequence_length 12, guidance 1, 20 steps of its scheduler) on 192 held-out edits
 (edit.eval_subset), one sample each from a fixed seed, and records edit.edit_metrics in train_log.json.
@@ -326,7 +336,7 @@ def main():
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--caption-dropout", type=float, default=0.1)
-    p.add_argument("--logit-mean", type=float, default=0.5, help="s = sigmoid(N(logit_mean, 1)): its location")
+    p.add_argument("--logit-mean", type=float, default=0.0, help="noise levels s = sigmoid(N(logit_mean, 1))")
     p.add_argument("--p-wrong", type=float, default=0.2, help="target: another value of the named attribute")
     p.add_argument("--p-none", type=float, default=0.1, help="target: the source unchanged")
     p.add_argument("--heads", type=int, default=4, help="transformer width = 32 * heads")
