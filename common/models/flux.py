@@ -48,8 +48,9 @@ class FluxModel(FlowModel):
                 "use --guidance-scale 1"
             )
         embeds = cond["prompt_embeds"].to(dt)
+        tokens, ids = self._tokens(x, cond, dt)
         return transformer(
-            hidden_states=x.to(dt),
+            hidden_states=tokens,
             # `t.expand(B).to(latents.dtype) / 1000` as FluxPipeline, t the scheduler's float32 1000 sigma: rounded to
             # the io dtype at 1000 sigma, then divided in it (in bf16, sigma.to(dt) is one bf16 step off at some sigmas)
             timestep=(sigma.float() * 1000).to(dt) / 1000,
@@ -57,9 +58,14 @@ class FluxModel(FlowModel):
             pooled_projections=cond["pooled_prompt_embeds"].to(dt),
             encoder_hidden_states=embeds,
             txt_ids=embeds.new_zeros(embeds.shape[1], 3),
-            img_ids=self.img_ids.to(x.device, dt),
+            img_ids=ids,
             return_dict=False,
-        )[0].to(x.dtype)
+        )[0][:, : x.shape[1]].to(x.dtype)  # the noisy tokens' velocity (an editing kind appends more: _tokens)
+
+    def _tokens(self, x, cond, dt):
+        """The transformer's image tokens (B, seq, 64) and their position ids (seq, 3): here x's own; FLUX.1-Kontext
+        appends its source's (common/models/kontext.py)."""
+        return x.to(dt), self.img_ids.to(x.device, dt)
 
     def _pipeline_timesteps(self, num_steps):
         """FluxPipeline: sigmas linspace(1, 1/T, T) (none with use_flow_sigmas), mu from the token count (FLUX.1-dev's

@@ -62,34 +62,14 @@ class FluxKontextModel(FluxModel):
         cond["image_latents"] = self.pipe._pack_latents(z, len(z), z.shape[1], z.shape[2], z.shape[3])  # (B, seq, 64)
         return cond
 
-    def velocity(self, transformer, x, sigma, cond, guidance_scale=1.0):
-        # as FluxModel.velocity (timestep = sigma rounded as the pipeline rounds it; the guidance scale an input), on
-        # the sequence [noisy tokens; source tokens] with the ids [img_ids; image_ids]
-        dt = self._io_dtype()
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.full((x.shape[0],), guidance_scale, device=x.device)
-        elif guidance_scale != 1.0:
-            raise InputError(
-                "this FLUX.1-Kontext checkpoint has no guidance embedding and FluxModel does no CFG; use "
-                "--guidance-scale 1"
-            )
-        tokens, ids = x.to(dt), self.img_ids.to(x.device, dt)
-        if "image_latents" in cond:  # without a source (a plain prompt) the pipeline makes an image from text alone
-            tokens = torch.cat([tokens, cond["image_latents"].to(dt)], 1)  # (B, 2 seq, 64)
-            ids = torch.cat([ids, self.image_ids.to(x.device, dt)])  # (2 seq, 3)
-        embeds = cond["prompt_embeds"].to(dt)
-        out = transformer(
-            hidden_states=tokens,
-            timestep=(sigma.float() * 1000).to(dt) / 1000,  # `t.expand(B).to(latents.dtype) / 1000`, as FluxModel
-            guidance=guidance,
-            pooled_projections=cond["pooled_prompt_embeds"].to(dt),
-            encoder_hidden_states=embeds,
-            txt_ids=embeds.new_zeros(embeds.shape[1], 3),
-            img_ids=ids,
-            return_dict=False,
-        )[0]
-        return out[:, : x.shape[1]].to(x.dtype)  # the noisy tokens' velocity: `noise_pred[:, : latents.size(1)]`
+    def _tokens(self, x, cond, dt):
+        """FluxModel's velocity on the sequence [noisy tokens; source tokens] (B, 2 seq, 64) with the ids [img_ids;
+        image_ids]; it keeps the noisy tokens' output, as the pipeline's `noise_pred[:, : latents.size(1)]`. Without a
+        source (a plain prompt) the pipeline makes an image from text alone."""
+        tokens, ids = super()._tokens(x, cond, dt)
+        if "image_latents" not in cond:
+            return tokens, ids
+        return torch.cat([tokens, cond["image_latents"].to(dt)], 1), torch.cat([ids, self.image_ids.to(x.device, dt)])
 
 
 class ShapesEditModel(FluxKontextModel):
